@@ -1,0 +1,107 @@
+"""Measuring a run (throughput, step time, peak memory) and writing ``results.json``.
+
+Metric names follow one vocabulary everywhere (logs, trackers, results.json, benchmarks):
+``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/step_time_s``, ``memory/peak_gib``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+GIB = 1024**3
+
+
+def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
+    """Peak memory of this process, per device, in GiB.
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensors only, the number that decides out-of-memory).
+    CPU: the process's peak resident set size, which also counts Python, libraries and buffers, so
+    compare CPU numbers with each other, not with GPU numbers.
+    """
+    peaks = {}
+    for device in devices:
+        if device.type == "cuda":
+            peaks[str(device)] = torch.cuda.max_memory_allocated(device) / GIB
+        else:
+            # ru_maxrss is in KiB on Linux (bytes on macOS).
+            scale = 1 if platform.system() == "Darwin" else 1024
+            peaks["cpu"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
+    return peaks
+
+
+class ThroughputMeter:
+    """Times optimizer steps and counts samples/tokens, skipping the first ``warmup_steps``.
+
+    Call ``step(samples, tokens)`` once after each optimizer step with the *global* counts (all
+    processes together), then ``summary()`` on every process at the end (it gathers memory from all
+    ranks, a collective call).
+    """
+
+    def __init__(self, accelerator: Accelerator, warmup_steps: int = 1, devices: list[torch.device] | None = None):
+        self.accelerator = accelerator
+        self.warmup_steps = warmup_steps
+        self.devices = devices or [accelerator.device]
+        self.step_times: list[float] = []
+        self.samples = 0
+        self.tokens = 0
+        self.steps_seen = 0
+        self._last = time.perf_counter()
+
+    def _synchronize(self) -> None:
+        # Sync point: CUDA kernels run asynchronously, so without this the clock would stop before
+        # the GPU has finished the step and the first "slow" step would absorb everyone's work.
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    def step(self, samples: int, tokens: int = 0) -> None:
+        self._synchronize()
+        now = time.perf_counter()
+        self.steps_seen += 1
+        if self.steps_seen > self.warmup_steps:
+            self.step_times.append(now - self._last)
+            self.samples += samples
+            self.tokens += tokens
+        self._last = now
+
+    def summary(self) -> dict:
+        measured = sum(self.step_times)
+        summary = {
+            "perf/measured_steps": len(self.step_times),
+            "perf/step_time_s": statistics.median(self.step_times) if self.step_times else None,
+            "perf/samples_per_sec": self.samples / measured if measured else None,
+        }
+        if self.tokens:
+            summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
+        # gather_object is a collective: every process must call summary().
+        per_rank = gather_object([peak_memory_gib(self.devices)])
+        if self.accelerator.num_processes > 1:
+            summary["memory/peak_gib"] = {
+                f"rank{rank}/{device}": round(gib, 4) for rank, peaks in enumerate(per_rank) for device, gib in peaks.items()
+            }
+        else:
+            summary["memory/peak_gib"] = {device: round(gib, 4) for device, gib in per_rank[0].items()}
+        return summary
+
+
+def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict) -> Path | None:
+    """Write ``output_dir/results.json`` from the main process, atomically (tmp file + rename).
+
+    Readers (tests, benchmarks, the compare tool) therefore never see a half-written file.
+    """
+    path = Path(output_dir) / "results.json"
+    if accelerator.is_main_process:
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(tmp, path)
+    return path

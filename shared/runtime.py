@@ -1,0 +1,113 @@
+"""Building the Accelerator for the hardware found, and choosing where the model lives.
+
+The one trap this module exists for: on a machine without CUDA, a plain ``Accelerator()`` launched
+with a 2-process MULTI_GPU config does *not* start DDP. Each process silently builds its own
+single-process state and trains alone on the whole data set, so you get two independent runs that
+look fine in the logs. ``Accelerator(cpu=True)`` makes Accelerate join the processes over gloo
+instead. ``build_accelerator`` always passes the right value and then checks the process count.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+
+class RecipeError(SystemExit):
+    """Bad input or setup, reported as one readable paragraph and a non-zero exit (no traceback).
+
+    It subclasses ``SystemExit`` so that a recipe can ``raise RecipeError("...")`` anywhere and the
+    interpreter prints the message to stderr and exits with status 1, with no wrapper around
+    ``main()``. Under a multi-process launch every process that hits the error prints it with its
+    rank, so a problem seen by only one rank is not lost.
+    """
+
+    def __init__(self, message: str):
+        self.message = " ".join(message.split())
+        rank, world_size = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+        prefix = f"[rank {rank}] " if world_size > 1 else ""
+        super().__init__(prefix + "error: " + textwrap.fill(self.message, width=100))
+
+
+def check_process_count(accelerator: Accelerator) -> None:
+    """Fail loudly if the launcher started N processes but the Accelerator joined fewer.
+
+    ``WORLD_SIZE`` is set by ``accelerate launch``/torchrun for every process it starts. If the
+    Accelerator reports fewer processes, each process is training on its own (the silent-duplicate
+    trap described at the top of this module), so stop before any work is wasted.
+    """
+    expected = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != expected:
+        raise RecipeError(
+            f"The launcher started {expected} processes (WORLD_SIZE={expected}) but the Accelerator sees "
+            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type.value}), so every "
+            "process would train alone on the full data set and the results would be silently wrong. "
+            "On a machine without CUDA build the Accelerator with cpu=True (shared.build_accelerator does) "
+            "or export ACCELERATE_USE_CPU=1; on a GPU machine check that the GPUs are visible "
+            "(CUDA_VISIBLE_DEVICES, nvidia-smi)."
+        )
+
+
+def build_accelerator(**accelerator_kwargs) -> Accelerator:
+    """Return an Accelerator that uses CUDA when present and CPU/gloo otherwise, checked for size.
+
+    Keyword arguments go to ``Accelerator`` unchanged (mixed_precision, gradient_accumulation_steps,
+    log_with, dataloader_config, ...). ``cpu`` defaults to "no CUDA here", which is what makes a
+    2-process MULTI_GPU config run real DDP over gloo on a CPU-only machine.
+    """
+    accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
+    accelerator = Accelerator(**accelerator_kwargs)
+    check_process_count(accelerator)
+    return accelerator
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the model lives: ``ddp`` (one replica per process), ``device_map`` (one process, model
+    split over several devices) or ``single`` (one process, one device), and why."""
+
+    name: str
+    reason: str
+
+
+def choose_placement(accelerator: Accelerator) -> Placement:
+    """Pick the placement the launch config implies and say why.
+
+    - more than one process: ``ddp``, every process holds a full replica and trains on its shard;
+    - one process that sees two or more GPUs: ``device_map``, the model is split over them
+      (Accelerate refuses to train a device_map model in any distributed mode, which is why
+      ``model_sharding_2gpu.yaml`` is a 1-process, ``distributed_type: 'NO'`` config);
+    - otherwise ``single``.
+    """
+    if accelerator.num_processes > 1:
+        return Placement(
+            "ddp",
+            f"{accelerator.num_processes} processes ({accelerator.distributed_type.value}): each holds a full "
+            "replica and gradients are averaged across processes",
+        )
+    visible_gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
+    if visible_gpus >= 2:
+        return Placement("device_map", f"1 process that sees {visible_gpus} GPUs: the model is split across them")
+    device_words = "1 GPU" if visible_gpus == 1 else f"device {accelerator.device}"
+    return Placement("single", f"1 process on {device_words}")
+
+
+def prepare_output_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` (with parents) and check that it is writable, or fail with a clear message."""
+    output_dir = Path(path)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".write_test_{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise RecipeError(
+            f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can "
+            "write to; it is created if missing."
+        ) from None
+    return output_dir
