@@ -189,6 +189,9 @@ def main():
     }
     write_results(accelerator, output_dir, results)
     accelerator.print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
+    # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can
+    # deadlock in the DDP reducer's destructor at interpreter exit (seen with torch 2.13 on CPU).
+    model, optimizer, train_dataloader = accelerator.free_memory(model, optimizer, train_dataloader)
     accelerator.end_training()
 
 

@@ -10,7 +10,6 @@ instead. ``build_accelerator`` always passes the right value and then checks the
 from __future__ import annotations
 
 import os
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +30,8 @@ class RecipeError(SystemExit):
         self.message = " ".join(message.split())
         rank, world_size = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
         prefix = f"[rank {rank}] " if world_size > 1 else ""
-        super().__init__(prefix + "error: " + textwrap.fill(self.message, width=100))
+        # One line: terminals wrap it, and it stays greppable in logs.
+        super().__init__(prefix + "error: " + self.message)
 
 
 def check_process_count(accelerator: Accelerator) -> None:

@@ -11,12 +11,17 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
+RUN_MARKER = "TWO_GPU_RECIPES_TEST_RUN"
 
 
 @dataclass
@@ -46,15 +51,37 @@ def launch(config: str | Path, script: str | Path, *args: str, timeout: float = 
         "TOKENIZERS_PARALLELISM": "false",
         **(env or {}),
     }
-    process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}\n{output[-4000:]}") from None
+    # Every process of this run (launcher, workers, anything they start) inherits this marker, so
+    # all of them can be found and killed, even workers whose launcher died (torchrun starts each
+    # worker in a session of its own, so killing the launcher's process group is not enough).
+    marker = uuid.uuid4().hex
+    full_env[RUN_MARKER] = marker
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: an orphaned worker cannot block reading it
+        process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)
+        try:
+            process.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_run(marker)
+            process.wait()
+        log.seek(0)
+        output = log.read()
+    if timed_out:
+        raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}\n{output[-4000:]}")
     return Run(process.returncode, output)
+
+
+def kill_run(marker: str) -> None:
+    """SIGKILL every process that carries this run's marker."""
+    for candidate in psutil.process_iter():
+        try:
+            if candidate.environ().get(RUN_MARKER) == marker:
+                candidate.send_signal(signal.SIGKILL)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
 
 
 def launch_ok(config, script, *args, **kwargs) -> Run:
