@@ -470,6 +470,7 @@ def main():
         **perf,
         "config": run_config,
     }
+    accelerator.log({k: v for k, v in perf.items() if isinstance(v, (int, float))}, step=completed_steps)
     write_results(accelerator, output_dir, results)
     accelerator.print(
         f"perf: {perf['perf/samples_per_sec'] or 0:.1f} samples/s, step {perf['perf/step_time_s'] or 0:.3f} s, "

@@ -107,9 +107,15 @@ def test_saved_model_predicts_label_names(runs):
     assert not torch.equal(start["encoder.layer.0.attention.self.query.weight"], trained["bert.encoder.layer.0.attention.self.query.weight"])
 
 
-def test_group_by_length_cuts_padding_and_bf16_trains_on_cpu(runs, tmp_path):
-    launch_ok("single_gpu.yaml", RECIPE, "--output_dir", tmp_path, *TINY, "--group_by_length", "--mixed_precision", "bf16")
+def test_group_by_length_cuts_padding_and_bf16_and_tensorboard_work_on_cpu(runs, tmp_path):
+    launch_ok("single_gpu.yaml", RECIPE, "--output_dir", tmp_path, *TINY, "--group_by_length", "--mixed_precision", "bf16",
+              "--report_to", "tensorboard")
     grouped = read_results(tmp_path)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next(tmp_path.glob("transformer_finetune*")))).Reload()
+    logged = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/learning_rate", "eval/accuracy", "eval/f1", "perf/samples_per_sec"} <= logged, logged
     assert grouped["mixed_precision"] == "bf16" and grouped["config"]["group_by_length"] is True
     assert grouped["train/loss"] == grouped["train/loss"]  # not NaN
     # Even padded to multiples of 8 for bf16, grouped batches waste far less than random ones.
