@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, prepare_output_dir, write_results  # noqa: E402
+from shared.checkpoints import checkpoint_steps, resolve_checkpoint, save_checkpoint  # noqa: E402
 
 
 def positive_int(text: str) -> int:
@@ -60,6 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
         help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).",
     )
+    parser.add_argument("--checkpointing_steps", type=positive_int, default=None, help="Save the training state every N optimizer steps.")
+    parser.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints.")
+    parser.add_argument(
+        "--resume_from_checkpoint", default=None,
+        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh if none).",
+    )
+    parser.add_argument(
+        "--dist_timeout", type=float, default=600,
+        help="Seconds any collective may wait for the other processes before the run fails with an error naming it.",
+    )
     return parser.parse_args(argv)
 
 
@@ -71,6 +82,7 @@ def main():
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config gives real DDP
     # over gloo instead of two silent independent runs, and checks the process count.
     accelerator = build_accelerator(
+        dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # A seedable sampler shuffles identically whatever the process count, which is what makes a
@@ -99,7 +111,9 @@ def main():
     inputs = torch.randn(args.num_samples, args.in_features, generator=generator)
     # Targets are (N, 1) to match the model's output: (N,) targets would broadcast to (N, N) in MSELoss.
     targets = inputs @ true_weight.T + true_bias + args.noise_std * torch.randn(args.num_samples, 1, generator=generator)
-    train_dataloader = DataLoader(TensorDataset(inputs, targets), batch_size=args.per_device_train_batch_size, shuffle=True)
+    # Its own generator: a DataLoader without one draws from the global RNG whenever it starts iterating.
+    train_dataloader = DataLoader(TensorDataset(inputs, targets), batch_size=args.per_device_train_batch_size, shuffle=True,
+                                  generator=torch.Generator().manual_seed(args.seed))
     if len(train_dataloader) < accelerator.num_processes * args.gradient_accumulation_steps:
         raise RecipeError(
             f"One optimizer step needs {global_batch_size} samples ({args.per_device_train_batch_size} per device x "
@@ -124,13 +138,29 @@ def main():
     steps_per_epoch = -(-len(train_dataloader) // args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
     num_epochs = -(-max_train_steps // steps_per_epoch)
+    checkpoints_dir = output_dir / "checkpoints"
+    completed_steps, starting_epoch, batches_to_skip = 0, 0, 0
+    if args.resume_from_checkpoint:
+        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir)
+        if checkpoint is not None:
+            # Restores model, optimizer, the sampler's seed and every process's RNG states.
+            accelerator.load_state(str(checkpoint))
+            completed_steps = checkpoint_steps(checkpoint)
+            starting_epoch = completed_steps // steps_per_epoch
+            batches_to_skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps
+            accelerator.print(f"resumed from {checkpoint} at step {completed_steps}")
+    first_step = completed_steps
     meter = ThroughputMeter(accelerator, warmup_steps=1)
-    loss_curve = []  # global mean loss of each optimizer step
-    completed_steps = 0
+    loss_curve = []  # global mean loss of each optimizer step run by this process
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
-    for epoch in range(num_epochs):
+    for epoch in range(starting_epoch, num_epochs):
         model.train()
-        for inputs_batch, targets_batch in train_dataloader:
+        # Reseeds the shuffling for this epoch: same order on every process and after a resume.
+        train_dataloader.set_epoch(epoch)
+        active_dataloader = train_dataloader
+        if epoch == starting_epoch and batches_to_skip:
+            active_dataloader = accelerator.skip_first_batches(train_dataloader, batches_to_skip)
+        for inputs_batch, targets_batch in active_dataloader:
             # accumulate() skips the gradient all-reduce on all but the last micro-batch of a step and
             # steps the optimizer only then (no hand-rolled `step % gas == 0`).
             with accelerator.accumulate(model):
@@ -148,6 +178,8 @@ def main():
                 meter.step(samples=global_batch_size)
                 if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
                     accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.5f}")
+                if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
+                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
             if completed_steps >= max_train_steps:
                 break
 
@@ -177,7 +209,8 @@ def main():
         "mixed_precision": accelerator.mixed_precision,
         "global_batch_size": global_batch_size,
         "completed_steps": completed_steps,
-        "train/loss": loss_curve[-1],
+        "resumed_from_step": first_step,
+        "train/loss": loss_curve[-1] if loss_curve else None,
         "train/loss_curve": loss_curve,
         "model/weight": learned_weight[0].tolist(),
         "model/bias": learned_bias.item(),
@@ -188,7 +221,8 @@ def main():
         "config": config,
     }
     write_results(accelerator, output_dir, results)
-    accelerator.print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
+    if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
+        print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
     # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can
     # deadlock in the DDP reducer's destructor at interpreter exit (seen with torch 2.13 on CPU).
     model, optimizer, train_dataloader = accelerator.free_memory(model, optimizer, train_dataloader)

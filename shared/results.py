@@ -94,12 +94,11 @@ class ThroughputMeter:
         return summary
 
 
-def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict) -> Path | None:
-    """Write ``output_dir/results.json`` from the main process, atomically (tmp file + rename).
-
-    Readers (tests, benchmarks, the compare tool) therefore never see a half-written file.
+def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict, filename: str = "results.json") -> Path:
+    """Write ``output_dir/results.json`` (or ``filename``) from the main process, atomically (tmp file
+    + rename). Readers (tests, benchmarks, the compare tool) therefore never see a half-written file.
     """
-    path = Path(output_dir) / "results.json"
+    path = Path(output_dir) / filename
     if accelerator.is_main_process:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 
 
 class RecipeError(SystemExit):
@@ -53,14 +55,22 @@ def check_process_count(accelerator: Accelerator) -> None:
         )
 
 
-def build_accelerator(**accelerator_kwargs) -> Accelerator:
+def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -> Accelerator:
     """Return an Accelerator that uses CUDA when present and CPU/gloo otherwise, checked for size.
 
     Keyword arguments go to ``Accelerator`` unchanged (mixed_precision, gradient_accumulation_steps,
     log_with, dataloader_config, ...). ``cpu`` defaults to "no CUDA here", which is what makes a
     2-process MULTI_GPU config run real DDP over gloo on a CPU-only machine.
+
+    ``dist_timeout`` (seconds) bounds every collective: if a peer process hangs or dies, the others
+    raise an error naming the collective after that long instead of waiting for the backend's
+    default (10 minutes for NCCL, 30 for gloo).
     """
     accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
+    if dist_timeout is not None:
+        handlers = list(accelerator_kwargs.pop("kwargs_handlers", None) or [])
+        handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout)))
+        accelerator_kwargs["kwargs_handlers"] = handlers
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
     return accelerator

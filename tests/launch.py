@@ -1,7 +1,7 @@
 """Run a recipe the way users do, ``accelerate launch --config_file ...``, in a subprocess.
 
-A hang fails the test instead of hanging CI: the whole process group (launcher and workers) is
-killed at the timeout. Configs use ``main_process_port: 0`` so concurrent runs never collide.
+A hang fails the test instead of hanging CI: at the timeout every process of the run (launcher and
+workers) is killed. Configs use ``main_process_port: 0`` so concurrent runs never collide.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,60 +29,94 @@ RUN_MARKER = "TWO_GPU_RECIPES_TEST_RUN"
 class Run:
     returncode: int
     output: str  # stdout and stderr together, in order
+    seconds: float = 0.0  # wall time, for messages only (tests never assert on it)
 
     def __str__(self) -> str:
-        return f"exit code {self.returncode}; last output:\n{self.output[-4000:]}"
+        return f"exit code {self.returncode} after {self.seconds:.0f}s; last output:\n{self.output[-4000:]}"
 
 
-def launch(config: str | Path, script: str | Path, *args: str, timeout: float = 300, env: dict | None = None,
-           launch_args: tuple[str, ...] = ()) -> Run:
-    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root."""
-    config_path = config if Path(config).is_absolute() else CONFIGS / config
-    script_path = script if Path(script).is_absolute() else RECIPES / script
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
-               *launch_args, str(script_path), *map(str, args)]
-    full_env = {
-        **os.environ,
-        # One thread per process: 2 processes share the 2 cores of a CI machine.
-        "OMP_NUM_THREADS": "1",
-        "PYTHONUNBUFFERED": "1",
-        # Tests never reach the Hugging Face Hub.
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        **(env or {}),
-    }
-    # Every process of this run (launcher, workers, anything they start) inherits this marker, so
-    # all of them can be found and killed, even workers whose launcher died (torchrun starts each
-    # worker in a session of its own, so killing the launcher's process group is not enough).
-    marker = uuid.uuid4().hex
-    full_env[RUN_MARKER] = marker
-    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: an orphaned worker cannot block reading it
-        process = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
+class Launch:
+    """A launch in progress: ``start`` it, find its workers (to kill or stop one), ``finish`` it.
+
+    Every process of the run (launcher, workers, anything they start) inherits a marker in its
+    environment, so all of them can be found and killed, even workers whose launcher died: torchrun
+    starts each worker in a session of its own, so killing the launcher's process group is not enough.
+    The output goes to a file, not a pipe, so an orphaned worker cannot block reading it.
+    """
+
+    def __init__(self, config: str | Path, script: str | Path, *args, env: dict | None = None,
+                 launch_args: tuple[str, ...] = ()):
+        config_path = config if Path(config).is_absolute() else CONFIGS / config
+        script_path = script if Path(script).is_absolute() else RECIPES / script
+        self.command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
+                        *map(str, launch_args), str(script_path), *map(str, args)]
+        self.marker = uuid.uuid4().hex
+        full_env = {
+            **os.environ,
+            # One thread per process: 2 processes share the 2 cores of a CI machine.
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            # Tests never reach the Hugging Face Hub.
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(env or {}),
+            RUN_MARKER: self.marker,
+        }
+        self.log = tempfile.TemporaryFile("w+")
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(self.command, cwd=REPO, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+
+    def processes(self) -> list[psutil.Process]:
+        found = []
+        for candidate in psutil.process_iter():
+            try:
+                if candidate.environ().get(RUN_MARKER) == self.marker:
+                    found.append(candidate)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        return found
+
+    def worker(self, rank: int, timeout: float = 120) -> psutil.Process:
+        """The worker process of global rank ``rank`` (waits until it exists)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for process in self.processes():
+                try:
+                    if process.environ().get("RANK") == str(rank) and "accelerate" not in " ".join(process.cmdline()):
+                        return process
+                except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                    pass
+            time.sleep(0.2)
+        raise AssertionError(f"no worker of rank {rank} appeared within {timeout}s: {' '.join(self.command)}")
+
+    def finish(self, timeout: float = 300) -> Run:
+        """Wait for the launcher to exit (killing everything at ``timeout``) and return its result."""
         try:
-            process.wait(timeout=timeout)
+            self.process.wait(timeout=max(0.0, self.started + timeout - time.monotonic()))
             timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            kill_run(marker)
-            process.wait()
-        log.seek(0)
-        output = log.read()
-    if timed_out:
-        raise AssertionError(f"timed out after {timeout}s: {' '.join(command)}\n{output[-4000:]}")
-    return Run(process.returncode, output)
+            for process in self.processes():
+                try:
+                    process.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+            self.process.wait()
+        self.log.seek(0)
+        output = self.log.read()
+        self.log.close()
+        seconds = time.monotonic() - self.started
+        if timed_out:
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(self.command)}\n{output[-4000:]}")
+        return Run(self.process.returncode, output, seconds)
 
 
-def kill_run(marker: str) -> None:
-    """SIGKILL every process that carries this run's marker."""
-    for candidate in psutil.process_iter():
-        try:
-            if candidate.environ().get(RUN_MARKER) == marker:
-                candidate.send_signal(signal.SIGKILL)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
+def launch(config, script, *args, timeout: float = 300, env: dict | None = None, launch_args: tuple[str, ...] = ()) -> Run:
+    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end."""
+    return Launch(config, script, *args, env=env, launch_args=launch_args).finish(timeout)
 
 
 def launch_ok(config, script, *args, **kwargs) -> Run:

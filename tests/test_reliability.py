@@ -1,0 +1,130 @@
+"""Checkpoints that survive a kill, bounded hangs, and two machines on 127.0.0.1."""
+
+import signal
+import socket
+import time
+
+import numpy as np
+from launch import Launch, launch, launch_ok, read_results
+from safetensors.torch import load_file
+
+TOY = "linear_toy.py"
+# Small batches over a big data set: many cheap steps, so a run lasts long enough to be interrupted.
+LONG = ("--num_samples", "200000", "--per_device_train_batch_size", "4")
+
+
+def weights(results):
+    return np.array(results["model/weight"] + [results["model/bias"]])
+
+
+def wait_for(predicate, timeout=120, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """Save every step (most of the run is then spent saving) and SIGKILL the run the moment a
+    save is in progress. Every folder named step_N must be a complete, loadable checkpoint, and
+    `--resume_from_checkpoint latest` must resume from the newest one and finish."""
+    out = tmp_path / "run"
+    args = ("--output_dir", out, *LONG, "--max_train_steps", "400")
+    run = Launch("single_gpu.yaml", TOY, *args, "--checkpointing_steps", "1", "--checkpoints_total_limit", "3")
+    checkpoints = out / "checkpoints"
+    wait_for(lambda: len(list(checkpoints.glob("step_*"))) >= 2 and list(checkpoints.glob(".step_*.tmp")), what="a save in progress")
+    for process in run.processes():
+        process.send_signal(signal.SIGKILL)
+    assert run.finish().returncode != 0
+    complete = sorted(checkpoints.glob("step_*"))
+    assert 1 <= len(complete) <= 3
+    for checkpoint in complete:
+        assert (checkpoint / "progress.json").is_file(), f"{checkpoint} was left incomplete"
+        load_file(checkpoint / "model.safetensors")
+    latest_step = int(complete[-1].name.split("_")[1])
+    resumed = launch_ok("single_gpu.yaml", TOY, *args, "--resume_from_checkpoint", "latest")
+    assert f"resumed from {complete[-1]} at step {latest_step}" in resumed.output
+    results = read_results(out)
+    assert results["resumed_from_step"] == latest_step and results["completed_steps"] == 400
+    # ...and ends exactly where an uninterrupted run ends (1 process on CPU: bitwise).
+    uninterrupted = tmp_path / "uninterrupted"
+    launch_ok("single_gpu.yaml", TOY, "--output_dir", uninterrupted, *args[2:])
+    assert np.array_equal(weights(results), weights(read_results(uninterrupted)))
+
+
+def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
+    missing = launch("single_gpu.yaml", TOY, "--output_dir", tmp_path / "a", "--resume_from_checkpoint", tmp_path / "nope")
+    assert missing.returncode != 0 and "does not exist" in missing.output and "nope" in missing.output
+    incomplete = tmp_path / "checkpoints" / "step_000010"
+    incomplete.mkdir(parents=True)
+    (incomplete / "model.safetensors").write_bytes(b"half a file")
+    run = launch("single_gpu.yaml", TOY, "--output_dir", tmp_path / "b", "--resume_from_checkpoint", incomplete)
+    assert run.returncode != 0 and "is not a complete checkpoint" in run.output
+
+
+def test_a_killed_rank_ends_the_run_and_is_named(tmp_path):
+    out = tmp_path / "run"
+    run = Launch("ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "30")
+    wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
+    run.worker(rank=1).send_signal(signal.SIGKILL)
+    result = run.finish(timeout=90)  # a hang fails here instead of waiting 30 minutes
+    assert result.returncode != 0
+    assert "rank      : 1 (local_rank: 1)" in result.output and "Signal 9 (SIGKILL)" in result.output
+
+
+def test_a_hung_rank_times_out_after_dist_timeout(tmp_path):
+    """A rank that stops answering (SIGSTOP: alive, silent) is the case --dist_timeout exists for:
+    the other rank's collective fails after 5 s with gloo's timeout error."""
+    out = tmp_path / "run"
+    run = Launch("ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "5")
+    wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
+    run.worker(rank=1).send_signal(signal.SIGSTOP)
+    result = run.finish(timeout=90)
+    assert result.returncode != 0
+    assert "Timed out waiting 5000ms" in result.output
+
+
+def test_two_machines_on_localhost_match_one_machine_with_two_processes(tmp_path):
+    port = free_port()
+    args = ("--max_train_steps", "30", "--per_device_train_batch_size", "8")
+    machines = [
+        Launch("multinode_2x2gpu.yaml", TOY, "--output_dir", tmp_path / f"machine{rank}", *args,
+               launch_args=("--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
+                            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)))
+        for rank in (0, 1)
+    ]
+    for machine in machines:
+        finished = machine.finish(timeout=180)
+        assert finished.returncode == 0, str(finished)
+    two_machines = read_results(tmp_path / "machine0")
+    assert two_machines["num_processes"] == 2
+    assert not (tmp_path / "machine1" / "results.json").exists(), "only the main process of machine 0 writes"
+    launch_ok("ddp_2gpu.yaml", TOY, "--output_dir", tmp_path / "one_machine", *args)
+    assert np.abs(weights(two_machines) - weights(read_results(tmp_path / "one_machine"))).max() <= 1e-6
+
+
+def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(tmp_path):
+    """Accelerate 1.16 checks the port on a single machine: busy -> warn, pick a free one, go on.
+    The run must still be real 2-process DDP, not a silent fallback to one process."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = launch_ok("ddp_2gpu.yaml", TOY, "--output_dir", tmp_path, "--max_train_steps", "2",
+                        launch_args=("--main_process_port", str(port)), timeout=120)
+    assert f"Port `{port}` is already in use" in run.output
+    assert read_results(tmp_path)["num_processes"] == 2
+
+
+def test_missing_config_file_is_reported(tmp_path):
+    run = launch(tmp_path / "missing.yaml", TOY, "--output_dir", tmp_path)
+    assert run.returncode != 0
+    assert "does not exist" in run.output and "missing.yaml" in run.output
