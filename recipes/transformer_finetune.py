@@ -112,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     output.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints).")
     output.add_argument("--report_to", default=None, help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
     output.add_argument("--logging_steps", type=positive_int, default=10, help="Log train/loss every N optimizer steps.")
+    training.add_argument("--dist_timeout", type=float, default=600,
+                          help="Seconds any collective may wait for the other processes before the run fails with an error naming it.")
     args = parser.parse_args(argv)
     if args.checkpointing_steps not in (None, "epoch") and not args.checkpointing_steps.isdigit():
         parser.error(f"--checkpointing_steps must be a number of steps or 'epoch', got {args.checkpointing_steps!r}")
@@ -184,6 +186,7 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     accelerator = build_accelerator(
+        dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=args.report_to,

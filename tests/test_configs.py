@@ -32,3 +32,29 @@ def test_ddp_and_sharding_configs_mean_what_they_say():
     # Accelerate refuses to train a device_map model in a distributed mode: 1 process, 'NO'.
     assert sharding.distributed_type == DistributedType.NO and sharding.num_processes == 1
     assert sharding.gpu_ids == "all"
+
+
+def test_our_configs_pass_the_config_checker():
+    from shared.config_check import config_problems
+
+    assert [problem for path in CONFIG_FILES for problem in config_problems(path)] == []
+
+
+def test_config_checker_catches_what_launches_silently_wrong(tmp_path):
+    """`distributed_type: NO` unquoted with 2 processes launches without error but runs ONE process."""
+    import subprocess
+    import sys
+
+    from launch import REPO
+
+    unquoted = tmp_path / "unquoted_no.yaml"
+    unquoted.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nnum_machines: 1\nnum_processes: 2\n")
+    single_multi = tmp_path / "multi_gpu_one_process.yaml"
+    single_multi.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 1\n")
+    run = subprocess.run([sys.executable, "-m", "shared.config_check", str(unquoted), str(single_multi), str(CONFIGS / "ddp_2gpu.yaml")],
+                         cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "distributed_type: NO is unquoted, so YAML reads it as False; write distributed_type: 'NO'" in run.stdout
+    assert "Accelerate starts ONE process" in run.stdout
+    assert "MULTI_GPU with num_processes: 1 trains on one process only" in run.stdout
+    assert "ddp_2gpu.yaml" not in run.stdout
