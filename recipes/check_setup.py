@@ -51,7 +51,7 @@ from accelerate.utils import InitProcessGroupKwargs, check_cuda_p2p_ib_support
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, build_accelerator, prepare_output_dir, write_results  # noqa: E402
+from shared import RecipeError, build_accelerator, positive_int, prepare_output_dir, write_results  # noqa: E402
 
 MB = 2**20  # nccl-tests labels sizes in powers of two ...
 GB = 1e9  # ... and bandwidth in powers of ten.
@@ -81,13 +81,6 @@ RTX40 = "RTX 40"
 # What `accelerate launch` sets for such GPUs (accelerate/commands/launch.py, multi_gpu_launcher).
 RTX40_NCCL_VARIABLES = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
 
 
 def non_negative_int(text: str) -> int:

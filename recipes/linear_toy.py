@@ -34,15 +34,8 @@ from torch.utils.data import DataLoader, TensorDataset
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, prepare_output_dir, write_results  # noqa: E402
-from shared.checkpoints import checkpoint_steps, resolve_checkpoint, save_checkpoint  # noqa: E402
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
+from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, positive_int, prepare_output_dir, write_results  # noqa: E402
+from shared.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,16 +132,8 @@ def main():
     max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
     num_epochs = -(-max_train_steps // steps_per_epoch)
     checkpoints_dir = output_dir / "checkpoints"
-    completed_steps, starting_epoch, batches_to_skip = 0, 0, 0
-    if args.resume_from_checkpoint:
-        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir)
-        if checkpoint is not None:
-            # Restores model, optimizer, the sampler's seed and every process's RNG states.
-            accelerator.load_state(str(checkpoint))
-            completed_steps = checkpoint_steps(checkpoint)
-            starting_epoch = completed_steps // steps_per_epoch
-            batches_to_skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps
-            accelerator.print(f"resumed from {checkpoint} at step {completed_steps}")
+    resume = load_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, steps_per_epoch, args.gradient_accumulation_steps)
+    completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
     first_step = completed_steps
     meter = ThroughputMeter(accelerator, warmup_steps=1)
     loss_curve = []  # global mean loss of each optimizer step run by this process

@@ -45,8 +45,8 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, prepare_output_dir, write_results  # noqa: E402
-from shared.checkpoints import checkpoint_steps, resolve_checkpoint, save_checkpoint  # noqa: E402
+from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, positive_int, prepare_output_dir, write_results  # noqa: E402
+from shared.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_docstrings  # noqa: E402
 from shared.model_split import map_to_devices, parameter_bytes_per_device, plan_device_map  # noqa: E402
 from shared.results import GIB  # noqa: E402
@@ -54,13 +54,6 @@ from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 
 METRICS_DIR = Path(__file__).resolve().parents[1] / "shared" / "metrics"
 DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
 
 
 def default_model_path() -> str:
@@ -345,19 +338,8 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     checkpoints_dir = output_dir / "checkpoints"
-    completed_steps, starting_epoch, batches_to_skip = 0, 0, 0
-    if args.resume_from_checkpoint:
-        checkpoint = resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir)
-        if checkpoint is not None:
-            # Restores model, optimizer, scheduler, sampler and every process's RNG states.
-            accelerator.load_state(str(checkpoint))
-            completed_steps = checkpoint_steps(checkpoint)
-            starting_epoch = completed_steps // steps_per_epoch
-            batches_to_skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps
-            accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {starting_epoch}, skipping {batches_to_skip} batches)")
-        else:
-            accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
-
+    resume = load_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, steps_per_epoch, args.gradient_accumulation_steps)
+    completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
     meter = ThroughputMeter(accelerator, warmup_steps=1)
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process, desc="training")
     logged_loss = torch.zeros((), device=accelerator.device)  # sum of step losses since the last log

@@ -12,6 +12,7 @@ from .runtime import (
     build_accelerator,
     check_process_count,
     choose_placement,
+    positive_int,
     prepare_output_dir,
 )
 
@@ -23,6 +24,7 @@ __all__ = [
     "check_process_count",
     "choose_placement",
     "peak_memory_gib",
+    "positive_int",
     "prepare_output_dir",
     "write_results",
 ]

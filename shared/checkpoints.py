@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -81,3 +82,33 @@ def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.Pa
             "which skips incomplete ones."
         )
     return path
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where training picks up: optimizer steps done, the epoch to continue, batches of it to skip."""
+
+    completed_steps: int = 0
+    epoch: int = 0
+    batches_to_skip: int = 0
+
+
+def load_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None, checkpoints_dir: str | os.PathLike,
+                    steps_per_epoch: int, gradient_accumulation_steps: int) -> ResumePoint:
+    """``accelerator.load_state`` the checkpoint that ``--resume_from_checkpoint`` names (a path, or
+    ``latest``) and return where training picks up; ``ResumePoint()`` (from the start) when there is
+    nothing to resume. load_state restores the model, optimizer, scheduler, the sampler's seed and
+    every process's RNG states; the recipe then skips ``batches_to_skip`` batches of ``epoch`` with
+    ``accelerator.skip_first_batches``, so the resumed run sees exactly the batches it would have."""
+    if not resume_from_checkpoint:
+        return ResumePoint()
+    checkpoint = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir)
+    if checkpoint is None:
+        accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
+        return ResumePoint()
+    accelerator.load_state(str(checkpoint))
+    completed_steps = checkpoint_steps(checkpoint)
+    point = ResumePoint(completed_steps, completed_steps // steps_per_epoch,
+                        (completed_steps % steps_per_epoch) * gradient_accumulation_steps)
+    accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping {point.batches_to_skip} batches)")
+    return point

@@ -9,6 +9,7 @@ instead. ``build_accelerator`` always passes the right value and then checks the
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,14 @@ class RecipeError(SystemExit):
         prefix = f"[rank {rank}] " if world_size > 1 else ""
         # One line: terminals wrap it, and it stays greppable in logs.
         super().__init__(prefix + "error: " + self.message)
+
+
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be >= 1 (batch sizes, steps), with a message naming the value."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
 
 
 def check_process_count(accelerator: Accelerator) -> None:
