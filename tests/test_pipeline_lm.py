@@ -1,0 +1,252 @@
+"""The language model under every parallelism on CPU: a naive device_map split and a pipeline (GPipe
+and 1F1B over gloo) train exactly like one unsplit device, evaluation counts every block once, the
+saved model loads and generates, and a resumed run ends where an uninterrupted one does."""
+
+import math
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from launch import launch, read_results
+from safetensors.torch import load_file
+
+# Tiny preset, 5 optimizer steps of 2 accumulated batches of 8 blocks x 32 tokens. 13 validation
+# blocks with evaluation batches of 4: the last batch is short (pipeline pads it, ddp's sharded
+# loader repeats samples), which is what the "each block exactly once" check needs.
+TINY = ("--model_size", "tiny", "--corpus_max_mb", "0.5", "--vocab_size", "512", "--block_size", "32",
+        "--max_train_steps", "5", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
+        "--per_device_eval_batch_size", "4", "--max_eval_samples", "13", "--sample_tokens", "8")
+EVAL_BLOCKS, BLOCK = 13, 32
+MODES = ("single", "device_map", "gpipe", "1f1b", "ddp")
+
+
+def launch_two_at_a_time(jobs: dict[str, tuple]) -> dict:
+    """Launch independent runs two at a time. Start-up (importing torch, transformers, datasets) is
+    most of a tiny run's time and leaves a core idle whenever one process waits for another, so two
+    launches at once keep the 2-core machine busy; a hang still fails through launch()'s timeout."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(launch, config, "pipeline_lm.py", *args) for name, (config, *args) in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launch per mode, same seed, data and global batch (16 blocks per optimizer step), shared by the tests."""
+    root = tmp_path_factory.mktemp("pipeline_lm")
+    specs = {
+        # Listed so that a 1-process run starts beside each 2-process one.
+        "gpipe": ("pipeline_2gpu.yaml", "--parallelism", "pipeline", "--pipeline_schedule", "gpipe", "--num_microbatches", "2"),
+        "single": ("single_gpu.yaml",),
+        "1f1b": ("pipeline_2gpu.yaml", "--parallelism", "pipeline", "--pipeline_schedule", "1f1b", "--num_microbatches", "4",
+                 "--checkpointing_steps", "2"),
+        # --checkpointing_steps: the resume tests below start from these runs' step-2 checkpoints.
+        "device_map": ("model_sharding_2gpu.yaml", "--parallelism", "device_map", "--checkpointing_steps", "2"),
+        # 2 processes x 4 blocks = the same 16-block global batch, in the same order (seedable sampler).
+        "ddp": ("ddp_2gpu.yaml", "--per_device_train_batch_size", "4"),
+    }
+    finished = launch_two_at_a_time({name: (config, *TINY, *args, "--output_dir", root / name) for name, (config, *args) in specs.items()})
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+    return {name: {"dir": root / name, "results": read_results(root / name), "log": run.output} for name, run in finished.items()}
+
+
+def relative_difference(curve, reference) -> float:
+    assert len(curve) == len(reference) == 5
+    return float(np.max(np.abs(np.array(curve) - reference) / np.abs(reference)))
+
+
+def max_weight_difference(dir_a, dir_b) -> float:
+    a, b = load_file(dir_a / "model.safetensors"), load_file(dir_b / "model.safetensors")
+    assert a.keys() == b.keys()
+    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+
+def test_every_mode_ran_as_asked(runs):
+    expected = {"single": ("single", 1, 1), "device_map": ("device_map", 1, 2), "gpipe": ("pipeline", 2, 2),
+                "1f1b": ("pipeline", 2, 2), "ddp": ("ddp", 2, 1)}
+    for name, (parallelism, processes, stages) in expected.items():
+        results = runs[name]["results"]
+        assert (results["parallelism"], results["num_processes"], results["num_stages"]) == (parallelism, processes, stages), name
+        assert results["global_batch_size"] == 16 and results["completed_steps"] == 5, name
+        assert results["config"]["gradient_accumulation_steps"] == 2, name
+    # Two CPU "devices", the same split-and-move code as two GPUs.
+    assert runs["device_map"]["results"]["device_map_devices"] == ["cpu", "cpu"]
+    assert runs["device_map"]["results"]["blocks_per_stage"] == runs["1f1b"]["results"]["blocks_per_stage"]
+    assert len(runs["device_map"]["results"]["blocks_per_stage"]) == 2
+
+
+def test_device_map_split_trains_exactly_like_one_device(runs):
+    single, split = runs["single"]["results"], runs["device_map"]["results"]
+    assert relative_difference(split["train/loss_curve"], single["train/loss_curve"]) <= 1e-6
+    assert max_weight_difference(runs["single"]["dir"], runs["device_map"]["dir"]) <= 1e-6
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_trains_like_one_process_with_gradient_accumulation(runs, schedule):
+    single, pipeline = runs["single"]["results"], runs[schedule]["results"]
+    assert pipeline["pipeline_schedule"] == schedule
+    assert relative_difference(pipeline["train/loss_curve"], single["train/loss_curve"]) <= 1e-4
+    # The stages' weights, gathered into one model, are the 1-process model's weights.
+    assert max_weight_difference(runs["single"]["dir"], runs[schedule]["dir"]) <= 1e-4
+
+
+def test_ddp_trains_like_one_process_with_the_same_global_batch(runs):
+    single, ddp = runs["single"]["results"], runs["ddp"]["results"]
+    assert relative_difference(ddp["train/loss_curve"], single["train/loss_curve"]) <= 1e-4
+
+
+def test_loss_goes_down(runs):
+    results = runs["single"]["results"]
+    curve = results["train/loss_curve"]
+    assert curve[-1] < curve[0]
+    vocabulary = results["config"]["model_config"]["vocab_size"]
+    assert results["eval/perplexity"] < vocabulary  # below the uniform guess's perplexity
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_validation_perplexity_counts_every_block_exactly_once(runs, mode):
+    results, reference = runs[mode]["results"], runs["single"]["results"]
+    assert results["data/validation_blocks"] == EVAL_BLOCKS
+    assert results["eval/num_blocks"] == EVAL_BLOCKS
+    assert results["eval/num_tokens"] == EVAL_BLOCKS * (BLOCK - 1)  # next-token targets per block
+    assert results["eval/perplexity"] == pytest.approx(math.exp(results["eval/loss"]), rel=1e-12)
+    assert results["eval/perplexity"] == pytest.approx(reference["eval/perplexity"], rel=1e-4)
+
+
+def test_results_json_holds_what_users_compare(runs):
+    for name in MODES:
+        results = runs[name]["results"]
+        for key in ("parallelism", "pipeline_schedule", "num_microbatches", "pipeline/ideal_bubble_fraction",
+                    "perf/tokens_per_sec", "perf/step_time_s", "memory/peak_gib", "eval/perplexity", "num_processes", "config"):
+            assert key in results, (name, key)
+        assert results["perf/tokens_per_sec"] > 0 and results["perf/step_time_s"] > 0, name
+        assert results["config"]["parallelism_resolved"] == results["parallelism"], name
+    # (p - 1) / (m + p - 1): GPipe m=2 -> 1/3, 1F1B m=4 -> 1/5; the naive split is m = 1 -> 1/2.
+    assert runs["gpipe"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 3)
+    assert runs["1f1b"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 5)
+    assert runs["device_map"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 2)
+    assert runs["single"]["results"]["pipeline/ideal_bubble_fraction"] == 0
+    assert runs["1f1b"]["results"]["num_microbatches"] == 4
+    # Peak memory per stage (one process each) for the pipeline.
+    assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {"rank0/cpu", "rank1/cpu"}
+
+
+@pytest.mark.parametrize("mode", ["1f1b", "device_map"])
+def test_saved_model_loads_and_generates_the_recipes_sample(runs, mode):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, results = runs[mode]["dir"], runs[mode]["results"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer(results["sample/prompt"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape[1] == prompt.shape[1] + 8
+    # Greedy: the saved weights are the ones the recipe generated its sample with.
+    assert tokenizer.decode(generated[0]) == results["sample/text"]
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, tmp_path_factory):
+    """Runs that start from the first runs' outputs: what a run stopped after step 2 leaves behind
+    (its tokenizer and checkpoints/step_000002, from the 1f1b and device_map runs), resumed with
+    --resume_from_checkpoint latest and trained to the end; and a run that starts from a saved model."""
+    root = tmp_path_factory.mktemp("resumed")
+    jobs = {}
+    for name, config, *args in (("1f1b", "pipeline_2gpu.yaml", "--parallelism", "pipeline", "--num_microbatches", "4"),
+                                ("device_map", "model_sharding_2gpu.yaml", "--parallelism", "device_map")):
+        stopped = root / name
+        shutil.copytree(runs[name]["dir"] / "checkpoints" / "step_000002", stopped / "checkpoints" / "step_000002")
+        for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(runs[name]["dir"] / tokenizer_file, stopped)
+        jobs[name] = (config, *TINY, *args, "--resume_from_checkpoint", "latest", "--output_dir", stopped)
+    # Also in this batch: a run that starts from the 1f1b run's saved (gathered) model and tokenizer.
+    jobs["pretrained"] = ("model_sharding_2gpu.yaml", *TINY, "--parallelism", "device_map", "--model_name_or_path", runs["1f1b"]["dir"],
+                          "--eval_before_training", "--max_train_steps", "1", "--output_dir", root / "pretrained")
+    finished = launch_two_at_a_time(jobs)
+    outputs = {}
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+        if name != "pretrained":
+            assert "at step 2 (epoch 0, skipping 4 batches)" in run.output  # 2 steps x 2 accumulated batches
+        outputs[name] = {"dir": root / name, "results": read_results(root / name)}
+    return outputs
+
+
+def test_resumed_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
+    """Pipeline stages save and load their own state (weights, optimizer, scheduler, RNG)."""
+    uninterrupted = runs["1f1b"]
+    checkpoint = uninterrupted["dir"] / "checkpoints" / "step_000002"
+    assert {path.name for path in checkpoint.iterdir()} >= {"stage_0", "stage_1", "progress.json", "pipeline.json"}
+    assert resumed["1f1b"]["results"]["train/loss_curve"] == pytest.approx(uninterrupted["results"]["train/loss_curve"][2:], rel=1e-6)
+    assert max_weight_difference(resumed["1f1b"]["dir"], uninterrupted["dir"]) <= 1e-6
+
+
+def test_resumed_device_map_run_ends_like_the_uninterrupted_run(runs, resumed):
+    """The other modes use accelerator.save_state/load_state and skip_first_batches."""
+    uninterrupted = runs["device_map"]
+    assert (uninterrupted["dir"] / "checkpoints" / "step_000002" / "optimizer.bin").exists()
+    assert resumed["device_map"]["results"]["train/loss_curve"] == pytest.approx(uninterrupted["results"]["train/loss_curve"][2:], rel=1e-6)
+    assert max_weight_difference(resumed["device_map"]["dir"], uninterrupted["dir"]) <= 1e-6
+
+
+def test_training_starts_from_a_saved_model_and_its_tokenizer(runs, resumed):
+    """--model_name_or_path with the pipeline run's output folder: the gathered weights load (perplexity
+    before training = the pipeline run's final perplexity) with the model's own tokenizer."""
+    saved, pretrained = runs["1f1b"], resumed["pretrained"]
+    assert pretrained["results"]["eval/perplexity_before_training"] == pytest.approx(saved["results"]["eval/perplexity"], rel=1e-5)
+    assert (pretrained["dir"] / "tokenizer.json").read_text() == (saved["dir"] / "tokenizer.json").read_text()
+    assert pretrained["results"]["completed_steps"] == 1
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Each bad input launched once (two at a time); the tests below read the messages."""
+    root = tmp_path_factory.mktemp("refused")
+    tiny_text = root / "tiny.txt"
+    tiny_text.write_text("x = 1\n")
+    cases = {
+        "layers": ("model_sharding_2gpu.yaml", "--parallelism", "device_map", "--num_layers", "1"),
+        "microbatches": ("single_gpu.yaml", "--parallelism", "pipeline", "--per_device_train_batch_size", "6", "--num_microbatches", "4"),
+        "block_size": ("single_gpu.yaml", "--block_size", "512"),
+        "pipeline_one_process": ("single_gpu.yaml", "--parallelism", "pipeline"),
+        "device_map_two_processes": ("ddp_2gpu.yaml", "--parallelism", "device_map"),
+        "small_corpus": ("single_gpu.yaml", "--train_file", tiny_text, "--validation_file", tiny_text),
+    }
+    finished = launch_two_at_a_time({name: (config, *TINY, *args, "--output_dir", root / name) for name, (config, *args) in cases.items()})
+    messages = {}
+    for name, run in finished.items():
+        assert run.returncode != 0, f"{name}: {run}"
+        assert "error: " in run.output, f"{name}: {run}"  # RecipeError's paragraph, not a bare traceback
+        messages[name] = " ".join(run.output.split())  # messages are wrapped at 100 columns
+    return messages
+
+
+def test_fewer_decoder_layers_than_stages_is_refused(refusals):
+    assert "The model has 1 decoder layers but device_map needs at least one per stage (2 stages)" in refusals["layers"]
+
+
+def test_batch_not_divisible_by_microbatches_is_refused(refusals):
+    assert "--per_device_train_batch_size 6 does not divide into --num_microbatches 4" in refusals["microbatches"]
+
+
+def test_block_size_beyond_the_models_positions_is_refused(refusals):
+    assert "--block_size 512 is longer than the model's 256 positions" in refusals["block_size"]
+
+
+def test_pipeline_with_one_process_is_refused(refusals):
+    message = refusals["pipeline_one_process"]
+    assert "this launch has 1 process" in message and "accelerate_configs/pipeline_2gpu.yaml" in message
+
+
+def test_device_map_with_two_processes_is_refused(refusals):
+    message = refusals["device_map_two_processes"]
+    assert "Accelerate refuses to train a device_map model in a distributed mode" in message
+    assert "accelerate_configs/model_sharding_2gpu.yaml" in message
+
+
+def test_corpus_too_small_for_one_block_is_refused(refusals):
+    assert "fewer than one block of --block_size 32" in refusals["small_corpus"]
