@@ -51,7 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, prepare_output_dir, write_results  # noqa: E402
+from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, positive_int, prepare_output_dir, write_results  # noqa: E402
 from shared.checkpoints import checkpoint_steps, resolve_checkpoint, save_checkpoint  # noqa: E402
 from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 from shared.lm_split import (  # noqa: E402
@@ -86,13 +86,6 @@ MODEL_PRESETS = {
     "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, intermediate_size=5504, max_position_embeddings=2048),
 }
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
 
 
 def positive_float(text: str) -> float:
