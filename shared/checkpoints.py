@@ -21,17 +21,24 @@ PROGRESS_FILE = "progress.json"
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike, completed_steps: int,
-                    total_limit: int | None = None) -> Path:
+                    total_limit: int | None = None, write_state=None) -> Path:
     """``accelerator.save_state`` (model, optimizer, scheduler, sampler, RNG states of every process) to
     ``checkpoints_dir/step_{completed_steps:06d}``, atomically. Every process must call it.
-    Keeps only the newest ``total_limit`` complete checkpoints when given."""
+    Keeps only the newest ``total_limit`` complete checkpoints when given.
+
+    ``write_state(folder)``, when given, replaces ``save_state``: it is called on every process with
+    the temporary folder and writes whatever that process must save (pipeline stages use it to save
+    their own weights, which ``save_state`` writes from the main process only)."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed mid-save
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    if write_state is None:
+        accelerator.save_state(str(tmp))
+    else:
+        write_state(tmp)
     # Sync point: every process must have written its part before the folder is declared complete.
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .checkpoints import PROGRESS_FILE
+from .checkpoints import save_checkpoint
 
 # Decoders whose base model adds nothing to ``inputs_embeds`` (positions are rotary, applied inside
 # attention), so a stage that receives hidden states can call the base model's forward with them.
@@ -160,35 +159,21 @@ def save_stage_checkpoint(accelerator, checkpoints_dir: str | os.PathLike, compl
     the main process only, which is right for replicas and loses every other stage here. Every
     process must call it.
     """
-    checkpoints_dir = Path(checkpoints_dir)
-    final = checkpoints_dir / f"step_{completed_steps:06d}"
-    tmp = checkpoints_dir / f".{final.name}.tmp"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)  # left by a run killed mid-save
-    accelerator.wait_for_everyone()
-    folder = tmp / f"stage_{accelerator.process_index}"
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({name: tensor.contiguous() for name, tensor in stage.state_dict().items()}, folder / "model.safetensors")
-    torch.save(optimizer.state_dict(), folder / "optimizer.bin")
-    torch.save(lr_scheduler.state_dict(), folder / "scheduler.bin")
-    rng = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save(rng, folder / "rng_state.pth")
-    # Sync point: every stage must have written its part before the folder is declared complete.
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / PIPELINE_FILE).write_text(json.dumps({"num_stages": len(blocks_per_stage), "blocks_per_stage": blocks_per_stage}) + "\n")
-        (tmp / PROGRESS_FILE).write_text(json.dumps({"completed_steps": completed_steps}) + "\n")
-        if final.exists():  # saving the same step again (after a resume): swap, never delete first
-            old = checkpoints_dir / f".{final.name}.old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, final)
-    accelerator.wait_for_everyone()
-    return final
+
+    def write_stage(tmp: Path) -> None:
+        folder = tmp / f"stage_{accelerator.process_index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({name: tensor.contiguous() for name, tensor in stage.state_dict().items()}, folder / "model.safetensors")
+        torch.save(optimizer.state_dict(), folder / "optimizer.bin")
+        torch.save(lr_scheduler.state_dict(), folder / "scheduler.bin")
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, folder / "rng_state.pth")
+        if accelerator.is_main_process:
+            (tmp / PIPELINE_FILE).write_text(json.dumps({"num_stages": len(blocks_per_stage), "blocks_per_stage": blocks_per_stage}) + "\n")
+
+    return save_checkpoint(accelerator, checkpoints_dir, completed_steps, write_state=write_stage)
 
 
 def pipeline_split_of(checkpoint: Path) -> list[int] | None:
