@@ -12,6 +12,7 @@ from sklearn.metrics import f1_score
 _DESCRIPTION = "F1: the harmonic mean of precision and recall, per class, averaged as asked."
 
 
+# Deliberately self-contained, like accuracy.py beside it: evaluate.load() imports each module file on its own.
 class F1(evaluate.Metric):
     def _info(self):
         return evaluate.MetricInfo(
