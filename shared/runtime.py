@@ -64,6 +64,36 @@ def check_process_count(accelerator: Accelerator) -> None:
         )
 
 
+def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -> None:
+    """After ``accelerate launch --max_restarts N`` restarted the workers, join them under fresh keys.
+
+    torchrun's static rendezvous (what ``accelerate launch`` uses on one machine) hands the restarted
+    workers the *same* TCPStore as the attempt that crashed, without a per-attempt prefix (torch
+    2.13). The backend's address keys of the dead workers are still in it, so a restarted worker
+    that reads its peer's key before the peer rewrites it connects to a dead address: gloo fails
+    with ``connectFullMesh ... Connection refused`` (NCCL can hang). Creating the default process
+    group ourselves under a ``restart_<n>`` prefix gives every attempt its own keys; Accelerate
+    then finds the group initialised and uses it. First attempts and non-elastic launches are left
+    to Accelerate unchanged.
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
+        return
+    timeout = timedelta(seconds=dist_timeout) if dist_timeout is not None else None
+    agent_store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        **({"timeout": timeout} if timeout else {}),
+    )
+    torch.distributed.init_process_group(
+        # The backends Accelerate would pick: gloo on CPU; NCCL for CUDA tensors (+ gloo for CPU ones).
+        backend="gloo" if cpu else "cuda:nccl,cpu:gloo",
+        store=torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        **({"timeout": timeout} if timeout else {}),
+    )
+
+
 def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -> Accelerator:
     """Return an Accelerator that uses CUDA when present and CPU/gloo otherwise, checked for size.
 
@@ -80,6 +110,7 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
         handlers = list(accelerator_kwargs.pop("kwargs_handlers", None) or [])
         handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout)))
         accelerator_kwargs["kwargs_handlers"] = handlers
+    join_restarted_elastic_group(cpu=accelerator_kwargs["cpu"], dist_timeout=dist_timeout)
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
     return accelerator

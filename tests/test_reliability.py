@@ -1,11 +1,12 @@
 """Checkpoints that survive a kill, bounded hangs, and two machines on 127.0.0.1."""
 
+import shutil
 import signal
 import socket
 import time
 
 import numpy as np
-from launch import Launch, launch, launch_ok, read_results
+from launch import REPO, Launch, launch, launch_ok, read_results
 from safetensors.torch import load_file
 
 TOY = "linear_toy.py"
@@ -90,6 +91,36 @@ def test_a_hung_rank_times_out_after_dist_timeout(tmp_path):
     result = run.finish(timeout=90)
     assert result.returncode != 0
     assert "Timed out waiting 5000ms" in result.output
+
+
+def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tmp_path):
+    """`accelerate launch --max_restarts 1` + `--resume_from_checkpoint latest`: rank 1 crashes once
+    right after the step-10 checkpoint; torchrun's agent restarts both workers, they resume from
+    step 10 and end with the weights of a run that never crashed. Before shared.runtime joined
+    restarted workers under fresh store keys, most restarts died in gloo's connectFullMesh."""
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copytree(REPO / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
+    source = (REPO / "recipes" / TOY).read_text()
+    save_line = "                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)\n"
+    assert save_line in source
+    crash = ('                    if completed_steps == 10 and accelerator.process_index == 1 and '
+             '__import__("os").environ["TORCHELASTIC_RESTART_COUNT"] == "0":\n'
+             '                        __import__("os")._exit(13)  # injected one-time crash\n')
+    script = project / "train.py"
+    script.write_text(source.replace(save_line, save_line + crash))
+    args = ("--max_train_steps", "30", "--per_device_train_batch_size", "8", "--checkpointing_steps", "5", "--dist_timeout", "30")
+    out = tmp_path / "restarted"
+    restarted = launch("ddp_2gpu.yaml", script, "--output_dir", out, *args, "--resume_from_checkpoint", "latest",
+                       launch_args=("--max_restarts", "1", "--monitor_interval", "0.5"), timeout=240)
+    assert restarted.returncode == 0, str(restarted)
+    # The first attempt started fresh, crashed, and the second attempt resumed from the step-10 save.
+    assert "no complete checkpoint" in restarted.output and "starting fresh" in restarted.output
+    assert "resumed from" in restarted.output and "step_000010 at step 10" in restarted.output
+    results = read_results(out)
+    assert results["resumed_from_step"] == 10 and results["completed_steps"] == 30
+    launch_ok("ddp_2gpu.yaml", TOY, "--output_dir", tmp_path / "uninterrupted", *args)
+    assert np.abs(weights(results) - weights(read_results(tmp_path / "uninterrupted"))).max() <= 1e-6
 
 
 def test_two_machines_on_localhost_match_one_machine_with_two_processes(tmp_path):
