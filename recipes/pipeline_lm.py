@@ -51,7 +51,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, positive_int, prepare_output_dir, write_results  # noqa: E402
+from shared import (  # noqa: E402
+    RecipeError,
+    ThroughputMeter,
+    build_accelerator,
+    choose_placement,
+    model_state_bytes_per_rank,
+    positive_int,
+    prepare_output_dir,
+    write_results,
+)
 from shared.checkpoints import checkpoint_steps, resolve_checkpoint, save_checkpoint  # noqa: E402
 from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 from shared.lm_split import (  # noqa: E402
@@ -140,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpointing_steps", type=positive_int, default=None, help="Save a resumable checkpoint to output_dir/step_N every N optimizer steps.")
     parser.add_argument("--resume_from_checkpoint", default=None,
                         help="A step_N folder to resume from, or 'latest' for the newest one in --output_dir (starts fresh if there is none).")
+    parser.add_argument("--dist_timeout", type=float, default=600,
+                        help="Seconds a collective or pipeline send/recv may wait for another process before the run fails.")
     parser.add_argument("--eval_before_training", action="store_true", help="Also measure validation perplexity before the first step.")
     parser.add_argument("--perf_warmup_steps", type=int, default=2, help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).")
     parser.add_argument("--cpu_threads_per_process", type=int, default=1,
@@ -259,6 +270,9 @@ def main():
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config joins over gloo
     # instead of starting two silent independent runs, and checks the process count.
     accelerator = build_accelerator(
+        # Bounds every collective and pipeline send/recv: a dead or hung stage ends the run after
+        # this long with an error naming the operation, instead of the backend's 10-30 minutes.
+        dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # A seedable sampler with a fixed data seed shuffles identically in every mode and process
@@ -567,6 +581,8 @@ def main():
         if completed_steps >= max_train_steps:
             break
     perf = meter.summary()  # collective: every process calls it
+    # Exact bytes of parameters + gradients + optimizer state per process (a stage's own in pipeline mode).
+    perf["memory/model_state_bytes"] = model_state_bytes_per_rank(accelerator, model, optimizer)
 
     # ------------------------------------------------------------------------- evaluation
     # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).

@@ -45,7 +45,16 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, positive_int, prepare_output_dir, write_results  # noqa: E402
+from shared import (  # noqa: E402
+    RecipeError,
+    ThroughputMeter,
+    build_accelerator,
+    choose_placement,
+    model_state_bytes_per_rank,
+    positive_int,
+    prepare_output_dir,
+    write_results,
+)
 from shared.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_docstrings  # noqa: E402
 from shared.model_split import map_to_devices, parameter_bytes_per_device, plan_device_map  # noqa: E402
@@ -435,6 +444,8 @@ def main():
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
     perf = meter.summary()
+    # Exact bytes of parameters + gradients + optimizer state per process (the part FSDP shards).
+    perf["memory/model_state_bytes"] = model_state_bytes_per_rank(accelerator, model, optimizer)
     token_counts = accelerator.reduce(torch.stack([real_tokens, padded_tokens]), reduction="sum").tolist()
     perf["train/padding_fraction"] = 1 - token_counts[0] / max(token_counts[1], 1)
     if accelerator.device.type == "cuda" and device_map:

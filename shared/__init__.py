@@ -5,7 +5,7 @@ here is a plain function or a tiny class with explicit arguments; the training s
 stay in the recipes.
 """
 
-from .results import ThroughputMeter, peak_memory_gib, write_results
+from .results import ThroughputMeter, model_state_bytes, model_state_bytes_per_rank, peak_memory_gib, write_results
 from .runtime import (
     Placement,
     RecipeError,
@@ -23,6 +23,8 @@ __all__ = [
     "build_accelerator",
     "check_process_count",
     "choose_placement",
+    "model_state_bytes",
+    "model_state_bytes_per_rank",
     "peak_memory_gib",
     "positive_int",
     "prepare_output_dir",
