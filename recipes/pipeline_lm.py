@@ -83,17 +83,10 @@ from shared.pipelining import (  # noqa: E402
     save_stage_checkpoint,
 )
 
-# Llama-architecture shapes. 125m/350m/1.3b are the GPT-3 paper's Small/Medium/XL shapes (hidden
-# size, blocks, heads); the parameter count also depends on --vocab_size (e.g. 125m is ~134M with
-# a 32k vocabulary, untied). tiny is for tests; small trains visibly on one CPU core in minutes, and
-# its 7 blocks split evenly over two stages on CPU (5, and 2 + the LM head and loss, worth ~3 blocks).
-MODEL_PRESETS = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=176, max_position_embeddings=256),
-    "small": dict(hidden_size=256, num_hidden_layers=7, num_attention_heads=8, intermediate_size=688, max_position_embeddings=1024),
-    "125m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048, max_position_embeddings=2048),
-    "350m": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=2816, max_position_embeddings=2048),
-    "1.3b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, intermediate_size=5504, max_position_embeddings=2048),
-}
+# Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one
+# table in shared/model_presets.py, which the fit planner (python -m shared.plan) reads too.
+from shared.model_presets import MODEL_PRESETS  # noqa: E402
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 

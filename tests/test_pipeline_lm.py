@@ -132,6 +132,52 @@ def test_results_json_holds_what_users_compare(runs):
     assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {"rank0/cpu", "rank1/cpu"}
 
 
+def test_fit_planner_model_state_matches_the_measured_bytes(runs):
+    """The fit planner (shared/plan.py) against exact tensor bytes of these runs: its model-state
+    estimate for fp32 AdamW (4 + 4 + 8 bytes per parameter), on the split the recipe makes, is within
+    15 % of memory/model_state_bytes per setup and per rank (pipeline: per stage). The device_map run
+    is one process: its total is checked, and each device's parameters against the saved weights of
+    the modules the run put on it."""
+    import sys
+
+    from launch import REPO
+
+    sys.path.insert(0, str(REPO))
+    from shared.plan import plan, preset_shape
+
+    single = runs["single"]["results"]
+    shape = preset_shape("tiny", vocab_size=single["config"]["model_config"]["vocab_size"])
+    assert shape.num_parameters == single["model/num_parameters"]
+    setups = plan(shape, gpus=2, gpu_memory_gib=1, seq_len=BLOCK, micro_batch=4, mixed_precision="no")["setups"]
+
+    def assert_close(estimated: float, measured: float, what: str) -> None:
+        assert abs(estimated / measured - 1) <= 0.15, f"{what}: estimated {estimated:,.0f} B, measured {measured:,.0f} B"
+
+    per_rank = {"single": setups["single"]["devices"], "ddp": setups["ddp"]["devices"],
+                "gpipe": setups["pipeline"]["devices"], "1f1b": setups["pipeline"]["devices"]}
+    if "fsdp" in runs:  # full shard: 1/N of every parameter, gradient and optimizer state per rank
+        per_rank["fsdp"] = setups["fsdp"]["devices"]
+    for mode, devices in per_rank.items():
+        measured = runs[mode]["results"]["memory/model_state_bytes"]
+        assert len(measured) == len(devices), mode
+        for rank, device in enumerate(devices):
+            for part in ("parameters", "gradients", "optimizer"):
+                assert_close(device[part], measured[f"rank{rank}"][part], f"{mode} rank {rank} {part}")
+            assert_close(device["model_state"], measured[f"rank{rank}"]["total"], f"{mode} rank {rank}")
+    for mode in ("gpipe", "1f1b", "device_map"):
+        assert setups["pipeline"]["blocks_per_device"] == runs[mode]["results"]["blocks_per_stage"], mode
+    split = runs["device_map"]
+    assert_close(sum(device["model_state"] for device in setups["device_map"]["devices"]),
+                 split["results"]["memory/model_state_bytes"]["rank0"]["total"], "device_map (one process)")
+    first_blocks = split["results"]["blocks_per_stage"][0]
+    held = [0, 0]
+    for name, tensor in load_file(split["dir"] / "model.safetensors").items():
+        on_first = name.startswith("model.embed_tokens.") or (name.startswith("model.layers.") and int(name.split(".")[2]) < first_blocks)
+        held[0 if on_first else 1] += tensor.numel() * tensor.element_size()
+    for index, device in enumerate(setups["device_map"]["devices"]):
+        assert_close(device["parameters"], held[index], f"device_map device {index} parameters")
+
+
 @pytest.mark.parametrize("mode", ["1f1b", "device_map"])
 def test_saved_model_loads_and_generates_the_recipes_sample(runs, mode):
     import torch
