@@ -12,12 +12,16 @@ stage 0 start micro-batch 2 while stage 1 runs micro-batch 1; the idle share per
                  the activations: the naive split;
 - ``pipeline``   2 processes, one stage each, ``torch.distributed.pipelining`` (GPipe or 1F1B) over
                  m micro-batches; both stages read the same batches (the data loader is not sharded);
-- ``single``     1 process, 1 device, unsplit: what ``auto`` picks for a 1-process, 1-device config.
+- ``single``     1 process, 1 device, unsplit: what ``auto`` picks for a 1-process, 1-device config;
+- ``fsdp``       2 processes, data parallel like ddp, but each holds 1/2 of every parameter, gradient
+                 and optimizer state (FSDP2 ``fully_shard`` per decoder block, through Accelerate):
+                 for models whose training state does not fit on one device.
 
-``--parallelism auto`` follows the launch config: 2 processes -> ddp, 1 process that sees >= 2 GPUs
--> device_map, otherwise single. On a CPU-only machine every mode runs: device_map splits over two
-CPU "devices" with the same code, pipeline uses 2 gloo processes, and each process uses one thread
-(one core stands in for one GPU), so the speed comparison is fair.
+``--parallelism auto`` follows the launch config: an FSDP config -> fsdp, 2 processes -> ddp, 1
+process that sees >= 2 GPUs -> device_map, otherwise single. On a CPU-only machine every mode runs:
+device_map splits over two CPU "devices" with the same code, pipeline and fsdp use 2 gloo processes
+(fsdp really sharded, see shared/fsdp.py), and each process uses one thread (one core stands in for
+one GPU), so the speed comparison is fair.
 
 Launch (from the repository root):
     # CPU smoke run, or one GPU (single):
@@ -28,11 +32,14 @@ Launch (from the repository root):
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/pipeline_lm.py --model_size 1.3b
     # two GPUs, pipeline with 8 micro-batches (on CPU: 2 gloo processes, same command):
     accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --parallelism pipeline --model_size 1.3b --num_microbatches 8
+    # two GPUs, fully sharded (FSDP2), with activation recomputation (on CPU: 2 gloo processes, really sharded):
+    accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/pipeline_lm.py --model_size 1.3b --gradient_checkpointing
 
 Writes to ``output_dir``: the model in Hugging Face format (``model.safetensors``, config, the
-tokenizer; pipeline stages are gathered into one), ``results.json`` (losses, ``eval/perplexity``,
-throughput, peak memory per device or stage, the ideal bubble fraction, the resolved config) and,
-with ``--checkpointing_steps``, resumable checkpoints in ``checkpoints/step_N`` (pipeline stages save their own).
+tokenizer; pipeline stages and FSDP shards are gathered into one), ``results.json`` (losses,
+``eval/perplexity``, throughput, peak memory per device or stage, model-state bytes per process, the
+ideal bubble fraction, the resolved config) and, with ``--checkpointing_steps``, resumable checkpoints
+in ``checkpoints/step_N`` (pipeline stages save their own; FSDP processes each write their shard).
 """
 
 import argparse
@@ -62,6 +69,7 @@ from shared import (  # noqa: E402
     write_results,
 )
 from shared.checkpoints import checkpoint_steps, resolve_checkpoint, save_checkpoint  # noqa: E402
+from shared.fsdp import check_fsdp_request, sharding_per_rank, wrap_at_blocks  # noqa: E402
 from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 from shared.lm_split import (  # noqa: E402
     block_ranges,
@@ -86,7 +94,6 @@ from shared.pipelining import (  # noqa: E402
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one
 # table in shared/model_presets.py, which the fit planner (python -m shared.plan) reads too.
 from shared.model_presets import MODEL_PRESETS  # noqa: E402
-
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -102,10 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_dir", default="outputs/pipeline_lm", help="Where the model, results.json and checkpoints go (created if missing).")
     parser.add_argument("--seed", type=int, default=42, help="Seed for the initial weights and the data order (the same in every mode).")
     parser.add_argument(
-        "--parallelism", choices=["auto", "ddp", "device_map", "pipeline"], default="auto",
-        help="auto follows the launch config (2 processes: ddp; 1 process seeing >= 2 GPUs: device_map; else single). "
-             "device_map needs 1 process, ddp and pipeline need 2 or more.",
+        "--parallelism", choices=["auto", "ddp", "device_map", "pipeline", "fsdp"], default="auto",
+        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing >= 2 GPUs: device_map; "
+             "else single). device_map needs 1 process, ddp and pipeline need 2 or more, fsdp needs accelerate_configs/fsdp_2gpu.yaml.",
     )
+    parser.add_argument("--gradient_checkpointing", action="store_true",
+                        help="Recompute each decoder block's activations in backward instead of keeping them: less memory, ~1/3 more compute.")
     parser.add_argument("--pipeline_schedule", choices=sorted(SCHEDULES), default="1f1b",
                         help="Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (same bubble, fewer live activations).")
     parser.add_argument("--num_microbatches", type=positive_int, default=4,
@@ -145,6 +154,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dist_timeout", type=float, default=600,
                         help="Seconds a collective or pipeline send/recv may wait for another process before the run fails.")
     parser.add_argument("--eval_before_training", action="store_true", help="Also measure validation perplexity before the first step.")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the model (inductor, via Accelerate's dynamo_backend) in single, ddp and fsdp modes; "
+                             "attention already uses PyTorch's SDPA kernels (transformers' default).")
+    parser.add_argument("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): benchmarks that measure training speed only.")
     parser.add_argument("--perf_warmup_steps", type=int, default=2, help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).")
     parser.add_argument("--cpu_threads_per_process", type=int, default=1,
                         help="On CPU: PyTorch threads per process (1 = one core stands in for one GPU, fair comparisons; 0 = PyTorch's default).")
@@ -268,6 +281,8 @@ def main():
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # --compile: prepare() wraps the model in torch.compile (None keeps ACCELERATE_DYNAMO_BACKEND's choice).
+        dynamo_backend="inductor" if args.compile else None,
         # A seedable sampler with a fixed data seed shuffles identically in every mode and process
         # count: what makes the modes comparable batch-for-batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
@@ -285,6 +300,12 @@ def main():
     microbatches = args.num_microbatches if parallelism == "pipeline" else 1
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
     check_parallelism(args, parallelism, num_processes, eval_batch_size, accelerator.mixed_precision)
+    if args.compile and parallelism in ("pipeline", "device_map"):
+        raise RecipeError(f"--compile works on the model that prepare() wraps whole (single, ddp, fsdp), not on {parallelism}'s split model.")
+    # fsdp needs the FSDP launch config and 2+ processes; that config is not combined with other modes.
+    check_fsdp_request(accelerator, parallelism, "recipes/pipeline_lm.py")
+    # ddp and fsdp are both data parallel: each process trains on its shard of every global batch.
+    data_parallel = parallelism in ("ddp", "fsdp")
     # device_map: a device list that is [cuda:0, cuda:1] on a 2-GPU box and [cpu, cpu] on a CPU-only
     # machine; the split and activation moves below are the same code for both.
     split_over = split_devices(accelerator.device) if parallelism == "device_map" else []
@@ -324,8 +345,13 @@ def main():
     checkpoint = resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir) if args.resume_from_checkpoint else None
     if args.resume_from_checkpoint == "latest" and checkpoint is None:
         accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
-    if checkpoint is not None and (pipeline_split_of(checkpoint) is not None) != (parallelism == "pipeline"):
-        written_by = "pipeline stages" if pipeline_split_of(checkpoint) is not None else "accelerator.save_state (ddp, device_map or single)"
+    # Three checkpoint layouts: pipeline stages' own files, FSDP shards (save_state writes the model as a
+    # torch.distributed.checkpoint folder, pytorch_model_fsdp_0), and whole-model files (the other modes).
+    checkpoint_kind = None if checkpoint is None else (
+        "pipeline" if pipeline_split_of(checkpoint) is not None else "fsdp" if (checkpoint / "pytorch_model_fsdp_0").is_dir() else "replica")
+    if checkpoint is not None and checkpoint_kind != (parallelism if parallelism in ("pipeline", "fsdp") else "replica"):
+        written_by = {"pipeline": "pipeline stages", "fsdp": "FSDP shards (accelerator.save_state under fsdp)",
+                      "replica": "accelerator.save_state (ddp, device_map or single)"}[checkpoint_kind]
         raise RecipeError(
             f"{checkpoint} was written by {written_by} and cannot be resumed with --parallelism {parallelism}. Resume "
             "it in the mode that wrote it, or start a new run from its run's saved model (--model_name_or_path)."
@@ -377,7 +403,7 @@ def main():
     # so that the modes see the same batches.
     train_dataloader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True)
     eval_dataloader = DataLoader(eval_dataset, batch_size=eval_batch_size)
-    batches_needed = (num_processes if parallelism == "ddp" else 1) * args.gradient_accumulation_steps
+    batches_needed = (num_processes if data_parallel else 1) * args.gradient_accumulation_steps
     if len(train_dataloader) < batches_needed:
         raise RecipeError(
             f"One optimizer step needs {batches_needed * args.per_device_train_batch_size} blocks of {args.block_size} "
@@ -419,6 +445,13 @@ def main():
     else:
         accelerator.print(f"model: {num_parameters / 1e6:.1f}M parameters, {len(model.get_submodule(block_list))} decoder blocks, unsplit")
 
+    if args.gradient_checkpointing:
+        # Before the split, the stage build and prepare() (FSDP wraps the blocks): each decoder block
+        # then recomputes its activations in backward. use_reentrant=False: the reentrant version
+        # runs backward outside autograd's view of the block, which breaks DDP (a parameter "used
+        # twice" or "unused" error) and needs an input that requires grad; the non-reentrant one works
+        # in every mode here (single, ddp, device_map, pipeline, fsdp) and gives the same gradients.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     stage = None
     device_map = None
     if parallelism == "device_map":
@@ -434,7 +467,7 @@ def main():
     # Batches each process sees per epoch: ddp's prepared loader gives each process every
     # num_processes-th batch (drop_last: whole rounds only). accumulate() also steps on the last,
     # shorter group of an epoch, hence the ceiling division.
-    batches_per_epoch = len(train_dataloader) // (num_processes if parallelism == "ddp" else 1)
+    batches_per_epoch = len(train_dataloader) // (num_processes if data_parallel else 1)
     steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
     num_epochs = math.ceil(max_train_steps / steps_per_epoch)
@@ -447,8 +480,12 @@ def main():
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism != "pipeline":
-        # ddp: wraps the model in DDP and shards the data loaders. device_map: the model keeps its
+        # ddp: wraps the model in DDP and shards the data loaders. fsdp: shards the model instead
+        # (fully_shard on every decoder block, then the rest) and points the optimizer at the shards,
+        # so each process's AdamW state covers only its 1/N. device_map: the model keeps its
         # placement (prepare reads hf_device_map). single: moves it to the device.
+        if parallelism == "fsdp":
+            accelerator.print(f"fsdp: one unit per {wrap_at_blocks(accelerator, model, block_list) or 'configured block'}")
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
             model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
         )
@@ -472,7 +509,7 @@ def main():
 
     # tokens per optimizer step = batch x sequence length x accumulation x data-parallel processes
     # (pipeline stages share their batch, so they count once).
-    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * (num_processes if parallelism == "ddp" else 1)
+    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * (num_processes if data_parallel else 1)
     tokens_per_step = global_batch_size * args.block_size
     config = {
         **vars(args), "parallelism_resolved": parallelism, "num_processes": num_processes, "num_stages": num_stages,
@@ -526,7 +563,7 @@ def main():
         active_dataloader = train_dataloader
         if epoch == starting_epoch and resume_batches:
             active_dataloader = accelerator.skip_first_batches(train_dataloader, resume_batches)
-        for batch in active_dataloader:
+        for batch in meter.timed(active_dataloader):  # timed: measures the wait for each batch
             input_ids = batch["input_ids"]
             # accumulate() decides when a step ends (every gradient_accumulation_steps batches, or at the
             # end of the data loader) and skips DDP's all-reduce until then; it also serves pipeline mode,
@@ -576,23 +613,27 @@ def main():
     perf = meter.summary()  # collective: every process calls it
     # Exact bytes of parameters + gradients + optimizer state per process (a stage's own in pipeline mode).
     perf["memory/model_state_bytes"] = model_state_bytes_per_rank(accelerator, model, optimizer)
+    if parallelism == "fsdp":
+        # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
+        perf["fsdp/sharding"] = sharding_per_rank(accelerator, model)
 
     # ------------------------------------------------------------------------- evaluation
     # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
-    loss_sum, num_tokens, num_blocks = evaluate()
+    loss_sum, num_tokens, num_blocks = (math.nan, 1, 0) if args.skip_eval else evaluate()
     eval_loss = loss_sum / num_tokens
     accelerator.print(f"eval/loss {eval_loss:.4f} eval/perplexity {math.exp(eval_loss):.2f} "
                       f"({num_blocks} blocks, {num_tokens} predicted tokens)")
 
     # ------------------------------------------------------------------------------- save
     accelerator.wait_for_everyone()
-    if parallelism == "pipeline":
-        # Each stage holds different weights: gather them into one full model on the main process.
-        full_state_dict = gather_full_state_dict(model)
+    if parallelism in ("pipeline", "fsdp"):
+        # Each stage holds different weights (pipeline), each process 1/N of every weight (fsdp): gather
+        # them into one full model on the main process. Both are collectives: every process calls them.
+        full_state_dict = gather_full_state_dict(model) if parallelism == "pipeline" else accelerator.get_state_dict(model)
         final_model = None
         if accelerator.is_main_process:
             final_model = AutoModelForCausalLM.from_config(model_config)
-            final_model.load_state_dict(full_state_dict, strict=True)  # strict: every weight came from a stage
+            final_model.load_state_dict(full_state_dict, strict=True)  # strict: every weight came from a stage or shard
     else:
         final_model = accelerator.unwrap_model(model)
     if accelerator.is_main_process:
@@ -603,7 +644,7 @@ def main():
         # Greedy, so the test can regenerate the same text from the saved folder.
         final_model.eval()
         prompt_ids = tokenizer(args.sample_prompt, return_tensors="pt").input_ids.to(accelerator.device)
-        if parallelism == "pipeline":
+        if parallelism in ("pipeline", "fsdp"):
             final_model.to(accelerator.device)
         with torch.no_grad():
             generated = final_model.generate(prompt_ids, max_new_tokens=args.sample_tokens, do_sample=False,

