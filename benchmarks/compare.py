@@ -1,0 +1,392 @@
+"""Compare benchmark results: a markdown table, the ratios that matter, PNG plots, a regression gate.
+
+    python benchmarks/compare.py outputs/bench_cpu                         # a runner's output folder
+    python benchmarks/compare.py machine_a/ machine_b/ --output_dir outputs/a_vs_b
+    python benchmarks/compare.py outputs/*/results.json                     # plain recipe results work too
+    python benchmarks/compare.py --baseline before/ --candidate after/ --threshold 0.1   # exit 1 on a regression
+
+Takes any number of files or folders (searched recursively) holding the runner's per-run records
+(``benchmarks/run.py``, schema in ``benchmarks/README.md``) or recipes' ``results.json``. Prints, and
+writes to ``OUTPUT_DIR/summary.md``: one row per configuration (medians over its rounds) and the
+ratios, each paired within a round (A B A B) and reported as the median over rounds:
+
+- DDP scaling efficiency = throughput(ddp) / (processes x throughput(single)), same per-process batch;
+- pipeline speedup = throughput(pipeline, m micro-batches) / throughput(naive device_map split),
+  against the ideal p m / (m + p - 1) for p stages (2m / (m + 1) on two devices);
+- overhead = recipe step time / raw PyTorch step time (``raw_ddp_lm.py``, same model, data and batch);
+- group_by_length speedup, FSDP vs DDP, torch.compile speedup: samples/s ratios.
+
+Plots (``OUTPUT_DIR/plots``, matplotlib Agg): throughput per setup, pipeline speedup against the
+ideal curve, peak memory per device. ``--baseline A --candidate B`` compares the throughput of every
+configuration found in both and exits with 1 when one fell by more than ``--threshold``, so it can gate CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import SCHEMA, summarize  # noqa: E402  (the same field extraction as the runner's records)
+
+# The issue's targets, shown beside the measured ratios (CPU, 1 thread per process).
+TARGETS = {"ddp scaling efficiency": (">=", 0.92), "overhead vs raw PyTorch": ("<=", 1.02),
+           "group_by_length speedup": (">=", 1.3), "pipeline speedup m=4": (">=", 1.4)}
+
+
+# ------------------------------------------------------------------------------ loading
+def plain_record(results: dict, path: Path) -> dict:
+    """A recipe's results.json, not written by the runner, as a record (no group rounds: pooled ratios only)."""
+    config = results.get("config", {})
+    parallelism = results.get("parallelism") or results.get("placement")
+    recipe = results.get("recipe", "unknown")
+    setup = {"raw_ddp_lm": "raw_ddp"}.get(recipe, parallelism)
+    if parallelism == "pipeline":
+        setup = f"pipeline-{results.get('pipeline_schedule')}-m{results.get('num_microbatches')}"
+    if config.get("group_by_length"):
+        setup += "+group_by_length"
+    if results.get("mixed_precision") == "bf16":
+        setup += "+bf16"
+    if config.get("compile"):
+        setup += "+compile"
+    size = config.get("model_size") if recipe in ("pipeline_lm", "raw_ddp_lm") else Path(str(results.get("model", "model"))).name
+    threads = config.get("cpu_threads")
+    return {"schema": SCHEMA, "run_id": str(path), "status": "ok", "recipe": recipe, "size": size, "setup": setup,
+            "group": f"{'lm' if recipe != 'transformer_finetune' else 'finetune'}-{size}", "round": None,
+            **summarize(results, threads)}
+
+
+def load(paths: list[str | Path]) -> list[dict]:
+    """Every record under ``paths``. Each gets ``_input``: the folder it was found in, when it came from
+    a folder (results from different folders, e.g. two machines, are kept apart), else ""."""
+    records, plain = [], []
+    referenced = set()
+    for given in paths:
+        given = Path(given)
+        files = sorted(given.rglob("*.json")) if given.is_dir() else [given]
+        label = str(given) if given.is_dir() else ""
+        for file in files:
+            try:
+                data = json.loads(file.read_text())
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if not isinstance(data, dict):
+                continue
+            if data.get("schema") == SCHEMA:
+                records.append({**data, "_input": label})
+                if data.get("results_file"):
+                    # runs/<id>.json -> the runner's output dir holds results_file.
+                    referenced.add((file.parent.parent / data["results_file"]).resolve())
+            elif "perf/samples_per_sec" in data and "recipe" in data:
+                plain.append((file, {**plain_record(data, file), "_input": label}))
+    return records + [record for file, record in plain if file.resolve() not in referenced]
+
+
+# ------------------------------------------------------------------------------ aggregation
+def median(values):
+    values = [value for value in values if value is not None]
+    return statistics.median(values) if values else None
+
+
+def config_key(record: dict, several_inputs: bool) -> tuple:
+    return ((record["_input"],) if several_inputs else ()) + (record["group"], record["setup"])
+
+
+def configurations(records: list[dict]) -> dict[tuple, list[dict]]:
+    several = len({record["_input"] for record in records}) > 1
+    grouped: dict[tuple, list[dict]] = {}
+    for record in records:
+        if record.get("status") == "ok":
+            grouped.setdefault(config_key(record, several), []).append(record)
+    return grouped
+
+
+def split_setup(setup: str) -> tuple[str, frozenset]:
+    base, *options = setup.split("+")
+    return base, frozenset(options)
+
+
+def comparison(a: str, b: str) -> str | None:
+    """What comparing setup b against setup a (the reference) measures, if anything."""
+    (base_a, options_a), (base_b, options_b) = split_setup(a), split_setup(b)
+    if base_a == base_b and options_b - options_a == {"group_by_length"} and options_a <= options_b:
+        return "group_by_length speedup"
+    if base_a == base_b and options_b - options_a == {"compile"} and options_a <= options_b:
+        return "torch.compile speedup"
+    if options_a != options_b:
+        return None
+    return {("single", "ddp"): "ddp scaling efficiency", ("raw_ddp", "ddp"): "overhead vs raw PyTorch",
+            ("ddp", "fsdp"): "fsdp vs ddp throughput"}.get((base_a, base_b)) or (
+        "pipeline speedup" if base_a == "device_map" and base_b.startswith("pipeline-") else None)
+
+
+def ratio_of(kind: str, a: dict, b: dict) -> float | None:
+    """The ratio for one pair of runs (or of two configurations' medians)."""
+    if kind == "overhead vs raw PyTorch":
+        return b["perf/step_time_s"] / a["perf/step_time_s"] if a.get("perf/step_time_s") and b.get("perf/step_time_s") else None
+    if not a.get("perf/samples_per_sec") or not b.get("perf/samples_per_sec"):
+        return None
+    ratio = b["perf/samples_per_sec"] / a["perf/samples_per_sec"]
+    if kind == "ddp scaling efficiency":
+        ratio /= b["processes"] / a["processes"]
+    return ratio
+
+
+def medians(runs: list[dict]) -> dict:
+    keys = ("perf/samples_per_sec", "perf/tokens_per_sec", "perf/step_time_s", "perf/step_time_p90_s", "perf/data_wait_fraction",
+            "perf/mfu", "perf/achieved_tflops", "foreign_cpu_share")
+    first = runs[0]
+    return {**{key: first.get(key) for key in ("recipe", "size", "setup", "group", "processes", "threads_per_process",
+                                                "global_batch_size", "sequence_length", "num_microbatches", "pipeline_schedule")},
+            **{key: median(run.get(key) for run in runs) for key in keys}}
+
+
+def ratios(grouped: dict[tuple, list[dict]]) -> list[dict]:
+    """Every meaningful comparison between two configurations of the same group (and input)."""
+    rows = []
+    for key_a, runs_a in grouped.items():
+        for key_b, runs_b in grouped.items():
+            if key_a[:-1] != key_b[:-1]:
+                continue
+            kind = comparison(key_a[-1], key_b[-1])
+            if not kind:
+                continue
+            rounds_a = {run["round"]: run for run in runs_a if run.get("round") is not None}
+            paired = [ratio_of(kind, rounds_a[run["round"]], run) for run in runs_b if run.get("round") in rounds_a]
+            paired = [value for value in paired if value is not None]
+            pooled = ratio_of(kind, medians(runs_a), medians(runs_b))
+            shares = [run.get("foreign_cpu_share") for run in runs_a + runs_b if run.get("foreign_cpu_share") is not None]
+            row = {"key": key_b, "group": key_a[-2], "reference": key_a[-1], "setup": key_b[-1], "comparison": kind,
+                   "ratio": median(paired) if paired else pooled, "paired": paired, "pooled": pooled, "ideal": None,
+                   "max_foreign_cpu_share": max(shares) if shares else None}
+            if kind == "pipeline speedup":
+                stages, m = runs_b[0]["processes"], runs_b[0].get("num_microbatches")
+                row["m"], row["schedule"] = m, runs_b[0].get("pipeline_schedule")
+                if m:
+                    row["ideal"] = stages * m / (m + stages - 1)
+            rows.append(row)
+    return sorted(rows, key=lambda row: (row["group"], row["comparison"], row["setup"]))
+
+
+def target_of(row: dict) -> tuple[str, float] | None:
+    name = row["comparison"] + (f" m={row['m']}" if row.get("m") else "")
+    return TARGETS.get(name) or TARGETS.get(row["comparison"])
+
+
+# ------------------------------------------------------------------------------ markdown
+def fmt(value, spec: str = ".3g", none: str = "-") -> str:
+    if value is None or value != value:  # None or NaN
+        return none
+    return format(value, spec)
+
+
+def memory_text(runs: list[dict]) -> str:
+    peaks: dict[str, float] = {}
+    for run in runs:
+        for device, gib in (run.get("memory/peak_gib") or {}).items():
+            peaks[device] = max(peaks.get(device, 0.0), gib)
+    return ", ".join(f"{device} {gib:.2f}" for device, gib in sorted(peaks.items())) or "-"
+
+
+def machines_text(records: list[dict]) -> list[str]:
+    lines = []
+    for text in sorted({json.dumps([record.get("machine"), record.get("versions")], sort_keys=True)
+                        for record in records if record.get("machine")}):
+        machine, versions = json.loads(text)
+        gpus = ", ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in machine.get("gpus") or []) or "no GPU"
+        libs = ", ".join(f"{name} {version}" for name, version in (versions or {}).items() if version)
+        lines.append(f"- {machine.get('cpu_model')}, {machine.get('cpu_cores')} cores, {machine.get('memory_gib')} GiB; {gpus}; {libs}")
+    return lines
+
+
+def markdown(records: list[dict]) -> str:
+    grouped = configurations(records)
+    several = len({record["_input"] for record in records}) > 1
+    lines = ["# Benchmark results", ""]
+    machines = machines_text(records)
+    if machines:
+        lines += ["Machines:", *machines, ""]
+    lines += ["## Runs (medians over rounds)", "",
+              "| " + ("input | " if several else "") + "group | setup | processes x threads | global batch x seq | samples/s | tokens/s "
+              "| step p50 / p90 (s) | data wait | peak memory (GiB) | MFU | runs | other CPU load |",
+              "|" + " --- |" * (12 + several)]
+    for key, runs in grouped.items():
+        m = medians(runs)
+        lines.append(
+            "| " + (f"{key[0]} | " if several else "") + f"{m['group']} | {m['setup']} | {m['processes']} x {fmt(m['threads_per_process'], 'd')} "
+            f"| {m['global_batch_size']} x {m['sequence_length']} | {fmt(m['perf/samples_per_sec'], '.1f')} "
+            f"| {fmt(m['perf/tokens_per_sec'], '.0f')} | {fmt(m['perf/step_time_s'], '.3f')} / {fmt(m['perf/step_time_p90_s'], '.3f')} "
+            f"| {fmt(m['perf/data_wait_fraction'], '.1%')} | {memory_text(runs)} | {fmt(m['perf/mfu'], '.1%')} | {len(runs)} "
+            f"| {fmt(m['foreign_cpu_share'], '.0%')} |")
+    rows = ratios(grouped)
+    if rows:
+        lines += ["", "## Ratios (paired within a round, median over rounds)", "",
+                  "| group | comparison | setup vs reference | ratio | per round | pooled medians | ideal | of ideal | target "
+                  "| max other CPU load |", "|" + " --- |" * 10]
+        for row in rows:
+            target = target_of(row)
+            met = "" if not target or row["ratio"] is None else (
+                " met" if (row["ratio"] >= target[1] if target[0] == ">=" else row["ratio"] <= target[1]) else " missed")
+            lines.append(
+                f"| {(row['key'][0] + ': ') if several else ''}{row['group']} | {row['comparison']} | {row['setup']} vs {row['reference']} "
+                f"| **{fmt(row['ratio'], '.3f')}** | {', '.join(fmt(value, '.3f') for value in row['paired']) or '-'} "
+                f"| {fmt(row['pooled'], '.3f')} | {fmt(row['ideal'], '.2f')} "
+                f"| {fmt(row['ratio'] / row['ideal'] if row['ideal'] and row['ratio'] else None, '.0%')} "
+                f"| {(target[0] + ' ' + format(target[1], 'g') + met) if target else ''} | {fmt(row['max_foreign_cpu_share'], '.0%')} |")
+        lines += ["", "Other CPU load: the share of all cores that other processes used during a run (the largest of "
+                  "the runs behind a ratio); above a few percent the ratio is disturbed, measure it again on a quiet machine."]
+    problems = [record for record in records if record.get("status") != "ok"]
+    if problems:
+        lines += ["", "## Failed and skipped runs", "", "| run | status | reason | last line of output |", "| --- | --- | --- | --- |"]
+        for record in problems:
+            last = (record.get("error_tail") or "").strip().splitlines()[-1:] or [""]
+            lines.append(f"| {record['run_id']} | {record['status']} | {record.get('reason')} | {last[0][:200].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------ plots
+def plots(records: list[dict], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    grouped = configurations(records)
+    written = []
+    labels = {key: " / ".join(key) for key in grouped}
+
+    # Throughput per setup: tokens/s for the language models, samples/s otherwise; whiskers span the rounds.
+    panels = {}
+    for key, runs in grouped.items():
+        metric = "perf/tokens_per_sec" if runs[0].get("perf/tokens_per_sec") else "perf/samples_per_sec"
+        values = [run[metric] for run in runs if run.get(metric)]
+        if values:
+            panels.setdefault(metric, []).append((labels[key], statistics.median(values), min(values), max(values)))
+    if panels:
+        figure, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.35 * sum(len(rows) for rows in panels.values()) + len(panels)),
+                                    squeeze=False)
+        for axis, (metric, rows) in zip(axes[:, 0], sorted(panels.items())):
+            names, mids, lows, highs = zip(*rows)
+            axis.barh(range(len(rows)), mids, xerr=[[mid - low for mid, low in zip(mids, lows)], [high - mid for mid, high in zip(mids, highs)]],
+                      color="tab:blue", capsize=3)
+            axis.set_yticks(range(len(rows)), names, fontsize=8)
+            axis.invert_yaxis()
+            axis.set_xlabel(metric.split("/")[1].replace("_per_sec", "/s") + " (median; whiskers: min-max over rounds)")
+        figure.suptitle("Throughput per setup")
+        figure.tight_layout()
+        written.append(folder / "throughput.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+
+    # Pipeline speedup over the naive split against the ideal p m / (m + p - 1).
+    pipeline_rows = [row for row in ratios(grouped) if row["comparison"] == "pipeline speedup" and row.get("m")]
+    if pipeline_rows:
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        top = max(row["m"] for row in pipeline_rows)
+        stages = 2
+        ms = [1 + i * (max(top, 2) - 1) / 100 for i in range(101)]
+        axis.plot(ms, [stages * m / (m + stages - 1) for m in ms], "k--", label="ideal 2m/(m+1)")
+        series = {}
+        for row in pipeline_rows:
+            series.setdefault(" / ".join(row["key"][:-1]) + f" {row['schedule']}", []).append(row)
+        for name, rows in sorted(series.items()):
+            rows.sort(key=lambda row: row["m"])
+            axis.plot([row["m"] for row in rows], [row["ratio"] for row in rows], "o-", label=name)
+            for row in rows:
+                axis.scatter([row["m"]] * len(row["paired"]), row["paired"], s=10, color="grey", zorder=3)
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_xlabel("micro-batches m")
+        axis.set_ylabel("throughput / naive device_map split")
+        axis.set_title("Pipeline speedup (dots: single rounds)")
+        axis.legend(fontsize=8)
+        figure.tight_layout()
+        written.append(folder / "pipeline_speedup.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+
+    # Peak memory per device (CPU: each process's peak RSS; CUDA: max allocated).
+    memory = {labels[key]: {} for key in grouped}
+    for key, runs in grouped.items():
+        for run in runs:
+            for device, gib in (run.get("memory/peak_gib") or {}).items():
+                memory[labels[key]][device] = max(memory[labels[key]].get(device, 0.0), gib)
+    memory = {name: peaks for name, peaks in memory.items() if peaks}
+    if memory:
+        width = 0.8 / max(len(peaks) for peaks in memory.values())
+        figure, axis = plt.subplots(figsize=(9, 1.5 + 0.45 * len(memory)))
+        for row, (name, peaks) in enumerate(memory.items()):
+            for index, (device, gib) in enumerate(sorted(peaks.items())):
+                axis.barh(row + index * width, gib, height=width, color=f"C{index}")
+                axis.text(gib, row + index * width, f" {device}", va="center", fontsize=6)
+        axis.set_yticks([row + 0.4 - width / 2 for row in range(len(memory))], list(memory), fontsize=8)
+        axis.invert_yaxis()
+        axis.set_xlabel("peak memory per device (GiB)")
+        axis.set_title("Peak memory per device")
+        figure.tight_layout()
+        written.append(folder / "memory.png")
+        figure.savefig(written[-1], dpi=110)
+        plt.close(figure)
+    return written
+
+
+# ------------------------------------------------------------------------------ entry points
+def report(paths: list[str | Path], output_dir: str | Path | None) -> str:
+    """Print the markdown report; with ``output_dir``, also write summary.md and plots/ there."""
+    records = load(paths)
+    if not records:
+        raise SystemExit(f"no benchmark records or results.json found in {', '.join(map(str, paths))}")
+    text = markdown(records)
+    print(text)
+    if output_dir is not None:
+        output_dir = Path(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "summary.md").write_text(text)
+        written = plots(records, output_dir / "plots")
+        print(f"wrote {output_dir / 'summary.md'} and {', '.join(path.name for path in written)} in {output_dir / 'plots'}")
+    return text
+
+
+def regressions(baseline: list[str], candidate: list[str], threshold: float) -> int:
+    """Compare median throughput per configuration; 1 if any fell by more than ``threshold``."""
+    before = {key[-2:]: medians(runs) for key, runs in configurations(load(baseline)).items()}
+    after = {key[-2:]: medians(runs) for key, runs in configurations(load(candidate)).items()}
+    common = [key for key in before if key in after]
+    if not common:
+        print(f"no configuration (group, setup) is in both the baseline ({len(before)}) and the candidate ({len(after)})")
+        return 2
+    failed = 0
+    print("| group | setup | baseline samples/s | candidate samples/s | change | |\n|" + " --- |" * 6)
+    for key in sorted(common):
+        a, b = before[key]["perf/samples_per_sec"], after[key]["perf/samples_per_sec"]
+        change = b / a - 1 if a and b else None
+        regressed = change is not None and change < -threshold
+        failed += regressed
+        print(f"| {key[0]} | {key[1]} | {fmt(a, '.2f')} | {fmt(b, '.2f')} | {fmt(change, '+.1%')} | {'REGRESSION' if regressed else 'ok'} |")
+    print(f"{failed} of {len(common)} configurations lost more than {threshold:.0%} throughput")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("paths", nargs="*", help="Result files or folders (searched recursively).")
+    parser.add_argument("--output_dir", default="outputs/compare", help="Where summary.md and plots/ go.")
+    parser.add_argument("--baseline", nargs="+", help="Regression check: the reference results (files or folders).")
+    parser.add_argument("--candidate", nargs="+", help="Regression check: the results to check against --baseline.")
+    parser.add_argument("--threshold", type=float, default=0.1, help="Largest tolerated throughput loss (0.1 = 10%%).")
+    args = parser.parse_args(argv)
+    if args.baseline or args.candidate:
+        if not (args.baseline and args.candidate):
+            parser.error("--baseline and --candidate go together")
+        return regressions(args.baseline, args.candidate, args.threshold)
+    if not args.paths:
+        parser.error("give result files or folders, or --baseline and --candidate")
+    report(args.paths, args.output_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,488 @@
+"""Run a benchmark matrix (recipe x setup x size) through ``accelerate launch`` and write one JSON per run.
+
+    python benchmarks/run.py --matrix cpu --output_dir outputs/bench_cpu      # the reference CPU matrix
+    python benchmarks/run.py --matrix gpu --output_dir outputs/bench_gpu      # one GPU: 350M, bf16, compiled
+    python benchmarks/run.py --matrix smoke --output_dir outputs/bench_smoke  # 2 steps of tiny models (the test)
+    python benchmarks/run.py --matrix cpu --dump_matrix > my_matrix.json      # edit it, then --matrix my_matrix.json
+
+Every run goes through ``accelerate launch --config_file accelerate_configs/<setup's config>`` (the
+raw PyTorch baseline through ``torchrun``), with warm-up steps left out of the numbers
+(``--perf_warmup_steps``), the final evaluation and checkpoints off, and one thread per process on CPU
+(one core stands in for one GPU). A matrix is a list of *groups*: runs that are compared with each
+other. Each group runs as rounds, A B A B (``--repeats`` rounds of all its setups, back to back), so
+slow drift of a shared machine hits both sides of a ratio alike; ``benchmarks/compare.py`` pairs the
+runs of one round and reports the median ratio. The schema of the per-run JSON is in
+``benchmarks/README.md``.
+
+Robust and resumable: a failed run is recorded (``status: failed`` with the tail of its output) and the
+matrix goes on; a setup whose config file does not exist is recorded as skipped; running the same
+command again skips every run already recorded as ok with the same command line (failed and skipped
+runs are tried again). At the end ``compare.py`` writes ``summary.md`` and ``plots/`` into the output dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+import psutil
+from tqdm.auto import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "accelerate_configs"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from pipeline_vs_naive import busy_cpu_seconds, own_cpu_seconds  # noqa: E402  (the foreign-CPU check)
+
+SCHEMA = "two-gpu-recipes/benchmark-run/1"
+RUN_MARKER = "TWO_GPU_RECIPES_BENCH_RUN"  # in every process of a run, to find and kill them all on timeout
+LIBRARIES = ["torch", "accelerate", "transformers", "datasets", "tokenizers", "numpy", "evaluate"]
+
+# Peak dense (no 2:4 sparsity) BF16 tensor-core FLOP/s per GPU, from NVIDIA's datasheets and
+# architecture whitepapers (FP32 accumulate, boost clock). Matched in order against
+# torch.cuda.get_device_name() / nvidia-smi's name, so the specific names come first.
+PEAK_BF16_FLOPS = [
+    ("H200 NVL", 835e12), ("H200", 989e12), ("GH200", 989e12),
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),  # plain "H100 80GB HBM3" is the SXM part
+    ("H800 PCIe", 756e12), ("H800", 989e12), ("H20", 148e12),
+    ("B200", 2250e12), ("B100", 1750e12),
+    ("A100", 312e12), ("A800", 312e12),  # 40 and 80 GB, SXM and PCIe: the same tensor-core peak
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12),
+    ("RTX 6000 Ada", 364e12), ("RTX A6000", 155e12),
+    ("RTX 4090", 165e12), ("RTX 4080", 97e12), ("RTX 3090 Ti", 80e12), ("RTX 3090", 71e12), ("RTX 3080", 60e12),
+]
+
+KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work/<run>/ after a successful run
+
+
+# ------------------------------------------------------------------------------ the matrices
+def lm_args(size: str, *, steps: int, warmup: int, batch: int, block: int, vocab: int, corpus_mb: float, threads: int | None) -> list[str]:
+    """Flags that recipes/pipeline_lm.py and benchmarks/raw_ddp_lm.py share: same model, data, batch, steps."""
+    args = ["--model_size", size, "--vocab_size", vocab, "--block_size", block, "--per_device_train_batch_size", batch,
+            "--max_train_steps", steps, "--perf_warmup_steps", warmup, "--corpus_max_mb", corpus_mb]
+    if threads is not None:
+        args += ["--cpu_threads_per_process", threads]
+    return [str(arg) for arg in args]
+
+
+def lm_runs(size: str, setups: list[str], **shape) -> list[dict]:
+    """Run specs for recipes/pipeline_lm.py (and the raw baseline) at one size.
+
+    Setup names: single, ddp, fsdp, device_map, raw_ddp (torchrun, no Accelerate), pipeline-<schedule>-m<M>,
+    and any of them + "+compile" / "+bf16" (e.g. single+bf16+compile).
+    """
+    common = lm_args(size, **shape)
+    recipe_only = ["--sample_tokens", "0", "--skip_eval"]
+    runs = []
+    for setup in setups:
+        base, *options = setup.split("+")
+        extra = []
+        for option in options:
+            extra += {"compile": ["--compile"], "bf16": ["--mixed_precision", "bf16"]}[option]
+        if base == "raw_ddp":
+            runs.append({"setup": setup, "recipe": "raw_ddp_lm", "size": size, "launcher": "torchrun", "processes": 2,
+                         "script": "benchmarks/raw_ddp_lm.py", "args": common + extra})
+            continue
+        config, parallelism = {"single": ("single_gpu.yaml", None), "ddp": ("ddp_2gpu.yaml", "ddp"), "fsdp": ("fsdp_2gpu.yaml", "fsdp"),
+                               "device_map": ("model_sharding_2gpu.yaml", "device_map")}.get(base, ("pipeline_2gpu.yaml", "pipeline"))
+        if parallelism == "pipeline":
+            _, schedule, m = base.split("-")  # pipeline-gpipe-m4
+            extra = ["--pipeline_schedule", schedule, "--num_microbatches", m.lstrip("m")] + extra
+        runs.append({"setup": setup, "recipe": "pipeline_lm", "size": size, "launcher": "accelerate", "config": config,
+                     "script": "recipes/pipeline_lm.py",
+                     "args": common + recipe_only + (["--parallelism", parallelism] if parallelism else []) + extra})
+    return runs
+
+
+def finetune_runs(setups: list[str], *, steps: int | None, warmup: int, max_train_samples: int | None = None) -> list[dict]:
+    """Run specs for recipes/transformer_finetune.py (the default MiniLM and docstring data).
+
+    ``steps=None`` trains one whole epoch, so both sides of the group_by_length pair see the same samples.
+    """
+    common = ["--perf_warmup_steps", str(warmup), "--skip_eval"]
+    common += ["--max_train_steps", str(steps)] if steps else ["--num_train_epochs", "1"]
+    common += ["--max_train_samples", str(max_train_samples)] if max_train_samples else []
+    runs = []
+    for setup in setups:
+        base, *options = setup.split("+")
+        config = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml"}[base]
+        extra = ["--group_by_length"] if "group_by_length" in options else []
+        runs.append({"setup": setup, "recipe": "transformer_finetune", "size": "minilm-l6", "launcher": "accelerate", "config": config,
+                     "script": "recipes/transformer_finetune.py", "args": common + extra})
+    return runs
+
+
+def matrix_preset(name: str) -> dict:
+    """The named matrices. Sizes are chosen for their machines (see benchmarks/README.md)."""
+    pipelines = lambda schedule: [f"pipeline-{schedule}-m{m}" for m in (2, 4, 8)]  # noqa: E731
+    if name == "smoke":
+        # Tiny model, 2 steps (1 measured): exercises every code path of the runner and compare.py.
+        tiny = dict(steps=2, warmup=1, batch=4, block=32, vocab=512, corpus_mb=0.3, threads=1)
+        groups = [
+            {"name": "lm-tiny-data_parallel", "runs": lm_runs("tiny", ["single", "ddp", "raw_ddp"], **tiny)},
+            {"name": "lm-tiny-pipeline", "runs": lm_runs("tiny", ["device_map", "pipeline-gpipe-m2"], **tiny)},
+        ]
+        return {"name": name, "repeats": 1, "threads_per_process": 1, "groups": groups}
+    if name == "cpu":
+        # 2-core CPU machines, 1 thread per process. small: 9.7M parameters, compute-bound on one core
+        # (~5 s per step of 16 x 256 tokens); tiny: 0.6M, where start-up and communication dominate.
+        small = dict(steps=6, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
+        tiny = dict(small, steps=24, warmup=4)
+        groups = [
+            {"name": "lm-tiny-data_parallel", "runs": lm_runs("tiny", ["single", "ddp", "raw_ddp"], **tiny)},
+            {"name": "lm-small-data_parallel", "runs": lm_runs("small", ["single", "ddp", "raw_ddp", "fsdp"], **small)},
+            {"name": "lm-small-pipeline-gpipe", "runs": lm_runs("small", ["device_map", *pipelines("gpipe")], **small)},
+            {"name": "lm-small-pipeline-1f1b", "runs": lm_runs("small", ["device_map", *pipelines("1f1b")], **small)},
+            # One epoch over the same 640 docstrings each (20 steps of 2 x 16), with and without length grouping.
+            {"name": "finetune-group_by_length",
+             "runs": finetune_runs(["ddp", "ddp+group_by_length"], steps=None, warmup=2, max_train_samples=640)},
+        ]
+        return {"name": name, "repeats": 2, "threads_per_process": 1, "groups": groups}
+    if name == "gpu":
+        # One GPU: the 350M preset (GPT-3 Medium shape) in bf16, torch.compile (inductor) + SDPA attention,
+        # for MFU; the same run uncompiled beside it. 10 warm-up steps absorb compilation.
+        big = dict(steps=40, warmup=10, batch=16, block=1024, vocab=8192, corpus_mb=4, threads=None)
+        groups = [{"name": "lm-350m-single_gpu", "runs": lm_runs("350m", ["single+bf16+compile", "single+bf16"], **big)}]
+        return {"name": name, "repeats": 1, "threads_per_process": None, "groups": groups}
+    raise SystemExit(f"unknown --matrix {name!r}: use smoke, cpu, gpu or a JSON file (see --dump_matrix)")
+
+
+def load_matrix(value: str) -> dict:
+    path = Path(value)
+    if path.suffix == ".json" or path.is_file():
+        return json.loads(path.read_text())
+    return matrix_preset(value)
+
+
+def plan_runs(matrix: dict, repeats: int) -> list[dict]:
+    """Order the runs: group by group, round by round, all setups of a group within a round (A B A B)."""
+    planned = []
+    for group in matrix["groups"]:
+        for round_index in range(repeats):
+            for spec in group["runs"]:
+                run_id = f"{group['name']}/{spec['setup']}/r{round_index}"
+                planned.append({**spec, "group": group["name"], "round": round_index, "run_id": run_id})
+    return planned
+
+
+# ------------------------------------------------------------------------- machine and versions
+def gpu_info() -> list[dict]:
+    """GPU names and memory from nvidia-smi (no torch import: the runner stays light)."""
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        name, memory, driver = (part.strip() for part in line.split(","))
+        gpus.append({"name": name, "memory_gib": round(float(memory) / 1024, 1), "driver": driver,
+                     "peak_bf16_flops": peak_bf16_flops(name)})
+    return gpus
+
+
+def peak_bf16_flops(gpu_name: str) -> float | None:
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in gpu_name.lower():
+            return flops
+    return None
+
+
+def machine_info() -> dict:
+    cpu_model = platform.processor() or None
+    memory_gib = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                memory_gib = round(int(line.split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    return {"cpu_model": cpu_model, "cpu_cores": os.cpu_count(), "memory_gib": memory_gib, "os": platform.platform(),
+            "gpus": gpu_info()}
+
+
+def library_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+# ------------------------------------------------------------------------------ FLOPs and MFU
+def flops_per_token(model_config: dict, num_parameters: int, sequence_length: int) -> dict:
+    """Training FLOPs per token, 6N + 12 L H S (PaLM, Chowdhery et al. 2022, appendix B).
+
+    N: non-embedding parameters = all parameters minus the input token embedding (a lookup, no
+    multiply-adds); the untied LM head is a real matmul and stays in N. 6N: 2 FLOPs per parameter per
+    token forward, twice that backward. 12 L H S: attention scores and their weighted sum (QK^T and AV,
+    2 x 2 x S x H per token per layer forward, x3 with backward) over L layers of width H at sequence
+    length S, counted over the full S x S square as PaLM does (not halved for the causal mask).
+    """
+    hidden, layers = model_config["hidden_size"], model_config["num_hidden_layers"]
+    non_embedding = num_parameters - model_config["vocab_size"] * hidden
+    attention = 12 * layers * hidden * sequence_length
+    return {"model/non_embedding_parameters": non_embedding, "flops/per_token": 6 * non_embedding + attention,
+            "flops/attention_per_token": attention}
+
+
+def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> None:
+    """FLOPs per token, achieved FLOP/s and (on CUDA) MFU, for the language-model runs."""
+    if record["recipe"] not in ("pipeline_lm", "raw_ddp_lm") or not results.get("perf/tokens_per_sec"):
+        return
+    model_config = results.get("config", {}).get("model_config") or {}
+    saved = run_dir / "config.json"  # save_pretrained's full config (the results hold only non-default keys)
+    if saved.is_file():
+        model_config = {**model_config, **json.loads(saved.read_text())}
+    if not all(key in model_config for key in ("hidden_size", "num_hidden_layers", "vocab_size")):
+        return
+    record.update(flops_per_token(model_config, results["model/num_parameters"], record["sequence_length"]))
+    achieved = results["perf/tokens_per_sec"] * record["flops/per_token"]
+    record["perf/achieved_tflops"] = achieved / 1e12
+    on_cuda = str(results.get("device", "")).startswith("cuda")
+    peak = gpus[0]["peak_bf16_flops"] if gpus else None
+    if on_cuda and peak:
+        # Devices the run computes on: one per process, or the devices of a device_map split.
+        used = max(record["processes"], len(results.get("device_map_devices") or []))
+        record["perf/peak_flops_per_device"] = peak
+        record["perf/mfu"] = achieved / (peak * used)
+
+
+# ------------------------------------------------------------------------------ one run
+def command_for(spec: dict, run_dir: Path) -> list[str]:
+    if spec["launcher"] == "torchrun":
+        prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(spec["processes"])]
+    else:
+        prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / spec["config"])]
+    return prefix + [str(REPO / spec["script"]), *spec["args"], "--output_dir", str(run_dir)]
+
+
+def spec_hash(spec: dict) -> str:
+    """Identifies what a run does (its command without paths), to tell a finished run from a changed one."""
+    key = json.dumps({k: spec.get(k) for k in ("recipe", "setup", "size", "launcher", "config", "script", "args", "processes")}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def kill_run(marker: str) -> None:
+    """Kill every process of a run: torchrun starts workers in sessions of their own, so the launcher's
+    process group is not enough; each process carries the run's marker in its environment."""
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(RUN_MARKER) == marker:
+                process.send_signal(signal.SIGKILL)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+
+
+def execute(spec: dict, output_dir: Path, threads: int | None, timeout: float, measure_foreign: bool, context: dict) -> dict:
+    """Launch one run, wait for it (killing it at ``timeout``), and return its record."""
+    run_dir = output_dir / "work" / spec["run_id"]
+    record = {
+        "schema": SCHEMA, "run_id": spec["run_id"], "group": spec["group"], "round": spec["round"], "setup": spec["setup"],
+        "recipe": spec["recipe"], "size": spec["size"], "spec_hash": spec_hash(spec),
+        "launcher": "torchrun" if spec["launcher"] == "torchrun" else f"accelerate launch --config_file accelerate_configs/{spec['config']}",
+        "config_file": None if spec["launcher"] == "torchrun" else f"accelerate_configs/{spec['config']}",
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **context,
+    }
+    if spec["launcher"] != "torchrun" and not (CONFIGS / spec["config"]).is_file():
+        return {**record, "status": "skipped", "reason": f"accelerate_configs/{spec['config']} does not exist (yet)"}
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # never read a results.json left by an earlier attempt
+    run_dir.mkdir(parents=True)
+    command = command_for(spec, run_dir)
+    record["command"] = " ".join(command).replace(str(REPO) + "/", "").replace(sys.executable, "python")
+    marker = uuid.uuid4().hex
+    env = {**os.environ, RUN_MARKER: marker, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the default model and data are local: never wait on the network
+    env.setdefault("HF_DATASETS_OFFLINE", "1")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    log_path = run_dir / "launch.log"
+    busy_before, own_before = busy_cpu_seconds(), own_cpu_seconds()
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = process.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out, returncode = True, None
+        finally:
+            kill_run(marker)  # also reaps workers a crashed launcher left behind
+            process.wait()
+    record["wall_s"] = round(time.perf_counter() - started, 1)
+    if measure_foreign and busy_before is not None:
+        # CPU time other processes used meanwhile, as a share of all cores (pipeline_vs_naive.py's check).
+        foreign = (busy_cpu_seconds() - busy_before) - (own_cpu_seconds() - own_before)
+        record["foreign_cpu_share"] = round(max(0.0, foreign) / (record["wall_s"] * os.cpu_count()), 4)
+    tail = log_path.read_text(errors="replace")[-3000:]
+    results_path = run_dir / "results.json"
+    if timed_out or returncode != 0 or not results_path.is_file():
+        why = f"timed out after {timeout:.0f} s" if timed_out else f"exit code {returncode}" if returncode else "no results.json"
+        return {**record, "status": "failed", "reason": why, "error_tail": tail}
+    results = json.loads(results_path.read_text())
+    record.update(summarize(results, threads))
+    add_flops(record, results, run_dir, context["machine"]["gpus"])
+    for path in run_dir.iterdir():
+        # Keep the numbers and the log, not the trained weights (hundreds of MB per run at 350M) or tokenizers.
+        if path.is_file() and path.name not in KEEP_FILES and not path.name.startswith("stage_timers"):
+            path.unlink()
+    return {**record, "status": "ok", "results_file": str(results_path.relative_to(output_dir))}
+
+
+def summarize(results: dict, threads: int | None) -> dict:
+    """The schema's fields from a recipe's (or the raw baseline's) results.json."""
+    config = results.get("config", {})
+    parallelism = results.get("parallelism") or results.get("placement")
+    processes = results.get("num_processes", 1)
+    sequence_length = config.get("block_size") or config.get("max_length")
+    return {
+        "parallelism": parallelism,
+        "pipeline_schedule": results.get("pipeline_schedule"),
+        "num_microbatches": results.get("num_microbatches") if parallelism == "pipeline" else None,
+        "group_by_length": bool(config.get("group_by_length", False)),
+        "compile": bool(config.get("compile", False)),
+        "mixed_precision": results.get("mixed_precision"),
+        "device": results.get("device") or ("cuda" if "cuda" in json.dumps(results.get("memory/peak_gib", {})) else "cpu"),
+        "processes": processes,
+        "threads_per_process": config.get("cpu_threads") or threads,
+        "global_batch_size": results.get("global_batch_size"),
+        # pipeline_lm: tokens per block; transformer_finetune: the truncation length (batches are
+        # padded to their longest text, up to this).
+        "sequence_length": sequence_length,
+        "steps": results.get("completed_steps"),
+        "warmup_steps": config.get("perf_warmup_steps"),
+        "measured_steps": results.get("perf/measured_steps"),
+        "perf/samples_per_sec": results.get("perf/samples_per_sec"),
+        "perf/tokens_per_sec": results.get("perf/tokens_per_sec"),
+        "perf/step_time_s": results.get("perf/step_time_s"),
+        "perf/step_time_p90_s": results.get("perf/step_time_p90_s"),
+        "perf/data_wait_fraction": results.get("perf/data_wait_fraction"),
+        "memory/peak_gib": results.get("memory/peak_gib"),
+        "memory/model_state_bytes": results.get("memory/model_state_bytes"),
+        "train/padding_fraction": results.get("train/padding_fraction"),
+        "model/num_parameters": results.get("model/num_parameters"),
+        "train/loss": results.get("train/loss"),
+    }
+
+
+def write_record(path: Path, record: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)  # atomic: an interrupted runner never leaves half a record
+
+
+def record_path(output_dir: Path, run_id: str) -> Path:
+    return output_dir / "runs" / (run_id.replace("/", "__") + ".json")
+
+
+def is_done(path: Path, spec: dict) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    # Skipped runs are looked at again: their config file may exist by now.
+    return record.get("status") == "ok" and record.get("spec_hash") == spec_hash(spec)
+
+
+# ------------------------------------------------------------------------------ main
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--matrix", default="cpu", help="A preset (smoke, cpu, gpu) or a JSON file in the --dump_matrix format.")
+    parser.add_argument("--output_dir", help="Where runs/*.json, work/ (each run's output), summary.md and plots/ go. "
+                                             "Run again with the same folder to resume.")
+    parser.add_argument("--repeats", type=int, default=None, help="Rounds per group, A B A B (default: the matrix's own, 2 for cpu).")
+    parser.add_argument("--groups", nargs="+", default=None, help="Run only the groups whose name contains one of these strings.")
+    parser.add_argument("--timeout", type=float, default=1800, help="Seconds one run may take before it is killed and recorded as failed.")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="Runs launched at once. Anything but 1 makes runs compete for the cores: for smoke tests only, never for numbers.")
+    parser.add_argument("--threads_per_process", type=int, default=None,
+                        help="OMP_NUM_THREADS of every run (default: the matrix's, 1 for CPU matrices; recipes with "
+                             "--cpu_threads_per_process get it from the matrix).")
+    parser.add_argument("--dump_matrix", action="store_true", help="Print the matrix as JSON and exit (edit it, pass it back with --matrix).")
+    parser.add_argument("--no_compare", action="store_true", help="Do not write summary.md and plots at the end.")
+    args = parser.parse_args(argv)
+    if not args.dump_matrix and not args.output_dir:
+        parser.error("--output_dir is required")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    matrix = load_matrix(args.matrix)
+    if args.groups:
+        matrix["groups"] = [group for group in matrix["groups"] if any(part in group["name"] for part in args.groups)]
+    if args.dump_matrix:
+        print(json.dumps(matrix, indent=2))
+        return 0
+    repeats = args.repeats or matrix.get("repeats", 1)
+    threads = args.threads_per_process if args.threads_per_process is not None else matrix.get("threads_per_process")
+    output_dir = Path(args.output_dir).resolve()
+    (output_dir / "runs").mkdir(parents=True, exist_ok=True)
+    planned = plan_runs(matrix, repeats)
+    context = {"machine": machine_info(), "versions": library_versions(), "matrix": matrix.get("name", args.matrix)}
+    (output_dir / "matrix.json").write_text(json.dumps({**matrix, "repeats": repeats}, indent=2) + "\n")
+
+    todo = [spec for spec in planned if not is_done(record_path(output_dir, spec["run_id"]), spec)]
+    counts = {"ok": 0, "failed": 0, "skipped": 0, "done before": len(planned) - len(todo)}
+    progress = tqdm(total=len(planned), initial=counts["done before"], desc="benchmark runs", unit="run", dynamic_ncols=True)
+
+    def finish(record: dict) -> None:
+        write_record(record_path(output_dir, record["run_id"]), record)
+        counts[record["status"]] += 1
+        progress.update(1)
+        progress.set_postfix_str(f"{record['run_id']}: {record['status']}")
+        if record["status"] == "failed":
+            progress.write(f"FAILED {record['run_id']} ({record['reason']}): " + record["error_tail"].strip().splitlines()[-1][:300])
+
+    def run_one(spec: dict) -> dict:
+        try:
+            return execute(spec, output_dir, threads, args.timeout, args.jobs == 1, context)
+        except Exception:  # a bug in reading one run's output must not stop the matrix
+            return {"schema": SCHEMA, "run_id": spec["run_id"], "group": spec["group"], "round": spec["round"],
+                    "setup": spec["setup"], "recipe": spec["recipe"], "size": spec["size"], "spec_hash": spec_hash(spec),
+                    "status": "failed", "reason": "runner error", "error_tail": traceback.format_exc()[-3000:], **context}
+
+    if args.jobs == 1:
+        for spec in todo:
+            progress.set_description(spec["run_id"])
+            finish(run_one(spec))
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(run_one, spec) for spec in todo]):
+                finish(future.result())
+    progress.close()
+    print(f"{len(planned)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped, "
+          f"{counts['done before']} already done; records in {output_dir / 'runs'}")
+    if not args.no_compare:
+        import compare  # matplotlib is only needed here
+
+        compare.report([output_dir / "runs"], output_dir)
+    return 1 if counts["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
