@@ -48,9 +48,9 @@ def config_problems(path: str | Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     paths = argv if argv is not None else sys.argv[1:]
-    if not paths:
+    if not paths or paths[0] in ("-h", "--help"):
         print(__doc__.strip())
-        return 2
+        return 2 if not paths else 0
     problems = [problem for path in paths for problem in config_problems(path)]
     for problem in problems:
         print(f"error: {problem}")
