@@ -208,6 +208,9 @@ def main():
     write_results(accelerator, output_dir, results)
     if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
         print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
+    # Sync point: no process tears down its connections while another is still writing results
+    # (a peer that exits early can make gloo abort the main process at exit, seen on 127.0.0.1).
+    accelerator.wait_for_everyone()
     # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can
     # deadlock in the DDP reducer's destructor at interpreter exit (seen with torch 2.13 on CPU).
     model, optimizer, train_dataloader = accelerator.free_memory(model, optimizer, train_dataloader)

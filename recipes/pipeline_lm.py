@@ -689,6 +689,9 @@ def main():
     })
     write_results(accelerator, output_dir, results)
     accelerator.print(f"wrote {output_dir / 'results.json'} and the model to {output_dir}")
+    # Sync point: no process tears down its connections while another is still writing results
+    # (a peer that exits early can make gloo abort the main process at exit, seen on 127.0.0.1).
+    accelerator.wait_for_everyone()
     # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can
     # deadlock in the DDP reducer's destructor at interpreter exit (as in transformer_finetune.py).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)

@@ -493,6 +493,9 @@ def main():
         f"padding {perf['train/padding_fraction']:.1%} of tokens; memory/peak_gib {perf['memory/peak_gib']}"
     )
     accelerator.print(f"saved the model, tokenizer and results.json to {output_dir}")
+    # Sync point: no process tears down its connections while another is still writing results
+    # (a peer that exits early can make gloo abort the main process at exit, seen on 127.0.0.1).
+    accelerator.wait_for_everyone()
     # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can
     # deadlock in the DDP reducer's destructor at interpreter exit (seen with torch 2.13 on CPU).
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.free_memory(
