@@ -64,6 +64,7 @@ from shared import (  # noqa: E402
     build_accelerator,
     choose_placement,
     model_state_bytes_per_rank,
+    positive_float,
     positive_int,
     prepare_output_dir,
     write_results,
@@ -94,14 +95,8 @@ from shared.pipelining import (  # noqa: E402
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one
 # table in shared/model_presets.py, which the fit planner (python -m shared.plan) reads too.
 from shared.model_presets import MODEL_PRESETS  # noqa: E402
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
-    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,6 +12,7 @@ from .runtime import (
     build_accelerator,
     check_process_count,
     choose_placement,
+    positive_float,
     positive_int,
     prepare_output_dir,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "model_state_bytes",
     "model_state_bytes_per_rank",
     "peak_memory_gib",
+    "positive_float",
     "positive_int",
     "prepare_output_dir",
     "write_results",

@@ -30,8 +30,9 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, gather_object
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+from .results import per_rank
 from .runtime import RecipeError
 
 FSDP_CONFIG = "accelerate_configs/fsdp_2gpu.yaml"
@@ -97,8 +98,7 @@ def sharding_facts(model: torch.nn.Module) -> dict[str, int]:
 
 def sharding_per_rank(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, dict[str, int]]:
     """``sharding_facts`` of every process, as ``{"rank0": {...}, ...}``. A collective: call it on all."""
-    per_rank = gather_object([sharding_facts(model)])
-    return {f"rank{rank}": facts for rank, facts in enumerate(per_rank)}
+    return per_rank(sharding_facts(model))
 
 
 def check_fsdp_request(accelerator: Accelerator, parallelism: str, recipe: str) -> None:

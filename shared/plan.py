@@ -60,6 +60,7 @@ from pathlib import Path
 from .lm_split import LOSS_COST_PER_VOCAB_ENTRY
 from .model_presets import LLAMA_2_7B, MODEL_PRESETS
 from .model_split import balanced_partition
+from .runtime import positive_float, positive_int
 
 GIB = 1024**3
 MODEL_SIZES = {**MODEL_PRESETS, "7b": LLAMA_2_7B}
@@ -405,26 +406,6 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
-    return value
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _OneLineParser(prog="python -m shared.plan", description=__doc__.split("\n")[0])
     model = parser.add_mutually_exclusive_group()
@@ -432,16 +413,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="A named shape: the recipe's presets (recipes/pipeline_lm.py --model_size) or 7b (Llama-2-7B). Default: 1.3b.")
     model.add_argument("--model_name_or_path", default=None,
                        help="A model folder (or Hub id, when online): only its config.json is read, the model is built on the meta device.")
-    parser.add_argument("--vocab_size", type=_positive_int, default=DEFAULT_VOCAB_SIZE,
+    parser.add_argument("--vocab_size", type=positive_int, default=DEFAULT_VOCAB_SIZE,
                         help="Vocabulary of a --model_size model (default 32000, Llama-2's; the recipe's default is 8192).")
-    parser.add_argument("--gpus", type=_positive_int, default=2, help="Number of GPUs.")
-    parser.add_argument("--gpu_memory_gib", type=_positive_float, default=24.0, help="Memory of one GPU, in GiB.")
-    parser.add_argument("--seq_len", type=_positive_int, default=1024, help="Tokens per sequence (the recipe's --block_size).")
-    parser.add_argument("--micro_batch", type=_positive_int, default=4,
+    parser.add_argument("--gpus", type=positive_int, default=2, help="Number of GPUs.")
+    parser.add_argument("--gpu_memory_gib", type=positive_float, default=24.0, help="Memory of one GPU, in GiB.")
+    parser.add_argument("--seq_len", type=positive_int, default=1024, help="Tokens per sequence (the recipe's --block_size).")
+    parser.add_argument("--micro_batch", type=positive_int, default=4,
                         help="Sequences per forward pass per GPU (the recipe's --per_device_train_batch_size; pipeline: per micro-batch).")
     parser.add_argument("--mixed_precision", choices=list(STATE_BYTES), default="bf16",
                         help="bf16/fp16: mixed-precision AdamW, 2+2+12 bytes per parameter; no: fp32 AdamW, 4+4+8.")
-    parser.add_argument("--num_microbatches", type=_positive_int, default=8, help="Pipeline: micro-batches per batch (m).")
+    parser.add_argument("--num_microbatches", type=positive_int, default=8, help="Pipeline: micro-batches per batch (m).")
     parser.add_argument("--pipeline_schedule", choices=["1f1b", "gpipe"], default="1f1b",
                         help="Pipeline: 1f1b holds at most p micro-batches' activations per stage, gpipe all m.")
     parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",

@@ -145,10 +145,9 @@ def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, resul
     return path
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    # A DTensor (FSDP2) reports its *global* shape; the bytes this process holds are its local shard.
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
+def per_rank(value) -> dict[str, object]:
+    """``value`` from every process, as ``{"rank0": ..., "rank1": ...}``. A collective: call it on all."""
+    return {f"rank{rank}": item for rank, item in enumerate(gather_object([value]))}
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
@@ -159,26 +158,31 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     gradient per trainable parameter shard, in the parameter's dtype: what a backward pass allocates
     (they may already be freed by ``zero_grad`` when this is called). Tied weights count once.
     """
+
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        # A DTensor (FSDP2) reports its *global* shape; what this process holds is its local shard.
+        return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
     seen: set[int] = set()
     parameters = gradients = 0
     for parameter in model.parameters():
-        local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
-        if local.data_ptr() in seen and local.numel():
+        shard = local(parameter)
+        if shard.data_ptr() in seen and shard.numel():
             continue
-        seen.add(local.data_ptr())
-        parameters += _local_bytes(parameter)
+        seen.add(shard.data_ptr())
+        parameters += shard.numel() * shard.element_size()
         if parameter.requires_grad:
-            gradients += _local_bytes(parameter)
+            gradients += shard.numel() * shard.element_size()
     optimizer_state = 0
     if optimizer is not None:
         for state in optimizer.state.values():
             # Adam's step counter is a 0-d tensor (4 or 8 bytes): counted too, it is state.
-            optimizer_state += sum(_local_bytes(value) for value in state.values() if isinstance(value, torch.Tensor))
+            optimizer_state += sum(local(value).numel() * local(value).element_size()
+                                   for value in state.values() if isinstance(value, torch.Tensor))
     return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state,
             "total": parameters + gradients + optimizer_state}
 
 
 def model_state_bytes_per_rank(accelerator: Accelerator, model: torch.nn.Module, optimizer=None) -> dict[str, dict[str, int]]:
     """``model_state_bytes`` of every process, as ``{"rank0": {...}, ...}``. A collective: call it on all."""
-    per_rank = gather_object([model_state_bytes(model, optimizer)])
-    return {f"rank{rank}": counts for rank, counts in enumerate(per_rank)}
+    return per_rank(model_state_bytes(model, optimizer))

@@ -39,9 +39,23 @@ class RecipeError(SystemExit):
 
 def positive_int(text: str) -> int:
     """argparse type for counts that must be >= 1 (batch sizes, steps), with a message naming the value."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type for amounts that must be > 0 (learning rates, sizes), with a message naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
     return value
 
 
