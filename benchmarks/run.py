@@ -204,6 +204,8 @@ def peak_bf16_flops(gpu_name: str) -> float | None:
 
 
 def machine_info() -> dict:
+    """CPU model, cores, RAM, GPUs. recipes/check_setup.py reads the same /proc files, but importing it
+    would load torch into this long-lived parent process; the runner stays torch-free."""
     cpu_model = platform.processor() or None
     memory_gib = None
     try:

@@ -72,6 +72,8 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
+    # (This Accelerator block repeats in every recipe on purpose: each recipe is one file you can
+    # copy, and reads top to bottom without a jump into a helper that hides its settings.)
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config gives real DDP
     # over gloo instead of two silent independent runs, and checks the process count.
     accelerator = build_accelerator(

@@ -195,6 +195,8 @@ def main():
     args.model_name_or_path = args.model_name_or_path or default_model_path()
 
     # ------------------------------------------------------------------ Accelerator and seed
+    # (This Accelerator block repeats in every recipe on purpose: each recipe is one file you can
+    # copy, and reads top to bottom without a jump into a helper that hides its settings.)
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
