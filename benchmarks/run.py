@@ -47,23 +47,12 @@ CONFIGS = REPO / "accelerate_configs"
 sys.path.insert(0, str(REPO / "benchmarks"))
 from pipeline_vs_naive import busy_cpu_seconds, own_cpu_seconds  # noqa: E402  (the foreign-CPU check)
 
+sys.path.insert(0, str(REPO))
+from shared.flops import lm_flops_per_token, peak_bf16_flops  # noqa: E402  (torch-free: the runner stays light)
+
 SCHEMA = "two-gpu-recipes/benchmark-run/1"
 RUN_MARKER = "TWO_GPU_RECIPES_BENCH_RUN"  # in every process of a run, to find and kill them all on timeout
 LIBRARIES = ["torch", "accelerate", "transformers", "datasets", "tokenizers", "numpy", "evaluate"]
-
-# Peak dense (no 2:4 sparsity) BF16 tensor-core FLOP/s per GPU, from NVIDIA's datasheets and
-# architecture whitepapers (FP32 accumulate, boost clock). Matched in order against
-# torch.cuda.get_device_name() / nvidia-smi's name, so the specific names come first.
-PEAK_BF16_FLOPS = [
-    ("H200 NVL", 835e12), ("H200", 989e12), ("GH200", 989e12),
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),  # plain "H100 80GB HBM3" is the SXM part
-    ("H800 PCIe", 756e12), ("H800", 989e12), ("H20", 148e12),
-    ("B200", 2250e12), ("B100", 1750e12),
-    ("A100", 312e12), ("A800", 312e12),  # 40 and 80 GB, SXM and PCIe: the same tensor-core peak
-    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12),
-    ("RTX 6000 Ada", 364e12), ("RTX A6000", 155e12),
-    ("RTX 4090", 165e12), ("RTX 4080", 97e12), ("RTX 3090 Ti", 80e12), ("RTX 3090", 71e12), ("RTX 3080", 60e12),
-]
 
 KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work/<run>/ after a successful run
 
@@ -196,13 +185,6 @@ def gpu_info() -> list[dict]:
     return gpus
 
 
-def peak_bf16_flops(gpu_name: str) -> float | None:
-    for key, flops in PEAK_BF16_FLOPS:
-        if key.lower() in gpu_name.lower():
-            return flops
-    return None
-
-
 def machine_info() -> dict:
     """CPU model, cores, RAM, GPUs. recipes/check_setup.py reads the same /proc files, but importing it
     would load torch into this long-lived parent process; the runner stays torch-free."""
@@ -234,19 +216,11 @@ def library_versions() -> dict:
 
 # ------------------------------------------------------------------------------ FLOPs and MFU
 def flops_per_token(model_config: dict, num_parameters: int, sequence_length: int) -> dict:
-    """Training FLOPs per token, 6N + 12 L H S (PaLM, Chowdhery et al. 2022, appendix B).
-
-    N: non-embedding parameters = all parameters minus the input token embedding (a lookup, no
-    multiply-adds); the untied LM head is a real matmul and stays in N. 6N: 2 FLOPs per parameter per
-    token forward, twice that backward. 12 L H S: attention scores and their weighted sum (QK^T and AV,
-    2 x 2 x S x H per token per layer forward, x3 with backward) over L layers of width H at sequence
-    length S, counted over the full S x S square as PaLM does (not halved for the causal mask).
-    """
+    """Training FLOPs per token (shared.flops: 6N + 12 L H S), with the parts the records keep."""
     hidden, layers = model_config["hidden_size"], model_config["num_hidden_layers"]
-    non_embedding = num_parameters - model_config["vocab_size"] * hidden
-    attention = 12 * layers * hidden * sequence_length
-    return {"model/non_embedding_parameters": non_embedding, "flops/per_token": 6 * non_embedding + attention,
-            "flops/attention_per_token": attention}
+    return {"model/non_embedding_parameters": num_parameters - model_config["vocab_size"] * hidden,
+            "flops/per_token": lm_flops_per_token(hidden, layers, model_config["vocab_size"], num_parameters, sequence_length),
+            "flops/attention_per_token": 12 * layers * hidden * sequence_length}
 
 
 def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> None:
@@ -262,6 +236,9 @@ def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> N
     record.update(flops_per_token(model_config, results["model/num_parameters"], record["sequence_length"]))
     achieved = results["perf/tokens_per_sec"] * record["flops/per_token"]
     record["perf/achieved_tflops"] = achieved / 1e12
+    if results.get("perf/mfu") is not None:  # the recipe measured it, against the peak of the GPU it ran on
+        record["perf/mfu"], record["perf/peak_flops_per_device"] = results["perf/mfu"], results.get("perf/peak_flops_per_device")
+        return
     on_cuda = str(results.get("device", "")).startswith("cuda")
     peak = gpus[0]["peak_bf16_flops"] if gpus else None
     if on_cuda and peak:

@@ -32,13 +32,23 @@ totals: dict[str, float] = collections.defaultdict(float)
 state = {"train_calls": 0, "counting": False, "measured_calls": 0}
 
 
+def synchronize() -> None:
+    """Sync point: CUDA kernels run asynchronously, so a clock read without it would time the launch of the work,
+    not the work (and charge it to whatever waits next). On CPU there is nothing to wait for."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed(name, function):
     def wrapper(*args, **kwargs):
+        if state["counting"]:
+            synchronize()
         start = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
             if state["counting"]:
+                synchronize()
                 totals[name] += time.perf_counter() - start
     return wrapper
 
@@ -52,11 +62,14 @@ def timed_schedule_step(function, skip_calls):
             state["measured_calls"] += state["counting"]
         else:
             state["counting"] = False
+        if state["counting"]:
+            synchronize()
         start = time.perf_counter()
         try:
             return function(self, *args, **kwargs)
         finally:
             if state["counting"]:
+                synchronize()
                 totals["schedule_step"] += time.perf_counter() - start
     return wrapper
 

@@ -46,7 +46,7 @@ import accelerate
 import psutil
 import torch
 import torch.distributed as dist
-from accelerate.utils import InitProcessGroupKwargs, check_cuda_p2p_ib_support
+from accelerate.utils import check_cuda_p2p_ib_support
 
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
@@ -100,9 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=positive_int, default=20, help="Timed all-reduces per size (nccl-tests uses 20).")
     parser.add_argument("--warmup", type=non_negative_int, default=5, help="Untimed all-reduces per size before timing (nccl-tests uses 5).")
     parser.add_argument(
-        "--timeout_s", type=positive_int, default=300,
-        help="Seconds a collective may wait before the run fails: a hung link ends with an error instead of hanging.",
+        "--dist_timeout", type=float, default=300,
+        help="Seconds any collective may wait for the other processes before the run fails: a hung link ends with an error.",
     )
+    parser.add_argument("--p2p_copy_mb", type=positive_int, default=64,
+                        help="Buffer copied directly between every pair of visible GPUs (and checked element by element).")
     return parser.parse_args(argv)
 
 
@@ -242,6 +244,28 @@ def parse_nvlink_status(text: str) -> dict[str, dict]:
     return gpus
 
 
+def p2p_copy_check(devices: list[dict], megabytes: int) -> dict[str, dict]:
+    """Copy a float32 buffer from each GPU straight to every other (``tensor.to``: peer-to-peer DMA where peer access is
+    on, through host memory otherwise) and compare every element with the source: the transfer NCCL's P2P transport
+    depends on, tested on this machine rather than assumed from its GPU names."""
+    results = {}
+    for a in devices:
+        for b in devices:
+            if a["index"] == b["index"]:
+                continue
+            source = torch.arange(megabytes * MB // 4, dtype=torch.float32, device=f"cuda:{a['index']}")
+            source.to(f"cuda:{b['index']}")  # warm-up: peer mappings and allocations
+            torch.cuda.synchronize(a["index"]), torch.cuda.synchronize(b["index"])
+            start = time.perf_counter()
+            copied = source.to(f"cuda:{b['index']}")
+            torch.cuda.synchronize(a["index"]), torch.cuda.synchronize(b["index"])
+            elapsed = time.perf_counter() - start
+            results[f"{a['index']}->{b['index']}"] = {
+                "peer_access": torch.cuda.can_device_access_peer(a["index"], b["index"]),
+                "correct": bool(torch.equal(copied.cpu(), source.cpu())), "gb_per_s": megabytes * MB / elapsed / GB}
+    return results
+
+
 def peer_access(devices: list[dict]) -> dict[str, bool]:
     """Whether each GPU can read the other's memory directly (CUDA numbering): NCCL's P2P transport needs it."""
     return {
@@ -259,9 +283,10 @@ def rtx40_caveat(gpu_names: list[str], driver_version: str | None) -> dict:
         "note": (
             "Consumer Ada cards (RTX 4090, 4080, ...) have no NVLink and no supported peer-to-peer over PCIe: "
             "NCCL must copy through host memory. Drivers older than 550.40.07 still reported peer access, and "
-            "NCCL's P2P transport then returned wrong data or hung. With more than one such GPU and such a "
-            "driver, `accelerate launch` sets NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 (unless already set) and "
-            "AcceleratorState refuses to start without them; with a newer driver it sets nothing."
+            "NCCL's P2P transport then returned wrong data or hung. Only then, with more than one GPU whose name "
+            "holds 'RTX 40' and a driver older than 550.40.07, `accelerate launch` sets NCCL_P2P_DISABLE=1 and "
+            "NCCL_IB_DISABLE=1 (unless already set) and AcceleratorState refuses to start without them; with driver "
+            "550.40.07 or newer, or any other GPU, it sets nothing. Whether P2P works here: see p2p_copy."
         ),
         "driver_version": driver_version,
         # Accelerate's own check (it reads nvidia-smi; False means it disables P2P and IB).
@@ -359,7 +384,7 @@ def main():
     # ----------------------------------------------------------------------------- Accelerator
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config joins the
     # processes over gloo, and checks the process count. The timeout turns a hung link into an error.
-    accelerator = build_accelerator(kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout_s))])
+    accelerator = build_accelerator(dist_timeout=args.dist_timeout)
     output_dir = prepare_output_dir(args.output_dir)
     world_size, rank = accelerator.num_processes, accelerator.process_index
     device = accelerator.device
@@ -372,7 +397,7 @@ def main():
     # corrupts data must not also corrupt the report that says so. On CPU the default group is gloo.
     report_group = None
     if backend is not None and backend != "gloo":
-        report_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.timeout_s))
+        report_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=args.dist_timeout))
 
     def gather(value):
         """Every rank's ``value``, on every rank (a collective: all ranks call it)."""
@@ -414,6 +439,8 @@ def main():
     topology = parse_topology(topology_text) if topology_text else {}
     nvlink = parse_nvlink_status(nvlink_text) if nvlink_text else {}
     peers = peer_access(gpus) if len(gpus) > 1 else {}
+    # Test peer-to-peer copies instead of guessing: every ordered GPU pair, checked element by element.
+    p2p = p2p_copy_check(gpus, args.p2p_copy_mb) if len(gpus) > 1 and accelerator.is_main_process else {}
     nvlink_present = None
     if topology or nvlink:
         nvlink_present = any(link.startswith("NV") for link in topology.values()) or any(
@@ -427,6 +454,8 @@ def main():
     setup["links"] = {
         "nvidia_smi": smi_gpus if smi_gpus is not None else {"unavailable": smi_reason},
         "peer_access": peers if len(gpus) > 1 else {"unavailable": f"{len(gpus)} GPU(s) visible: no pair to check"},
+        "p2p_copy": p2p if p2p else {"unavailable": f"{len(gpus)} GPU(s) visible: no pair to copy between"
+                                     if len(gpus) < 2 else "tested by the main process only"},
         "topology": topology if topology_text else {"unavailable": topology_reason},
         "nvlink_status": nvlink if nvlink_text else {"unavailable": nvlink_reason},
         "nvlink_present": nvlink_present,
@@ -435,6 +464,9 @@ def main():
     if peers and not all(peers.values()):
         missing = ", ".join(pair for pair, ok in peers.items() if not ok)
         warnings.append(f"no peer access for GPU pair(s) {missing}: NCCL copies through host memory")
+    if any(not entry["correct"] for entry in p2p.values()):
+        warnings.append("a direct GPU-to-GPU copy returned WRONG data (links.p2p_copy): NCCL's P2P transport would corrupt "
+                        "gradients; update the driver, and until then NCCL_P2P_DISABLE=1 routes NCCL through host memory")
     if nvlink_present and os.environ.get("NCCL_P2P_DISABLE") == "1":
         warnings.append("NVLink is present but NCCL_P2P_DISABLE=1 is set, so NCCL will not use it")
     driver = next((gpu["driver_version"] for gpu in smi_gpus or []), None)
@@ -508,6 +540,10 @@ def main():
     lines.append("versions: " + ", ".join(f"{name} {value}" for name, value in setup["versions"].items()))
     lines.append("peer access: " + (", ".join(f"{pair} {'yes' if ok else 'NO'}" for pair, ok in peers.items())
                                     if peers else setup["links"]["peer_access"]["unavailable"]))
+    if p2p:
+        lines.append("P2P copy: " + ", ".join(f"{pair} {'ok' if entry['correct'] else 'WRONG DATA'} {entry['gb_per_s']:.1f} GB/s"
+                                            f"{'' if entry['peer_access'] else ' (no peer access: via host memory)'}"
+                                            for pair, entry in p2p.items()))
     lines.append("NVLink: " + ({True: "present", False: "absent"}.get(nvlink_present)
                                or f"unknown ({nvlink_reason or topology_reason})"))
     if topology:
@@ -538,7 +574,7 @@ def main():
                 f"BROKEN: all-reduce of {entry['size_mb']} MB gave wrong sums on rank {broken_rank}: "
                 f"{check['wrong_elements']} of {check['elements']} elements, first at index {check['first_wrong_index']} "
                 f"= {check['first_wrong_value']} (expected {check['expected']}). The link corrupts data silently; "
-                "on RTX 40-series GPUs update the driver (>= 550.40.07) or set NCCL_P2P_DISABLE=1."
+                "links.p2p_copy in setup.json says whether direct GPU-to-GPU copies are at fault."
             )
     for warning in warnings:
         lines.append(f"warning: {warning}")

@@ -28,14 +28,16 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 # The helper module lives in ../shared in this repository; in your own project put shared/ next to
 # this file (found first) or one folder up.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, positive_int, prepare_output_dir, write_results  # noqa: E402
-from shared.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
+from shared.hang_dump import HangDump  # noqa: E402
+from shared.runtime import run_facts  # noqa: E402
+from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume_from_checkpoint", default=None,
         help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh if none).",
     )
+    parser.add_argument("--save_on_each_node", action="store_true",
+                        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
     parser.add_argument(
         "--dist_timeout", type=float, default=600,
         help="Seconds any collective may wait for the other processes before the run fails with an error naming it.",
@@ -76,6 +80,9 @@ def main():
     # copy, and reads top to bottom without a jump into a helper that hides its settings.)
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config gives real DDP
     # over gloo instead of two silent independent runs, and checks the process count.
+    # Hang dumps: if a collective times out or a rank stops making progress, every rank that can still run writes
+    # its stacks, step and collective to output_dir/debug/. Started first: NCCL reads its settings at start-up.
+    hang_dump = HangDump(Path(args.output_dir) / "debug", args.dist_timeout)
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
@@ -83,9 +90,13 @@ def main():
         # A seedable sampler shuffles identically whatever the process count, which is what makes a
         # 2-process run comparable sample-for-sample with a 1-process run of the same global batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_seed(args.seed)
     output_dir = prepare_output_dir(args.output_dir)
+    # Every process agrees on the checkpoint to resume from (a collective), before any work.
+    checkpoints_dir = output_dir / "checkpoints"
+    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)
     placement = choose_placement(accelerator)
     accelerator.print(f"placement: {placement.name} ({placement.reason})")
     if placement.name == "device_map":
@@ -133,8 +144,7 @@ def main():
     steps_per_epoch = -(-len(train_dataloader) // args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
     num_epochs = -(-max_train_steps // steps_per_epoch)
-    checkpoints_dir = output_dir / "checkpoints"
-    resume = load_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, steps_per_epoch, args.gradient_accumulation_steps)
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
     completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
     first_step = completed_steps
     meter = ThroughputMeter(accelerator, warmup_steps=1)
@@ -163,6 +173,7 @@ def main():
                 loss_curve.append(accelerator.reduce(step_loss, reduction="mean").item())
                 step_loss.zero_()
                 meter.step(samples=global_batch_size)
+                hang_dump.step(completed_steps)
                 if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
                     accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.5f}")
                 if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
@@ -171,6 +182,7 @@ def main():
                 break
 
     # ------------------------------------------------------------------------- evaluation
+    hang_dump.phase("evaluation")
     learned = accelerator.unwrap_model(model)
     learned_weight = learned.weight.detach().float().cpu()
     learned_bias = learned.bias.detach().float().cpu()
@@ -184,15 +196,14 @@ def main():
     )
 
     # ------------------------------------------------------------------------------- save
+    hang_dump.phase("saving")
     accelerator.wait_for_everyone()
     accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
     results = {
         "recipe": "linear_toy",
-        "num_processes": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.value,
+        **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
         "placement": device_placement,
         "placement_requested": placement.name,
-        "device": str(accelerator.device),
         "mixed_precision": accelerator.mixed_precision,
         "global_batch_size": global_batch_size,
         "completed_steps": completed_steps,

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 from accelerate.data_loader import prepare_data_loader
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler
@@ -69,17 +69,19 @@ from shared import (  # noqa: E402
     prepare_output_dir,
     write_results,
 )
-from shared.checkpoints import checkpoint_steps, resolve_checkpoint, save_checkpoint  # noqa: E402
+from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.fsdp import check_fsdp_request, sharding_per_rank, wrap_at_blocks  # noqa: E402
 from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
-from shared.lm_split import (  # noqa: E402
+from shared.model_split import (  # noqa: E402
     block_ranges,
     blocks_per_part,
     dispatch_on_devices,
+    execution_devices,
+    find_block_list,
     lm_head_cost_in_blocks,
+    plan_device_map,
     split_devices,
 )
-from shared.model_split import find_block_list, plan_device_map  # noqa: E402
 from shared.pipelining import (  # noqa: E402
     build_stage_module,
     causal_lm_loss,
@@ -95,6 +97,9 @@ from shared.pipelining import (  # noqa: E402
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one
 # table in shared/model_presets.py, which the fit planner (python -m shared.plan) reads too.
 from shared.model_presets import MODEL_PRESETS  # noqa: E402
+from shared.flops import lm_flops_per_token  # noqa: E402
+from shared.hang_dump import HangDump  # noqa: E402
+from shared.runtime import run_facts  # noqa: E402
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -146,6 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpointing_steps", type=positive_int, default=None, help="Save a resumable checkpoint to output_dir/step_N every N optimizer steps.")
     parser.add_argument("--resume_from_checkpoint", default=None,
                         help="A step_N folder to resume from, or 'latest' for the newest one in --output_dir (starts fresh if there is none).")
+    parser.add_argument("--save_on_each_node", action="store_true",
+                        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
     parser.add_argument("--dist_timeout", type=float, default=600,
                         help="Seconds a collective or pipeline send/recv may wait for another process before the run fails.")
     parser.add_argument("--eval_before_training", action="store_true", help="Also measure validation perplexity before the first step.")
@@ -272,6 +279,9 @@ def main():
     # copy, and reads top to bottom without a jump into a helper that hides its settings.)
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config joins over gloo
     # instead of starting two silent independent runs, and checks the process count.
+    # Hang dumps: if a collective times out or a rank stops making progress, every rank that can still run writes
+    # its stacks, step and collective to output_dir/debug/. Started first: NCCL reads its settings at start-up.
+    hang_dump = HangDump(Path(args.output_dir) / "debug", args.dist_timeout)
     accelerator = build_accelerator(
         # Bounds every collective and pipeline send/recv: a dead or hung stage ends the run after
         # this long with an error naming the operation, instead of the backend's 10-30 minutes.
@@ -283,6 +293,7 @@ def main():
         # A seedable sampler with a fixed data seed shuffles identically in every mode and process
         # count: what makes the modes comparable batch-for-batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
+        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_seed(args.seed)
     output_dir = prepare_output_dir(args.output_dir)
@@ -339,9 +350,7 @@ def main():
     # Checkpoints as in the other recipes: output_dir/checkpoints/step_N, complete once progress.json
     # is written; "latest" skips incomplete ones and starts fresh when there is none yet.
     checkpoints_dir = output_dir / "checkpoints"
-    checkpoint = resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir) if args.resume_from_checkpoint else None
-    if args.resume_from_checkpoint == "latest" and checkpoint is None:
-        accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
+    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)  # every process agrees on it
     # Three checkpoint layouts: pipeline stages' own files, FSDP shards (save_state writes the model as a
     # torch.distributed.checkpoint folder, pytorch_model_fsdp_0), and whole-model files (the other modes).
     checkpoint_kind = None if checkpoint is None else (
@@ -517,20 +526,16 @@ def main():
     }
     accelerator.print("config: " + json.dumps(config, sort_keys=True, default=str))
 
-    completed_steps, starting_epoch, resume_batches = 0, 0, 0
-    if checkpoint is not None:
-        if parallelism == "pipeline":
-            if pipeline_split_of(checkpoint) != blocks_per_stage:
-                raise RecipeError(f"{checkpoint} holds stages of {pipeline_split_of(checkpoint)} blocks but this run splits "
-                                  f"{blocks_per_stage}: resume with the same model, --block_size and number of processes.")
-            load_stage_checkpoint(checkpoint, accelerator.process_index, model, optimizer, lr_scheduler)
-        else:
-            # Restores the model, optimizer, scheduler, the sampler's seed and every process's RNG states.
-            accelerator.load_state(str(checkpoint))
-        completed_steps = checkpoint_steps(checkpoint)
-        starting_epoch, step_in_epoch = divmod(completed_steps, steps_per_epoch)
-        resume_batches = step_in_epoch * args.gradient_accumulation_steps
-        accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {starting_epoch}, skipping {resume_batches} batches)")
+    load_state = None
+    if checkpoint is not None and parallelism == "pipeline":
+        if pipeline_split_of(checkpoint) != blocks_per_stage:
+            raise RecipeError(f"{checkpoint} holds stages of {pipeline_split_of(checkpoint)} blocks but this run splits "
+                              f"{blocks_per_stage}: resume with the same model, --block_size and number of processes.")
+        # Each stage loads its own weights, optimizer, scheduler and RNG state.
+        load_state = lambda folder: load_stage_checkpoint(folder, accelerator.process_index, model, optimizer, lr_scheduler)  # noqa: E731
+    # Restores the model, optimizer, scheduler, the sampler's seed and every process's RNG states.
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, load_state=load_state)
+    completed_steps, starting_epoch, resume_batches = resume.completed_steps, resume.epoch, resume.batches_to_skip
 
     def evaluate():
         if parallelism == "pipeline":
@@ -595,6 +600,7 @@ def main():
                 loss_curve.append(accelerator.reduce(step_loss, reduction="sum" if parallelism == "pipeline" else "mean").item())
                 step_loss.zero_()
                 meter.step(samples=global_batch_size, tokens=tokens_per_step)
+                hang_dump.step(completed_steps)
                 if completed_steps % log_every == 0 or completed_steps == max_train_steps:
                     accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.4f} "
                                       f"lr {lr_scheduler.get_last_lr()[0]:.2e}")
@@ -607,7 +613,9 @@ def main():
                 break
         if completed_steps >= max_train_steps:
             break
-    perf = meter.summary()  # collective: every process calls it
+    # Collective: every process calls it. With the training FLOPs per token, MFU on CUDA against the GPU's peak.
+    perf = meter.summary(flops_per_token=lm_flops_per_token(model_config.hidden_size, model_config.num_hidden_layers,
+                                                            model_config.vocab_size, num_parameters, args.block_size))
     # Exact bytes of parameters + gradients + optimizer state per process (a stage's own in pipeline mode).
     perf["memory/model_state_bytes"] = model_state_bytes_per_rank(accelerator, model, optimizer)
     if parallelism == "fsdp":
@@ -615,6 +623,7 @@ def main():
         perf["fsdp/sharding"] = sharding_per_rank(accelerator, model)
 
     # ------------------------------------------------------------------------- evaluation
+    hang_dump.phase("evaluation")
     # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
     loss_sum, num_tokens, num_blocks = (math.nan, 1, 0) if args.skip_eval else evaluate()
     eval_loss = loss_sum / num_tokens
@@ -622,6 +631,7 @@ def main():
                       f"({num_blocks} blocks, {num_tokens} predicted tokens)")
 
     # ------------------------------------------------------------------------------- save
+    hang_dump.phase("saving")
     accelerator.wait_for_everyone()
     if parallelism in ("pipeline", "fsdp"):
         # Each stage holds different weights (pipeline), each process 1/N of every weight (fsdp): gather
@@ -656,14 +666,14 @@ def main():
         "num_microbatches": microbatches,
         # (p-1)/(m+p-1): m = 1 for the naive split (one device works at a time), 0 without a split.
         "pipeline/ideal_bubble_fraction": ideal_bubble_fraction(num_stages, microbatches),
-        "num_processes": num_processes,
+        **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
         "num_stages": num_stages,
         "blocks_per_stage": blocks_per_stage,
         "stage_cost_share": [cost / sum(stage_costs) for cost in stage_costs],
-        "distributed_type": accelerator.distributed_type.value,
-        "device": str(accelerator.device),
         "device_map_devices": [str(device) for device in split_over],
         "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
+        # The execution device of the AlignDevicesHook on every planned module: the split really is hooked.
+        "device_map/hooks": execution_devices(accelerator.unwrap_model(model), device_map) if device_map else None,
         "mixed_precision": accelerator.mixed_precision,
         "model/num_parameters": num_parameters,
         "data/corpus": corpus,

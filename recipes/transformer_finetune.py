@@ -38,8 +38,7 @@ from pathlib import Path
 import datasets
 import evaluate
 import torch
-from accelerate import dispatch_model
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
@@ -57,11 +56,20 @@ from shared import (  # noqa: E402
     prepare_output_dir,
     write_results,
 )
-from shared.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
+from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_docstrings  # noqa: E402
 from shared.fsdp import check_fsdp_request, sharding_per_rank, wrap_at_blocks  # noqa: E402
-from shared.model_split import find_block_list, map_to_devices, parameter_bytes_per_device, plan_device_map  # noqa: E402
+from shared.model_split import (  # noqa: E402
+    dispatch_on_devices,
+    execution_devices,
+    find_block_list,
+    parameter_bytes_per_device,
+    plan_device_map,
+    split_devices,
+)
 from shared.results import GIB  # noqa: E402
+from shared.hang_dump import HangDump  # noqa: E402
+from shared.runtime import run_facts  # noqa: E402
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 
 METRICS_DIR = Path(__file__).resolve().parents[1] / "shared" / "metrics"
@@ -118,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     output.add_argument("--checkpointing_steps", help="Save the training state every N optimizer steps, or 'epoch'.")
     output.add_argument("--checkpoints_total_limit", type=positive_int, help="Keep only the newest N checkpoints.")
     output.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints).")
+    output.add_argument("--save_on_each_node", action="store_true",
+                        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
     output.add_argument("--report_to", default=None, help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
     output.add_argument("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): benchmarks that measure training speed only.")
     output.add_argument("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).")
@@ -197,17 +207,23 @@ def main():
     # ------------------------------------------------------------------ Accelerator and seed
     # (This Accelerator block repeats in every recipe on purpose: each recipe is one file you can
     # copy, and reads top to bottom without a jump into a helper that hides its settings.)
+    # Hang dumps: if a collective times out or a rank stops making progress, every rank that can still run writes
+    # its stacks, step and collective to output_dir/debug/. Started first: NCCL reads its settings at start-up.
+    hang_dump = HangDump(Path(args.output_dir) / "debug", args.dist_timeout)
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=args.report_to,
-        project_dir=args.output_dir,
+        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
         # Same shuffling whatever the process count, restored exactly on resume.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(args.seed)
     output_dir = prepare_output_dir(args.output_dir)
+    # Every process agrees on the checkpoint to resume from (a collective), before any work.
+    checkpoints_dir = output_dir / "checkpoints"
+    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)
     placement = choose_placement(accelerator)
     if args.parallelism == "device_map" and accelerator.num_processes > 1:
         raise RecipeError(
@@ -316,19 +332,20 @@ def main():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device_map = None
     if placement_name == "device_map":
-        # The same code path on a 2-GPU box and in CPU tests: a plan of device indices, then real devices.
-        gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
-        devices = [f"cuda:{i}" for i in range(gpus)] if gpus >= 2 else ["cpu", "cpu"]
+        # One dispatcher for every recipe that splits (shared/model_split.py): two GPUs, one GPU + the CPU, or two
+        # CPU "devices" (the same AlignDevicesHook per block as on GPUs; tests read results.json's device_map/hooks).
+        split_over = split_devices(accelerator.device)
         try:
-            plan = plan_device_map(model, len(devices))
+            plan = plan_device_map(model, len(split_over))
         except ValueError as error:
-            raise RecipeError(f"Cannot split {args.model_name_or_path!r} over {len(devices)} devices: {error}.") from None
-        device_map = map_to_devices(plan, devices)
-        # dispatch_model puts each module on its device and adds hooks that move activations across.
-        model = dispatch_model(model, device_map=device_map)
-        planned_gib = {f"device {i} ({devices[i]})": round(b / GIB, 4) for i, b in sorted(parameter_bytes_per_device(model, plan).items())}
-        accelerator.print("device_map: " + json.dumps(device_map))
+            raise RecipeError(f"Cannot split {args.model_name_or_path!r} over {len(split_over)} devices: {error}.") from None
+        model, device_map = dispatch_on_devices(model, plan, split_over)
+        planned_gib = {f"device {i} ({split_over[i]})": round(b / GIB, 4) for i, b in sorted(parameter_bytes_per_device(model, plan).items())}
+        accelerator.print("device_map: " + json.dumps({name: str(device) for name, device in device_map.items()}))
         accelerator.print("device_map: parameters per device (GiB): " + json.dumps(planned_gib))
+        if len(set(split_over)) == 1:
+            accelerator.print(f"device_map: splitting over {len(split_over)} {split_over[0].type} \"devices\" that are one device: "
+                              "the same hooks and moves as on 2 GPUs, not faster")
 
     # ------------------------------------------------------------------ optimizer and scheduler
     no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight")
@@ -365,10 +382,10 @@ def main():
         accelerator.init_trackers("transformer_finetune", {k: v for k, v in run_config.items() if isinstance(v, (int, float, str, bool))})
 
     # ---------------------------------------------------------------------- training loop
-    checkpoints_dir = output_dir / "checkpoints"
-    resume = load_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, steps_per_epoch, args.gradient_accumulation_steps)
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
     completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
-    meter = ThroughputMeter(accelerator, warmup_steps=args.perf_warmup_steps)
+    # Peak memory of every device the model uses (both devices of a split).
+    meter = ThroughputMeter(accelerator, warmup_steps=args.perf_warmup_steps, devices=sorted(set(device_map.values()), key=str) if device_map else None)
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process, desc="training")
     logged_loss = torch.zeros((), device=accelerator.device)  # sum of step losses since the last log
     logged_steps, last_logged_loss = 0, None
@@ -387,8 +404,12 @@ def main():
             # Padding is wasted compute; --group_by_length exists to cut it. Counted without a sync.
             real_tokens += batch["attention_mask"].sum()
             padded_tokens += batch["attention_mask"].numel()
+            labels = batch.pop("labels")
             with accelerator.accumulate(model):
-                loss = model(**batch).loss
+                logits = model(**batch).logits
+                # The loss from the logits, not the model's own: under a device_map split a classifier's loss inside
+                # forward() meets labels on the first device and logits on the last (a crash on two GPUs).
+                loss = torch.nn.functional.cross_entropy(logits.float(), labels.to(logits.device))
                 step_loss += loss.detach().float() / args.gradient_accumulation_steps
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm:
@@ -405,6 +426,7 @@ def main():
             step_loss.zero_()
             # Samples this step, all processes together (the last step of an epoch may be short).
             meter.step(samples=global_batch_size)
+            hang_dump.step(completed_steps)
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 # Sync point: reduce() and .item() wait for every process.
                 last_logged_loss = accelerator.reduce(logged_loss, reduction="mean").item() / logged_steps
@@ -423,14 +445,16 @@ def main():
     progress_bar.close()
 
     # ------------------------------------------------------------------------- evaluation
+    hang_dump.phase("evaluation")
     model.eval()
     with accelerator.main_process_first():  # evaluate copies the metric modules into its cache once
         metric = evaluate.combine([evaluate.load(str(METRICS_DIR / "accuracy")), evaluate.load(str(METRICS_DIR / "f1"))])
     eval_loss_sum, eval_count = 0.0, 0
     for batch in [] if args.skip_eval else eval_dataloader:
+        labels = batch.pop("labels")
         with torch.no_grad():
             logits = model(**batch).logits
-        labels = batch["labels"].to(logits.device)
+        labels = labels.to(logits.device)
         losses = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
         # gather_for_metrics drops the samples Accelerate duplicated to give every process a full last
         # batch, so every validation sample counts exactly once, whatever the process count.
@@ -453,6 +477,7 @@ def main():
     accelerator.log(results_eval, step=completed_steps)
 
     # ------------------------------------------------------------------------------- save
+    hang_dump.phase("saving")
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     # get_state_dict collects the full weights (from every device of a device_map, or every shard).
@@ -470,15 +495,15 @@ def main():
         perf["fsdp/sharding"] = sharding_per_rank(accelerator, model)
     token_counts = accelerator.reduce(torch.stack([real_tokens, padded_tokens]), reduction="sum").tolist()
     perf["train/padding_fraction"] = 1 - token_counts[0] / max(token_counts[1], 1)
-    if accelerator.device.type == "cuda" and device_map:
-        perf["memory/peak_gib"] = {d: round(torch.cuda.max_memory_allocated(d) / GIB, 4) for d in sorted(set(device_map.values()))}
     results = {
         "recipe": "transformer_finetune",
         "model": args.model_name_or_path,
-        "num_processes": accelerator.num_processes,
-        "distributed_type": accelerator.distributed_type.value,
+        **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
         "placement": placement_name,
-        "device_map": device_map,
+        "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
+        "device_map_devices": sorted({str(device) for device in device_map.values()}) if device_map else None,
+        # The execution device of the AlignDevicesHook on every planned module: the split really is hooked.
+        "device_map/hooks": execution_devices(accelerator.unwrap_model(model), device_map) if device_map else None,
         "mixed_precision": accelerator.mixed_precision,
         "global_batch_size": global_batch_size,
         "completed_steps": completed_steps,

@@ -1,8 +1,9 @@
-"""Checkpoints that never lose work: ``save_state`` into a temporary folder, then one rename.
+"""Checkpoints that never lose work, and the one resume path every recipe takes.
 
-A checkpoint folder ``checkpoints/step_000120`` is complete when it holds ``progress.json``, which is
-written last, inside the temporary folder, before the rename. A run killed mid-save leaves only a
-``.tmp`` folder behind, which ``latest_checkpoint`` ignores, so resuming picks the previous one.
+A checkpoint ``checkpoints/step_000120`` is complete when it holds ``progress.json``, written last inside a
+temporary folder that is then renamed: a run killed mid-save leaves only a ``.tmp`` folder, which resuming skips.
+Resuming is two calls: ``find_checkpoint`` (before the data: every process agrees on the folder) and
+``load_checkpoint`` (after ``prepare``: load it, and say which batches to skip).
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 
 from .runtime import RecipeError
 
@@ -22,17 +25,18 @@ PROGRESS_FILE = "progress.json"
 
 def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike, completed_steps: int,
                     total_limit: int | None = None, write_state=None) -> Path:
-    """``accelerator.save_state`` (model, optimizer, scheduler, sampler, RNG states of every process) to
-    ``checkpoints_dir/step_{completed_steps:06d}``, atomically. Every process must call it.
-    Keeps only the newest ``total_limit`` complete checkpoints when given.
+    """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every process's RNG states) to
+    ``checkpoints_dir/step_{completed_steps:06d}``, atomically; keeps the newest ``total_limit``. Every process
+    calls it. ``write_state(folder)``, when given, replaces ``save_state`` on every process (pipeline stages
+    save their own weights, which ``save_state`` writes from the main process only).
 
-    ``write_state(folder)``, when given, replaces ``save_state``: it is called on every process with
-    the temporary folder and writes whatever that process must save (pipeline stages use it to save
-    their own weights, which ``save_state`` writes from the main process only)."""
+    With ``ProjectConfiguration(save_on_each_node=True)`` (machines without a shared disk) the main process of
+    every machine completes its machine's copy, as ``save_state`` then writes the weights on every machine."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
-    if accelerator.is_main_process and tmp.exists():
+    writes = accelerator.is_local_main_process if accelerator.project_configuration.save_on_each_node else accelerator.is_main_process
+    if writes and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed mid-save
     accelerator.wait_for_everyone()
     if write_state is None:
@@ -41,7 +45,7 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
         write_state(tmp)
     # Sync point: every process must have written its part before the folder is declared complete.
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    if writes:
         (tmp / PROGRESS_FILE).write_text(json.dumps({"completed_steps": completed_steps}) + "\n")
         if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
             old = checkpoints_dir / f".{final.name}.old"
@@ -66,29 +70,57 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
     checkpoints_dir = Path(checkpoints_dir)
     if not checkpoints_dir.is_dir():
         return []
-    found = [p for p in checkpoints_dir.glob("step_*") if (p / PROGRESS_FILE).is_file()]
-    return sorted(found, key=checkpoint_steps)
+    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / PROGRESS_FILE).is_file()), key=checkpoint_steps)
 
 
 def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.PathLike) -> Path | None:
-    """The folder to resume from: a given path, or ``latest`` (the newest complete checkpoint under
+    """The folder this process would resume from: a given path, or ``latest`` (the newest complete checkpoint under
     ``checkpoints_dir``; None when there is none yet, so a first run with ``latest`` starts fresh)."""
     if resume_from_checkpoint == "latest":
         found = complete_checkpoints(checkpoints_dir)
         return found[-1] if found else None
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
-        raise RecipeError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint folder "
-            f"(e.g. {Path(checkpoints_dir) / 'step_000100'}) or 'latest'."
-        )
+        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint folder "
+                          f"(e.g. {Path(checkpoints_dir) / 'step_000100'}) or 'latest'.")
     if not (path / PROGRESS_FILE).is_file():
-        raise RecipeError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no {PROGRESS_FILE}: "
-            "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or 'latest', "
-            "which skips incomplete ones."
-        )
+        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no {PROGRESS_FILE}: "
+                          "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or 'latest', "
+                          "which skips incomplete ones.")
     return path
+
+
+def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None, checkpoints_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint every process resumes from, or None (start fresh). A collective: call it on every process.
+
+    Each process looks on its own disk; machines without a shared one can see different things (machine 0 the
+    step-10 checkpoint it wrote, machine 1 nothing), and loading anyway would train on from different states.
+    So all processes gather what they found, and any disagreement stops every process with one message."""
+    if not resume_from_checkpoint:
+        return None
+    try:
+        found, problem = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir), None
+    except RecipeError as error:
+        found, problem = None, error.message
+    mine = {"rank": accelerator.process_index, "machine": os.environ.get("GROUP_RANK", "0"), "host": socket.gethostname(),
+            "steps": checkpoint_steps(found) if found else None, "folder": str(found or Path(checkpoints_dir).resolve()),
+            "problem": problem}
+    everyone = gather_object([mine])
+    if any(entry["problem"] for entry in everyone) or len({entry["steps"] for entry in everyone}) > 1:
+        seen = "; ".join(
+            f"machine {e['machine']} (rank {e['rank']}, host {e['host']}): "
+            + (e["problem"] if e["problem"] else f"step {e['steps']} in {e['folder']}" if e["steps"] is not None
+               else f"no complete checkpoint in {e['folder']}")
+            for e in everyone)
+        raise RecipeError(
+            f"The processes disagree on the checkpoint to resume from (--resume_from_checkpoint {resume_from_checkpoint}): "
+            f"{seen}. Nothing was loaded: training on would mix different states. Each machine reads its own disk; put "
+            "--output_dir on a disk all machines share, or pass --save_on_each_node so that every machine keeps its own "
+            "copy of each checkpoint (then resume), or copy the newest checkpoint folder to the same path on every machine."
+        )
+    if found is None:
+        accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
+    return found
 
 
 @dataclass(frozen=True)
@@ -100,20 +132,17 @@ class ResumePoint:
     batches_to_skip: int = 0
 
 
-def load_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None, checkpoints_dir: str | os.PathLike,
-                    steps_per_epoch: int, gradient_accumulation_steps: int) -> ResumePoint:
-    """``accelerator.load_state`` the checkpoint that ``--resume_from_checkpoint`` names (a path, or
-    ``latest``) and return where training picks up; ``ResumePoint()`` (from the start) when there is
-    nothing to resume. load_state restores the model, optimizer, scheduler, the sampler's seed and
-    every process's RNG states; the recipe then skips ``batches_to_skip`` batches of ``epoch`` with
-    ``accelerator.skip_first_batches``, so the resumed run sees exactly the batches it would have."""
-    if not resume_from_checkpoint:
-        return ResumePoint()
-    checkpoint = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir)
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per_epoch: int, gradient_accumulation_steps: int,
+                    load_state=None) -> ResumePoint:
+    """Load ``checkpoint`` (from ``find_checkpoint``) and return where training picks up; ``ResumePoint()`` for None.
+
+    ``accelerator.load_state`` restores the model, optimizer, scheduler, the sampler's seed and every process's RNG
+    states (``load_state(folder)``, when given, replaces it: pipeline stages load their own files); the recipe then
+    skips ``batches_to_skip`` batches of ``epoch`` with ``accelerator.skip_first_batches``, so the resumed run sees
+    exactly the batches it would have."""
     if checkpoint is None:
-        accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
         return ResumePoint()
-    accelerator.load_state(str(checkpoint))
+    (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
     completed_steps = checkpoint_steps(checkpoint)
     point = ResumePoint(completed_steps, completed_steps // steps_per_epoch,
                         (completed_steps % steps_per_epoch) * gradient_accumulation_steps)

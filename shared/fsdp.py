@@ -29,36 +29,12 @@ import os
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType
 
 from .results import per_rank
-from .runtime import RecipeError
+from .runtime import RecipeError, fsdp_launch_config
 
 FSDP_CONFIG = "accelerate_configs/fsdp_2gpu.yaml"
-
-
-def fsdp_launch_config() -> bool:
-    """True when the launch config asks for FSDP (``accelerate launch`` sets ACCELERATE_USE_FSDP)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-
-
-def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
-    """Make a ``cpu=True`` Accelerator launched with an FSDP config run FSDP2, as on GPUs (see the
-    module docstring). Call right after building it, before ``prepare``; every process calls it."""
-    plugin = FullyShardedDataParallelPlugin()  # read from the launch config's FSDP_* variables
-    if plugin.fsdp_version != 2:
-        raise RecipeError(f"On CPU only FSDP version 2 runs (torch's fully_shard over gloo); the launch config has "
-                          f"fsdp_version {plugin.fsdp_version}. Use {FSDP_CONFIG}.")
-    if accelerator.mixed_precision != "no":
-        plugin.set_mixed_precision(accelerator.mixed_precision)  # what AcceleratorState does on GPUs
-    accelerator.state.fsdp_plugin = plugin
-    accelerator.state.distributed_type = DistributedType.FSDP
-    # Collectives (gather, reduce) read the distributed type from PartialState's shared state.
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    if not accelerator.is_fsdp2:
-        raise RecipeError("Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state "
-                          "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from requirements.txt.")
 
 
 def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list: str) -> str | None:

@@ -1,32 +1,36 @@
-"""Planning a device_map: a Transformer's blocks split into contiguous, compute-balanced groups.
+"""Splitting a Transformer over devices: the plan (whole blocks, balanced by compute) and the one dispatcher.
 
-A device_map sends each submodule to a device; Accelerate's ``dispatch_model`` then moves the
-activations between devices during forward and backward. Only one device computes at a time (the
-next one waits for its input), so a split like this lets a model *fit*; it does not make it faster.
-
-The plan here balances compute, not bytes: every Transformer block costs the same, the modules in
-front of the blocks (embeddings) go to the first device and those after them (pooler, heads) to the
-last, each with a cost you give in units of one block. A plan is device *indices*; ``map_to_devices``
-turns it into real devices, ``cuda:0``/``cuda:1`` on a GPU box or ``cpu``/``cpu`` in tests, so the
-same code path runs everywhere.
+A device_map sends each submodule to a device; Accelerate's ``dispatch_model`` then moves activations between
+devices in forward and backward. Only one device computes at a time, so a split lets a model *fit*; it does not
+make it faster (``recipes/pipeline_lm.py`` does that). A plan is device *indices*; ``split_devices`` picks the real
+devices and ``dispatch_on_devices`` applies it, the same code on two GPUs, on one GPU + the CPU and on two CPU
+"devices" in tests: every planned module gets Accelerate's ``AlignDevicesHook`` in all three.
 """
 
 from __future__ import annotations
 
 import torch
+from accelerate import dispatch_model
+from torch import nn
+
+# Softmax + cross-entropy over the vocabulary, per token and vocabulary entry, in "FLOP equivalents" of the
+# matmuls (exp/log over a float32 row run far below matmul speed). Measured inside the pipeline on CPU (1 thread,
+# fp32, small preset: hidden 256, vocabulary 8192, 256 tokens): LM head + loss cost 3.1 decoder blocks, of which
+# the head's matmul explains 2.3 (benchmarks/README.md). On GPUs the ratio differs: check the stage timers.
+LOSS_COST_PER_VOCAB_ENTRY = 180.0
 
 
-def find_block_list(model: torch.nn.Module, block_classes: set[str]) -> str:
+def find_block_list(model: nn.Module, block_classes: set[str]) -> str:
     """Name of the ``ModuleList`` that holds the Transformer blocks (e.g. ``bert.encoder.layer``)."""
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and all(type(child).__name__ in block_classes for child in module):
+        if isinstance(module, nn.ModuleList) and len(module) and all(type(m).__name__ in block_classes for m in module):
             return name
     raise ValueError(f"no ModuleList of {sorted(block_classes)} found in {type(model).__name__}")
 
 
 def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
-    """Cut ``costs`` into ``num_parts`` contiguous, non-empty groups that minimize the largest group's
-    total; returns the part index of every item. Exact (dynamic programming), fine for < 1000 items."""
+    """Cut ``costs`` into ``num_parts`` contiguous, non-empty groups that minimize the largest group's total;
+    returns the part index of every item. Exact (dynamic programming), fine for < 1000 items."""
     n = len(costs)
     if not 1 <= num_parts <= n:
         raise ValueError(f"cannot cut {n} items into {num_parts} non-empty parts")
@@ -51,21 +55,20 @@ def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
     return parts
 
 
-def plan_device_map(model: torch.nn.Module, num_devices: int, block_classes: set[str] | None = None,
+def plan_device_map(model: nn.Module, num_devices: int, block_classes: set[str] | None = None,
                     first_cost: float = 0.0, last_cost: float = 0.0) -> dict[str, int]:
     """Split ``model`` over ``num_devices``: whole blocks only, balanced by compute.
 
-    ``first_cost``/``last_cost``: the compute of the modules before/after the blocks, in blocks
-    (an embedding lookup is ~0; an LM head over a large vocabulary can cost more than a block).
-    Returns ``{module_name: device_index}`` covering every parameter of the model exactly once.
+    ``first_cost``/``last_cost``: the compute of the modules before/after the blocks, in blocks (an embedding
+    lookup is ~0; an LM head over a large vocabulary can cost more than a block). Returns
+    ``{module_name: device_index}`` covering every parameter of the model exactly once.
     """
     block_classes = block_classes or set(getattr(model, "_no_split_modules", None) or [])
     block_list = find_block_list(model, block_classes)
     num_blocks = len(model.get_submodule(block_list))
     if num_blocks < num_devices:
         raise ValueError(f"{type(model).__name__} has {num_blocks} blocks, fewer than the {num_devices} devices to split over")
-    # The modules before/after the blocks share a device with the first/last block, so their cost is
-    # folded into that block's.
+    # The modules before/after the blocks share a device with the first/last block: their cost is folded in.
     block_costs = [1.0] * num_blocks
     block_costs[0] += first_cost
     block_costs[-1] += last_cost
@@ -73,40 +76,100 @@ def plan_device_map(model: torch.nn.Module, num_devices: int, block_classes: set
 
     plan: dict[str, int] = {}
     path = block_list.split(".")
-    # Walk from the root down to the block list. Siblings that come before the branch leading to the
-    # blocks go to the first device, those after it to the last device.
+    # Walk from the root down to the block list: siblings before the branch leading to the blocks go to the
+    # first device, those after it to the last device.
     for depth in range(len(path)):
         parent = model.get_submodule(".".join(path[:depth])) if depth else model
-        branch = path[depth]
-        names = [name for name, _ in parent.named_children()]
         before = True
-        for name in names:
-            full = ".".join(path[:depth] + [name])
-            if name == branch:
+        for name, child in parent.named_children():
+            if name == path[depth]:
                 before = False
                 continue
-            if any(True for _ in parent.get_submodule(name).parameters()) or any(True for _ in parent.get_submodule(name).buffers()):
-                plan[full] = 0 if before else num_devices - 1
+            if any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
+                plan[".".join(path[:depth] + [name])] = 0 if before else num_devices - 1
     for index, device in enumerate(block_device):
         plan[f"{block_list}.{index}"] = device
-    # Parameters held directly by a module on the path (not by a child) stay with the first device.
-    for depth in range(len(path) + 1):
+    for depth in range(len(path) + 1):  # parameters held by a module on the path itself: plan by hand
         prefix = ".".join(path[:depth])
-        module = model.get_submodule(prefix) if prefix else model
-        if any(True for _ in module.parameters(recurse=False)):
+        if any(True for _ in (model.get_submodule(prefix) if prefix else model).parameters(recurse=False)):
             raise ValueError(f"{type(model).__name__}.{prefix} holds parameters directly; plan it by hand")
     return plan
 
 
-def map_to_devices(plan: dict[str, int], devices: list[str | torch.device]) -> dict[str, str]:
-    """Turn a plan of device indices into a device_map for ``dispatch_model``."""
-    return {name: str(devices[index]) for name, index in plan.items()}
+def _matmul_flops_per_token(module: nn.Module) -> float:
+    """Forward FLOPs per token of the matrix multiplies in ``module`` (2 per multiply-add)."""
+    flops = 0.0
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            flops += 2 * sub.in_features * sub.out_features
+        elif type(sub).__name__ == "Conv1D":  # GPT-2's transposed Linear
+            flops += 2 * sub.weight.numel()
+    return flops
 
 
-def parameter_bytes_per_device(model: torch.nn.Module, plan: dict[str, int]) -> dict[int, int]:
+def lm_head_cost_in_blocks(model: nn.Module, block_list: str, sequence_length: int) -> float:
+    """Estimated compute of the LM head and loss, in units of one decoder block: a block's matmuls plus
+    attention's QK^T and AV (2 x seq x hidden FLOPs each, per token) against the head's matmul plus
+    ``LOSS_COST_PER_VOCAB_ENTRY`` per vocabulary entry. Backward is ~2x forward for both, so the ratio holds."""
+    block = _matmul_flops_per_token(model.get_submodule(f"{block_list}.0")) + 4 * sequence_length * model.config.hidden_size
+    head = model.get_output_embeddings()
+    return (2 * head.weight.numel() + LOSS_COST_PER_VOCAB_ENTRY * head.weight.shape[0]) / block
+
+
+def blocks_per_part(plan: dict[str, int], block_list: str) -> list[int]:
+    """``{"model.layers.0": 0, ..., "model.layers.6": 1, ...}`` -> ``[5, 2]``: blocks each part runs."""
+    parts = [part for name, part in plan.items() if name.startswith(block_list + ".") and name[len(block_list) + 1:].isdigit()]
+    return [parts.count(part) for part in range(max(plan.values()) + 1)]
+
+
+def block_ranges(counts: list[int]) -> list[range]:
+    """``[5, 2]`` -> ``[range(0, 5), range(5, 7)]``: the block indices each part owns."""
+    starts = [sum(counts[:part]) for part in range(len(counts))]
+    return [range(start, start + count) for start, count in zip(starts, counts)]
+
+
+def split_devices(device: torch.device) -> list[torch.device]:
+    """The devices a one-process split uses: every visible GPU when there are two or more; one GPU and the CPU
+    when there is one GPU (a real two-device split: slower, but the model's second part lives in host RAM); two
+    CPU "devices" without a GPU, which run the same hooks and moves as two GPUs, for tests (not faster)."""
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        return [torch.device("cuda", i) for i in range(count)] if count >= 2 else [device, torch.device("cpu")]
+    return [device, device]
+
+
+def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[torch.device]) -> tuple[nn.Module, dict]:
+    """Move each planned module to its device and attach Accelerate's hooks that move activations.
+
+    - ``main_device`` is the device of the input embeddings. Left out, Accelerate takes ``list(set(devices))[0]``,
+      which changes with ``PYTHONHASHSEED``; inputs and labels then land on an arbitrary device. The recipes also
+      compute their loss from the logits, with the labels moved to ``logits.device``: a classifier's loss inside
+      ``forward`` meets labels on the main device and logits on the last one.
+    - The device_map holds ``torch.device`` objects: Accelerate reads the *strings* ``"cpu"``/``"disk"`` as offload
+      targets, while ``torch.device("cpu")`` is an execution device, which is what a CPU "device" is here.
+    - ``force_hooks`` attaches the hooks even when every entry is the same device (a CPU-only machine), so the
+      tested path is the GPU path.
+    - ``hf_device_map`` is what ``from_pretrained(device_map=...)`` sets: ``accelerator.prepare`` reads it to leave
+      the placement alone and to refuse a distributed mode.
+    """
+    device_map = {name: devices[part] for name, part in plan.items()}
+    embeddings = model.get_input_embeddings()
+    main = next(device for name, device in device_map.items() if any(m is embeddings for m in model.get_submodule(name).modules()))
+    model = dispatch_model(model, device_map=device_map, main_device=main, force_hooks=True)
+    model.hf_device_map = dict(device_map)
+    return model, device_map
+
+
+def execution_devices(model: nn.Module, device_map: dict) -> dict[str, str | None]:
+    """The execution device of the hook Accelerate attached to each planned module (None: no hook), for
+    ``results.json``: proof that a split really went through the hooks, on CPU as on GPUs."""
+    hooks = {name: getattr(model.get_submodule(name), "_hf_hook", None) for name in device_map}
+    return {name: str(hook.execution_device) if hasattr(hook, "execution_device") else None for name, hook in hooks.items()}
+
+
+def parameter_bytes_per_device(model: nn.Module, plan: dict[str, int]) -> dict[int, int]:
     """Bytes of parameters each planned device holds (what the plan puts where, before training)."""
     totals: dict[int, int] = {}
     for name, index in plan.items():
-        module = model.get_submodule(name)
-        totals[index] = totals.get(index, 0) + sum(p.numel() * p.element_size() for p in module.parameters())
+        totals[index] = totals.get(index, 0) + sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters())
     return totals

@@ -57,9 +57,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .lm_split import LOSS_COST_PER_VOCAB_ENTRY
 from .model_presets import LLAMA_2_7B, MODEL_PRESETS
-from .model_split import balanced_partition
+from .model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition
 from .runtime import positive_float, positive_int
 
 GIB = 1024**3
@@ -134,8 +133,7 @@ def shape_from_config(config, name: str | None = None) -> ModelShape:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as transformers_logging
 
-    from .lm_split import _matmul_flops_per_token  # the recipe's own count, so the split matches
-    from .model_split import find_block_list
+    from .model_split import _matmul_flops_per_token, find_block_list  # the recipe's own count, so the split matches
 
     architectures = getattr(config, "architectures", None) or []
     if architectures:
@@ -194,7 +192,7 @@ def head_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, mix
 
 
 def head_cost_in_blocks(shape: ModelShape, seq_len: int) -> float:
-    """The LM head and loss's compute in blocks, as ``shared.lm_split.lm_head_cost_in_blocks`` counts it."""
+    """The LM head and loss's compute in blocks, as ``shared.model_split.lm_head_cost_in_blocks`` counts it."""
     if not shape.has_lm_head:
         return 0.0
     block = shape.block_matmul_flops + 4 * seq_len * shape.hidden_size

@@ -19,8 +19,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-GIB = 1024**3
+from .flops import peak_bf16_flops
 
+GIB = 1024**3
 
 def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
     """Peak memory of this process, per device, in GiB.
@@ -110,7 +111,9 @@ class ThroughputMeter:
         self._waiting = 0.0
         self._last = now
 
-    def summary(self) -> dict:
+    def summary(self, flops_per_token: float | None = None) -> dict:
+        """The perf/* and memory/* entries of results.json. With ``flops_per_token`` (training FLOPs per token, see
+        ``shared.flops``) on CUDA also ``perf/mfu``: achieved FLOP/s over the peak of every GPU the run uses."""
         measured = sum(self.step_times)
         summary = {
             "perf/measured_steps": len(self.step_times),
@@ -122,6 +125,13 @@ class ThroughputMeter:
         }
         if self.tokens:
             summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
+        gpus = [device for device in self.devices if device.type == "cuda"]
+        if flops_per_token and gpus and summary.get("perf/tokens_per_sec"):
+            name, peak = torch.cuda.get_device_name(gpus[0]), peak_bf16_flops(torch.cuda.get_device_name(gpus[0]))
+            summary["perf/gpu_name"], summary["perf/peak_flops_per_device"] = name, peak
+            if peak:  # every process drives len(gpus) GPUs (2 in a device_map split)
+                used = self.accelerator.num_processes * len(gpus)
+                summary["perf/mfu"] = summary["perf/tokens_per_sec"] * flops_per_token / (peak * used)
         # gather_object is a collective: every process must call summary().
         per_rank = gather_object([peak_memory_gib(self.devices)])
         if self.accelerator.num_processes > 1:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
 
 class RecipeError(SystemExit):
@@ -99,8 +100,7 @@ def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -
         **({"timeout": timeout} if timeout else {}),
     )
     torch.distributed.init_process_group(
-        # The backends Accelerate would pick: gloo on CPU; NCCL for CUDA tensors (+ gloo for CPU ones).
-        backend="gloo" if cpu else "cuda:nccl,cpu:gloo",
+        backend=distributed_backend(cpu),
         store=torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store),
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
@@ -108,32 +108,71 @@ def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -
     )
 
 
+def distributed_backend(cpu: bool) -> str:
+    """The one backend rule of every recipe: NCCL between GPUs, gloo between CPU processes (Accelerate would take
+    MPI on CPU when torch was built with it; gloo is what every torch build has). Recorded in results.json."""
+    return "gloo" if cpu else "nccl"
+
+
 def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -> Accelerator:
     """Return an Accelerator that uses CUDA when present and CPU/gloo otherwise, checked for size.
 
-    Keyword arguments go to ``Accelerator`` unchanged (mixed_precision, gradient_accumulation_steps,
-    log_with, dataloader_config, ...). ``cpu`` defaults to "no CUDA here", which is what makes a
-    2-process MULTI_GPU config run real DDP over gloo on a CPU-only machine.
-
-    ``dist_timeout`` (seconds) bounds every collective: if a peer process hangs or dies, the others
-    raise an error naming the collective after that long instead of waiting for the backend's
+    Keyword arguments go to ``Accelerator`` unchanged (mixed_precision, gradient_accumulation_steps, log_with,
+    dataloader_config, ...). ``cpu`` defaults to "no CUDA here", which is what makes a 2-process MULTI_GPU config
+    run real DDP over gloo on a CPU-only machine. ``dist_timeout`` (seconds) bounds every collective: if a peer
+    hangs or dies, the others raise an error naming the collective after that long instead of the backend's
     default (10 minutes for NCCL, 30 for gloo).
     """
-    accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
-    if dist_timeout is not None:
+    cpu = accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (a backend given to a 1-process run makes Accelerate start a group)
+        timeout = {"timeout": timedelta(seconds=dist_timeout)} if dist_timeout is not None else {}
         handlers = list(accelerator_kwargs.pop("kwargs_handlers", None) or [])
-        handlers.append(InitProcessGroupKwargs(timeout=timedelta(seconds=dist_timeout)))
+        handlers.append(InitProcessGroupKwargs(backend=distributed_backend(cpu), **timeout))
         accelerator_kwargs["kwargs_handlers"] = handlers
-    join_restarted_elastic_group(cpu=accelerator_kwargs["cpu"], dist_timeout=dist_timeout)
+    join_restarted_elastic_group(cpu=cpu, dist_timeout=dist_timeout)
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
-    from .fsdp import fsdp_launch_config, use_fsdp_on_cpu  # here: shared.fsdp imports this module
-
-    if accelerator_kwargs["cpu"] and fsdp_launch_config() and accelerator.num_processes > 1:
-        # cpu=True makes Accelerate drop an FSDP config and run plain DDP; switch it back to its FSDP2
-        # path, the one a GPU launch takes (shared/fsdp.py says why).
+    if accelerator.device.type == "cuda":
+        # Object collectives (gather_object, the pipeline's state-dict gather) under NCCL go through the *current*
+        # CUDA device: unset, every rank would use cuda:0 (or hang). Accelerate sets it when it starts the group;
+        # a group started by join_restarted_elastic_group is covered by this line too.
+        torch.cuda.set_device(accelerator.device)
+    if cpu and fsdp_launch_config() and accelerator.num_processes > 1:
+        # cpu=True makes Accelerate drop an FSDP config and run plain DDP; switch it back to its FSDP2 path, the one a
+        # GPU launch takes (shared/fsdp.py says why).
         use_fsdp_on_cpu(accelerator)
     return accelerator
+
+
+def fsdp_launch_config() -> bool:
+    """True when the launch config asks for FSDP (``accelerate launch`` sets ACCELERATE_USE_FSDP)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """Make a ``cpu=True`` Accelerator launched with an FSDP config run FSDP2, as on GPUs (shared/fsdp.py's
+    docstring says why); every process calls it, before ``prepare``."""
+    plugin = FullyShardedDataParallelPlugin()  # read from the launch config's FSDP_* variables
+    if plugin.fsdp_version != 2:
+        raise RecipeError(f"On CPU only FSDP version 2 runs (torch's fully_shard over gloo); the launch config has "
+                          f"fsdp_version {plugin.fsdp_version}. Use accelerate_configs/fsdp_2gpu.yaml.")
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)  # what AcceleratorState does on GPUs
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    # Collectives (gather, reduce) read the distributed type from PartialState's shared state.
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    if not accelerator.is_fsdp2:
+        raise RecipeError("Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state "
+                          "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from requirements.txt.")
+
+
+def run_facts(accelerator: Accelerator) -> dict:
+    """What every results.json records about how the run was distributed: backend, devices, process count."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
+            "distributed/backend": torch.distributed.get_backend() if initialized else None,
+            "device": str(accelerator.device)}
 
 
 @dataclass(frozen=True)
@@ -157,8 +196,6 @@ def choose_placement(accelerator: Accelerator) -> Placement:
       ``model_sharding_2gpu.yaml`` is a 1-process, ``distributed_type: 'NO'`` config);
     - otherwise ``single``.
     """
-    from .fsdp import fsdp_launch_config
-
     if accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config():
         return Placement(
             "fsdp",

@@ -2,6 +2,10 @@
 
 A hang fails the test instead of hanging CI: at the timeout every process of the run (launcher and
 workers) is killed. Configs use ``main_process_port: 0`` so concurrent runs never collide.
+
+The suite runs on the hardware it finds: CPU only (CI), one GPU, two or more GPUs. A launch of more
+processes than there are GPUs runs as CPU processes over gloo (CUDA hidden): NCCL refuses two ranks on
+one GPU. Tests assert the devices a run reports against ``devices_for``, never a literal ``cpu``.
 """
 
 from __future__ import annotations
@@ -35,6 +39,28 @@ class Run:
         return f"exit code {self.returncode} after {self.seconds:.0f}s; last output:\n{self.output[-4000:]}"
 
 
+def visible_gpus() -> int:
+    """GPUs this machine gives the tests (0 in CI)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def devices_for(num_processes: int) -> list[str]:
+    """The device each process of an N-process launch uses here: one GPU each when there are enough, else the CPU."""
+    return [f"cuda:{rank}" for rank in range(num_processes)] if visible_gpus() >= num_processes else ["cpu"] * num_processes
+
+
+def launched_processes(config_path: Path, launch_args: tuple[str, ...]) -> int:
+    """Processes a launch starts in all: ``--num_processes`` if given, else the config's ``num_processes``."""
+    import yaml
+
+    args = [str(arg) for arg in launch_args]
+    if "--num_processes" in args:
+        return int(args[args.index("--num_processes") + 1])
+    return int((yaml.safe_load(config_path.read_text()) or {}).get("num_processes", 1)) if config_path.is_file() else 1
+
+
 class Launch:
     """A launch in progress: ``start`` it, find its workers (to kill or stop one), ``finish`` it.
 
@@ -45,7 +71,7 @@ class Launch:
     """
 
     def __init__(self, config: str | Path, script: str | Path, *args, env: dict | None = None,
-                 launch_args: tuple[str, ...] = ()):
+                 launch_args: tuple[str, ...] = (), cpu_only: bool | None = None):
         config_path = config if Path(config).is_absolute() else CONFIGS / config
         script_path = script if Path(script).is_absolute() else RECIPES / script
         self.command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
@@ -63,6 +89,11 @@ class Launch:
             **(env or {}),
             RUN_MARKER: self.marker,
         }
+        if cpu_only is None:  # more processes than GPUs: CPU processes (NCCL refuses two ranks on one GPU)
+            cpu_only = launched_processes(Path(config_path), launch_args) > visible_gpus()
+        if cpu_only:
+            full_env["CUDA_VISIBLE_DEVICES"] = ""
+        self.cpu_only = cpu_only
         self.log = tempfile.TemporaryFile("w+")
         self.started = time.monotonic()
         self.process = subprocess.Popen(self.command, cwd=REPO, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -114,9 +145,11 @@ class Launch:
         return Run(self.process.returncode, output, seconds)
 
 
-def launch(config, script, *args, timeout: float = 300, env: dict | None = None, launch_args: tuple[str, ...] = ()) -> Run:
-    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end."""
-    return Launch(config, script, *args, env=env, launch_args=launch_args).finish(timeout)
+def launch(config, script, *args, timeout: float = 300, env: dict | None = None, launch_args: tuple[str, ...] = (),
+           cpu_only: bool | None = None) -> Run:
+    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end.
+    ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs)."""
+    return Launch(config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only).finish(timeout)
 
 
 def launch_ok(config, script, *args, **kwargs) -> Run:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import REPO, launch, launch_ok, read_results
+from launch import REPO, devices_for, launch, launch_ok, read_results, visible_gpus
 from safetensors.torch import load_file
 
 STEPS = "30"
@@ -17,8 +17,10 @@ def weights(results: dict) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three runs with the same seed and global batch of 16: one launch each, shared by the tests."""
+    """Three runs with the same seed and global batch of 16: one launch each, shared by the tests. The 1-process
+    runs use the kind of device the 2-process run gets (CPU processes where there are fewer than 2 GPUs)."""
     root = tmp_path_factory.mktemp("linear_toy")
+    same_devices_as_ddp = visible_gpus() < 2
     specs = {
         "single": ("single_gpu.yaml", "--per_device_train_batch_size", "16"),
         "ddp": ("ddp_2gpu.yaml", "--per_device_train_batch_size", "8"),
@@ -27,7 +29,8 @@ def runs(tmp_path_factory):
     outputs = {}
     for name, (config, *args) in specs.items():
         out = root / name
-        run = launch_ok(config, "linear_toy.py", "--output_dir", out, "--max_train_steps", STEPS, *args)
+        run = launch_ok(config, "linear_toy.py", "--output_dir", out, "--max_train_steps", STEPS, *args,
+                        cpu_only=same_devices_as_ddp if config == "single_gpu.yaml" else None)
         outputs[name] = {"dir": out, "results": read_results(out), "log": run.output}
     return outputs
 
@@ -66,7 +69,10 @@ def test_results_json_holds_what_users_compare(runs):
     assert results["placement"] == "ddp"
     assert results["config"]["per_device_train_batch_size"] == 8
     assert results["perf/samples_per_sec"] > 0
-    assert set(results["memory/peak_gib"]) == {"rank0/cpu", "rank1/cpu"}
+    # The devices the run reports, against what this machine offers (two GPUs, or two CPU processes).
+    devices = devices_for(2)
+    assert set(results["memory/peak_gib"]) == {f"rank{rank}/{device}" for rank, device in enumerate(devices)}
+    assert results["distributed/backend"] == ("nccl" if devices[0].startswith("cuda") else "gloo")
 
 
 def test_saved_safetensors_are_the_learned_weights(runs):
@@ -141,12 +147,9 @@ def test_data_set_too_small_for_the_global_batch_is_refused(tmp_path):
 
 
 def test_processes_expected_but_not_seen_is_refused():
-    """The silent-duplicate trap: a plain Accelerator() under a 2-process config without CUDA."""
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("with CUDA a plain Accelerator joins the processes; the trap needs a CPU-only machine")
-    run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "plain_accelerator.py")
+    """The silent-duplicate trap: a plain Accelerator() under a 2-process config without CUDA (GPUs hidden here, so
+    the trap is reproduced on every machine)."""
+    run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "plain_accelerator.py", cpu_only=True)
     assert run.returncode != 0
     assert "The launcher started 2 processes (WORLD_SIZE=2) but the Accelerator sees 1" in run.output
     assert "processes seen" not in run.output

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from launch import launch, read_results
+from launch import devices_for, launch, read_results, visible_gpus
 from safetensors.torch import load_file
 
 # Tiny preset, 5 optimizer steps of 2 accumulated batches of 8 blocks x 32 tokens. 13 validation
@@ -25,8 +25,11 @@ def launch_two_at_a_time(jobs: dict[str, tuple]) -> dict:
     """Launch independent runs two at a time. Start-up (importing torch, transformers, datasets) is
     most of a tiny run's time and leaves a core idle whenever one process waits for another, so two
     launches at once keep the 2-core machine busy; a hang still fails through launch()'s timeout."""
+    # Every run on the kind of device the 2-process runs get (CPU processes where there are fewer than 2 GPUs), so
+    # the runs compare exactly.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(launch, config, "pipeline_lm.py", *args) for name, (config, *args) in jobs.items()}
+        futures = {name: pool.submit(launch, config, "pipeline_lm.py", *args, cpu_only=visible_gpus() < 2)
+                   for name, (config, *args) in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -70,8 +73,10 @@ def test_every_mode_ran_as_asked(runs):
         assert (results["parallelism"], results["num_processes"], results["num_stages"]) == (parallelism, processes, stages), name
         assert results["global_batch_size"] == 16 and results["completed_steps"] == 5, name
         assert results["config"]["gradient_accumulation_steps"] == 2, name
-    # Two CPU "devices", the same split-and-move code as two GPUs.
-    assert runs["device_map"]["results"]["device_map_devices"] == ["cpu", "cpu"]
+    # Two GPUs, or two CPU "devices": the same split, hooks and moves.
+    split = runs["device_map"]["results"]
+    assert split["device_map_devices"] == (["cuda:0", "cuda:1"] if visible_gpus() >= 2 else ["cpu", "cpu"])
+    assert split["device_map/hooks"] == split["device_map"]
     assert runs["device_map"]["results"]["blocks_per_stage"] == runs["1f1b"]["results"]["blocks_per_stage"]
     assert len(runs["device_map"]["results"]["blocks_per_stage"]) == 2
 
@@ -129,7 +134,7 @@ def test_results_json_holds_what_users_compare(runs):
     assert runs["single"]["results"]["pipeline/ideal_bubble_fraction"] == 0
     assert runs["1f1b"]["results"]["num_microbatches"] == 4
     # Peak memory per stage (one process each) for the pipeline.
-    assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {"rank0/cpu", "rank1/cpu"}
+    assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {f"rank{rank}/{device}" for rank, device in enumerate(devices_for(2))}
 
 
 def test_fit_planner_model_state_matches_the_measured_bytes(runs):

@@ -1,11 +1,13 @@
 """Checkpoints that survive a kill, bounded hangs, and two machines on 127.0.0.1."""
 
+import json
 import shutil
 import signal
 import socket
 import time
 
 import numpy as np
+import pytest
 from launch import REPO, Launch, launch, launch_ok, read_results
 from safetensors.torch import load_file
 
@@ -81,16 +83,27 @@ def test_a_killed_rank_ends_the_run_and_is_named(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in result.output and "Signal 9 (SIGKILL)" in result.output
 
 
-def test_a_hung_rank_times_out_after_dist_timeout(tmp_path):
-    """A rank that stops answering (SIGSTOP: alive, silent) is the case --dist_timeout exists for:
-    the other rank's collective fails after 5 s with gloo's timeout error."""
+def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_path):
+    """A rank that stops answering (SIGSTOP: alive, silent) is the case --dist_timeout exists for: the other rank's
+    collective fails after 5 s with gloo's timeout error, and on its way out writes output_dir/debug/: the error, the
+    step, the collective it was waiting in and every thread's stack. The message names the folder."""
     out = tmp_path / "run"
     run = Launch("ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "5")
     wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
     run.worker(rank=1).send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
     result = run.finish(timeout=90)
+    assert time.monotonic() - stopped_at <= 5 + 60
     assert result.returncode != 0
     assert "Timed out waiting 5000ms" in result.output
+    dump = out / "debug" / "rank0_error.txt"
+    assert f"Every rank that could still run wrote its stacks, step and collective to {out / 'debug'}/" in result.output
+    facts = json.loads(dump.with_suffix(".json").read_text())
+    assert facts["rank"] == 0 and facts["step"] > 0 and facts["phase"] == "training"
+    assert facts["waiting_in"].startswith("backward: the gradient all-reduce") and "linear_toy.py" in facts["waiting_in"]
+    text = dump.read_text()
+    assert "Timed out waiting 5000ms" in text and "Python stacks of every thread" in text and "linear_toy.py" in text
+    assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"
 
 
 def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tmp_path):
@@ -123,23 +136,70 @@ def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tm
     assert np.abs(weights(results) - weights(read_results(tmp_path / "uninterrupted"))).max() <= 1e-6
 
 
-def test_two_machines_on_localhost_match_one_machine_with_two_processes(tmp_path):
+def two_machines(tmp_path, name: str, *args) -> list:
+    """Two launchers on 127.0.0.1, one process each, each with its own --output_dir (no shared disk), to the end.
+    CPU processes on every machine: two launchers on one box would put both ranks on cuda:0, which NCCL refuses."""
     port = free_port()
-    args = ("--max_train_steps", "30", "--per_device_train_batch_size", "8")
     machines = [
-        Launch("multinode_2x2gpu.yaml", TOY, "--output_dir", tmp_path / f"machine{rank}", *args,
+        Launch("multinode_2x2gpu.yaml", TOY, "--output_dir", tmp_path / f"{name}_machine{rank}", *args, cpu_only=True,
                launch_args=("--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
                             "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)))
         for rank in (0, 1)
     ]
-    for machine in machines:
-        finished = machine.finish(timeout=180)
+    return [machine.finish(timeout=180) for machine in machines]
+
+
+MACHINE_ARGS = ("--max_train_steps", "30", "--per_device_train_batch_size", "8")
+
+
+@pytest.fixture(scope="module")
+def one_machine(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one_machine")
+    launch_ok("ddp_2gpu.yaml", TOY, "--output_dir", out, *MACHINE_ARGS, cpu_only=True)
+    return read_results(out)
+
+
+def test_two_machines_on_localhost_match_one_machine_with_two_processes(tmp_path, one_machine):
+    for finished in two_machines(tmp_path, "run", *MACHINE_ARGS):
         assert finished.returncode == 0, str(finished)
-    two_machines = read_results(tmp_path / "machine0")
-    assert two_machines["num_processes"] == 2
-    assert not (tmp_path / "machine1" / "results.json").exists(), "only the main process of machine 0 writes"
-    launch_ok("ddp_2gpu.yaml", TOY, "--output_dir", tmp_path / "one_machine", *args)
-    assert np.abs(weights(two_machines) - weights(read_results(tmp_path / "one_machine"))).max() <= 1e-6
+    two = read_results(tmp_path / "run_machine0")
+    assert two["num_processes"] == 2
+    assert not (tmp_path / "run_machine1" / "results.json").exists(), "only the main process of machine 0 writes"
+    assert np.abs(weights(two) - weights(one_machine)).max() <= 1e-6
+
+
+def test_machines_without_a_shared_disk_never_resume_into_different_states(tmp_path):
+    """Each machine its own disk: machine 0 holds the step-10 checkpoint it wrote, machine 1 nothing. Before the
+    processes agreed on it, machine 1 printed "starting fresh", machine 0 "resumed at step 10", and the next
+    collective timed out. Now both stop before loading, with one message that says what each machine holds."""
+    first = ("--max_train_steps", "10", "--per_device_train_batch_size", "8", "--checkpointing_steps", "10")
+    for finished in two_machines(tmp_path, "disk", *first):
+        assert finished.returncode == 0, str(finished)
+    resumed = two_machines(tmp_path, "disk", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--dist_timeout", "60")
+    for finished in resumed:
+        assert finished.returncode != 0, str(finished)
+        message = " ".join(finished.output.split())
+        assert "The processes disagree on the checkpoint to resume from" in message
+        assert f"machine 0 (rank 0, host {socket.gethostname()}): step 10 in {tmp_path / 'disk_machine0' / 'checkpoints' / 'step_000010'}" in message
+        assert f"machine 1 (rank 1, host {socket.gethostname()}): no complete checkpoint in {tmp_path / 'disk_machine1' / 'checkpoints'}" in message
+        assert "--save_on_each_node" in message and "resumed from" not in message and "starting fresh" not in message
+
+
+def test_save_on_each_node_lets_machines_without_a_shared_disk_resume(tmp_path, one_machine):
+    """--save_on_each_node: every machine completes its own copy of each checkpoint, so both resume from step 10 and
+    end with the weights of one machine that never stopped."""
+    first = ("--max_train_steps", "10", "--per_device_train_batch_size", "8", "--checkpointing_steps", "10", "--save_on_each_node")
+    for finished in two_machines(tmp_path, "node", *first):
+        assert finished.returncode == 0, str(finished)
+    for rank in (0, 1):
+        assert (tmp_path / f"node_machine{rank}" / "checkpoints" / "step_000010" / "progress.json").is_file()
+    resumed = two_machines(tmp_path, "node", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--save_on_each_node")
+    for finished in resumed:
+        assert finished.returncode == 0, str(finished)
+    assert "at step 10" in resumed[0].output  # printed by the main process, on machine 0
+    results = read_results(tmp_path / "node_machine0")
+    assert results["resumed_from_step"] == 10 and results["completed_steps"] == 30
+    assert np.abs(weights(results) - weights(one_machine)).max() <= 1e-6
 
 
 def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(tmp_path):

@@ -1,0 +1,32 @@
+"""The two halves of MFU: training FLOPs per token, and the peak FLOP/s of a GPU by name. Plain Python (no torch):
+the benchmark runner reads it too."""
+
+# Peak dense (no 2:4 sparsity) BF16 tensor-core FLOP/s per GPU, FP32 accumulate, boost clock, from NVIDIA's product
+# datasheets (H100/H200: "H100 Tensor Core GPU" and "H200" datasheets, SXM 989.4 TFLOPS, the PCIe/NVL parts lower;
+# A100: "A100 Tensor Core GPU" datasheet, 312; L4, L40/L40S: their datasheets, 121 / 181 / 362; RTX 4090/4080: "Ada
+# Lovelace architecture" whitepaper, appendix A, 165.2 / 97.5 with FP32 accumulate; RTX 3090: "Ampere GA102"
+# whitepaper, 71). MFU is measured against this peak whatever the run's precision. Matched in order against
+# torch.cuda.get_device_name(), so the specific names come first.
+PEAK_BF16_FLOPS = [
+    ("H200 NVL", 835e12), ("H200", 989e12), ("GH200", 989e12),
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),  # plain "H100 80GB HBM3" is the SXM part
+    ("H800 PCIe", 756e12), ("H800", 989e12), ("H20", 148e12),
+    ("B200", 2250e12), ("B100", 1750e12),
+    ("A100", 312e12), ("A800", 312e12),  # 40 and 80 GB, SXM and PCIe: the same tensor-core peak
+    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12),
+    ("RTX 6000 Ada", 364e12), ("RTX A6000", 155e12),
+    ("RTX 4090", 165e12), ("RTX 4080", 97e12), ("RTX 3090 Ti", 80e12), ("RTX 3090", 71e12), ("RTX 3080", 60e12),
+]
+
+
+def peak_bf16_flops(gpu_name: str) -> float | None:
+    """The table's peak for a GPU name, or None for a GPU it does not know (then no MFU is reported)."""
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key.lower() in gpu_name.lower()), None)
+
+
+def lm_flops_per_token(hidden_size: int, num_layers: int, vocab_size: int, num_parameters: int, sequence_length: int) -> float:
+    """Training FLOPs per token of a decoder LM, 6N + 12 L H S (PaLM, Chowdhery et al. 2022, appendix B): N = the
+    parameters less the input embedding (a lookup, no multiply-adds; an untied LM head is a matmul and stays in N), 2
+    FLOPs per parameter forward and 4 backward; 12 L H S the attention scores and their weighted sum (QK^T and AV),
+    over the full S x S square as PaLM counts it (not halved for the causal mask)."""
+    return 6 * (num_parameters - vocab_size * hidden_size) + 12 * num_layers * hidden_size * sequence_length

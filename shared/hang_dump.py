@@ -1,0 +1,110 @@
+"""Hang dumps: when a collective times out, or a rank makes no progress, every rank that can still run writes what
+it was doing to ``<output_dir>/debug/``: its Python stacks (all threads, ``faulthandler``), the step, and the
+collective it was waiting in; under NCCL, torch's flight recorder adds its trace of the last collectives.
+
+A rank that is stopped or dead writes nothing, which is itself the clue: the dumps of the others name the
+collective that waited for it. Active in runs of two or more processes only.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+# Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv
+# operation", a peer gone: "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
+HANG_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "nccl", "gloo", "processgroup")
+
+
+class HangDump:
+    """Start it before the Accelerator (NCCL reads its flight-recorder settings when the group starts); call
+    ``step(completed_steps)`` after every optimizer step and ``phase(name)`` before long phases (evaluation, saving).
+
+    If ``stall_after_s`` pass without either, a watcher thread writes ``rank{R}_stalled.txt`` (once per stall: a
+    slow step is not an error, but a stuck one leaves its stacks behind before the collective's timeout kills the
+    run). If the process dies of a collective error, ``rank{R}_error.txt`` holds the error, the step, the collective
+    and the stacks, and one line on stderr names the folder."""
+
+    def __init__(self, debug_dir: str | os.PathLike, dist_timeout_s: float | None):
+        self.folder = Path(debug_dir).resolve()
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.active = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        self.completed_steps, self.current_phase, self.last_progress = 0, "start-up", time.monotonic()
+        self.stall_after_s = max(1.0, 0.8 * dist_timeout_s) if dist_timeout_s else None
+        if not self.active:
+            return
+        # torch's NCCL flight recorder: keep the last 2,000 collectives and dump them on a timeout, beside ours.
+        # (torch 2.13 names: TORCH_FR_* replaced TORCH_NCCL_TRACE_BUFFER_SIZE / _DEBUG_INFO_TEMP_FILE.)
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.folder / "nccl_trace_rank_"))
+        try:  # NCCL writes its trace here; a bad --output_dir is the recipe's to report, with a clear message
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._on_uncaught
+        if self.stall_after_s:
+            threading.Thread(target=self._watch, name="hang-dump-watcher", daemon=True).start()
+
+    def step(self, completed_steps: int) -> None:
+        self.completed_steps, self.current_phase, self.last_progress = completed_steps, "training", time.monotonic()
+
+    def phase(self, name: str) -> None:
+        self.current_phase, self.last_progress = name, time.monotonic()
+
+    def _watch(self) -> None:
+        reported = None
+        while True:
+            time.sleep(min(1.0, self.stall_after_s / 4))
+            idle = time.monotonic() - self.last_progress
+            if idle > self.stall_after_s and reported != self.last_progress:
+                reported = self.last_progress
+                main = sys._current_frames().get(threading.main_thread().ident)
+                self._write("stalled", f"no progress for {idle:.0f} s", traceback.extract_stack(main) if main else [])
+
+    def _on_uncaught(self, kind, error, trace) -> None:
+        text = f"{kind.__name__}: {error}"
+        if isinstance(error, torch.distributed.DistError) or any(word in text.lower() for word in HANG_ERRORS):
+            path = self._write("error", text, traceback.extract_tb(trace), "".join(traceback.format_exception(kind, error, trace)))
+            waiting = json.loads(path.with_suffix(".json").read_text())["waiting_in"]
+            print(f"[rank {self.rank}] error: a collective failed at step {self.completed_steps} ({self.current_phase}), "
+                  f"waiting in {waiting}: {str(error).splitlines()[0][:300]}. Every rank that could still run wrote its "
+                  f"stacks, step and collective to {self.folder}/ (this one: {path.name}).", file=sys.stderr, flush=True)
+        self._previous_hook(kind, error, trace)
+
+    def _write(self, event: str, reason: str, frames, error_text: str = "") -> Path:
+        """``rank{R}_{event}.txt`` (reason, step, collective, every thread's stack) and a ``.json`` of the facts."""
+        facts = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "event": event, "reason": reason,
+                 "step": self.completed_steps, "phase": self.current_phase, "waiting_in": waiting_in(frames),
+                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"rank{self.rank}_{event}.txt"
+        with open(path, "w") as dump:
+            dump.write(json.dumps(facts, indent=2) + "\n\n" + error_text + "\nPython stacks of every thread:\n")
+            dump.flush()
+            faulthandler.dump_traceback(file=dump, all_threads=True)
+        path.with_suffix(".json").write_text(json.dumps(facts, indent=2) + "\n")
+        return path
+
+
+def waiting_in(frames) -> str:
+    """The innermost torch.distributed call of a stack and the line of our code that made it, e.g. ``all_reduce
+    (called from recipes/linear_toy.py:158)``; a backward pass stands for DDP/FSDP's gradient collectives."""
+    ours = [frame for frame in frames if "site-packages" not in frame.filename and "/lib/python" not in frame.filename]
+    caller = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "unknown"
+    for frame in reversed(frames):
+        if "torch/distributed" in frame.filename.replace("\\", "/") and not frame.name.startswith("_"):
+            return f"{frame.name} (called from {caller})"
+        if frame.name in ("backward", "_engine_run_backward"):
+            return f"backward: the gradient all-reduce / reduce-scatter (called from {caller})"
+    return f"no collective on the stack (at {caller})"
