@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import SCHEMA, summarize  # noqa: E402  (the same field extraction as the runner's records)
+from records import LM_RECIPES, SCHEMA, summarize  # noqa: E402  (the same field extraction as the runner's records)
 
 # The issue's targets, shown beside the measured ratios (CPU, 1 thread per process).
 TARGETS = {"ddp scaling efficiency": (">=", 0.92), "overhead vs raw PyTorch": ("<=", 1.02),
@@ -41,7 +41,7 @@ TARGETS = {"ddp scaling efficiency": (">=", 0.92), "overhead vs raw PyTorch": ("
 def plain_record(results: dict, path: Path) -> dict:
     """A recipe's results.json, not written by the runner, as a record (no group rounds: pooled ratios only)."""
     config = results.get("config", {})
-    parallelism = results.get("parallelism") or results.get("placement")
+    parallelism = results.get("parallelism")
     recipe = results.get("recipe", "unknown")
     setup = {"raw_ddp_lm": "raw_ddp"}.get(recipe, parallelism)
     if parallelism == "pipeline":
@@ -52,7 +52,7 @@ def plain_record(results: dict, path: Path) -> dict:
         setup += "+bf16"
     if config.get("compile"):
         setup += "+compile"
-    size = config.get("model_size") if recipe in ("pipeline_lm", "raw_ddp_lm") else Path(str(results.get("model", "model"))).name
+    size = config.get("model_size") if recipe in LM_RECIPES else Path(str(results.get("model", "model"))).name
     threads = config.get("cpu_threads")
     return {"schema": SCHEMA, "run_id": str(path), "status": "ok", "recipe": recipe, "size": size, "setup": setup,
             "group": f"{'lm' if recipe != 'transformer_finetune' else 'finetune'}-{size}", "round": None,

@@ -1,9 +1,9 @@
 """Naive device_map split vs pipeline parallelism, measured side by side on one machine.
 
-Trains the same model on the same batches with ``recipes/pipeline_lm.py`` two ways and compares
-their ``perf/tokens_per_sec`` (warm-up steps excluded):
-- A: ``--parallelism device_map``, 1 process, the model split over two devices (one works at a time);
-- B: ``--parallelism pipeline``, 2 processes, one stage each, for every ``--schedules`` x ``--microbatches``.
+Trains the same model on the same batches two ways and compares their ``perf/tokens_per_sec`` (warm-up steps
+excluded):
+- A: ``recipes/train_lm.py --parallelism device_map``, 1 process, the model split over two devices (one works at a time);
+- B: ``recipes/pipeline_lm.py``, 2 processes, one stage each, for every ``--schedules`` x ``--microbatches``.
 Runs alternate A B A B (each B right after its own A, all repeated ``--repeats`` times), so slow
 drift of the machine hits both sides of a ratio alike. On a CPU-only machine every process uses one
 thread: one core stands in for one GPU. The ideal ratio with p = 2 stages and m micro-batches is
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = REPO / "recipes" / "pipeline_lm.py"
+NAIVE, PIPELINE = REPO / "recipes" / "train_lm.py", REPO / "recipes" / "pipeline_lm.py"
 TIMERS = REPO / "benchmarks" / "stage_timers.py"
 
 
@@ -73,10 +73,10 @@ def own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_recipe(config: str, out: Path, extra: list[str], args, timers: bool = False) -> dict:
-    """One ``accelerate launch`` of the recipe; returns its results.json plus the CPU time other processes used meanwhile."""
+def run_recipe(config: str, recipe: Path, out: Path, extra: list[str], args, timers: bool = False) -> dict:
+    """One ``accelerate launch`` of a recipe; returns its results.json plus the CPU time other processes used meanwhile."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" / config)]
-    command += [str(TIMERS), str(RECIPE)] if timers else [str(RECIPE)]
+    command += [str(TIMERS), str(recipe)] if timers else [str(recipe)]
     command += [
         "--model_size", args.model_size, "--block_size", str(args.block_size), "--per_device_train_batch_size", str(args.batch_size),
         "--max_train_steps", str(args.steps), "--perf_warmup_steps", str(args.perf_warmup_steps),
@@ -114,10 +114,10 @@ def main():
                     raise SystemExit(f"--batch_size {args.batch_size} does not divide into {m} micro-batches")
                 for attempt in range(args.retries + 1):
                     tag = f"{schedule}_m{m}_r{repeat}" + (f"_retry{attempt}" if attempt else "")
-                    naive = run_recipe("model_sharding_2gpu.yaml", output_dir / f"naive_{tag}", ["--parallelism", "device_map"], args)
+                    naive = run_recipe("model_sharding_2gpu.yaml", NAIVE, output_dir / f"naive_{tag}", ["--parallelism", "device_map"], args)
                     pipeline = run_recipe(
-                        "pipeline_2gpu.yaml", output_dir / f"pipeline_{tag}",
-                        ["--parallelism", "pipeline", "--pipeline_schedule", schedule, "--num_microbatches", str(m)], args, timers=True,
+                        "pipeline_2gpu.yaml", PIPELINE, output_dir / f"pipeline_{tag}",
+                        ["--pipeline_schedule", schedule, "--num_microbatches", str(m)], args, timers=True,
                     )
                     foreign = [run.get("bench/foreign_share", 0.0) for run in (naive, pipeline)]
                     disturbed = max(foreign) > args.max_foreign_share

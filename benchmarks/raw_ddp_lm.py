@@ -1,4 +1,4 @@
-"""The raw baseline: ``recipes/pipeline_lm.py``'s ddp mode written in plain PyTorch, no Accelerate.
+"""The raw baseline: ``recipes/train_lm.py``'s ddp mode written in plain PyTorch, no Accelerate.
 
 Same model (the recipe's presets, Llama architecture, untied head), same data (the offline corpus,
 the same BPE tokenizer, packed blocks), same batch per process, same AdamW groups and betas, cosine
@@ -32,9 +32,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.append(str(REPO))
-sys.path.append(str(REPO / "recipes"))
-from pipeline_lm import optimizer_groups  # noqa: E402  (the recipe's own AdamW groups, not a copy)
+sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "recipes"))
+from train_lm import optimizer_groups  # noqa: E402  (the recipe's own AdamW groups, not a copy)
 
 from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 from shared.model_presets import MODEL_PRESETS  # noqa: E402

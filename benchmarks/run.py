@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from pipeline_vs_naive import busy_cpu_seconds, own_cpu_seconds  # noqa: E402  (the foreign-CPU check)
 
 sys.path.insert(0, str(REPO))
+from records import LM_RECIPES, SCHEMA, summarize  # noqa: E402  (the record schema, shared with compare.py)
 from shared.flops import lm_flops_per_token, peak_bf16_flops  # noqa: E402  (torch-free: the runner stays light)
 
-SCHEMA = "two-gpu-recipes/benchmark-run/1"
 RUN_MARKER = "TWO_GPU_RECIPES_BENCH_RUN"  # in every process of a run, to find and kill them all on timeout
 LIBRARIES = ["torch", "accelerate", "transformers", "datasets", "tokenizers", "numpy", "evaluate"]
 
@@ -59,7 +59,7 @@ KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work
 
 # ------------------------------------------------------------------------------ the matrices
 def lm_args(size: str, *, steps: int, warmup: int, batch: int, block: int, vocab: int, corpus_mb: float, threads: int | None) -> list[str]:
-    """Flags that recipes/pipeline_lm.py and benchmarks/raw_ddp_lm.py share: same model, data, batch, steps."""
+    """Flags that the LM recipes and benchmarks/raw_ddp_lm.py share: same model, data, batch, steps."""
     args = ["--model_size", size, "--vocab_size", vocab, "--block_size", block, "--per_device_train_batch_size", batch,
             "--max_train_steps", steps, "--perf_warmup_steps", warmup, "--corpus_max_mb", corpus_mb]
     if threads is not None:
@@ -68,10 +68,10 @@ def lm_args(size: str, *, steps: int, warmup: int, batch: int, block: int, vocab
 
 
 def lm_runs(size: str, setups: list[str], **shape) -> list[dict]:
-    """Run specs for recipes/pipeline_lm.py (and the raw baseline) at one size.
+    """Run specs for recipes/train_lm.py, recipes/pipeline_lm.py and the raw baseline at one size.
 
-    Setup names: single, ddp, fsdp, device_map, raw_ddp (torchrun, no Accelerate), pipeline-<schedule>-m<M>,
-    and any of them + "+compile" / "+bf16" (e.g. single+bf16+compile).
+    Setup names: single, ddp, fsdp, device_map (train_lm.py), pipeline-<schedule>-m<M> (pipeline_lm.py), raw_ddp
+    (torchrun, no Accelerate), and any of them + "+compile" / "+bf16" (e.g. single+bf16+compile).
     """
     common = lm_args(size, **shape)
     recipe_only = ["--sample_tokens", "0", "--skip_eval"]
@@ -84,15 +84,15 @@ def lm_runs(size: str, setups: list[str], **shape) -> list[dict]:
         if base == "raw_ddp":
             runs.append({"setup": setup, "recipe": "raw_ddp_lm", "size": size, "launcher": "torchrun", "processes": 2,
                          "script": "benchmarks/raw_ddp_lm.py", "args": common + extra})
-            continue
-        config, parallelism = {"single": ("single_gpu.yaml", None), "ddp": ("ddp_2gpu.yaml", "ddp"), "fsdp": ("fsdp_2gpu.yaml", "fsdp"),
-                               "device_map": ("model_sharding_2gpu.yaml", "device_map")}.get(base, ("pipeline_2gpu.yaml", "pipeline"))
-        if parallelism == "pipeline":
+        elif base.startswith("pipeline-"):
             _, schedule, m = base.split("-")  # pipeline-gpipe-m4
-            extra = ["--pipeline_schedule", schedule, "--num_microbatches", m.lstrip("m")] + extra
-        runs.append({"setup": setup, "recipe": "pipeline_lm", "size": size, "launcher": "accelerate", "config": config,
-                     "script": "recipes/pipeline_lm.py",
-                     "args": common + recipe_only + (["--parallelism", parallelism] if parallelism else []) + extra})
+            runs.append({"setup": setup, "recipe": "pipeline_lm", "size": size, "launcher": "accelerate", "config": "pipeline_2gpu.yaml",
+                         "script": "recipes/pipeline_lm.py",
+                         "args": common + recipe_only + ["--pipeline_schedule", schedule, "--num_microbatches", m.lstrip("m")] + extra})
+        else:
+            config = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml", "device_map": "model_sharding_2gpu.yaml"}[base]
+            runs.append({"setup": setup, "recipe": "train_lm", "size": size, "launcher": "accelerate", "config": config,
+                         "script": "recipes/train_lm.py", "args": common + recipe_only + ["--parallelism", base] + extra})
     return runs
 
 
@@ -225,7 +225,7 @@ def flops_per_token(model_config: dict, num_parameters: int, sequence_length: in
 
 def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> None:
     """FLOPs per token, achieved FLOP/s and (on CUDA) MFU, for the language-model runs."""
-    if record["recipe"] not in ("pipeline_lm", "raw_ddp_lm") or not results.get("perf/tokens_per_sec"):
+    if record["recipe"] not in LM_RECIPES or not results.get("perf/tokens_per_sec"):
         return
     model_config = results.get("config", {}).get("model_config") or {}
     saved = run_dir / "config.json"  # save_pretrained's full config (the results hold only non-default keys)
@@ -253,13 +253,15 @@ def command_for(spec: dict, run_dir: Path) -> list[str]:
     if spec["launcher"] == "torchrun":
         prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(spec["processes"])]
     else:
-        prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / spec["config"])]
+        prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / spec["config"]),
+                  *spec.get("launch_args", [])]
     return prefix + [str(REPO / spec["script"]), *spec["args"], "--output_dir", str(run_dir)]
 
 
 def spec_hash(spec: dict) -> str:
     """Identifies what a run does (its command without paths), to tell a finished run from a changed one."""
-    key = json.dumps({k: spec.get(k) for k in ("recipe", "setup", "size", "launcher", "config", "script", "args", "processes")}, sort_keys=True)
+    key = json.dumps({k: spec.get(k) for k in ("recipe", "setup", "size", "launcher", "config", "script", "args", "processes")
+                      + (("launch_args",) if spec.get("launch_args") else ())}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -328,42 +330,6 @@ def execute(spec: dict, output_dir: Path, threads: int | None, timeout: float, m
         if path.is_file() and path.name not in KEEP_FILES and not path.name.startswith("stage_timers"):
             path.unlink()
     return {**record, "status": "ok", "results_file": str(results_path.relative_to(output_dir))}
-
-
-def summarize(results: dict, threads: int | None) -> dict:
-    """The schema's fields from a recipe's (or the raw baseline's) results.json."""
-    config = results.get("config", {})
-    parallelism = results.get("parallelism") or results.get("placement")
-    processes = results.get("num_processes", 1)
-    sequence_length = config.get("block_size") or config.get("max_length")
-    return {
-        "parallelism": parallelism,
-        "pipeline_schedule": results.get("pipeline_schedule"),
-        "num_microbatches": results.get("num_microbatches") if parallelism == "pipeline" else None,
-        "group_by_length": bool(config.get("group_by_length", False)),
-        "compile": bool(config.get("compile", False)),
-        "mixed_precision": results.get("mixed_precision"),
-        "device": results.get("device") or ("cuda" if "cuda" in json.dumps(results.get("memory/peak_gib", {})) else "cpu"),
-        "processes": processes,
-        "threads_per_process": config.get("cpu_threads") or threads,
-        "global_batch_size": results.get("global_batch_size"),
-        # pipeline_lm: tokens per block; transformer_finetune: the truncation length (batches are
-        # padded to their longest text, up to this).
-        "sequence_length": sequence_length,
-        "steps": results.get("completed_steps"),
-        "warmup_steps": config.get("perf_warmup_steps"),
-        "measured_steps": results.get("perf/measured_steps"),
-        "perf/samples_per_sec": results.get("perf/samples_per_sec"),
-        "perf/tokens_per_sec": results.get("perf/tokens_per_sec"),
-        "perf/step_time_s": results.get("perf/step_time_s"),
-        "perf/step_time_p90_s": results.get("perf/step_time_p90_s"),
-        "perf/data_wait_fraction": results.get("perf/data_wait_fraction"),
-        "memory/peak_gib": results.get("memory/peak_gib"),
-        "memory/model_state_bytes": results.get("memory/model_state_bytes"),
-        "train/padding_fraction": results.get("train/padding_fraction"),
-        "model/num_parameters": results.get("model/num_parameters"),
-        "train/loss": results.get("train/loss"),
-    }
 
 
 def write_record(path: Path, record: dict) -> None:

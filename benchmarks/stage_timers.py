@@ -3,7 +3,7 @@
 A profiling aid for ``benchmarks/pipeline_vs_naive.py``: where does a pipeline step's time go?
 
     accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml benchmarks/stage_timers.py \\
-        recipes/pipeline_lm.py --parallelism pipeline --num_microbatches 4 --output_dir outputs/timed
+        recipes/pipeline_lm.py --num_microbatches 4 --output_dir outputs/timed
 
 It wraps a few functions of ``torch.distributed.pipelining`` (forward and backward of one
 micro-batch, the last stage's loss, waiting on send/receive) and the optimizer step with

@@ -48,10 +48,12 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import check_cuda_p2p_ib_support
 
-# The helper module lives in ../shared in this repository; in your own project put shared/ next to
-# this file (found first) or one folder up.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, build_accelerator, positive_int, prepare_output_dir, write_results  # noqa: E402
+# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
+# so that no installed package named "shared" shadows it.
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
+from shared.results import write_results  # noqa: E402
+from shared.runtime import RecipeError, build_accelerator, positive_int, prepare_output_dir  # noqa: E402
 
 MB = 2**20  # nccl-tests labels sizes in powers of two ...
 GB = 1e9  # ... and bandwidth in powers of ten.

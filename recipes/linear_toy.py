@@ -31,13 +31,23 @@ import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-# The helper module lives in ../shared in this repository; in your own project put shared/ next to
-# this file (found first) or one folder up.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import RecipeError, ThroughputMeter, build_accelerator, choose_placement, positive_int, prepare_output_dir, write_results  # noqa: E402
-from shared.hang_dump import HangDump  # noqa: E402
-from shared.runtime import run_facts  # noqa: E402
+# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
+# so that no installed package named "shared" shadows it.
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from shared.hang_dump import HangDump  # noqa: E402
+from shared.results import ThroughputMeter, write_results  # noqa: E402
+from shared.runtime import (  # noqa: E402
+    RecipeError,
+    build_accelerator,
+    choose_parallelism,
+    positive_float,
+    positive_int,
+    prepare_output_dir,
+    run_facts,
+    steps_or_epoch,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,14 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--noise_std", type=float, default=0.1, help="Standard deviation of the noise added to the targets.")
     parser.add_argument("--per_device_train_batch_size", type=positive_int, default=32, help="Samples per process per forward pass.")
     parser.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per optimizer step.")
-    parser.add_argument("--num_epochs", type=positive_int, default=3, help="Passes over the training set (ignored if --max_train_steps is set).")
+    parser.add_argument("--num_train_epochs", type=positive_int, default=3,
+                        help="Passes over the training set (ignored if --max_train_steps is set).")
     parser.add_argument("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
-    parser.add_argument("--learning_rate", type=float, default=0.1, help="SGD learning rate.")
+    parser.add_argument("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
     parser.add_argument(
         "--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
         help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).",
     )
-    parser.add_argument("--checkpointing_steps", type=positive_int, default=None, help="Save the training state every N optimizer steps.")
+    parser.add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
+                        help="Save the training state every N optimizer steps, or 'epoch'.")
     parser.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints.")
     parser.add_argument(
         "--resume_from_checkpoint", default=None,
@@ -97,11 +109,11 @@ def main():
     # Every process agrees on the checkpoint to resume from (a collective), before any work.
     checkpoints_dir = output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)
-    placement = choose_placement(accelerator)
-    accelerator.print(f"placement: {placement.name} ({placement.reason})")
-    if placement.name == "device_map":
-        accelerator.print("placement: a linear model is one layer and has nothing to split, so it trains on one device")
-    device_placement = "single" if placement.name == "device_map" else placement.name
+    parallelism = choose_parallelism(accelerator, "auto", "recipes/linear_toy.py")
+    accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
+    if parallelism.name == "device_map":
+        accelerator.print("parallelism: a linear model is one layer and has nothing to split, so it trains on one device")
+    trained_as = "single" if parallelism.name == "device_map" else parallelism.name
 
     # tokens per optimizer step would be the same arithmetic with sequence length; here it is samples:
     # global batch = per-device batch x processes x accumulation steps.
@@ -142,15 +154,15 @@ def main():
     # ---------------------------------------------------------------------- training loop
     # accumulate() also steps on the last, shorter group of an epoch, hence the ceiling division.
     steps_per_epoch = -(-len(train_dataloader) // args.gradient_accumulation_steps)
-    max_train_steps = args.max_train_steps or args.num_epochs * steps_per_epoch
-    num_epochs = -(-max_train_steps // steps_per_epoch)
+    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    num_train_epochs = -(-max_train_steps // steps_per_epoch)
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
     completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
     first_step = completed_steps
     meter = ThroughputMeter(accelerator, warmup_steps=1)
     loss_curve = []  # global mean loss of each optimizer step run by this process
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
-    for epoch in range(starting_epoch, num_epochs):
+    for epoch in range(starting_epoch, num_train_epochs):
         model.train()
         # Reseeds the shuffling for this epoch: same order on every process and after a resume.
         train_dataloader.set_epoch(epoch)
@@ -176,10 +188,14 @@ def main():
                 hang_dump.step(completed_steps)
                 if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
                     accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.5f}")
-                if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
+                if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
             if completed_steps >= max_train_steps:
                 break
+        if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
+            save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
+        if completed_steps >= max_train_steps:
+            break
 
     # ------------------------------------------------------------------------- evaluation
     hang_dump.phase("evaluation")
@@ -202,8 +218,8 @@ def main():
     results = {
         "recipe": "linear_toy",
         **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
-        "placement": device_placement,
-        "placement_requested": placement.name,
+        "parallelism": trained_as,
+        "parallelism_requested": parallelism.name,
         "mixed_precision": accelerator.mixed_precision,
         "global_batch_size": global_batch_size,
         "completed_steps": completed_steps,

@@ -43,22 +43,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
 
-# The helper module lives in ../shared in this repository; in your own project put shared/ next to
-# this file (found first) or one folder up.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
-from shared import (  # noqa: E402
-    RecipeError,
-    ThroughputMeter,
-    build_accelerator,
-    choose_placement,
-    model_state_bytes_per_rank,
-    positive_int,
-    prepare_output_dir,
-    write_results,
-)
+# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
+# so that no installed package named "shared" shadows it.
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_docstrings  # noqa: E402
-from shared.fsdp import check_fsdp_request, sharding_per_rank, wrap_at_blocks  # noqa: E402
+from shared.fsdp import sharding_facts, wrap_at_blocks  # noqa: E402
+from shared.hang_dump import HangDump  # noqa: E402
 from shared.model_split import (  # noqa: E402
     dispatch_on_devices,
     execution_devices,
@@ -67,9 +59,17 @@ from shared.model_split import (  # noqa: E402
     plan_device_map,
     split_devices,
 )
-from shared.results import GIB  # noqa: E402
-from shared.hang_dump import HangDump  # noqa: E402
-from shared.runtime import run_facts  # noqa: E402
+from shared.results import GIB, ThroughputMeter, model_state_bytes, per_rank, write_results  # noqa: E402
+from shared.runtime import (  # noqa: E402
+    RecipeError,
+    build_accelerator,
+    choose_parallelism,
+    positive_float,
+    positive_int,
+    prepare_output_dir,
+    run_facts,
+    steps_or_epoch,
+)
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 
 METRICS_DIR = Path(__file__).resolve().parents[1] / "shared" / "metrics"
@@ -112,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument("--per_device_train_batch_size", type=positive_int, default=16, help="Samples per process per forward pass.")
     training.add_argument("--per_device_eval_batch_size", type=positive_int, default=64, help="Samples per process per evaluation forward pass.")
     training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per optimizer step.")
-    training.add_argument("--learning_rate", type=float, default=2e-4, help="Peak AdamW learning rate.")
+    training.add_argument("--learning_rate", type=positive_float, default=2e-4, help="Peak AdamW learning rate.")
     training.add_argument("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not applied to biases and LayerNorm).")
     training.add_argument("--num_train_epochs", type=positive_int, default=2, help="Passes over the training set (ignored if --max_train_steps is set).")
     training.add_argument("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps.")
@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument("--seed", type=int, default=42, help="Seed for initialization, shuffling and dropout.")
     output = parser.add_argument_group("output")
     output.add_argument("--output_dir", default="outputs/transformer_finetune", help="Model, results.json and checkpoints go here.")
-    output.add_argument("--checkpointing_steps", help="Save the training state every N optimizer steps, or 'epoch'.")
+    output.add_argument("--checkpointing_steps", type=steps_or_epoch, help="Save the training state every N optimizer steps, or 'epoch'.")
     output.add_argument("--checkpoints_total_limit", type=positive_int, help="Keep only the newest N checkpoints.")
     output.add_argument("--resume_from_checkpoint", help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints).")
     output.add_argument("--save_on_each_node", action="store_true",
@@ -135,8 +135,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument("--dist_timeout", type=float, default=600,
                           help="Seconds any collective may wait for the other processes before the run fails with an error naming it.")
     args = parser.parse_args(argv)
-    if args.checkpointing_steps not in (None, "epoch") and not args.checkpointing_steps.isdigit():
-        parser.error(f"--checkpointing_steps must be a number of steps or 'epoch', got {args.checkpointing_steps!r}")
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     return args
@@ -224,19 +222,9 @@ def main():
     # Every process agrees on the checkpoint to resume from (a collective), before any work.
     checkpoints_dir = output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)
-    placement = choose_placement(accelerator)
-    if args.parallelism == "device_map" and accelerator.num_processes > 1:
-        raise RecipeError(
-            f"--parallelism device_map needs 1 process but this launch has {accelerator.num_processes}: Accelerate refuses "
-            "to train a model split with a device_map in a distributed mode. Launch with "
-            "accelerate_configs/model_sharding_2gpu.yaml (1 process that sees both GPUs)."
-        )
-    if args.parallelism == "ddp" and accelerator.num_processes == 1:
-        raise RecipeError("--parallelism ddp needs 2 or more processes; launch with accelerate_configs/ddp_2gpu.yaml.")
-    placement_name = placement.name if args.parallelism == "auto" else args.parallelism
-    # fsdp needs the FSDP launch config and 2+ processes; that config is not combined with other modes.
-    check_fsdp_request(accelerator, placement_name, "recipes/transformer_finetune.py")
-    accelerator.print(f"placement: {placement_name} ({placement.reason if placement_name == placement.name else '--parallelism ' + args.parallelism})")
+    # Refuses combinations that cannot work (device_map with 2 processes, ddp with 1, fsdp without its config).
+    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")
+    accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
@@ -331,7 +319,7 @@ def main():
         # works in every mode here (single, ddp, device_map, fsdp) and gives the same gradients.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device_map = None
-    if placement_name == "device_map":
+    if parallelism.name == "device_map":
         # One dispatcher for every recipe that splits (shared/model_split.py): two GPUs, one GPU + the CPU, or two
         # CPU "devices" (the same AlignDevicesHook per block as on GPUs; tests read results.json's device_map/hooks).
         split_over = split_devices(accelerator.device)
@@ -366,7 +354,7 @@ def main():
     )
 
     # ------------------------------------------------------------------------------ prepare
-    if placement_name == "fsdp":
+    if parallelism.name == "fsdp":
         # FSDP shards one Transformer layer at a time (its class is read from the model).
         block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules or ())))
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
@@ -374,7 +362,7 @@ def main():
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
     run_config = {
-        **vars(args), "num_processes": accelerator.num_processes, "placement": placement_name,
+        **vars(args), "num_processes": accelerator.num_processes, "parallelism": parallelism.name,
         "global_batch_size": global_batch_size, "max_train_steps": max_train_steps, "mixed_precision": accelerator.mixed_precision,
     }
     accelerator.print("config: " + json.dumps(run_config, sort_keys=True))
@@ -434,7 +422,7 @@ def main():
                 logged_steps = 0
                 progress_bar.set_postfix({"train/loss": f"{last_logged_loss:.4f}"})
                 accelerator.log({"train/loss": last_logged_loss, "train/learning_rate": lr_scheduler.get_last_lr()[0]}, step=completed_steps)
-            if args.checkpointing_steps and args.checkpointing_steps.isdigit() and completed_steps % int(args.checkpointing_steps) == 0:
+            if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                 save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
             if completed_steps >= max_train_steps:
                 break
@@ -489,17 +477,17 @@ def main():
         tokenizer.save_pretrained(output_dir)
     perf = meter.summary()
     # Exact bytes of parameters + gradients + optimizer state per process (the part FSDP shards).
-    perf["memory/model_state_bytes"] = model_state_bytes_per_rank(accelerator, model, optimizer)
-    if placement_name == "fsdp":
+    perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
+    if parallelism.name == "fsdp":
         # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
-        perf["fsdp/sharding"] = sharding_per_rank(accelerator, model)
+        perf["fsdp/sharding"] = per_rank(sharding_facts(model))
     token_counts = accelerator.reduce(torch.stack([real_tokens, padded_tokens]), reduction="sum").tolist()
     perf["train/padding_fraction"] = 1 - token_counts[0] / max(token_counts[1], 1)
     results = {
         "recipe": "transformer_finetune",
         "model": args.model_name_or_path,
         **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
-        "placement": placement_name,
+        "parallelism": parallelism.name,
         "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
         "device_map_devices": sorted({str(device) for device in device_map.values()}) if device_map else None,
         # The execution device of the AlignDevicesHook on every planned module: the split really is hooked.

@@ -1,10 +1,7 @@
-"""Checkpoints that never lose work, and the one resume path every recipe takes.
-
-A checkpoint ``checkpoints/step_000120`` is complete when it holds ``progress.json``, written last inside a
-temporary folder that is then renamed: a run killed mid-save leaves only a ``.tmp`` folder, which resuming skips.
-Resuming is two calls: ``find_checkpoint`` (before the data: every process agrees on the folder) and
-``load_checkpoint`` (after ``prepare``: load it, and say which batches to skip).
-"""
+"""Checkpoints that never lose work, and the one resume path every recipe takes. ``checkpoints/step_000120`` is
+complete when it holds ``progress.json``, written last in a temporary folder then renamed (a run killed mid-save
+leaves a ``.tmp`` folder, which resuming skips). Resuming: ``find_checkpoint`` (every process agrees on the folder),
+then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip)."""
 
 from __future__ import annotations
 
@@ -21,17 +18,17 @@ from accelerate.utils import gather_object
 from .runtime import RecipeError
 
 PROGRESS_FILE = "progress.json"
+LAYOUTS = {"replica": "whole model (single, ddp or device_map)", "fsdp": "model in FSDP shards (fsdp)",
+           "pipeline": "model in pipeline stages (recipes/pipeline_lm.py)"}
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike, completed_steps: int,
-                    total_limit: int | None = None, write_state=None) -> Path:
-    """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every process's RNG states) to
-    ``checkpoints_dir/step_{completed_steps:06d}``, atomically; keeps the newest ``total_limit``. Every process
-    calls it. ``write_state(folder)``, when given, replaces ``save_state`` on every process (pipeline stages
-    save their own weights, which ``save_state`` writes from the main process only).
-
-    With ``ProjectConfiguration(save_on_each_node=True)`` (machines without a shared disk) the main process of
-    every machine completes its machine's copy, as ``save_state`` then writes the weights on every machine."""
+                    total_limit: int | None = None, write_state=None, layout: str = "replica") -> Path:
+    """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every RNG) to ``checkpoints_dir/step_N``,
+    atomically; keeps the newest ``total_limit``; every process calls it. ``write_state(folder)`` replaces ``save_state``
+    (pipeline stages save their own weights). ``layout`` (``replica``: whole weights, resumable by single/ddp/device_map;
+    ``fsdp``: shards; ``pipeline``: stages) goes into progress.json. With ``save_on_each_node`` (machines without a
+    shared disk) the main process of every machine completes its copy, as ``save_state`` writes one on each."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
@@ -46,7 +43,7 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     # Sync point: every process must have written its part before the folder is declared complete.
     accelerator.wait_for_everyone()
     if writes:
-        (tmp / PROGRESS_FILE).write_text(json.dumps({"completed_steps": completed_steps}) + "\n")
+        (tmp / PROGRESS_FILE).write_text(json.dumps({"completed_steps": completed_steps, "layout": layout}) + "\n")
         if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
             old = checkpoints_dir / f".{final.name}.old"
             os.replace(final, old)
@@ -74,8 +71,7 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
 
 
 def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.PathLike) -> Path | None:
-    """The folder this process would resume from: a given path, or ``latest`` (the newest complete checkpoint under
-    ``checkpoints_dir``; None when there is none yet, so a first run with ``latest`` starts fresh)."""
+    """The folder this process would resume from: a path, or ``latest`` (the newest complete one; None if none yet)."""
     if resume_from_checkpoint == "latest":
         found = complete_checkpoints(checkpoints_dir)
         return found[-1] if found else None
@@ -90,12 +86,14 @@ def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.Pa
     return path
 
 
-def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None, checkpoints_dir: str | os.PathLike) -> Path | None:
+def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None, checkpoints_dir: str | os.PathLike,
+                    layout: str = "replica") -> Path | None:
     """The checkpoint every process resumes from, or None (start fresh). A collective: call it on every process.
 
     Each process looks on its own disk; machines without a shared one can see different things (machine 0 the
     step-10 checkpoint it wrote, machine 1 nothing), and loading anyway would train on from different states.
-    So all processes gather what they found, and any disagreement stops every process with one message."""
+    So all processes gather what they found, and any disagreement stops every process with one message. A checkpoint
+    of another ``layout`` (see ``save_checkpoint``) is refused too."""
     if not resume_from_checkpoint:
         return None
     try:
@@ -120,6 +118,11 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
         )
     if found is None:
         accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
+    elif json.loads((found / PROGRESS_FILE).read_text()).get("layout", layout) != layout:
+        theirs = json.loads((found / PROGRESS_FILE).read_text())["layout"]
+        raise RecipeError(f"{found} holds a {LAYOUTS[theirs]} and cannot be resumed by this run, which trains with a "
+                          f"{LAYOUTS[layout]}. Resume it with the recipe and parallelism that wrote it, or start a new run "
+                          "from that run's saved model (--model_name_or_path).")
     return found
 
 

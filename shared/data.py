@@ -1,8 +1,5 @@
-"""Offline default data sets built from text every Python installation has: the standard library.
-
-No download, no Hub: the recipes train on real text by default and tests run without internet.
-Files are read as text and parsed with ``ast``; nothing from them is imported or executed.
-"""
+"""Offline default data sets built from text every Python installation has: the standard library. No download, no
+Hub; files are read as text and parsed with ``ast``, nothing from them is imported or executed."""
 
 from __future__ import annotations
 
@@ -14,9 +11,8 @@ from pathlib import Path
 
 import datasets
 
-# Well-populated standard-library packages that exist in every supported Python version (distutils
-# and lib2to3 are left out: they were removed in 3.12/3.13). Counted on 3.11: 629 tkinter, 295
-# asyncio, 267 email, 259 importlib, 222 logging, 201 xml, 179 unittest, 158 multiprocessing.
+# Well-populated packages in every supported Python (distutils and lib2to3 went in 3.12/3.13). Docstrings on 3.11: 629
+# tkinter, 295 asyncio, 267 email, 259 importlib, 222 logging, 201 xml, 179 unittest, 158 multiprocessing.
 DOCSTRING_PACKAGES = ("asyncio", "email", "importlib", "logging", "multiprocessing", "tkinter", "unittest", "xml")
 TEST_FOLDERS = {"test", "tests", "idle_test"}
 
@@ -26,15 +22,13 @@ def stdlib_root() -> Path:
 
 
 def in_validation_split(group: str, validation_percent: int) -> bool:
-    """Deterministic split by group, a module's top-level class or function with everything nested in
-    it, so a class's near-identical method docstrings never end up on both sides. md5 rather than
-    ``hash()``, which Python randomizes per process."""
+    """Deterministic split by group (a top-level class or function with everything nested in it, so near-identical
+    method docstrings never straddle the split); md5, not ``hash()``, which Python randomizes per process."""
     return int(hashlib.md5(group.encode()).hexdigest(), 16) % 100 < validation_percent
 
 
 def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_chars: int, validation_percent: int):
-    """One row per docstring: text, label (package name), source (file:group), split.
-    ``python_version`` is unused here but part of the ``datasets`` cache key."""
+    """One row per docstring: text, label (package), source (file:group), split (``python_version``: the cache key)."""
     root = Path(stdlib)
     for package in sorted(packages):
         for path in sorted((root / package).rglob("*.py")):
@@ -58,13 +52,9 @@ def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_c
 
 
 def stdlib_docstrings(packages=DOCSTRING_PACKAGES, min_chars: int = 40, validation_percent: int = 20) -> datasets.DatasetDict:
-    """Docstrings of the standard library labelled by their top-level package: topic classification.
-
-    Returns a DatasetDict with ``train`` and ``validation`` splits and the columns ``text``, ``label``
-    (the package name, a string) and ``source`` (file and top-level object the docstring belongs to).
-    Built once per Python installation, then read from the ``datasets`` cache (call it under
-    ``accelerator.main_process_first()`` so one process builds while the others wait).
-    """
+    """Docstrings of the standard library labelled by their top-level package (topic classification): ``train`` and
+    ``validation`` with ``text``, ``label`` (the package name) and ``source``. Built once per Python installation, then
+    read from the ``datasets`` cache: call it under ``accelerator.main_process_first()``."""
     rows = datasets.Dataset.from_generator(
         _docstring_rows,
         gen_kwargs={"stdlib": str(stdlib_root()), "python_version": platform.python_version(), "packages": sorted(packages),

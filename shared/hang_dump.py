@@ -1,13 +1,11 @@
-"""Hang dumps: when a collective times out, or a rank makes no progress, every rank that can still run writes what
-it was doing to ``<output_dir>/debug/``: its Python stacks (all threads, ``faulthandler``), the step, and the
-collective it was waiting in; under NCCL, torch's flight recorder adds its trace of the last collectives.
-
-A rank that is stopped or dead writes nothing, which is itself the clue: the dumps of the others name the
-collective that waited for it. Active in runs of two or more processes only.
-"""
+"""Hang dumps: when a collective times out, or a rank makes no progress, every rank that can still run writes to
+``<output_dir>/debug/`` its Python stacks (all threads, ``faulthandler``), the step and the collective it was waiting
+in; under NCCL torch's flight recorder adds its trace of the last collectives. A stopped or dead rank writes nothing,
+itself the clue: the others' dumps name the collective that waited for it. Active with 2+ processes only."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -20,19 +18,16 @@ from pathlib import Path
 
 import torch
 
-# Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv
-# operation", a peer gone: "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
+# Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
+# "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
 HANG_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "nccl", "gloo", "processgroup")
 
 
 class HangDump:
-    """Start it before the Accelerator (NCCL reads its flight-recorder settings when the group starts); call
-    ``step(completed_steps)`` after every optimizer step and ``phase(name)`` before long phases (evaluation, saving).
-
-    If ``stall_after_s`` pass without either, a watcher thread writes ``rank{R}_stalled.txt`` (once per stall: a
-    slow step is not an error, but a stuck one leaves its stacks behind before the collective's timeout kills the
-    run). If the process dies of a collective error, ``rank{R}_error.txt`` holds the error, the step, the collective
-    and the stacks, and one line on stderr names the folder."""
+    """Start it before the Accelerator (NCCL reads its settings when the group starts); call ``step(completed_steps)``
+    after every optimizer step and ``phase(name)`` before long phases. After 0.8 x ``dist_timeout`` without either, a
+    watcher writes ``rank{R}_stalled.txt`` (a stuck rank leaves its stacks before the timeout kills the run); a process
+    dying of a collective error writes ``rank{R}_error.txt`` and one line on stderr that names the folder."""
 
     def __init__(self, debug_dir: str | os.PathLike, dist_timeout_s: float | None):
         self.folder = Path(debug_dir).resolve()
@@ -47,10 +42,8 @@ class HangDump:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.folder / "nccl_trace_rank_"))
-        try:  # NCCL writes its trace here; a bad --output_dir is the recipe's to report, with a clear message
+        with contextlib.suppress(OSError):  # NCCL writes here; a bad --output_dir is the recipe's to report
             self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass
         self._previous_hook = sys.excepthook
         sys.excepthook = self._on_uncaught
         if self.stall_after_s:

@@ -1,10 +1,8 @@
-"""Text for the language-model recipes: the offline default corpus, a byte-level BPE tokenizer trained
-on it, and packing token streams into fixed-length blocks.
+"""Text for the language-model recipes: the offline default corpus, a byte-level BPE tokenizer trained on it, and
+packing token streams into fixed-length blocks.
 
-The default corpus is the Python standard library's own source (``*.py`` under
-``shared.data.stdlib_root()``, tests, codec tables and site-packages left out): about 12 MB of real text that
-every machine with Python has, so a recipe runs with no download. It is split into train and
-validation *by file*, so no validation file is ever seen in training.
+The default corpus is the Python standard library's own source (``*.py``; tests, codec tables and site-packages left
+out): about 12 MB of real text every machine with Python has, split into train and validation *by file*.
 """
 
 from __future__ import annotations
@@ -16,23 +14,17 @@ from datasets import DatasetDict, load_dataset
 
 from .data import TEST_FOLDERS, stdlib_root
 
-# Folders of the standard library that are not ordinary source: test suites (mostly generated
-# data and fixtures), codec lookup tables (walls of hex), and whatever pip installed.
+# Not ordinary source: test suites (generated data, fixtures), codec tables (walls of hex), whatever pip installed.
 EXCLUDED_STDLIB_FOLDERS = {"site-packages", "dist-packages", "encodings"} | TEST_FOLDERS
 END_OF_TEXT = "<|endoftext|>"
 
 
 def standard_library_files(max_mb: float | None = None) -> list[Path]:
-    """The standard library's ``.py`` files, sorted by path, optionally only the first ``max_mb`` MB.
-
-    Sorting makes the list, the train/validation split and therefore every token the same on every
-    machine with the same Python version.
-    """
+    """The standard library's ``.py`` files, sorted by path (the same split and tokens on every machine with the same
+    Python version), optionally only the first ``max_mb`` MB."""
     root = stdlib_root()
-    files = sorted(
-        path for path in root.rglob("*.py")
-        if path.is_file() and not set(path.relative_to(root).parts[:-1]) & EXCLUDED_STDLIB_FOLDERS
-    )
+    files = sorted(path for path in root.rglob("*.py")
+                   if path.is_file() and not set(path.relative_to(root).parts[:-1]) & EXCLUDED_STDLIB_FOLDERS)
     if max_mb is not None:
         kept, total = [], 0
         for path in files:
@@ -45,33 +37,19 @@ def standard_library_files(max_mb: float | None = None) -> list[Path]:
 
 
 def split_by_file(files: list[Path], validation_percentage: float) -> tuple[list[Path], list[Path]]:
-    """Every k-th file (k = 100 / percentage, starting with the first) goes to validation.
-
-    Splitting by file rather than by line keeps whole modules out of training: a held-out line
-    whose neighbours were trained on would make validation perplexity look better than it is.
-    """
+    """Every k-th file (k = 100 / percentage, from the first) goes to validation. By file, not by line: a held-out
+    line whose neighbours were trained on would make validation perplexity look better than it is."""
     every = max(2, round(100 / validation_percentage))
-    validation = files[::every]
-    train = [path for index, path in enumerate(files) if index % every]
-    return train, validation
+    return [path for index, path in enumerate(files) if index % every], files[::every]
 
 
-def load_text_corpus(
-    *,
-    dataset_name: str | None,
-    dataset_config_name: str | None,
-    train_file: str | None,
-    validation_file: str | None,
-    validation_split_percentage: float,
-    corpus_max_mb: float | None,
-) -> tuple[DatasetDict, str, bool]:
-    """Load the raw text as a ``DatasetDict`` with ``train`` and ``validation`` splits and a ``text`` column.
-
-    Returns ``(datasets, description, documents)``. ``documents`` is True when each example is a
-    whole document (the default corpus: one example per file), so the packer puts an end-of-text
-    token between examples; for text files (one example per line, line breaks kept) and Hub
-    datasets examples are pieces of running text and are joined as they are.
-    """
+def load_text_corpus(*, dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
+                     validation_file: str | None, validation_split_percentage: float,
+                     corpus_max_mb: float | None) -> tuple[DatasetDict, str, bool]:
+    """The raw text as a ``DatasetDict`` (``train``, ``validation``; a ``text`` column), a description, and
+    ``documents``: True when each example is a whole document (the default corpus: one per file), so the packer puts
+    an end-of-text token between examples; text files (one example per line, line breaks kept) and Hub datasets are
+    pieces of running text, joined as they are."""
     if dataset_name is not None:
         raw = load_dataset(dataset_name, dataset_config_name)
         if "validation" not in raw:
@@ -104,54 +82,37 @@ def load_text_corpus(
     if not train_files:
         raise ValueError("the default corpus needs at least two files; raise --corpus_max_mb")
     # sample_by="document": one example per file, so the train/validation split stays by file.
-    raw = load_dataset(
-        "text",
-        data_files={"train": [str(path) for path in train_files], "validation": [str(path) for path in validation_files]},
-        sample_by="document",
-    )
+    raw = load_dataset("text", sample_by="document", data_files={"train": [str(path) for path in train_files],
+                                                                 "validation": [str(path) for path in validation_files]})
     megabytes = sum(path.stat().st_size for path in files) / 1e6
-    description = (
-        f"Python standard library source ({len(train_files)} train files, {len(validation_files)} validation files, "
-        f"{megabytes:.1f} MB) from {stdlib_root()}"
-    )
-    return raw, description, True
+    return raw, (f"Python standard library source ({len(train_files)} train files, {len(validation_files)} validation "
+                 f"files, {megabytes:.1f} MB) from {stdlib_root()}"), True
 
 
 def train_bpe_tokenizer(texts, vocab_size: int):
-    """Train a byte-level BPE tokenizer (the GPT-2 recipe) on ``texts`` and wrap it for transformers.
-
-    Byte-level means every string can be encoded (no unknown token) and decoding gives back the
-    exact text, indentation included, which matters for source code. The result saves with
-    ``save_pretrained`` and loads with ``AutoTokenizer.from_pretrained``.
-    """
+    """Train a byte-level BPE tokenizer (the GPT-2 recipe) on ``texts``, wrapped for transformers (``save_pretrained``,
+    ``AutoTokenizer.from_pretrained``). Byte-level: every string encodes (no unknown token) and decodes back exactly,
+    indentation included, which matters for source code."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(texts, trainer=trainer)
     # The end-of-text token doubles as padding: generation wants a pad id, and training never pads.
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT)
 
 
 def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, documents: bool) -> tuple[DatasetDict, dict[str, int]]:
-    """Tokenize every split and cut the token stream into blocks of exactly ``block_size`` tokens.
+    """Tokenize every split and cut the token stream into blocks of exactly ``block_size`` tokens; returns the packed
+    ``DatasetDict`` (``input_ids``) and each split's tokens before packing.
 
-    Returns the packed ``DatasetDict`` (one ``input_ids`` column) and the number of tokens in each
-    split before packing.
-
-    Packing wastes no compute on padding and gives every batch the same shape (pipeline stages
-    need fixed shapes). The tail shorter than a block is dropped, per map batch of 1,000 examples,
-    as in transformers' run_clm. Both ``map`` calls are cached by ``datasets`` (keyed on the
-    function and tokenizer), so call this under ``accelerator.main_process_first()``: the main
-    process does the work and the others read the cache.
+    Packing wastes no compute on padding and gives every batch the same shape (pipeline stages need it). The tail
+    shorter than a block is dropped, per map batch of 1,000 examples, as in transformers' run_clm. ``datasets`` caches
+    both ``map`` calls: call this under ``accelerator.main_process_first()`` and the others read the main's cache.
     """
     end_of_text = tokenizer.eos_token_id
 

@@ -1,12 +1,8 @@
-"""Model shapes by name: the one place ``recipes/pipeline_lm.py --model_size`` and the fit planner
-(``shared/plan.py``) read them from.
+"""Model shapes by name, for ``--model_size`` of the LM recipes and for the fit planner (``tools/plan.py``).
 
-Llama-architecture shapes (RMSNorm, rotary positions, SwiGLU MLP, no biases). 125m/350m/1.3b are the
-GPT-3 paper's Small/Medium/XL shapes (hidden size, blocks, heads); the parameter count also depends on
-the vocabulary (e.g. 125m is ~134M with a 32k vocabulary, untied). tiny is for tests; small trains
-visibly on one CPU core in minutes, and its 7 blocks split evenly over two stages on CPU (5, and 2 +
-the LM head and loss, worth ~3 blocks).
-"""
+Llama-architecture (RMSNorm, rotary positions, SwiGLU, no biases). 125m/350m/1.3b: GPT-3's Small/Medium/XL shapes (the
+count depends on the vocabulary: 125m is ~134M with 32k, untied). tiny: tests; small: trains visibly on one CPU core
+in minutes, its 7 blocks split evenly over two stages (5, and 2 + the LM head and loss, worth ~3 blocks)."""
 
 MODEL_PRESETS = {
     "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=176, max_position_embeddings=256),

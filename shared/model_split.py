@@ -1,11 +1,9 @@
 """Splitting a Transformer over devices: the plan (whole blocks, balanced by compute) and the one dispatcher.
 
-A device_map sends each submodule to a device; Accelerate's ``dispatch_model`` then moves activations between
-devices in forward and backward. Only one device computes at a time, so a split lets a model *fit*; it does not
-make it faster (``recipes/pipeline_lm.py`` does that). A plan is device *indices*; ``split_devices`` picks the real
-devices and ``dispatch_on_devices`` applies it, the same code on two GPUs, on one GPU + the CPU and on two CPU
-"devices" in tests: every planned module gets Accelerate's ``AlignDevicesHook`` in all three.
-"""
+Accelerate's ``dispatch_model`` moves activations between the devices of a device_map. One device computes at a time:
+a split lets a model *fit*, it is not faster (``recipes/pipeline_lm.py`` is). A plan is device *indices*;
+``split_devices`` picks real devices and ``dispatch_on_devices`` applies it, the same code on two GPUs, one GPU + the
+CPU and two CPU "devices" in tests: every planned module gets Accelerate's ``AlignDevicesHook`` in all three."""
 
 from __future__ import annotations
 
@@ -13,10 +11,9 @@ import torch
 from accelerate import dispatch_model
 from torch import nn
 
-# Softmax + cross-entropy over the vocabulary, per token and vocabulary entry, in "FLOP equivalents" of the
-# matmuls (exp/log over a float32 row run far below matmul speed). Measured inside the pipeline on CPU (1 thread,
-# fp32, small preset: hidden 256, vocabulary 8192, 256 tokens): LM head + loss cost 3.1 decoder blocks, of which
-# the head's matmul explains 2.3 (benchmarks/README.md). On GPUs the ratio differs: check the stage timers.
+# Softmax + cross-entropy per token and vocabulary entry, in "FLOP equivalents" of matmuls. Measured in the pipeline on
+# CPU (1 thread, fp32, small preset, vocabulary 8192, 256 tokens): LM head + loss cost 3.1 decoder blocks, the head's
+# matmul 2.3 of them (benchmarks/README.md). On GPUs the ratio differs: check the stage timers.
 LOSS_COST_PER_VOCAB_ENTRY = 180.0
 
 
@@ -57,12 +54,9 @@ def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
 
 def plan_device_map(model: nn.Module, num_devices: int, block_classes: set[str] | None = None,
                     first_cost: float = 0.0, last_cost: float = 0.0) -> dict[str, int]:
-    """Split ``model`` over ``num_devices``: whole blocks only, balanced by compute.
-
-    ``first_cost``/``last_cost``: the compute of the modules before/after the blocks, in blocks (an embedding
-    lookup is ~0; an LM head over a large vocabulary can cost more than a block). Returns
-    ``{module_name: device_index}`` covering every parameter of the model exactly once.
-    """
+    """Split ``model`` over ``num_devices``, whole blocks only, balanced by compute: ``{module_name: device_index}``
+    covering every parameter once. ``first_cost``/``last_cost``: the compute of the modules before/after the blocks, in
+    blocks (an embedding lookup ~0; an LM head over a large vocabulary can cost more than a block)."""
     block_classes = block_classes or set(getattr(model, "_no_split_modules", None) or [])
     block_list = find_block_list(model, block_classes)
     num_blocks = len(model.get_submodule(block_list))
@@ -129,9 +123,8 @@ def block_ranges(counts: list[int]) -> list[range]:
 
 
 def split_devices(device: torch.device) -> list[torch.device]:
-    """The devices a one-process split uses: every visible GPU when there are two or more; one GPU and the CPU
-    when there is one GPU (a real two-device split: slower, but the model's second part lives in host RAM); two
-    CPU "devices" without a GPU, which run the same hooks and moves as two GPUs, for tests (not faster)."""
+    """The devices a one-process split uses: every GPU when there are 2+; one GPU and the CPU (a real two-device split:
+    slow, the second part in host RAM); two CPU "devices" without a GPU (the same hooks and moves, for tests)."""
     if device.type == "cuda":
         count = torch.cuda.device_count()
         return [torch.device("cuda", i) for i in range(count)] if count >= 2 else [device, torch.device("cpu")]
@@ -141,17 +134,12 @@ def split_devices(device: torch.device) -> list[torch.device]:
 def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[torch.device]) -> tuple[nn.Module, dict]:
     """Move each planned module to its device and attach Accelerate's hooks that move activations.
 
-    - ``main_device`` is the device of the input embeddings. Left out, Accelerate takes ``list(set(devices))[0]``,
-      which changes with ``PYTHONHASHSEED``; inputs and labels then land on an arbitrary device. The recipes also
-      compute their loss from the logits, with the labels moved to ``logits.device``: a classifier's loss inside
-      ``forward`` meets labels on the main device and logits on the last one.
-    - The device_map holds ``torch.device`` objects: Accelerate reads the *strings* ``"cpu"``/``"disk"`` as offload
-      targets, while ``torch.device("cpu")`` is an execution device, which is what a CPU "device" is here.
-    - ``force_hooks`` attaches the hooks even when every entry is the same device (a CPU-only machine), so the
-      tested path is the GPU path.
-    - ``hf_device_map`` is what ``from_pretrained(device_map=...)`` sets: ``accelerator.prepare`` reads it to leave
-      the placement alone and to refuse a distributed mode.
-    """
+    ``main_device`` is the input embeddings' device: left out, Accelerate takes ``list(set(devices))[0]``, which
+    ``PYTHONHASHSEED`` decides (the recipes also take the loss from the logits, labels moved to ``logits.device``: a
+    classifier's own loss meets labels on the main device and logits on the last). ``torch.device`` values: Accelerate
+    reads the *strings* ``"cpu"``/``"disk"`` as offload targets. ``force_hooks``: hooks even when every entry is one
+    device (a CPU-only machine), so the tested path is the GPU path. ``hf_device_map`` (what ``from_pretrained(
+    device_map=...)`` sets) makes ``accelerator.prepare`` leave the placement alone and refuse a distributed mode."""
     device_map = {name: devices[part] for name, part in plan.items()}
     embeddings = model.get_input_embeddings()
     main = next(device for name, device in device_map.items() if any(m is embeddings for m in model.get_submodule(name).modules()))

@@ -1,8 +1,8 @@
-"""Measuring a run (throughput, step time, peak memory) and writing ``results.json``.
+"""Measuring a run (throughput, step time, MFU, peak memory, model-state bytes) and writing ``results.json``.
 
-Metric names follow one vocabulary everywhere (logs, trackers, results.json, benchmarks):
-``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s``
-beside it), ``perf/data_wait_fraction``, ``memory/peak_gib``.
+One metric vocabulary everywhere (logs, trackers, results.json, benchmarks): ``perf/samples_per_sec``,
+``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it), ``perf/data_wait_fraction``,
+``perf/mfu``, ``memory/peak_gib`` (per device).
 """
 
 from __future__ import annotations
@@ -23,13 +23,10 @@ from .flops import peak_bf16_flops
 
 GIB = 1024**3
 
-def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
-    """Peak memory of this process, per device, in GiB.
 
-    CUDA: ``torch.cuda.max_memory_allocated`` (tensors only, the number that decides out-of-memory).
-    CPU: the process's peak resident set size, which also counts Python, libraries and buffers, so
-    compare CPU numbers with each other, not with GPU numbers.
-    """
+def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
+    """Peak memory of this process per device, GiB. CUDA: ``max_memory_allocated`` (tensors only, what decides
+    out-of-memory). CPU: the peak resident set size, with Python, libraries and buffers: compare CPU with CPU only."""
     peaks = {}
     for device in devices:
         if device.type == "cuda":
@@ -45,41 +42,28 @@ def percentile(values: list[float], q: float) -> float | None:
     """The q-th percentile of ``values``, linearly interpolated (numpy's default); None if empty."""
     if not values:
         return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
+    ordered, position = sorted(values), (len(values) - 1) * q / 100
+    low, high = int(position), min(int(position) + 1, len(values) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 class ThroughputMeter:
-    """Times optimizer steps and counts samples/tokens, skipping the first ``warmup_steps``.
-
-    Call ``step(samples, tokens)`` once after each optimizer step with the *global* counts (all
-    processes together), then ``summary()`` on every process at the end (it gathers memory from all
-    ranks, a collective call). Iterate the training data through ``timed(dataloader)`` to also
-    measure how long each step waited for its batches (``perf/data_wait_fraction``).
-    """
+    """Times optimizer steps and counts samples/tokens, skipping the first ``warmup_steps``: ``step(samples, tokens)``
+    after each optimizer step with the *global* counts, then ``summary()`` on every process (a collective). Batches
+    drawn through ``timed(dataloader)`` also measure each step's wait for its data (``perf/data_wait_fraction``)."""
 
     def __init__(self, accelerator: Accelerator, warmup_steps: int = 1, devices: list[torch.device] | None = None):
-        self.accelerator = accelerator
-        self.warmup_steps = warmup_steps
-        self.devices = devices or [accelerator.device]
+        self.accelerator, self.warmup_steps, self.devices = accelerator, warmup_steps, devices or [accelerator.device]
         self.step_times: list[float] = []
-        self.samples = 0
-        self.tokens = 0
-        self.steps_seen = 0
+        self.samples = self.tokens = self.steps_seen = 0
         self.data_wait_times: list[float] = []  # per measured step: seconds spent in next(dataloader)
         self._waiting = 0.0  # data wait since the last step()
         self._data_timed = False  # set by timed(): without it the data wait is unknown, not 0
         self._last = time.perf_counter()
 
     def timed(self, dataloader):
-        """Yield ``dataloader``'s batches, adding the time each ``next()`` takes to the current step.
-
-        That time is loading, collating and moving the batch to the device: what the step waits
-        for its data. A data loader that keeps up costs ~0; one with slow preprocessing shows here.
-        """
+        """Yield ``dataloader``'s batches, adding the time each ``next()`` takes (loading, collating, moving to the
+        device: what the step waits for its data) to the current step."""
         self._data_timed = True
         iterator = iter(dataloader)
         while True:
@@ -93,8 +77,7 @@ class ThroughputMeter:
             yield batch
 
     def _synchronize(self) -> None:
-        # Sync point: CUDA kernels run asynchronously, so without this the clock would stop before
-        # the GPU has finished the step and the first "slow" step would absorb everyone's work.
+        # Sync point: CUDA kernels run asynchronously; without this the clock would stop before the GPU finished the step.
         for device in self.devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -134,19 +117,15 @@ class ThroughputMeter:
                 summary["perf/mfu"] = summary["perf/tokens_per_sec"] * flops_per_token / (peak * used)
         # gather_object is a collective: every process must call summary().
         per_rank = gather_object([peak_memory_gib(self.devices)])
-        if self.accelerator.num_processes > 1:
-            summary["memory/peak_gib"] = {
-                f"rank{rank}/{device}": round(gib, 4) for rank, peaks in enumerate(per_rank) for device, gib in peaks.items()
-            }
-        else:
-            summary["memory/peak_gib"] = {device: round(gib, 4) for device, gib in per_rank[0].items()}
+        several = self.accelerator.num_processes > 1
+        summary["memory/peak_gib"] = {(f"rank{rank}/" if several else "") + device: round(gib, 4)
+                                      for rank, peaks in enumerate(per_rank) for device, gib in peaks.items()}
         return summary
 
 
 def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict, filename: str = "results.json") -> Path:
-    """Write ``output_dir/results.json`` (or ``filename``) from the main process, atomically (tmp file
-    + rename). Readers (tests, benchmarks, the compare tool) therefore never see a half-written file.
-    """
+    """Write ``output_dir/results.json`` (or ``filename``) from the main process, atomically (tmp file + rename):
+    readers (tests, benchmarks, the compare tool) never see a half-written file."""
     path = Path(output_dir) / filename
     if accelerator.is_main_process:
         tmp = path.with_suffix(".json.tmp")
@@ -161,13 +140,10 @@ def per_rank(value) -> dict[str, object]:
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Exact bytes of model state this process holds: parameters, gradients, optimizer state.
-
-    This is the ZeRO accounting that decides whether a model fits (activations come on top). DDP
-    holds everything whole on every process; FSDP holds 1/N of each. ``gradients`` counts one
-    gradient per trainable parameter shard, in the parameter's dtype: what a backward pass allocates
-    (they may already be freed by ``zero_grad`` when this is called). Tied weights count once.
-    """
+    """Exact bytes of model state this process holds: parameters, gradients, optimizer state (the ZeRO accounting
+    that decides whether a model fits; activations come on top). DDP holds all of it on every process, FSDP 1/N.
+    ``gradients``: one per trainable parameter shard, in its dtype, what backward allocates (``zero_grad`` may have
+    freed them by now). Tied weights count once."""
 
     def local(tensor: torch.Tensor) -> torch.Tensor:
         # A DTensor (FSDP2) reports its *global* shape; what this process holds is its local shard.
@@ -191,8 +167,3 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
                                    for value in state.values() if isinstance(value, torch.Tensor))
     return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state,
             "total": parameters + gradients + optimizer_state}
-
-
-def model_state_bytes_per_rank(accelerator: Accelerator, model: torch.nn.Module, optimizer=None) -> dict[str, dict[str, int]]:
-    """``model_state_bytes`` of every process, as ``{"rank0": {...}, ...}``. A collective: call it on all."""
-    return per_rank(model_state_bytes(model, optimizer))

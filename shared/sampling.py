@@ -1,10 +1,5 @@
-"""Batches of similar length (``--group_by_length``), shuffled as whole batches.
-
-With dynamic padding every batch is padded to its longest sample, so mixing a 10-token and a
-400-token docstring in one batch wastes most of the compute on padding. This sampler orders indices
-so that each run of ``batch_size`` consecutive indices has similar lengths, and shuffles the order of
-those batches every epoch.
-"""
+"""Batches of similar length (``--group_by_length``), shuffled as whole batches: with dynamic padding every batch is
+padded to its longest sample, so a 10-token and a 400-token text in one batch waste most of the compute on padding."""
 
 from __future__ import annotations
 
@@ -13,23 +8,14 @@ from torch.utils.data import Sampler
 
 
 class LengthGroupedShuffledSampler(Sampler[int]):
-    """Yields indices in batch-aligned runs of similar length; use it with ``batch_size`` equal to the
-    DataLoader's. Under DDP, Accelerate hands whole batches to processes, so each process's batches
-    keep their similar lengths.
-
-    Per epoch (seeded by ``seed + epoch``, so every process and a resumed run agree): shuffle all
-    indices, cut them into mega-batches of ``mega_batch_batches`` batches, sort each mega-batch by
-    length (randomness stays in which samples share a batch), cut into batches, shuffle the batches,
-    and keep the one short batch, if any, last so the DataLoader's chunking stays aligned.
-    ``set_epoch`` is called by Accelerate's prepared DataLoader.
-    """
+    """Yields indices in batch-aligned runs of similar length (``batch_size`` equal to the DataLoader's; under DDP
+    Accelerate hands whole batches to processes, so they stay similar). Per epoch (seed + epoch: every process and a
+    resumed run agree; Accelerate's loader calls ``set_epoch``): shuffle, cut into mega-batches of
+    ``mega_batch_batches`` batches, sort each by length, cut into batches, shuffle the batches, the short one last."""
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, mega_batch_batches: int = 50):
-        self.lengths = lengths
-        self.batch_size = batch_size
-        self.seed = seed
+        self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
         self.mega_batch_size = batch_size * mega_batch_batches
-        self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -104,3 +104,22 @@ def test_regression_gate(bench, tmp_path):
     assert cli("compare.py", "--baseline", baseline, "--candidate", doctored, "--threshold", "0.25").returncode == 0
     unchanged = cli("compare.py", "--baseline", baseline, "--candidate", same, "--threshold", "0.1")
     assert unchanged.returncode == 0 and "REGRESSION" not in unchanged.stdout, unchanged.stdout + unchanged.stderr
+
+
+def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
+    """The prepared GPU check plans its launches on any machine (CI has no GPU): under 8 minutes on one GPU, the
+    two-GPU checks added for two, every command a real launch of a recipe with a config that exists."""
+    one = cli("gpu_check.py", "--dry_run", "--gpus", "1", timeout=120)
+    assert one.returncode == 0, one.stdout + one.stderr
+    minutes = float(one.stdout.split("checks, about ")[1].split(" minutes")[0])
+    assert minutes < 8
+    names = [line.split()[0] for line in one.stdout.splitlines()[1:] if line.startswith("  ")]
+    assert names == ["finetune-bf16", "finetune-fp16", "finetune-device_map", "lm-single", "lm-fsdp-1process", "lm-device_map",
+                     "linear_toy"]
+    for line in one.stdout.splitlines()[1:]:
+        config = line.split("--config_file ")[1].split()[0]
+        script = next(part for part in line.split() if part.startswith("recipes/"))
+        assert (REPO / config).is_file() and (REPO / script).is_file(), line
+    assert "--mixed_precision fp16" in one.stdout and "--num_processes 1" in one.stdout
+    two = cli("gpu_check.py", "--dry_run", "--gpus", "2", timeout=120)
+    assert two.returncode == 0 and {"lm-ddp", "lm-fsdp", "lm-pipeline-1f1b-m4", "finetune-ddp"} <= set(two.stdout.split())

@@ -35,7 +35,7 @@ def test_ddp_and_sharding_configs_mean_what_they_say():
 
 
 def test_our_configs_pass_the_config_checker():
-    from shared.config_check import config_problems
+    from tools.config_check import config_problems
 
     assert [problem for path in CONFIG_FILES for problem in config_problems(path)] == []
 
@@ -51,7 +51,7 @@ def test_config_checker_catches_what_launches_silently_wrong(tmp_path):
     unquoted.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nnum_machines: 1\nnum_processes: 2\n")
     single_multi = tmp_path / "multi_gpu_one_process.yaml"
     single_multi.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 1\n")
-    run = subprocess.run([sys.executable, "-m", "shared.config_check", str(unquoted), str(single_multi), str(CONFIGS / "ddp_2gpu.yaml")],
+    run = subprocess.run([sys.executable, "tools/config_check.py", str(unquoted), str(single_multi), str(CONFIGS / "ddp_2gpu.yaml")],
                          cwd=REPO, capture_output=True, text=True)
     assert run.returncode == 1
     assert "distributed_type: NO is unquoted, so YAML reads it as False; write distributed_type: 'NO'" in run.stdout

@@ -12,11 +12,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from launch import launch, read_results
 from safetensors.torch import load_file
 
 # The language model: tiny preset, 5 optimizer steps of 2 accumulated batches, 2 processes x 4 blocks
-# of 32 tokens (a global batch of 16, as in test_pipeline_lm.py), on the smallest corpus that gives
+# of 32 tokens (a global batch of 16, as in test_lm_recipes.py), on the smallest corpus that gives
 # 13 validation blocks. Llama has no dropout, so FSDP and DDP see the same numbers up to the order
 # of the gradient sums.
 LM = ("--model_size", "tiny", "--corpus_max_mb", "0.1", "--vocab_size", "512", "--block_size", "32",
@@ -50,7 +51,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
 
     def lm(name, config, *args):
-        return name, lambda: launch(config, "pipeline_lm.py", *LM, *args, "--output_dir", root / name)
+        return name, lambda: launch(config, "train_lm.py", *LM, *args, "--output_dir", root / name)
 
     def resume_with_gradient_checkpointing():
         # What a run stopped after step 2 leaves behind: its tokenizer and checkpoints/step_000002.
@@ -60,7 +61,7 @@ def runs(tmp_path_factory):
             shutil.copy(root / "fsdp" / tokenizer_file, stopped)
         # --gradient_checkpointing here too: recomputing activations must not change a single number,
         # so this one run checks both the sharded resume and gradient checkpointing under FSDP.
-        return launch("fsdp_2gpu.yaml", "pipeline_lm.py", *LM, "--resume_from_checkpoint", "latest", "--gradient_checkpointing",
+        return launch("fsdp_2gpu.yaml", "train_lm.py", *LM, "--resume_from_checkpoint", "latest", "--gradient_checkpointing",
                       "--output_dir", stopped)
 
     finished = launch_in_two_lanes(
@@ -162,7 +163,7 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
     from transformers import AutoModelForSequenceClassification
 
     results = runs["finetune"]["results"]
-    assert (results["placement"], results["distributed_type"], results["completed_steps"]) == ("fsdp", "FSDP", 2)
+    assert (results["parallelism"], results["distributed_type"], results["completed_steps"]) == ("fsdp", "FSDP", 2)
     assert "fsdp: one unit per BertLayer" in runs["finetune"]["log"]
     for facts in results["fsdp/sharding"].values():
         assert facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
@@ -173,37 +174,37 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
 
 
 # ----------------------------------------------------------------------------- bad input
-# The recipes call check_fsdp_request right after choosing the placement, before any data or model
-# work, so its messages are what a user sees (one line per process). Checked here in-process against
-# a stand-in Accelerator: a launch would spend most of the file's time budget importing.
+# The recipes call choose_parallelism right after building the Accelerator, before any data or model work, so its
+# messages are what a user sees (one line per process). Checked here in-process against a stand-in Accelerator: a
+# launch would spend most of the file's time budget importing.
 def refusal(monkeypatch, parallelism, num_processes, distributed_type, fsdp_config: bool) -> str:
-    from shared import RecipeError
-    from shared.fsdp import check_fsdp_request
+    from shared.runtime import RecipeError, choose_parallelism
 
-    if fsdp_config:
-        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets for an FSDP config
-    else:
-        monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    accelerator = SimpleNamespace(num_processes=num_processes, distributed_type=distributed_type)
+    stand_in(monkeypatch, fsdp_config)
+    accelerator = SimpleNamespace(num_processes=num_processes, distributed_type=distributed_type, device=torch.device("cpu"))
     with pytest.raises(RecipeError) as refused:
-        check_fsdp_request(accelerator, parallelism, "recipes/pipeline_lm.py")
+        choose_parallelism(accelerator, parallelism, "recipes/train_lm.py")
     assert "\n" not in refused.value.message  # one line
     return refused.value.message
 
 
-@pytest.mark.parametrize("fsdp_config", [False, True], ids=["parallelism_fsdp_single_gpu_config", "auto_fsdp_config"])
-def test_fsdp_with_one_process_is_refused_naming_the_config(monkeypatch, fsdp_config):
-    import torch
-    from accelerate.utils import DistributedType
-    from shared import choose_placement
+def stand_in(monkeypatch, fsdp_config: bool) -> None:
+    if fsdp_config:
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what accelerate launch sets for an FSDP config
+    else:
+        monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
 
-    accelerator = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO, device=torch.device("cpu"))
-    if fsdp_config:  # --parallelism auto with the FSDP config launched on 1 process picks fsdp, then refuses it
-        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-        assert choose_placement(accelerator).name == "fsdp"
-    message = refusal(monkeypatch, "fsdp", 1, DistributedType.NO, fsdp_config)
-    assert "this launch has 1 process" in message
-    assert "accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/pipeline_lm.py" in message
+
+def test_fsdp_with_one_process_runs_fsdps_code_path_and_says_so(monkeypatch):
+    """1 process under the FSDP config (the GPU check runs it on one GPU): FSDP2's whole code path, nothing to shard."""
+    from accelerate.utils import DistributedType
+    from shared.runtime import choose_parallelism
+
+    stand_in(monkeypatch, fsdp_config=True)
+    accelerator = SimpleNamespace(num_processes=1, distributed_type=DistributedType.FSDP, device=torch.device("cpu"))
+    for requested in ("auto", "fsdp"):
+        chosen = choose_parallelism(accelerator, requested, "recipes/train_lm.py")
+        assert chosen.name == "fsdp" and "nothing to shard over" in chosen.reason
 
 
 @pytest.mark.parametrize("parallelism, config", [("pipeline", "pipeline_2gpu.yaml"), ("ddp", "ddp_2gpu.yaml")])
@@ -216,8 +217,9 @@ def test_fsdp_config_is_not_combined_with_another_parallelism(monkeypatch, paral
 
 def test_fsdp_needs_the_fsdp_config(monkeypatch):
     from accelerate.utils import DistributedType
-    from shared.fsdp import check_fsdp_request
+    from shared.runtime import choose_parallelism
 
     message = refusal(monkeypatch, "fsdp", 2, DistributedType.MULTI_CPU, fsdp_config=False)
     assert "--parallelism fsdp needs the FSDP launch config" in message and "accelerate_configs/fsdp_2gpu.yaml" in message
-    check_fsdp_request(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU), "ddp", "recipes/pipeline_lm.py")
+    accelerator = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU, device=torch.device("cpu"))
+    assert choose_parallelism(accelerator, "ddp", "recipes/train_lm.py").name == "ddp"

@@ -63,10 +63,10 @@ def test_loss_goes_down_and_the_true_weights_are_learned(runs):
 
 def test_results_json_holds_what_users_compare(runs):
     results = runs["ddp"]["results"]
-    for key in ("num_processes", "distributed_type", "placement", "global_batch_size", "train/loss",
+    for key in ("num_processes", "distributed_type", "parallelism", "global_batch_size", "train/loss",
                 "model/weight", "true/weight", "perf/samples_per_sec", "perf/step_time_s", "memory/peak_gib", "config"):
         assert key in results, key
-    assert results["placement"] == "ddp"
+    assert results["parallelism"] == "ddp"
     assert results["config"]["per_device_train_batch_size"] == 8
     assert results["perf/samples_per_sec"] > 0
     # The devices the run reports, against what this machine offers (two GPUs, or two CPU processes).
@@ -120,8 +120,8 @@ def test_equivalence_check_catches_a_model_not_wrapped_in_ddp(runs, tmp_path):
 def test_model_sharding_config_trains_on_one_device(tmp_path):
     run = launch_ok("model_sharding_2gpu.yaml", "linear_toy.py", "--output_dir", tmp_path, "--max_train_steps", "5")
     results = read_results(tmp_path)
-    assert results["num_processes"] == 1 and results["placement"] == "single"
-    if results["placement_requested"] == "device_map":  # only on a machine with >= 2 GPUs
+    assert results["num_processes"] == 1 and results["parallelism"] == "single"
+    if results["parallelism_requested"] == "device_map":  # only on a machine with >= 2 GPUs
         assert "nothing to split" in run.output
 
 

@@ -1,7 +1,7 @@
-"""The fit planner (shared/plan.py): the command runs, its parameter counts are those of the real
+"""The fit planner (tools/plan.py): the command runs, its parameter counts are those of the real
 models, its split is the recipe's, its answers for the decision guide's cases are sensible, and bad
 input stops with one line. Fast: no training, models are built on the meta device only.
-(Its model-state estimate against exact tensor bytes of real runs: tests/test_pipeline_lm.py.)"""
+(Its model-state estimate against exact tensor bytes of real runs: tests/test_lm_recipes.py.)"""
 
 import json
 import subprocess
@@ -11,7 +11,7 @@ import pytest
 from launch import REPO
 
 sys.path.insert(0, str(REPO))
-from shared.plan import GIB, MODEL_SIZES, main, plan, preset_shape, shape_from_config, split_blocks  # noqa: E402
+from tools.plan import GIB, MODEL_SIZES, main, plan, preset_shape, shape_from_config, split_blocks  # noqa: E402
 
 TWO_24GB = dict(gpus=2, gpu_memory_gib=24, seq_len=1024, micro_batch=4)
 
@@ -23,7 +23,7 @@ def minilm_path() -> str:
 
 
 def test_the_command_prints_a_table_and_a_recommendation():
-    run = subprocess.run([sys.executable, "-m", "shared.plan", "--model_size", "1.3b", "--gpus", "2", "--gpu_memory_gib", "24",
+    run = subprocess.run([sys.executable, "tools/plan.py", "--model_size", "1.3b", "--gpus", "2", "--gpu_memory_gib", "24",
                           "--seq_len", "1024", "--micro_batch", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     for row in ("single", "ddp (each GPU)", "fsdp (each GPU)", "pipeline stage0", "pipeline stage1", "device_map gpu0", "device_map gpu1"):

@@ -100,7 +100,9 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     assert f"Every rank that could still run wrote its stacks, step and collective to {out / 'debug'}/" in result.output
     facts = json.loads(dump.with_suffix(".json").read_text())
     assert facts["rank"] == 0 and facts["step"] > 0 and facts["phase"] == "training"
-    assert facts["waiting_in"].startswith("backward: the gradient all-reduce") and "linear_toy.py" in facts["waiting_in"]
+    # Wherever the step was when rank 1 stopped: DDP's gradient all-reduce in backward, or the loss all-reduce after it.
+    assert facts["waiting_in"].startswith(("backward: the gradient all-reduce", "all_reduce")), facts
+    assert "linear_toy.py" in facts["waiting_in"]
     text = dump.read_text()
     assert "Timed out waiting 5000ms" in text and "Python stacks of every thread" in text and "linear_toy.py" in text
     assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"

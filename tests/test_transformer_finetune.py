@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
 
 def test_every_validation_sample_is_evaluated_once_in_1_and_2_processes(runs):
     assert runs["single"]["results"]["num_processes"] == 1
-    assert runs["ddp"]["results"]["num_processes"] == 2 and runs["ddp"]["results"]["placement"] == "ddp"
+    assert runs["ddp"]["results"]["num_processes"] == 2 and runs["ddp"]["results"]["parallelism"] == "ddp"
     for name in ("single", "ddp", "device_map"):
         assert runs[name]["results"]["eval/num_samples"] == 37, name
 
@@ -64,7 +64,7 @@ def test_resumed_run_ends_with_the_same_weights_2_processes(runs):
 
 def test_checkpoints_are_complete_folders(runs):
     checkpoint = runs["single"]["dir"] / "checkpoints" / "step_000003"
-    assert json.loads((checkpoint / "progress.json").read_text()) == {"completed_steps": 3}
+    assert json.loads((checkpoint / "progress.json").read_text()) == {"completed_steps": 3, "layout": "replica"}
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.bin").is_file()
     assert not list((runs["single"]["dir"] / "checkpoints").glob(".*tmp"))
 
@@ -79,7 +79,7 @@ def test_device_map_split_goes_through_accelerates_hooks(runs):
     """Every planned module carries an AlignDevicesHook whose execution device is the planned one: without the hooks
     (dispatch_model on a one-device map only calls .to()), this list is empty and the test fails."""
     results = runs["device_map"]["results"]
-    assert results["placement"] == "device_map" and results["num_processes"] == 1
+    assert results["parallelism"] == "device_map" and results["num_processes"] == 1
     layers = [name for name in results["device_map"] if ".layer." in name]
     assert len(layers) == 6
     assert results["device_map/hooks"] == results["device_map"]
@@ -100,7 +100,7 @@ def test_device_map_split_trains_like_one_device(runs):
 def test_results_json_holds_what_users_compare(runs):
     results = runs["ddp"]["results"]
     for key in ("eval/accuracy", "eval/f1", "eval/num_samples", "eval/majority_baseline_accuracy", "train/loss",
-                "perf/samples_per_sec", "memory/peak_gib", "placement", "num_processes", "config", "label_names"):
+                "perf/samples_per_sec", "memory/peak_gib", "parallelism", "num_processes", "config", "label_names"):
         assert results[key] is not None, key
     assert 0 <= results["eval/accuracy"] <= 1 and 0 <= results["eval/f1"] <= 1
     assert results["config"]["max_train_samples"] == 64 and results["global_batch_size"] == 16
@@ -275,4 +275,4 @@ def test_max_length_beyond_the_model_positions(tmp_path):
 
 def test_device_map_under_a_2_process_config(tmp_path):
     fails_with(tmp_path, "--parallelism", "device_map", config="ddp_2gpu.yaml",
-               message="Launch with accelerate_configs/model_sharding_2gpu.yaml")
+               message="Launch it with 1 process: accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml")

@@ -1,8 +1,8 @@
 """The silent-duplicate trap, on purpose: a plain ``Accelerator()`` on a machine without CUDA.
 
 Launched with a 2-process config on a CPU-only machine, each process sees a 1-process state;
-``shared.check_process_count`` must refuse to go on. (On a CUDA machine the plain Accelerator is
-fine, so this script then exits 0 and the test is skipped.)
+``shared.runtime.check_process_count`` must refuse to go on. (The test hides the GPUs, so the trap is
+reproduced on every machine.)
 """
 
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate import Accelerator
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
-from shared import check_process_count  # noqa: E402
+from shared.runtime import check_process_count  # noqa: E402
 
 accelerator = Accelerator()
 check_process_count(accelerator)

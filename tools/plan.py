@@ -1,7 +1,7 @@
 """The fit planner: will a model train on N GPUs of M GiB, under which setup, and which one to use.
 
-    python -m shared.plan --model_size 1.3b --gpus 2 --gpu_memory_gib 24 --seq_len 1024 --micro_batch 4
-    python -m shared.plan --model_name_or_path path/to/model --gpus 2 --gpu_memory_gib 24 --json
+    python tools/plan.py --model_size 1.3b --gpus 2 --gpu_memory_gib 24 --seq_len 1024 --micro_batch 4
+    python tools/plan.py --model_name_or_path path/to/model --gpus 2 --gpu_memory_gib 24 --json
 
 It estimates, per device, the memory of five setups: ``single`` (one GPU), ``ddp`` (a full replica
 per GPU), ``fsdp`` (full shard: everything divided by N), ``pipeline`` (one contiguous group of
@@ -57,9 +57,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .model_presets import LLAMA_2_7B, MODEL_PRESETS
-from .model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition
-from .runtime import positive_float, positive_int
+# Tools import the helper module; they are run from anywhere, so the repository root goes first on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shared.model_presets import LLAMA_2_7B, MODEL_PRESETS  # noqa: E402
+from shared.model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition  # noqa: E402
+from shared.runtime import positive_float, positive_int  # noqa: E402
+
 
 GIB = 1024**3
 MODEL_SIZES = {**MODEL_PRESETS, "7b": LLAMA_2_7B}
@@ -133,7 +136,7 @@ def shape_from_config(config, name: str | None = None) -> ModelShape:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as transformers_logging
 
-    from .model_split import _matmul_flops_per_token, find_block_list  # the recipe's own count, so the split matches
+    from shared.model_split import _matmul_flops_per_token, find_block_list  # the recipe's own count, so the split matches
 
     architectures = getattr(config, "architectures", None) or []
     if architectures:
@@ -405,7 +408,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = _OneLineParser(prog="python -m shared.plan", description=__doc__.split("\n")[0])
+    parser = _OneLineParser(prog="python tools/plan.py", description=__doc__.split("\n")[0])
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model_size", choices=list(MODEL_SIZES), default=None,
                        help="A named shape: the recipe's presets (recipes/pipeline_lm.py --model_size) or 7b (Llama-2-7B). Default: 1.3b.")

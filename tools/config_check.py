@@ -1,6 +1,6 @@
 """Check Accelerate config files for the mistakes that launch without an error but run the wrong thing.
 
-    python -m shared.config_check accelerate_configs/*.yaml
+    python tools/config_check.py accelerate_configs/*.yaml
 
 Exit code 1 and one line per problem if any file has one. What it catches:
 - ``distributed_type: NO`` unquoted: YAML reads it as the boolean false (write ``'NO'``);
@@ -11,6 +11,7 @@ Exit code 1 and one line per problem if any file has one. What it catches:
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -47,10 +48,10 @@ def config_problems(path: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = argv if argv is not None else sys.argv[1:]
-    if not paths or paths[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        return 2 if not paths else 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config_files", nargs="+", help="Accelerate config files (accelerate_configs/*.yaml).")
+    paths = parser.parse_args(argv).config_files
     problems = [problem for path in paths for problem in config_problems(path)]
     for problem in problems:
         print(f"error: {problem}")

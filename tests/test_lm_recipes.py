@@ -1,6 +1,7 @@
-"""The language model under every parallelism on CPU: a naive device_map split and a pipeline (GPipe
-and 1F1B over gloo) train exactly like one unsplit device, evaluation counts every block once, the
-saved model loads and generates, and a resumed run ends where an uninterrupted one does."""
+"""The two language-model recipes: recipes/train_lm.py (single, ddp, device_map; fsdp in test_fsdp.py) and
+recipes/pipeline_lm.py (GPipe and 1F1B), which is train_lm.py plus marked additions. A naive device_map split and a
+pipeline train exactly like one unsplit device, evaluation counts every block once, the saved model loads and
+generates, and a resumed run ends where an uninterrupted one does."""
 
 import math
 import shutil
@@ -19,17 +20,19 @@ TINY = ("--model_size", "tiny", "--corpus_max_mb", "0.5", "--vocab_size", "512",
         "--per_device_eval_batch_size", "4", "--max_eval_samples", "13", "--sample_tokens", "8")
 EVAL_BLOCKS, BLOCK = 13, 32
 MODES = ("single", "device_map", "gpipe", "1f1b", "ddp")
+TRAIN, PIPELINE = "train_lm.py", "pipeline_lm.py"
 
 
 def launch_two_at_a_time(jobs: dict[str, tuple]) -> dict:
+    """``jobs``: name -> (config, recipe, *args)."""
     """Launch independent runs two at a time. Start-up (importing torch, transformers, datasets) is
     most of a tiny run's time and leaves a core idle whenever one process waits for another, so two
     launches at once keep the 2-core machine busy; a hang still fails through launch()'s timeout."""
     # Every run on the kind of device the 2-process runs get (CPU processes where there are fewer than 2 GPUs), so
     # the runs compare exactly.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(launch, config, "pipeline_lm.py", *args, cpu_only=visible_gpus() < 2)
-                   for name, (config, *args) in jobs.items()}
+        futures = {name: pool.submit(launch, config, recipe, *args, cpu_only=visible_gpus() < 2)
+                   for name, (config, recipe, *args) in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -39,16 +42,17 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_lm")
     specs = {
         # Listed so that a 1-process run starts beside each 2-process one.
-        "gpipe": ("pipeline_2gpu.yaml", "--parallelism", "pipeline", "--pipeline_schedule", "gpipe", "--num_microbatches", "2"),
-        "single": ("single_gpu.yaml",),
-        "1f1b": ("pipeline_2gpu.yaml", "--parallelism", "pipeline", "--pipeline_schedule", "1f1b", "--num_microbatches", "4",
+        "gpipe": ("pipeline_2gpu.yaml", PIPELINE, "--pipeline_schedule", "gpipe", "--num_microbatches", "2"),
+        "single": ("single_gpu.yaml", TRAIN),
+        "1f1b": ("pipeline_2gpu.yaml", PIPELINE, "--pipeline_schedule", "1f1b", "--num_microbatches", "4",
                  "--checkpointing_steps", "2"),
         # --checkpointing_steps: the resume tests below start from these runs' step-2 checkpoints.
-        "device_map": ("model_sharding_2gpu.yaml", "--parallelism", "device_map", "--checkpointing_steps", "2"),
+        "device_map": ("model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map", "--checkpointing_steps", "2"),
         # 2 processes x 4 blocks = the same 16-block global batch, in the same order (seedable sampler).
-        "ddp": ("ddp_2gpu.yaml", "--per_device_train_batch_size", "4"),
+        "ddp": ("ddp_2gpu.yaml", TRAIN, "--per_device_train_batch_size", "4"),
     }
-    finished = launch_two_at_a_time({name: (config, *TINY, *args, "--output_dir", root / name) for name, (config, *args) in specs.items()})
+    finished = launch_two_at_a_time({name: (config, recipe, *TINY, *args, "--output_dir", root / name)
+                                     for name, (config, recipe, *args) in specs.items()})
     for name, run in finished.items():
         assert run.returncode == 0, f"{name}: {run}"
     return {name: {"dir": root / name, "results": read_results(root / name), "log": run.output} for name, run in finished.items()}
@@ -122,23 +126,23 @@ def test_validation_perplexity_counts_every_block_exactly_once(runs, mode):
 def test_results_json_holds_what_users_compare(runs):
     for name in MODES:
         results = runs[name]["results"]
-        for key in ("parallelism", "pipeline_schedule", "num_microbatches", "pipeline/ideal_bubble_fraction",
-                    "perf/tokens_per_sec", "perf/step_time_s", "memory/peak_gib", "eval/perplexity", "num_processes", "config"):
+        for key in ("parallelism", "perf/tokens_per_sec", "perf/step_time_s", "memory/peak_gib", "eval/perplexity",
+                    "num_processes", "distributed/backend", "config"):
             assert key in results, (name, key)
+        if results["parallelism"] == "pipeline":
+            assert {"pipeline_schedule", "num_microbatches", "pipeline/ideal_bubble_fraction"} <= set(results), name
         assert results["perf/tokens_per_sec"] > 0 and results["perf/step_time_s"] > 0, name
         assert results["config"]["parallelism_resolved"] == results["parallelism"], name
     # (p - 1) / (m + p - 1): GPipe m=2 -> 1/3, 1F1B m=4 -> 1/5; the naive split is m = 1 -> 1/2.
     assert runs["gpipe"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 3)
     assert runs["1f1b"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 5)
-    assert runs["device_map"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 2)
-    assert runs["single"]["results"]["pipeline/ideal_bubble_fraction"] == 0
     assert runs["1f1b"]["results"]["num_microbatches"] == 4
     # Peak memory per stage (one process each) for the pipeline.
     assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {f"rank{rank}/{device}" for rank, device in enumerate(devices_for(2))}
 
 
 def test_fit_planner_model_state_matches_the_measured_bytes(runs):
-    """The fit planner (shared/plan.py) against exact tensor bytes of these runs: its model-state
+    """The fit planner (tools/plan.py) against exact tensor bytes of these runs: its model-state
     estimate for fp32 AdamW (4 + 4 + 8 bytes per parameter), on the split the recipe makes, is within
     15 % of memory/model_state_bytes per setup and per rank (pipeline: per stage). The device_map run
     is one process: its total is checked, and each device's parameters against the saved weights of
@@ -148,7 +152,7 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     from launch import REPO
 
     sys.path.insert(0, str(REPO))
-    from shared.plan import plan, preset_shape
+    from tools.plan import plan, preset_shape
 
     single = runs["single"]["results"]
     shape = preset_shape("tiny", vocab_size=single["config"]["model_config"]["vocab_size"])
@@ -206,15 +210,15 @@ def resumed(runs, tmp_path_factory):
     --resume_from_checkpoint latest and trained to the end; and a run that starts from a saved model."""
     root = tmp_path_factory.mktemp("resumed")
     jobs = {}
-    for name, config, *args in (("1f1b", "pipeline_2gpu.yaml", "--parallelism", "pipeline", "--num_microbatches", "4"),
-                                ("device_map", "model_sharding_2gpu.yaml", "--parallelism", "device_map")):
+    for name, config, recipe, *args in (("1f1b", "pipeline_2gpu.yaml", PIPELINE, "--num_microbatches", "4"),
+                                        ("device_map", "model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map")):
         stopped = root / name
         shutil.copytree(runs[name]["dir"] / "checkpoints" / "step_000002", stopped / "checkpoints" / "step_000002")
         for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(runs[name]["dir"] / tokenizer_file, stopped)
-        jobs[name] = (config, *TINY, *args, "--resume_from_checkpoint", "latest", "--output_dir", stopped)
+        jobs[name] = (config, recipe, *TINY, *args, "--resume_from_checkpoint", "latest", "--output_dir", stopped)
     # Also in this batch: a run that starts from the 1f1b run's saved (gathered) model and tokenizer.
-    jobs["pretrained"] = ("model_sharding_2gpu.yaml", *TINY, "--parallelism", "device_map", "--model_name_or_path", runs["1f1b"]["dir"],
+    jobs["pretrained"] = ("model_sharding_2gpu.yaml", TRAIN, *TINY, "--parallelism", "device_map", "--model_name_or_path", runs["1f1b"]["dir"],
                           "--eval_before_training", "--max_train_steps", "1", "--output_dir", root / "pretrained")
     finished = launch_two_at_a_time(jobs)
     outputs = {}
@@ -260,14 +264,15 @@ def refusals(tmp_path_factory):
     tiny_text = root / "tiny.txt"
     tiny_text.write_text("x = 1\n")
     cases = {
-        "layers": ("model_sharding_2gpu.yaml", "--parallelism", "device_map", "--num_layers", "1"),
-        "microbatches": ("single_gpu.yaml", "--parallelism", "pipeline", "--per_device_train_batch_size", "6", "--num_microbatches", "4"),
-        "block_size": ("single_gpu.yaml", "--block_size", "512"),
-        "pipeline_one_process": ("single_gpu.yaml", "--parallelism", "pipeline"),
-        "device_map_two_processes": ("ddp_2gpu.yaml", "--parallelism", "device_map"),
-        "small_corpus": ("single_gpu.yaml", "--train_file", tiny_text, "--validation_file", tiny_text),
+        "layers": ("model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map", "--num_layers", "1"),
+        "microbatches": ("pipeline_2gpu.yaml", PIPELINE, "--per_device_train_batch_size", "6", "--num_microbatches", "4"),
+        "block_size": ("single_gpu.yaml", TRAIN, "--block_size", "512"),
+        "pipeline_one_process": ("single_gpu.yaml", PIPELINE),
+        "device_map_two_processes": ("ddp_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
+        "small_corpus": ("single_gpu.yaml", TRAIN, "--train_file", tiny_text, "--validation_file", tiny_text),
     }
-    finished = launch_two_at_a_time({name: (config, *TINY, *args, "--output_dir", root / name) for name, (config, *args) in cases.items()})
+    finished = launch_two_at_a_time({name: (config, recipe, *TINY, *args, "--output_dir", root / name)
+                                     for name, (config, recipe, *args) in cases.items()})
     messages = {}
     for name, run in finished.items():
         assert run.returncode != 0, f"{name}: {run}"

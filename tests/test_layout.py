@@ -1,0 +1,255 @@
+"""The layout holds: each recipe trains one family of ways (pipeline_lm.py is train_lm.py plus marked additions),
+shared/ is small and holds only what recipes import, imports point one way (no cycle), recipes find their own shared/,
+and every recipe and tool names one concept one way. Fast: nothing is trained."""
+
+import argparse
+import ast
+import difflib
+import importlib.util
+import io
+import os
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+import pytest
+from launch import REPO
+
+RECIPES = sorted((REPO / "recipes").glob("*.py"))
+TOOLS = sorted((REPO / "tools").glob("*.py"))
+BEGIN, END = "# New Code (pipeline) #", "# End New Code #"
+SHARED_LINE_BUDGET = 1300
+
+
+def lines_of(path: Path) -> list[str]:
+    """The file's lines without trailing spaces; blank lines left out (spacing around a marked block is free)."""
+    return [line.rstrip() for line in path.read_text().splitlines() if line.strip()]
+
+
+def without_marked_additions(lines: list[str]) -> tuple[list[str], int]:
+    """The lines outside ``# New Code (pipeline) #`` ... ``# End New Code #`` blocks, and how many blocks there were."""
+    kept, inside, blocks = [], False, 0
+    for line in lines:
+        if line.strip() == BEGIN:
+            assert not inside, "a New Code block opens inside another"
+            inside, blocks = True, blocks + 1
+        elif line.strip() == END:
+            assert inside, "an End New Code marker without its New Code"
+            inside = False
+        elif not inside:
+            kept.append(line)
+    assert not inside, "a New Code block is never closed"
+    return kept, blocks
+
+
+def test_pipeline_recipe_is_train_lm_plus_marked_additions():
+    """Every line of pipeline_lm.py outside its marked additions is a line of train_lm.py, in the same order: the
+    pipeline recipe may leave base lines out (device_map, FSDP), but every line it adds or changes is marked, so a diff
+    against the base shows exactly what pipelining adds."""
+    base = lines_of(REPO / "recipes" / "train_lm.py")
+    pipeline, blocks = without_marked_additions(lines_of(REPO / "recipes" / "pipeline_lm.py"))
+    assert blocks >= 10
+    unmarked = [(tag, pipeline[j1:j2]) for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, pipeline, autojunk=False).get_opcodes()
+                if tag in ("insert", "replace")]
+    assert not unmarked, f"lines of pipeline_lm.py that are neither train_lm.py's nor marked as new: {unmarked[:3]}"
+
+
+def code_names(path: Path) -> set[str]:
+    """The identifiers and attribute names of a file's code: no strings, no comments."""
+    return {token.string for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+            if token.type == tokenize.NAME}
+
+
+def test_a_reader_of_one_family_never_reads_the_others_branches():
+    train, pipeline = code_names(REPO / "recipes" / "train_lm.py"), code_names(REPO / "recipes" / "pipeline_lm.py")
+    assert not {name for name in train if "pipeline" in name or name in ("schedule", "stage")}
+    assert not {name for name in pipeline if "fsdp" in name or "ddp" in name or name in ("device_map", "split_over", "dispatch_on_devices")}
+    assert "parallelism" not in {node.arg for node in ast.walk(ast.parse((REPO / "recipes" / "pipeline_lm.py").read_text()))
+                                 if isinstance(node, ast.keyword)}
+
+
+# ----------------------------------------------------------------------------- shared/
+def python_files(folder: Path) -> list[Path]:
+    """Our Python files under ``folder``; shared/metrics/ holds vendored evaluate modules, loaded by path, not imported."""
+    return sorted(path for path in folder.rglob("*.py") if "__pycache__" not in path.parts and "metrics" not in path.parts)
+
+
+def test_shared_is_small():
+    total = sum(len(path.read_text().splitlines()) for path in python_files(REPO / "shared"))
+    assert total <= SHARED_LINE_BUDGET, f"shared/ has {total} lines of Python (vendored metrics aside), over {SHARED_LINE_BUDGET}"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The repository modules ``path`` imports, as dotted names (``shared.runtime``, ``records``, ``train_lm``)."""
+    tree = ast.parse(path.read_text())
+    package = ".".join(path.relative_to(REPO).parent.parts)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def repository_modules() -> dict[str, Path]:
+    """Every module of ours by the name it is imported under: shared.* and tools.* as packages; recipes and
+    benchmarks by their file names (they put their own folder on sys.path)."""
+    modules = {}
+    for path in python_files(REPO / "shared") + TOOLS:
+        parts = path.relative_to(REPO).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in RECIPES + python_files(REPO / "benchmarks"):
+        modules[path.stem] = path
+    return modules
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = repository_modules()
+    return {name: {other for other in imported_modules(path) if other in modules and other != name} for name, path in modules.items()}
+
+
+def test_shared_holds_only_what_recipes_import():
+    graph = import_graph()
+    reached, todo = set(), [path.stem for path in RECIPES]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo += graph.get(module, ())
+    unused = sorted(name for name in graph if name.startswith("shared.") and name not in reached)
+    assert not unused, f"modules in shared/ that no recipe imports (tools belong in tools/): {unused}"
+
+
+def test_imports_point_one_way_and_form_no_cycle():
+    graph = import_graph()
+    for name, imports in graph.items():
+        if name.startswith("shared"):
+            assert all(other.startswith("shared") for other in imports), f"{name} imports {imports}: shared imports only shared"
+        if name.startswith("tools."):
+            assert all(other.startswith(("shared", "tools")) for other in imports), f"{name} imports {imports}"
+    visiting, done = [], set()
+
+    def visit(module):
+        if module in visiting:
+            raise AssertionError("import cycle: " + " -> ".join(visiting[visiting.index(module):] + [module]))
+        if module in done:
+            return
+        visiting.append(module)
+        for other in graph[module]:
+            visit(other)
+        visiting.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)
+
+
+def test_recipes_find_their_own_shared_before_an_installed_one(tmp_path):
+    """An installed package named ``shared`` must not win over the recipes' own (they put it first on sys.path)."""
+    impostor = tmp_path / "shared"
+    impostor.mkdir()
+    (impostor / "__init__.py").write_text("raise ImportError('the wrong shared package was imported')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for recipe in ("linear_toy.py", "train_lm.py"):
+        run = subprocess.run([sys.executable, str(REPO / "recipes" / recipe), "--help"], capture_output=True, text=True, env=env,
+                             timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- one vocabulary
+# Names users meet in other projects for what we call the first name: none of them may appear as a flag.
+ALIASES = {
+    "--num_train_epochs": ("--num_epochs", "--epochs"),
+    "--max_train_steps": ("--max_steps", "--steps", "--num_steps"),
+    "--per_device_train_batch_size": ("--batch_size", "--train_batch_size", "--per_gpu_train_batch_size"),
+    "--per_device_eval_batch_size": ("--eval_batch_size",),
+    "--learning_rate": ("--lr",),
+    "--gradient_accumulation_steps": ("--grad_accum", "--accumulation_steps", "--gradient_accumulation"),
+    "--dist_timeout": ("--timeout", "--timeout_s", "--nccl_timeout"),
+    "--model_name_or_path": ("--model", "--model_name", "--model_path"),
+    "--mixed_precision": ("--precision", "--dtype", "--bf16", "--fp16"),
+    "--num_warmup_steps": ("--warmup_steps",),
+    "--resume_from_checkpoint": ("--resume",),
+    "--parallelism": ("--placement", "--mode", "--strategy"),
+    "--output_dir": ("--out", "--output", "--save_dir"),
+    "--checkpointing_steps": ("--save_steps", "--save_every"),
+    "--gradient_checkpointing": ("--activation_checkpointing",),
+    "--max_grad_norm": ("--clip_grad_norm", "--grad_clip"),
+}
+
+
+class _Captured(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def parser_of(path: Path) -> argparse.ArgumentParser:
+    """The argument parser a recipe or tool builds: its module's parse_args / main, stopped at parse_args()."""
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_vocabulary_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        namespace = vars(module)
+        original = argparse.ArgumentParser.parse_args
+
+        def capture(self, *args, **kwargs):
+            raise _Captured(self)
+
+        argparse.ArgumentParser.parse_args = capture
+        try:
+            for entry in ("parse_args", "main"):
+                if entry in namespace:
+                    try:
+                        namespace[entry](["--help"]) if entry == "main" else namespace[entry]([])
+                    except _Captured as captured:
+                        return captured.parser
+        finally:
+            argparse.ArgumentParser.parse_args = original
+    finally:
+        sys.path.remove(str(path.parent))
+        sys.path.remove(str(REPO))
+    raise AssertionError(f"{path.name}: no parse_args(argv) or main(argv) that builds an ArgumentParser")
+
+
+@pytest.fixture(scope="module")
+def flags():
+    """{script: {flag: action}} for every recipe and tool."""
+    return {path.relative_to(REPO).as_posix(): {option: action for action in parser_of(path)._actions
+                                                for option in action.option_strings if option.startswith("--")}
+            for path in RECIPES + TOOLS}
+
+
+def test_no_concept_is_named_two_ways(flags):
+    for script, options in flags.items():
+        for canonical, aliases in ALIASES.items():
+            used = sorted(set(aliases) & set(options))
+            assert not used, f"{script} names {canonical} {used}: use {canonical}, as every other recipe does"
+
+
+def test_one_name_means_one_thing(flags):
+    """A flag that several scripts take has the same kind everywhere: a switch, or a value of one type."""
+    def kind(action):
+        return (type(action).__name__, getattr(action.type, "__name__", str(action.type)), action.nargs)
+
+    seen: dict[str, tuple] = {}
+    for script, options in flags.items():
+        for option, action in options.items():
+            if option == "--help":
+                continue
+            first = seen.setdefault(option, (script, kind(action)))
+            assert first[1] == kind(action), f"{option} is {first[1]} in {first[0]} but {kind(action)} in {script}"
+
+
+def test_results_use_one_vocabulary():
+    """results.json says ``parallelism`` everywhere (compare reads that one key), never ``placement``."""
+    for path in RECIPES + python_files(REPO / "benchmarks"):
+        assert '"placement' not in path.read_text(), f"{path.name} still writes or reads a placement key"
