@@ -33,8 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from records import LM_RECIPES, SCHEMA, summarize  # noqa: E402  (the same field extraction as the runner's records)
 
 # The issue's targets, shown beside the measured ratios (CPU, 1 thread per process).
-TARGETS = {"ddp scaling efficiency": (">=", 0.92), "overhead vs raw PyTorch": ("<=", 1.02),
-           "group_by_length speedup": (">=", 1.3), "pipeline speedup m=4": (">=", 1.4)}
+TARGETS = {
+    "ddp scaling efficiency": (">=", 0.92),
+    "overhead vs raw PyTorch": ("<=", 1.02),
+    "group_by_length speedup": (">=", 1.3),
+    "pipeline speedup m=4": (">=", 1.4),
+}
 
 
 # ------------------------------------------------------------------------------ loading
@@ -54,9 +58,17 @@ def plain_record(results: dict, path: Path) -> dict:
         setup += "+compile"
     size = config.get("model_size") if recipe in LM_RECIPES else Path(str(results.get("model", "model"))).name
     threads = config.get("cpu_threads")
-    return {"schema": SCHEMA, "run_id": str(path), "status": "ok", "recipe": recipe, "size": size, "setup": setup,
-            "group": f"{'lm' if recipe != 'transformer_finetune' else 'finetune'}-{size}", "round": None,
-            **summarize(results, threads)}
+    return {
+        "schema": SCHEMA,
+        "run_id": str(path),
+        "status": "ok",
+        "recipe": recipe,
+        "size": size,
+        "setup": setup,
+        "group": f"{'lm' if recipe != 'transformer_finetune' else 'finetune'}-{size}",
+        "round": None,
+        **summarize(results, threads),
+    }
 
 
 def load(paths: list[str | Path]) -> list[dict]:
@@ -118,15 +130,23 @@ def comparison(a: str, b: str) -> str | None:
         return "torch.compile speedup"
     if options_a != options_b:
         return None
-    return {("single", "ddp"): "ddp scaling efficiency", ("raw_ddp", "ddp"): "overhead vs raw PyTorch",
-            ("ddp", "fsdp"): "fsdp vs ddp throughput"}.get((base_a, base_b)) or (
-        "pipeline speedup" if base_a == "device_map" and base_b.startswith("pipeline-") else None)
+    return {
+        ("single", "ddp"): "ddp scaling efficiency",
+        ("raw_ddp", "ddp"): "overhead vs raw PyTorch",
+        ("ddp", "fsdp"): "fsdp vs ddp throughput",
+    }.get((base_a, base_b)) or (
+        "pipeline speedup" if base_a == "device_map" and base_b.startswith("pipeline-") else None
+    )
 
 
 def ratio_of(kind: str, a: dict, b: dict) -> float | None:
     """The ratio for one pair of runs (or of two configurations' medians)."""
     if kind == "overhead vs raw PyTorch":
-        return b["perf/step_time_s"] / a["perf/step_time_s"] if a.get("perf/step_time_s") and b.get("perf/step_time_s") else None
+        return (
+            b["perf/step_time_s"] / a["perf/step_time_s"]
+            if a.get("perf/step_time_s") and b.get("perf/step_time_s")
+            else None
+        )
     if not a.get("perf/samples_per_sec") or not b.get("perf/samples_per_sec"):
         return None
     ratio = b["perf/samples_per_sec"] / a["perf/samples_per_sec"]
@@ -136,12 +156,35 @@ def ratio_of(kind: str, a: dict, b: dict) -> float | None:
 
 
 def medians(runs: list[dict]) -> dict:
-    keys = ("perf/samples_per_sec", "perf/tokens_per_sec", "perf/step_time_s", "perf/step_time_p90_s", "perf/data_wait_fraction",
-            "perf/mfu", "perf/achieved_tflops", "foreign_cpu_share")
+    keys = (
+        "perf/samples_per_sec",
+        "perf/tokens_per_sec",
+        "perf/step_time_s",
+        "perf/step_time_p90_s",
+        "perf/data_wait_fraction",
+        "perf/mfu",
+        "perf/achieved_tflops",
+        "foreign_cpu_share",
+    )
     first = runs[0]
-    return {**{key: first.get(key) for key in ("recipe", "size", "setup", "group", "processes", "threads_per_process",
-                                                "global_batch_size", "sequence_length", "num_microbatches", "pipeline_schedule")},
-            **{key: median(run.get(key) for run in runs) for key in keys}}
+    return {
+        **{
+            key: first.get(key)
+            for key in (
+                "recipe",
+                "size",
+                "setup",
+                "group",
+                "processes",
+                "threads_per_process",
+                "global_batch_size",
+                "sequence_length",
+                "num_microbatches",
+                "pipeline_schedule",
+            )
+        },
+        **{key: median(run.get(key) for run in runs) for key in keys},
+    }
 
 
 def ratios(grouped: dict[tuple, list[dict]]) -> list[dict]:
@@ -158,10 +201,21 @@ def ratios(grouped: dict[tuple, list[dict]]) -> list[dict]:
             paired = [ratio_of(kind, rounds_a[run["round"]], run) for run in runs_b if run.get("round") in rounds_a]
             paired = [value for value in paired if value is not None]
             pooled = ratio_of(kind, medians(runs_a), medians(runs_b))
-            shares = [run.get("foreign_cpu_share") for run in runs_a + runs_b if run.get("foreign_cpu_share") is not None]
-            row = {"key": key_b, "group": key_a[-2], "reference": key_a[-1], "setup": key_b[-1], "comparison": kind,
-                   "ratio": median(paired) if paired else pooled, "paired": paired, "pooled": pooled, "ideal": None,
-                   "max_foreign_cpu_share": max(shares) if shares else None}
+            shares = [
+                run.get("foreign_cpu_share") for run in runs_a + runs_b if run.get("foreign_cpu_share") is not None
+            ]
+            row = {
+                "key": key_b,
+                "group": key_a[-2],
+                "reference": key_a[-1],
+                "setup": key_b[-1],
+                "comparison": kind,
+                "ratio": median(paired) if paired else pooled,
+                "paired": paired,
+                "pooled": pooled,
+                "ideal": None,
+                "max_foreign_cpu_share": max(shares) if shares else None,
+            }
             if kind == "pipeline speedup":
                 stages, m = runs_b[0]["processes"], runs_b[0].get("num_microbatches")
                 row["m"], row["schedule"] = m, runs_b[0].get("pipeline_schedule")
@@ -193,12 +247,20 @@ def memory_text(runs: list[dict]) -> str:
 
 def machines_text(records: list[dict]) -> list[str]:
     lines = []
-    for text in sorted({json.dumps([record.get("machine"), record.get("versions")], sort_keys=True)
-                        for record in records if record.get("machine")}):
+    for text in sorted(
+        {
+            json.dumps([record.get("machine"), record.get("versions")], sort_keys=True)
+            for record in records
+            if record.get("machine")
+        }
+    ):
         machine, versions = json.loads(text)
         gpus = ", ".join(f"{gpu['name']} ({gpu['memory_gib']} GiB)" for gpu in machine.get("gpus") or []) or "no GPU"
         libs = ", ".join(f"{name} {version}" for name, version in (versions or {}).items() if version)
-        lines.append(f"- {machine.get('cpu_model')}, {machine.get('cpu_cores')} cores, {machine.get('memory_gib')} GiB; {gpus}; {libs}")
+        lines.append(
+            f"- {machine.get('cpu_model')}, {machine.get('cpu_cores')} cores, {machine.get('memory_gib')} GiB; "
+            f"{gpus}; {libs}"
+        )
     return lines
 
 
@@ -209,41 +271,76 @@ def markdown(records: list[dict]) -> str:
     machines = machines_text(records)
     if machines:
         lines += ["Machines:", *machines, ""]
-    lines += ["## Runs (medians over rounds)", "",
-              "| " + ("input | " if several else "") + "group | setup | processes x threads | global batch x seq | samples/s | tokens/s "
-              "| step p50 / p90 (s) | data wait | peak memory (GiB) | MFU | runs | other CPU load |",
-              "|" + " --- |" * (12 + several)]
+    lines += [
+        "## Runs (medians over rounds)",
+        "",
+        "| "
+        + ("input | " if several else "")
+        + "group | setup | processes x threads | global batch x seq | samples/s | tokens/s "
+        "| step p50 / p90 (s) | data wait | peak memory (GiB) | MFU | runs | other CPU load |",
+        "|" + " --- |" * (12 + several),
+    ]
     for key, runs in grouped.items():
         m = medians(runs)
         lines.append(
-            "| " + (f"{key[0]} | " if several else "") + f"{m['group']} | {m['setup']} | {m['processes']} x {fmt(m['threads_per_process'], 'd')} "
-            f"| {m['global_batch_size']} x {m['sequence_length']} | {fmt(m['perf/samples_per_sec'], '.1f')} "
-            f"| {fmt(m['perf/tokens_per_sec'], '.0f')} | {fmt(m['perf/step_time_s'], '.3f')} / {fmt(m['perf/step_time_p90_s'], '.3f')} "
-            f"| {fmt(m['perf/data_wait_fraction'], '.1%')} | {memory_text(runs)} | {fmt(m['perf/mfu'], '.1%')} | {len(runs)} "
-            f"| {fmt(m['foreign_cpu_share'], '.0%')} |")
+            "| "
+            + (f"{key[0]} | " if several else "")
+            + f"{m['group']} | {m['setup']} | {m['processes']} x {fmt(m['threads_per_process'], 'd')} "
+            f"| {m['global_batch_size']} x {m['sequence_length']} | {fmt(m['perf/samples_per_sec'], '.1f')} | "
+            f"{fmt(m['perf/tokens_per_sec'], '.0f')} | {fmt(m['perf/step_time_s'], '.3f')} / "
+            f"{fmt(m['perf/step_time_p90_s'], '.3f')} | {fmt(m['perf/data_wait_fraction'], '.1%')} | "
+            f"{memory_text(runs)} | {fmt(m['perf/mfu'], '.1%')} | {len(runs)} | {fmt(m['foreign_cpu_share'], '.0%')} |"
+        )
     rows = ratios(grouped)
     if rows:
-        lines += ["", "## Ratios (paired within a round, median over rounds)", "",
-                  "| group | comparison | setup vs reference | ratio | per round | pooled medians | ideal | of ideal | target "
-                  "| max other CPU load |", "|" + " --- |" * 10]
+        lines += [
+            "",
+            "## Ratios (paired within a round, median over rounds)",
+            "",
+            "| group | comparison | setup vs reference | ratio | per round | pooled medians | ideal | of ideal | "
+            "target | max other CPU load |",
+            "|" + " --- |" * 10,
+        ]
         for row in rows:
             target = target_of(row)
-            met = "" if not target or row["ratio"] is None else (
-                " met" if (row["ratio"] >= target[1] if target[0] == ">=" else row["ratio"] <= target[1]) else " missed")
+            met = (
+                ""
+                if not target or row["ratio"] is None
+                else (
+                    " met"
+                    if (row["ratio"] >= target[1] if target[0] == ">=" else row["ratio"] <= target[1])
+                    else " missed"
+                )
+            )
             lines.append(
-                f"| {(row['key'][0] + ': ') if several else ''}{row['group']} | {row['comparison']} | {row['setup']} vs {row['reference']} "
+                f"| {(row['key'][0] + ': ') if several else ''}{row['group']} | {row['comparison']} | {row['setup']} "
+                f"vs {row['reference']} "
                 f"| **{fmt(row['ratio'], '.3f')}** | {', '.join(fmt(value, '.3f') for value in row['paired']) or '-'} "
                 f"| {fmt(row['pooled'], '.3f')} | {fmt(row['ideal'], '.2f')} "
                 f"| {fmt(row['ratio'] / row['ideal'] if row['ideal'] and row['ratio'] else None, '.0%')} "
-                f"| {(target[0] + ' ' + format(target[1], 'g') + met) if target else ''} | {fmt(row['max_foreign_cpu_share'], '.0%')} |")
-        lines += ["", "Other CPU load: the share of all cores that other processes used during a run (the largest of "
-                  "the runs behind a ratio); above a few percent the ratio is disturbed, measure it again on a quiet machine."]
+                f"| {(target[0] + ' ' + format(target[1], 'g') + met) if target else ''} | "
+                f"{fmt(row['max_foreign_cpu_share'], '.0%')} |"
+            )
+        lines += [
+            "",
+            "Other CPU load: the share of all cores that other processes used during a run (the largest of the runs "
+            "behind a ratio); above a few percent the ratio is disturbed, measure it again on a quiet machine.",
+        ]
     problems = [record for record in records if record.get("status") != "ok"]
     if problems:
-        lines += ["", "## Failed and skipped runs", "", "| run | status | reason | last line of output |", "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "## Failed and skipped runs",
+            "",
+            "| run | status | reason | last line of output |",
+            "| --- | --- | --- | --- |",
+        ]
         for record in problems:
             last = (record.get("error_tail") or "").strip().splitlines()[-1:] or [""]
-            lines.append(f"| {record['run_id']} | {record['status']} | {record.get('reason')} | {last[0][:200].replace('|', '/')} |")
+            lines.append(
+                f"| {record['run_id']} | {record['status']} | {record.get('reason')} | "
+                f"{last[0][:200].replace('|', '/')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -267,15 +364,26 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
         if values:
             panels.setdefault(metric, []).append((labels[key], statistics.median(values), min(values), max(values)))
     if panels:
-        figure, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.35 * sum(len(rows) for rows in panels.values()) + len(panels)),
-                                    squeeze=False)
+        figure, axes = plt.subplots(
+            len(panels),
+            1,
+            figsize=(9, 1.2 + 0.35 * sum(len(rows) for rows in panels.values()) + len(panels)),
+            squeeze=False,
+        )
         for axis, (metric, rows) in zip(axes[:, 0], sorted(panels.items())):
             names, mids, lows, highs = zip(*rows)
-            axis.barh(range(len(rows)), mids, xerr=[[mid - low for mid, low in zip(mids, lows)], [high - mid for mid, high in zip(mids, highs)]],
-                      color="tab:blue", capsize=3)
+            axis.barh(
+                range(len(rows)),
+                mids,
+                xerr=[[mid - low for mid, low in zip(mids, lows)], [high - mid for mid, high in zip(mids, highs)]],
+                color="tab:blue",
+                capsize=3,
+            )
             axis.set_yticks(range(len(rows)), names, fontsize=8)
             axis.invert_yaxis()
-            axis.set_xlabel(metric.split("/")[1].replace("_per_sec", "/s") + " (median; whiskers: min-max over rounds)")
+            axis.set_xlabel(
+                metric.split("/")[1].replace("_per_sec", "/s") + " (median; whiskers: min-max over rounds)"
+            )
         figure.suptitle("Throughput per setup")
         figure.tight_layout()
         written.append(folder / "throughput.png")
@@ -318,7 +426,7 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
     if memory:
         width = 0.8 / max(len(peaks) for peaks in memory.values())
         figure, axis = plt.subplots(figsize=(9, 1.5 + 0.45 * len(memory)))
-        for row, (name, peaks) in enumerate(memory.items()):
+        for row, peaks in enumerate(memory.values()):
             for index, (device, gib) in enumerate(sorted(peaks.items())):
                 axis.barh(row + index * width, gib, height=width, color=f"C{index}")
                 axis.text(gib, row + index * width, f" {device}", va="center", fontsize=6)
@@ -346,7 +454,10 @@ def report(paths: list[str | Path], output_dir: str | Path | None) -> str:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "summary.md").write_text(text)
         written = plots(records, output_dir / "plots")
-        print(f"wrote {output_dir / 'summary.md'} and {', '.join(path.name for path in written)} in {output_dir / 'plots'}")
+        print(
+            f"wrote {output_dir / 'summary.md'} and {', '.join(path.name for path in written)} in "
+            f"{output_dir / 'plots'}"
+        )
     return text
 
 
@@ -356,7 +467,9 @@ def regressions(baseline: list[str], candidate: list[str], threshold: float) -> 
     after = {key[-2:]: medians(runs) for key, runs in configurations(load(candidate)).items()}
     common = [key for key in before if key in after]
     if not common:
-        print(f"no configuration (group, setup) is in both the baseline ({len(before)}) and the candidate ({len(after)})")
+        print(
+            f"no configuration (group, setup) is in both the baseline ({len(before)}) and the candidate ({len(after)})"
+        )
         return 2
     failed = 0
     print("| group | setup | baseline samples/s | candidate samples/s | change | |\n|" + " --- |" * 6)
@@ -365,7 +478,10 @@ def regressions(baseline: list[str], candidate: list[str], threshold: float) -> 
         change = b / a - 1 if a and b else None
         regressed = change is not None and change < -threshold
         failed += regressed
-        print(f"| {key[0]} | {key[1]} | {fmt(a, '.2f')} | {fmt(b, '.2f')} | {fmt(change, '+.1%')} | {'REGRESSION' if regressed else 'ok'} |")
+        print(
+            f"| {key[0]} | {key[1]} | {fmt(a, '.2f')} | {fmt(b, '.2f')} | {fmt(change, '+.1%')} | "
+            f"{'REGRESSION' if regressed else 'ok'} |"
+        )
     print(f"{failed} of {len(common)} configurations lost more than {threshold:.0%} throughput")
     return 1 if failed else 0
 

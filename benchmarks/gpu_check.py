@@ -1,8 +1,8 @@
 """The prepared GPU check: prove and measure the CUDA paths of every recipe, in one short script.
 
-    python benchmarks/gpu_check.py --dry_run                      # the plan: commands and minutes (works without a GPU)
-    python benchmarks/gpu_check.py                                # run it: writes benchmarks/results/<gpu-name>/
-    python benchmarks/gpu_check.py --only finetune lm-single      # a subset (names contain one of the words)
+    python benchmarks/gpu_check.py --dry_run                  # the plan: commands and minutes (works without a GPU)
+    python benchmarks/gpu_check.py                            # run it: writes benchmarks/results/<gpu-name>/
+    python benchmarks/gpu_check.py --only finetune lm-single  # a subset (names contain one of the words)
 
 On one GPU (under 8 minutes on an H100/H200-class card): the fine-tune in bf16 and in fp16 with GradScaler, and split
 over cuda:0 + the CPU (a real two-device split on one GPU: it catches device mismatches such as labels on one device
@@ -36,14 +36,29 @@ import run as runner  # noqa: E402  (the matrix runner: launches, records, summa
 MINUTES = {"linear_toy": 0.3, "finetune": 0.7, "lm": 0.9, "lm-device_map": 1.2}
 LM_SIZE = dict(steps=30, warmup=10, batch=8, block=1024, vocab=8192, corpus_mb=4, threads=None)  # 350m, bf16
 SPLIT_SIZE = dict(steps=6, warmup=2, batch=4, block=512, vocab=8192, corpus_mb=2, threads=None)  # 125m over GPU + CPU
-FINETUNE = ["--max_train_samples", "2048", "--max_eval_samples", "512", "--per_device_train_batch_size", "32",
-            "--perf_warmup_steps", "5"]
+FINETUNE = [
+    "--max_train_samples",
+    "2048",
+    "--max_eval_samples",
+    "512",
+    "--per_device_train_batch_size",
+    "32",
+    "--perf_warmup_steps",
+    "5",
+]
 
 
 def finetune(setup: str, config: str, *extra: str, steps: int = 40) -> dict:
-    return {"setup": setup, "recipe": "transformer_finetune", "size": "minilm-l6", "launcher": "accelerate", "config": config,
-            "script": "recipes/transformer_finetune.py", "args": FINETUNE + ["--max_train_steps", str(steps), *extra],
-            "minutes": MINUTES["finetune"]}
+    return {
+        "setup": setup,
+        "recipe": "transformer_finetune",
+        "size": "minilm-l6",
+        "launcher": "accelerate",
+        "config": config,
+        "script": "recipes/transformer_finetune.py",
+        "args": FINETUNE + ["--max_train_steps", str(steps), *extra],
+        "minutes": MINUTES["finetune"],
+    }
 
 
 def lm(setup: str, size: str, shape: dict, *extra: str, launch_args: tuple[str, ...] = ()) -> dict:
@@ -51,25 +66,52 @@ def lm(setup: str, size: str, shape: dict, *extra: str, launch_args: tuple[str, 
     base = setup.split(":")[0]
     spec = runner.lm_runs(size, [base], **shape)[0]
     minutes = MINUTES["lm-device_map"] if base == "device_map" else MINUTES["lm"]
-    return {**spec, "setup": setup.split(":")[-1], "args": spec["args"] + list(extra), "launch_args": list(launch_args),
-            "minutes": minutes}
+    return {
+        **spec,
+        "setup": setup.split(":")[-1],
+        "args": spec["args"] + list(extra),
+        "launch_args": list(launch_args),
+        "minutes": minutes,
+    }
 
 
 def checks(gpus: int, tiny: bool) -> list[dict]:
     """The plan for this many GPUs. ``tiny``: the same launches at test sizes (a rehearsal on any machine)."""
-    big, split, lm_size, split_size = (("tiny", "tiny", dict(LM_SIZE, steps=4, warmup=1, block=64, vocab=512, corpus_mb=0.3),
-                                        dict(SPLIT_SIZE, steps=3, warmup=1, block=64, vocab=512, corpus_mb=0.3))
-                                       if tiny else ("350m", "125m", LM_SIZE, SPLIT_SIZE))
+    big, split, lm_size, split_size = (
+        (
+            "tiny",
+            "tiny",
+            dict(LM_SIZE, steps=4, warmup=1, block=64, vocab=512, corpus_mb=0.3),
+            dict(SPLIT_SIZE, steps=3, warmup=1, block=64, vocab=512, corpus_mb=0.3),
+        )
+        if tiny
+        else ("350m", "125m", LM_SIZE, SPLIT_SIZE)
+    )
     bf16 = ["--mixed_precision", "bf16"] if not tiny else []
     plan = [
         {"name": "finetune-bf16", **finetune("single+bf16", "single_gpu.yaml", "--mixed_precision", "bf16")},
         {"name": "finetune-fp16", **finetune("single+fp16", "single_gpu.yaml", "--mixed_precision", "fp16")},
-        {"name": "finetune-device_map", **finetune("device_map", "model_sharding_2gpu.yaml", "--parallelism", "device_map", steps=10)},
+        {
+            "name": "finetune-device_map",
+            **finetune("device_map", "model_sharding_2gpu.yaml", "--parallelism", "device_map", steps=10),
+        },
         {"name": "lm-single", **lm("single:single+bf16", big, lm_size, *bf16)},
-        {"name": "lm-fsdp-1process", **lm("fsdp:fsdp-1process+bf16", big, lm_size, *bf16, launch_args=("--num_processes", "1"))},
+        {
+            "name": "lm-fsdp-1process",
+            **lm("fsdp:fsdp-1process+bf16", big, lm_size, *bf16, launch_args=("--num_processes", "1")),
+        },
         {"name": "lm-device_map", **lm("device_map", split, split_size, *bf16)},
-        {"name": "linear_toy", "setup": "single", "recipe": "linear_toy", "size": "linear", "launcher": "accelerate",
-         "config": "single_gpu.yaml", "script": "recipes/linear_toy.py", "args": ["--max_train_steps", "200"], "minutes": MINUTES["linear_toy"]},
+        {
+            "name": "linear_toy",
+            "setup": "single",
+            "recipe": "linear_toy",
+            "size": "linear",
+            "launcher": "accelerate",
+            "config": "single_gpu.yaml",
+            "script": "recipes/linear_toy.py",
+            "args": ["--max_train_steps", "200"],
+            "minutes": MINUTES["linear_toy"],
+        },
     ]
     if tiny:  # fp16 needs a GPU; on CPU the rehearsal keeps fp32
         plan = [check for check in plan if check["name"] != "finetune-fp16"]
@@ -90,7 +132,9 @@ def gpu_names() -> list[str]:
     if not shutil.which("nvidia-smi"):
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
@@ -103,11 +147,30 @@ def planner_estimate(record: dict, gpu_memory_gib: float) -> dict | None:
     setup, processes = record.get("parallelism"), max(1, record["processes"])
     per_device = record["global_batch_size"] // (processes if setup in ("ddp", "fsdp") else 1)
     micro = per_device // record["num_microbatches"] if setup == "pipeline" else per_device
-    command = [sys.executable, str(REPO / "tools" / "plan.py"), "--model_size", record["size"], "--gpus", str(max(2, processes)),
-               "--gpu_memory_gib", str(gpu_memory_gib), "--seq_len", str(record["sequence_length"]), "--micro_batch", str(micro),
-               "--mixed_precision", record.get("mixed_precision") or "no", "--json"]
+    command = [
+        sys.executable,
+        str(REPO / "tools" / "plan.py"),
+        "--model_size",
+        record["size"],
+        "--gpus",
+        str(max(2, processes)),
+        "--gpu_memory_gib",
+        str(gpu_memory_gib),
+        "--seq_len",
+        str(record["sequence_length"]),
+        "--micro_batch",
+        str(micro),
+        "--mixed_precision",
+        record.get("mixed_precision") or "no",
+        "--json",
+    ]
     if setup == "pipeline":
-        command += ["--num_microbatches", str(record["num_microbatches"]), "--pipeline_schedule", record["pipeline_schedule"]]
+        command += [
+            "--num_microbatches",
+            str(record["num_microbatches"]),
+            "--pipeline_schedule",
+            record["pipeline_schedule"],
+        ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
     if done.returncode != 0:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
@@ -120,13 +183,28 @@ def planner_estimate(record: dict, gpu_memory_gib: float) -> dict | None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default=None, help="Where the results go (default: benchmarks/results/<gpu-name>).")
-    parser.add_argument("--dry_run", action="store_true", help="Print the plan (commands, estimated minutes) and exit 0; no GPU needed.")
-    parser.add_argument("--only", nargs="+", default=None, help="Run only the checks whose names contain one of these words.")
-    parser.add_argument("--gpus", type=int, default=None, help="Plan for this many GPUs (default: the ones nvidia-smi lists).")
-    parser.add_argument("--tiny", action="store_true",
-                        help="The same launches at test sizes in fp32: a rehearsal of the script itself, also on a CPU-only machine.")
-    parser.add_argument("--timeout", type=float, default=240, help="Seconds one check may take before it is recorded as failed.")
+    parser.add_argument(
+        "--output_dir", default=None, help="Where the results go (default: benchmarks/results/<gpu-name>)."
+    )
+    parser.add_argument(
+        "--dry_run",
+        action="store_true",
+        help="Print the plan (commands, estimated minutes) and exit 0; no GPU needed.",
+    )
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="Run only the checks whose names contain one of these words."
+    )
+    parser.add_argument(
+        "--gpus", type=int, default=None, help="Plan for this many GPUs (default: the ones nvidia-smi lists)."
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="The same launches at test sizes in fp32: a rehearsal of the script itself, also on a CPU-only machine.",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=240, help="Seconds one check may take before it is recorded as failed."
+    )
     return parser.parse_args(argv)
 
 
@@ -140,11 +218,22 @@ def main(argv=None) -> int:
     label = re.sub(r"[^A-Za-z0-9]+", "-", names[0]).strip("-").lower() if names else "no-gpu"
     output_dir = Path(args.output_dir or REPO / "benchmarks" / "results" / (label + ("-tiny" if args.tiny else "")))
     total = sum(check["minutes"] for check in plan)
-    print(f"GPU check: {gpus} GPU(s) ({', '.join(names) if names else 'none found here: the plan for ' + str(gpus)}); "
-          f"{len(plan)} checks, about {total:.1f} minutes; results to {output_dir}")
-    matrix = {"name": "gpu_check" + ("-tiny" if args.tiny else ""), "repeats": 1, "threads_per_process": None,
-              "groups": [{"name": check["name"], "runs": [{key: value for key, value in check.items() if key not in ("name", "minutes")}]}
-                         for check in plan]}
+    print(
+        f"GPU check: {gpus} GPU(s) ({', '.join(names) if names else 'none found here: the plan for ' + str(gpus)}); "
+        f"{len(plan)} checks, about {total:.1f} minutes; results to {output_dir}"
+    )
+    matrix = {
+        "name": "gpu_check" + ("-tiny" if args.tiny else ""),
+        "repeats": 1,
+        "threads_per_process": None,
+        "groups": [
+            {
+                "name": check["name"],
+                "runs": [{key: value for key, value in check.items() if key not in ("name", "minutes")}],
+            }
+            for check in plan
+        ],
+    }
     for check, group in zip(plan, matrix["groups"]):
         spec = {**group["runs"][0], "run_id": f"{check['name']}/{check['setup']}/r0"}
         command = runner.command_for(spec, output_dir / "work" / spec["run_id"])
@@ -153,26 +242,48 @@ def main(argv=None) -> int:
     if args.dry_run:
         return 0
     if not names and not args.tiny:
-        print("error: no GPU found (nvidia-smi lists none). Run with --dry_run to see the plan, or --tiny to rehearse the "
-              "script on this machine.", file=sys.stderr)
+        print(
+            "error: no GPU found (nvidia-smi lists none). Run with --dry_run to see the plan, or --tiny to rehearse "
+            "the script on this machine.",
+            file=sys.stderr,
+        )
         return 2
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "gpu_check_matrix.json").write_text(json.dumps(matrix, indent=2) + "\n")
-    status = runner.main(["--matrix", str(output_dir / "gpu_check_matrix.json"), "--output_dir", str(output_dir),
-                          "--timeout", str(args.timeout)])
-    records = {json.loads(path.read_text())["group"]: json.loads(path.read_text()) for path in (output_dir / "runs").glob("*.json")}
+    status = runner.main(
+        [
+            "--matrix",
+            str(output_dir / "gpu_check_matrix.json"),
+            "--output_dir",
+            str(output_dir),
+            "--timeout",
+            str(args.timeout),
+        ]
+    )
+    records = {
+        json.loads(path.read_text())["group"]: json.loads(path.read_text())
+        for path in (output_dir / "runs").glob("*.json")
+    }
     memory_gib = 80.0  # the planner's per-device estimate does not depend on it (only whether it fits)
     summary = []
     for check in plan:
         record = records.get(check["name"], {})
-        row = {"check": check["name"], "status": record.get("status", "missing"), "reason": record.get("reason"),
-               "perf/tokens_per_sec": record.get("perf/tokens_per_sec"), "perf/samples_per_sec": record.get("perf/samples_per_sec"),
-               "perf/mfu": record.get("perf/mfu"), "memory/peak_gib": record.get("memory/peak_gib"),
-               "plan/estimate": planner_estimate(record, memory_gib)}
+        row = {
+            "check": check["name"],
+            "status": record.get("status", "missing"),
+            "reason": record.get("reason"),
+            "perf/tokens_per_sec": record.get("perf/tokens_per_sec"),
+            "perf/samples_per_sec": record.get("perf/samples_per_sec"),
+            "perf/mfu": record.get("perf/mfu"),
+            "memory/peak_gib": record.get("memory/peak_gib"),
+            "plan/estimate": planner_estimate(record, memory_gib),
+        }
         summary.append(row)
         mfu = f"MFU {row['perf/mfu']:.1%}" if row["perf/mfu"] else "MFU -"
-        print(f"{row['status'].upper():>7} {check['name']:<22} tokens/s {row['perf/tokens_per_sec'] or 0:>10.0f}  {mfu}  "
-              f"peak {row['memory/peak_gib']}  planner {row['plan/estimate']}")
+        print(
+            f"{row['status'].upper():>7} {check['name']:<22} tokens/s {row['perf/tokens_per_sec'] or 0:>10.0f}  {mfu} "
+            f" peak {row['memory/peak_gib']}  planner {row['plan/estimate']}"
+        )
     (output_dir / "gpu_check.json").write_text(json.dumps({"gpus": names, "checks": summary}, indent=2) + "\n")
     return 1 if status or any(row["status"] != "ok" for row in summary) else 0
 

@@ -45,9 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output_dir", required=True, help="Where results.json (and the tokenizer) go.")
     parser.add_argument("--seed", type=int, default=42, help="Seed for the weights and the data order.")
-    parser.add_argument("--model_size", choices=list(MODEL_PRESETS), default="small", help="The recipe's model preset.")
+    parser.add_argument(
+        "--model_size", choices=list(MODEL_PRESETS), default="small", help="The recipe's model preset."
+    )
     parser.add_argument("--vocab_size", type=int, default=8192, help="BPE vocabulary trained on the corpus.")
-    parser.add_argument("--corpus_max_mb", type=float, default=None, help="Use only the first N MB of the default corpus.")
+    parser.add_argument(
+        "--corpus_max_mb", type=float, default=None, help="Use only the first N MB of the default corpus."
+    )
     parser.add_argument("--block_size", type=int, default=256, help="Tokens per sequence.")
     parser.add_argument("--max_train_samples", type=int, default=None, help="Use only the first N training blocks.")
     parser.add_argument("--per_device_train_batch_size", type=int, default=16, help="Blocks per process per step.")
@@ -56,8 +60,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--learning_rate", type=float, default=1e-3, help="Peak AdamW learning rate.")
     parser.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay on matrices.")
     parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient clipping (0: none).")
-    parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no", help="bf16 autocast, as the recipe's --mixed_precision bf16.")
-    parser.add_argument("--cpu_threads_per_process", type=int, default=1, help="On CPU: PyTorch threads per process (0: PyTorch's default).")
+    parser.add_argument(
+        "--mixed_precision",
+        choices=["no", "bf16"],
+        default="no",
+        help="bf16 autocast, as the recipe's --mixed_precision bf16.",
+    )
+    parser.add_argument(
+        "--cpu_threads_per_process",
+        type=int,
+        default=1,
+        help="On CPU: PyTorch threads per process (0: PyTorch's default).",
+    )
     return parser.parse_args(argv)
 
 
@@ -79,9 +93,14 @@ def main():
     # Data: rank 0 trains the tokenizer and tokenizes first (datasets caches it); the others follow.
     for turn in (0, 1):
         if (rank == 0) == (turn == 0):
-            raw, corpus, documents = load_text_corpus(dataset_name=None, dataset_config_name=None, train_file=None,
-                                                      validation_file=None, validation_split_percentage=5,
-                                                      corpus_max_mb=args.corpus_max_mb)
+            raw, corpus, documents = load_text_corpus(
+                dataset_name=None,
+                dataset_config_name=None,
+                train_file=None,
+                validation_file=None,
+                validation_split_percentage=5,
+                corpus_max_mb=args.corpus_max_mb,
+            )
             if rank == 0:
                 tokenizer = train_bpe_tokenizer((row["text"] for row in raw["train"]), vocab_size=args.vocab_size)
                 tokenizer.save_pretrained(output_dir)
@@ -93,19 +112,31 @@ def main():
     if args.max_train_samples:
         train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
     train_dataset.set_format("torch", columns=["input_ids"])
-    sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True)
-    train_dataloader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True)
+    sampler = DistributedSampler(
+        train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed, drop_last=True
+    )
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True
+    )
 
     # Model: the recipe's preset and config, the same seed before building it.
     preset = dict(MODEL_PRESETS[args.model_size])
-    model_config = LlamaConfig(**preset, num_key_value_heads=preset["num_attention_heads"], vocab_size=len(tokenizer),
-                               tie_word_embeddings=False, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    model_config = LlamaConfig(
+        **preset,
+        num_key_value_heads=preset["num_attention_heads"],
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(model_config).to(device)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
     model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
-    lr_scheduler = get_scheduler("cosine", optimizer=optimizer, num_warmup_steps=0, num_training_steps=args.max_train_steps)
+    lr_scheduler = get_scheduler(
+        "cosine", optimizer=optimizer, num_warmup_steps=0, num_training_steps=args.max_train_steps
+    )
 
     global_batch_size = args.per_device_train_batch_size * world_size
     tokens_per_step = global_batch_size * args.block_size
@@ -167,15 +198,24 @@ def main():
         "perf/samples_per_sec": global_batch_size * len(step_times) / measured if measured else None,
         "perf/tokens_per_sec": tokens_per_step * len(step_times) / measured if measured else None,
         "perf/data_wait_fraction": sum(data_waits) / measured if measured else None,
-        "memory/peak_gib": {f"rank{r}/{name}": round(gib, 4) for r, peak in enumerate(peaks) for name, gib in peak.items()},
-        "config": {**vars(args), "num_processes": world_size, "global_batch_size": global_batch_size,
-                   "tokens_per_step": tokens_per_step, "model_config": model_config.to_dict(),
-                   "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None},
+        "memory/peak_gib": {
+            f"rank{r}/{name}": round(gib, 4) for r, peak in enumerate(peaks) for name, gib in peak.items()
+        },
+        "config": {
+            **vars(args),
+            "num_processes": world_size,
+            "global_batch_size": global_batch_size,
+            "tokens_per_step": tokens_per_step,
+            "model_config": model_config.to_dict(),
+            "cpu_threads": torch.get_num_threads() if device.type == "cpu" else None,
+        },
     }
     if rank == 0:
         (output_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
-        print(f"raw ddp: {results['perf/tokens_per_sec'] or 0:.0f} tokens/s, step {results['perf/step_time_s'] or 0:.3f} s; "
-              f"wrote {output_dir / 'results.json'}")
+        print(
+            f"raw ddp: {results['perf/tokens_per_sec'] or 0:.0f} tokens/s, step "
+            f"{results['perf/step_time_s'] or 0:.3f} s; wrote {output_dir / 'results.json'}"
+        )
     dist.barrier()
     del model  # drop the DDP reducer while the process group exists (gloo can hang at exit otherwise)
     dist.destroy_process_group()

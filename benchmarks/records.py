@@ -27,7 +27,8 @@ def summarize(results: dict, threads: int | None) -> dict:
         "group_by_length": bool(config.get("group_by_length", False)),
         "compile": bool(config.get("compile", False)),
         "mixed_precision": results.get("mixed_precision"),
-        "device": results.get("device") or ("cuda" if "cuda" in json.dumps(results.get("memory/peak_gib", {})) else "cpu"),
+        "device": results.get("device")
+        or ("cuda" if "cuda" in json.dumps(results.get("memory/peak_gib", {})) else "cpu"),
         "processes": processes,
         "threads_per_process": config.get("cpu_threads") or threads,
         "global_batch_size": results.get("global_batch_size"),

@@ -35,7 +35,7 @@ import sys
 import time
 import traceback
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from importlib import metadata
 from pathlib import Path
 
@@ -58,10 +58,26 @@ KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work
 
 
 # ------------------------------------------------------------------------------ the matrices
-def lm_args(size: str, *, steps: int, warmup: int, batch: int, block: int, vocab: int, corpus_mb: float, threads: int | None) -> list[str]:
+def lm_args(
+    size: str, *, steps: int, warmup: int, batch: int, block: int, vocab: int, corpus_mb: float, threads: int | None
+) -> list[str]:
     """Flags that the LM recipes and benchmarks/raw_ddp_lm.py share: same model, data, batch, steps."""
-    args = ["--model_size", size, "--vocab_size", vocab, "--block_size", block, "--per_device_train_batch_size", batch,
-            "--max_train_steps", steps, "--perf_warmup_steps", warmup, "--corpus_max_mb", corpus_mb]
+    args = [
+        "--model_size",
+        size,
+        "--vocab_size",
+        vocab,
+        "--block_size",
+        block,
+        "--per_device_train_batch_size",
+        batch,
+        "--max_train_steps",
+        steps,
+        "--perf_warmup_steps",
+        warmup,
+        "--corpus_max_mb",
+        corpus_mb,
+    ]
     if threads is not None:
         args += ["--cpu_threads_per_process", threads]
     return [str(arg) for arg in args]
@@ -82,21 +98,57 @@ def lm_runs(size: str, setups: list[str], **shape) -> list[dict]:
         for option in options:
             extra += {"compile": ["--compile"], "bf16": ["--mixed_precision", "bf16"]}[option]
         if base == "raw_ddp":
-            runs.append({"setup": setup, "recipe": "raw_ddp_lm", "size": size, "launcher": "torchrun", "processes": 2,
-                         "script": "benchmarks/raw_ddp_lm.py", "args": common + extra})
+            runs.append(
+                {
+                    "setup": setup,
+                    "recipe": "raw_ddp_lm",
+                    "size": size,
+                    "launcher": "torchrun",
+                    "processes": 2,
+                    "script": "benchmarks/raw_ddp_lm.py",
+                    "args": common + extra,
+                }
+            )
         elif base.startswith("pipeline-"):
             _, schedule, m = base.split("-")  # pipeline-gpipe-m4
-            runs.append({"setup": setup, "recipe": "pipeline_lm", "size": size, "launcher": "accelerate", "config": "pipeline_2gpu.yaml",
-                         "script": "recipes/pipeline_lm.py",
-                         "args": common + recipe_only + ["--pipeline_schedule", schedule, "--num_microbatches", m.lstrip("m")] + extra})
+            runs.append(
+                {
+                    "setup": setup,
+                    "recipe": "pipeline_lm",
+                    "size": size,
+                    "launcher": "accelerate",
+                    "config": "pipeline_2gpu.yaml",
+                    "script": "recipes/pipeline_lm.py",
+                    "args": common
+                    + recipe_only
+                    + ["--pipeline_schedule", schedule, "--num_microbatches", m.lstrip("m")]
+                    + extra,
+                }
+            )
         else:
-            config = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml", "device_map": "model_sharding_2gpu.yaml"}[base]
-            runs.append({"setup": setup, "recipe": "train_lm", "size": size, "launcher": "accelerate", "config": config,
-                         "script": "recipes/train_lm.py", "args": common + recipe_only + ["--parallelism", base] + extra})
+            config = {
+                "single": "single_gpu.yaml",
+                "ddp": "ddp_2gpu.yaml",
+                "fsdp": "fsdp_2gpu.yaml",
+                "device_map": "model_sharding_2gpu.yaml",
+            }[base]
+            runs.append(
+                {
+                    "setup": setup,
+                    "recipe": "train_lm",
+                    "size": size,
+                    "launcher": "accelerate",
+                    "config": config,
+                    "script": "recipes/train_lm.py",
+                    "args": common + recipe_only + ["--parallelism", base] + extra,
+                }
+            )
     return runs
 
 
-def finetune_runs(setups: list[str], *, steps: int | None, warmup: int, max_train_samples: int | None = None) -> list[dict]:
+def finetune_runs(
+    setups: list[str], *, steps: int | None, warmup: int, max_train_samples: int | None = None
+) -> list[dict]:
     """Run specs for recipes/transformer_finetune.py (the default MiniLM and docstring data).
 
     ``steps=None`` trains one whole epoch, so both sides of the group_by_length pair see the same samples.
@@ -109,8 +161,17 @@ def finetune_runs(setups: list[str], *, steps: int | None, warmup: int, max_trai
         base, *options = setup.split("+")
         config = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml"}[base]
         extra = ["--group_by_length"] if "group_by_length" in options else []
-        runs.append({"setup": setup, "recipe": "transformer_finetune", "size": "minilm-l6", "launcher": "accelerate", "config": config,
-                     "script": "recipes/transformer_finetune.py", "args": common + extra})
+        runs.append(
+            {
+                "setup": setup,
+                "recipe": "transformer_finetune",
+                "size": "minilm-l6",
+                "launcher": "accelerate",
+                "config": config,
+                "script": "recipes/transformer_finetune.py",
+                "args": common + extra,
+            }
+        )
     return runs
 
 
@@ -132,19 +193,29 @@ def matrix_preset(name: str) -> dict:
         tiny = dict(small, steps=24, warmup=4)
         groups = [
             {"name": "lm-tiny-data_parallel", "runs": lm_runs("tiny", ["single", "ddp", "raw_ddp"], **tiny)},
-            {"name": "lm-small-data_parallel", "runs": lm_runs("small", ["single", "ddp", "raw_ddp", "fsdp"], **small)},
-            {"name": "lm-small-pipeline-gpipe", "runs": lm_runs("small", ["device_map", *pipelines("gpipe")], **small)},
+            {
+                "name": "lm-small-data_parallel",
+                "runs": lm_runs("small", ["single", "ddp", "raw_ddp", "fsdp"], **small),
+            },
+            {
+                "name": "lm-small-pipeline-gpipe",
+                "runs": lm_runs("small", ["device_map", *pipelines("gpipe")], **small),
+            },
             {"name": "lm-small-pipeline-1f1b", "runs": lm_runs("small", ["device_map", *pipelines("1f1b")], **small)},
             # One epoch over the same 640 docstrings each (20 steps of 2 x 16), with and without length grouping.
-            {"name": "finetune-group_by_length",
-             "runs": finetune_runs(["ddp", "ddp+group_by_length"], steps=None, warmup=2, max_train_samples=640)},
+            {
+                "name": "finetune-group_by_length",
+                "runs": finetune_runs(["ddp", "ddp+group_by_length"], steps=None, warmup=2, max_train_samples=640),
+            },
         ]
         return {"name": name, "repeats": 2, "threads_per_process": 1, "groups": groups}
     if name == "gpu":
         # One GPU: the 350M preset (GPT-3 Medium shape) in bf16, torch.compile (inductor) + SDPA attention,
         # for MFU; the same run uncompiled beside it. 10 warm-up steps absorb compilation.
         big = dict(steps=40, warmup=10, batch=16, block=1024, vocab=8192, corpus_mb=4, threads=None)
-        groups = [{"name": "lm-350m-single_gpu", "runs": lm_runs("350m", ["single+bf16+compile", "single+bf16"], **big)}]
+        groups = [
+            {"name": "lm-350m-single_gpu", "runs": lm_runs("350m", ["single+bf16+compile", "single+bf16"], **big)}
+        ]
         return {"name": name, "repeats": 1, "threads_per_process": None, "groups": groups}
     raise SystemExit(f"unknown --matrix {name!r}: use smoke, cpu, gpu or a JSON file (see --dump_matrix)")
 
@@ -173,15 +244,25 @@ def gpu_info() -> list[dict]:
     if not shutil.which("nvidia-smi"):
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     gpus = []
     for line in out.strip().splitlines():
         name, memory, driver = (part.strip() for part in line.split(","))
-        gpus.append({"name": name, "memory_gib": round(float(memory) / 1024, 1), "driver": driver,
-                     "peak_bf16_flops": peak_bf16_flops(name)})
+        gpus.append(
+            {
+                "name": name,
+                "memory_gib": round(float(memory) / 1024, 1),
+                "driver": driver,
+                "peak_bf16_flops": peak_bf16_flops(name),
+            }
+        )
     return gpus
 
 
@@ -200,8 +281,13 @@ def machine_info() -> dict:
                 memory_gib = round(int(line.split()[1]) / 1024**2, 1)
     except OSError:
         pass
-    return {"cpu_model": cpu_model, "cpu_cores": os.cpu_count(), "memory_gib": memory_gib, "os": platform.platform(),
-            "gpus": gpu_info()}
+    return {
+        "cpu_model": cpu_model,
+        "cpu_cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "os": platform.platform(),
+        "gpus": gpu_info(),
+    }
 
 
 def library_versions() -> dict:
@@ -218,9 +304,13 @@ def library_versions() -> dict:
 def flops_per_token(model_config: dict, num_parameters: int, sequence_length: int) -> dict:
     """Training FLOPs per token (shared.flops: 6N + 12 L H S), with the parts the records keep."""
     hidden, layers = model_config["hidden_size"], model_config["num_hidden_layers"]
-    return {"model/non_embedding_parameters": num_parameters - model_config["vocab_size"] * hidden,
-            "flops/per_token": lm_flops_per_token(hidden, layers, model_config["vocab_size"], num_parameters, sequence_length),
-            "flops/attention_per_token": 12 * layers * hidden * sequence_length}
+    return {
+        "model/non_embedding_parameters": num_parameters - model_config["vocab_size"] * hidden,
+        "flops/per_token": lm_flops_per_token(
+            hidden, layers, model_config["vocab_size"], num_parameters, sequence_length
+        ),
+        "flops/attention_per_token": 12 * layers * hidden * sequence_length,
+    }
 
 
 def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> None:
@@ -237,7 +327,10 @@ def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> N
     achieved = results["perf/tokens_per_sec"] * record["flops/per_token"]
     record["perf/achieved_tflops"] = achieved / 1e12
     if results.get("perf/mfu") is not None:  # the recipe measured it, against the peak of the GPU it ran on
-        record["perf/mfu"], record["perf/peak_flops_per_device"] = results["perf/mfu"], results.get("perf/peak_flops_per_device")
+        record["perf/mfu"], record["perf/peak_flops_per_device"] = (
+            results["perf/mfu"],
+            results.get("perf/peak_flops_per_device"),
+        )
         return
     on_cuda = str(results.get("device", "")).startswith("cuda")
     peak = gpus[0]["peak_bf16_flops"] if gpus else None
@@ -251,17 +344,36 @@ def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> N
 # ------------------------------------------------------------------------------ one run
 def command_for(spec: dict, run_dir: Path) -> list[str]:
     if spec["launcher"] == "torchrun":
-        prefix = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(spec["processes"])]
+        prefix = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(spec["processes"]),
+        ]
     else:
-        prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / spec["config"]),
-                  *spec.get("launch_args", [])]
+        prefix = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CONFIGS / spec["config"]),
+            *spec.get("launch_args", []),
+        ]
     return prefix + [str(REPO / spec["script"]), *spec["args"], "--output_dir", str(run_dir)]
 
 
 def spec_hash(spec: dict) -> str:
     """Identifies what a run does (its command without paths), to tell a finished run from a changed one."""
-    key = json.dumps({k: spec.get(k) for k in ("recipe", "setup", "size", "launcher", "config", "script", "args", "processes")
-                      + (("launch_args",) if spec.get("launch_args") else ())}, sort_keys=True)
+    key = json.dumps(
+        {
+            k: spec.get(k)
+            for k in ("recipe", "setup", "size", "launcher", "config", "script", "args", "processes")
+            + (("launch_args",) if spec.get("launch_args") else ())
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -276,15 +388,26 @@ def kill_run(marker: str) -> None:
             pass
 
 
-def execute(spec: dict, output_dir: Path, threads: int | None, timeout: float, measure_foreign: bool, context: dict) -> dict:
+def execute(
+    spec: dict, output_dir: Path, threads: int | None, timeout: float, measure_foreign: bool, context: dict
+) -> dict:
     """Launch one run, wait for it (killing it at ``timeout``), and return its record."""
     run_dir = output_dir / "work" / spec["run_id"]
     record = {
-        "schema": SCHEMA, "run_id": spec["run_id"], "group": spec["group"], "round": spec["round"], "setup": spec["setup"],
-        "recipe": spec["recipe"], "size": spec["size"], "spec_hash": spec_hash(spec),
-        "launcher": "torchrun" if spec["launcher"] == "torchrun" else f"accelerate launch --config_file accelerate_configs/{spec['config']}",
+        "schema": SCHEMA,
+        "run_id": spec["run_id"],
+        "group": spec["group"],
+        "round": spec["round"],
+        "setup": spec["setup"],
+        "recipe": spec["recipe"],
+        "size": spec["size"],
+        "spec_hash": spec_hash(spec),
+        "launcher": "torchrun"
+        if spec["launcher"] == "torchrun"
+        else f"accelerate launch --config_file accelerate_configs/{spec['config']}",
         "config_file": None if spec["launcher"] == "torchrun" else f"accelerate_configs/{spec['config']}",
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **context,
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        **context,
     }
     if spec["launcher"] != "torchrun" and not (CONFIGS / spec["config"]).is_file():
         return {**record, "status": "skipped", "reason": f"accelerate_configs/{spec['config']} does not exist (yet)"}
@@ -303,7 +426,9 @@ def execute(spec: dict, output_dir: Path, threads: int | None, timeout: float, m
     busy_before, own_before = busy_cpu_seconds(), own_cpu_seconds()
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             returncode = process.wait(timeout=timeout)
             timed_out = False
@@ -320,7 +445,13 @@ def execute(spec: dict, output_dir: Path, threads: int | None, timeout: float, m
     tail = log_path.read_text(errors="replace")[-3000:]
     results_path = run_dir / "results.json"
     if timed_out or returncode != 0 or not results_path.is_file():
-        why = f"timed out after {timeout:.0f} s" if timed_out else f"exit code {returncode}" if returncode else "no results.json"
+        why = (
+            f"timed out after {timeout:.0f} s"
+            if timed_out
+            else f"exit code {returncode}"
+            if returncode
+            else "no results.json"
+        )
         return {**record, "status": "failed", "reason": why, "error_tail": tail}
     results = json.loads(results_path.read_text())
     record.update(summarize(results, threads))
@@ -356,18 +487,45 @@ def is_done(path: Path, spec: dict) -> bool:
 # ------------------------------------------------------------------------------ main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--matrix", default="cpu", help="A preset (smoke, cpu, gpu) or a JSON file in the --dump_matrix format.")
-    parser.add_argument("--output_dir", help="Where runs/*.json, work/ (each run's output), summary.md and plots/ go. "
-                                             "Run again with the same folder to resume.")
-    parser.add_argument("--repeats", type=int, default=None, help="Rounds per group, A B A B (default: the matrix's own, 2 for cpu).")
-    parser.add_argument("--groups", nargs="+", default=None, help="Run only the groups whose name contains one of these strings.")
-    parser.add_argument("--timeout", type=float, default=1800, help="Seconds one run may take before it is killed and recorded as failed.")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="Runs launched at once. Anything but 1 makes runs compete for the cores: for smoke tests only, never for numbers.")
-    parser.add_argument("--threads_per_process", type=int, default=None,
-                        help="OMP_NUM_THREADS of every run (default: the matrix's, 1 for CPU matrices; recipes with "
-                             "--cpu_threads_per_process get it from the matrix).")
-    parser.add_argument("--dump_matrix", action="store_true", help="Print the matrix as JSON and exit (edit it, pass it back with --matrix).")
+    parser.add_argument(
+        "--matrix", default="cpu", help="A preset (smoke, cpu, gpu) or a JSON file in the --dump_matrix format."
+    )
+    parser.add_argument(
+        "--output_dir",
+        help="Where runs/*.json, work/ (each run's output), summary.md and plots/ go. "
+        "Run again with the same folder to resume.",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="Rounds per group, A B A B (default: the matrix's own, 2 for cpu)."
+    )
+    parser.add_argument(
+        "--groups", nargs="+", default=None, help="Run only the groups whose name contains one of these strings."
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="Seconds one run may take before it is killed and recorded as failed.",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="Runs launched at once. Anything but 1 makes runs compete for the cores: for smoke tests only, never "
+        "for numbers.",
+    )
+    parser.add_argument(
+        "--threads_per_process",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of every run (default: the matrix's, 1 for CPU matrices; recipes with "
+        "--cpu_threads_per_process get it from the matrix).",
+    )
+    parser.add_argument(
+        "--dump_matrix",
+        action="store_true",
+        help="Print the matrix as JSON and exit (edit it, pass it back with --matrix).",
+    )
     parser.add_argument("--no_compare", action="store_true", help="Do not write summary.md and plots at the end.")
     args = parser.parse_args(argv)
     if not args.dump_matrix and not args.output_dir:
@@ -393,7 +551,9 @@ def main(argv=None) -> int:
 
     todo = [spec for spec in planned if not is_done(record_path(output_dir, spec["run_id"]), spec)]
     counts = {"ok": 0, "failed": 0, "skipped": 0, "done before": len(planned) - len(todo)}
-    progress = tqdm(total=len(planned), initial=counts["done before"], desc="benchmark runs", unit="run", dynamic_ncols=True)
+    progress = tqdm(
+        total=len(planned), initial=counts["done before"], desc="benchmark runs", unit="run", dynamic_ncols=True
+    )
 
     def finish(record: dict) -> None:
         write_record(record_path(output_dir, record["run_id"]), record)
@@ -401,15 +561,29 @@ def main(argv=None) -> int:
         progress.update(1)
         progress.set_postfix_str(f"{record['run_id']}: {record['status']}")
         if record["status"] == "failed":
-            progress.write(f"FAILED {record['run_id']} ({record['reason']}): " + record["error_tail"].strip().splitlines()[-1][:300])
+            progress.write(
+                f"FAILED {record['run_id']} ({record['reason']}): "
+                + record["error_tail"].strip().splitlines()[-1][:300]
+            )
 
     def run_one(spec: dict) -> dict:
         try:
             return execute(spec, output_dir, threads, args.timeout, args.jobs == 1, context)
         except Exception:  # a bug in reading one run's output must not stop the matrix
-            return {"schema": SCHEMA, "run_id": spec["run_id"], "group": spec["group"], "round": spec["round"],
-                    "setup": spec["setup"], "recipe": spec["recipe"], "size": spec["size"], "spec_hash": spec_hash(spec),
-                    "status": "failed", "reason": "runner error", "error_tail": traceback.format_exc()[-3000:], **context}
+            return {
+                "schema": SCHEMA,
+                "run_id": spec["run_id"],
+                "group": spec["group"],
+                "round": spec["round"],
+                "setup": spec["setup"],
+                "recipe": spec["recipe"],
+                "size": spec["size"],
+                "spec_hash": spec_hash(spec),
+                "status": "failed",
+                "reason": "runner error",
+                "error_tail": traceback.format_exc()[-3000:],
+                **context,
+            }
 
     if args.jobs == 1:
         for spec in todo:
@@ -420,8 +594,10 @@ def main(argv=None) -> int:
             for future in concurrent.futures.as_completed([pool.submit(run_one, spec) for spec in todo]):
                 finish(future.result())
     progress.close()
-    print(f"{len(planned)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped, "
-          f"{counts['done before']} already done; records in {output_dir / 'runs'}")
+    print(
+        f"{len(planned)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped, "
+        f"{counts['done before']} already done; records in {output_dir / 'runs'}"
+    )
     if not args.no_compare:
         import compare  # matplotlib is only needed here
 

@@ -50,6 +50,7 @@ def timed(name, function):
             if state["counting"]:
                 synchronize()
                 totals[name] += time.perf_counter() - start
+
     return wrapper
 
 
@@ -71,6 +72,7 @@ def timed_schedule_step(function, skip_calls):
             if state["counting"]:
                 synchronize()
                 totals["schedule_step"] += time.perf_counter() - start
+
     return wrapper
 
 
@@ -101,7 +103,9 @@ def main():
         per_step["compute"] = per_step.get("forward", 0) + per_step.get("backward", 0) + per_step.get("loss", 0)
         rank = int(os.environ.get("RANK", "0"))
         path = Path(known.output_dir) / f"stage_timers_rank{rank}.json"
-        path.write_text(json.dumps({"rank": rank, "measured_steps": steps, "seconds_per_step": per_step}, indent=2) + "\n")
+        path.write_text(
+            json.dumps({"rank": rank, "measured_steps": steps, "seconds_per_step": per_step}, indent=2) + "\n"
+        )
 
     sys.argv = [recipe, *recipe_args]
     runpy.run_path(recipe, run_name="__main__")

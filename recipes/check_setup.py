@@ -21,7 +21,8 @@ Launch (from the repository root):
     # two GPUs, or on a CPU-only machine 2 processes over gloo (same command):
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/check_setup.py
     # quick CPU smoke run:
-    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/check_setup.py --sizes_mb 1 4 --iterations 3
+    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/check_setup.py --sizes_mb 1 4 \\
+        --iterations 3
     # one process (devices, versions and links only: an all-reduce needs two processes):
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/check_setup.py
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/check_setup.py
@@ -94,19 +95,38 @@ def non_negative_int(text: str) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default="outputs/check_setup", help="Where setup.json goes (created if missing).")
     parser.add_argument(
-        "--sizes_mb", type=positive_int, nargs="+", default=[1, 4, 16, 64, 256],
+        "--output_dir", default="outputs/check_setup", help="Where setup.json goes (created if missing)."
+    )
+    parser.add_argument(
+        "--sizes_mb",
+        type=positive_int,
+        nargs="+",
+        default=[1, 4, 16, 64, 256],
         help="All-reduce buffer sizes to sweep, in MB (2**20 bytes) of float32.",
     )
-    parser.add_argument("--iterations", type=positive_int, default=20, help="Timed all-reduces per size (nccl-tests uses 20).")
-    parser.add_argument("--warmup", type=non_negative_int, default=5, help="Untimed all-reduces per size before timing (nccl-tests uses 5).")
     parser.add_argument(
-        "--dist_timeout", type=float, default=300,
-        help="Seconds any collective may wait for the other processes before the run fails: a hung link ends with an error.",
+        "--iterations", type=positive_int, default=20, help="Timed all-reduces per size (nccl-tests uses 20)."
     )
-    parser.add_argument("--p2p_copy_mb", type=positive_int, default=64,
-                        help="Buffer copied directly between every pair of visible GPUs (and checked element by element).")
+    parser.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=5,
+        help="Untimed all-reduces per size before timing (nccl-tests uses 5).",
+    )
+    parser.add_argument(
+        "--dist_timeout",
+        type=float,
+        default=300,
+        help="Seconds any collective may wait for the other processes before the run fails: a hung link ends with an "
+        "error.",
+    )
+    parser.add_argument(
+        "--p2p_copy_mb",
+        type=positive_int,
+        default=64,
+        help="Buffer copied directly between every pair of visible GPUs (and checked element by element).",
+    )
     return parser.parse_args(argv)
 
 
@@ -120,7 +140,10 @@ def run_command(command: list[str], timeout_s: float = 15) -> tuple[str | None, 
         return None, f"`{' '.join(command)}` did not answer within {timeout_s} s"
     if completed.returncode != 0:
         message = (completed.stderr or completed.stdout).strip().splitlines()
-        return None, f"`{' '.join(command)}` failed (exit {completed.returncode}): {message[-1] if message else 'no output'}"
+        return (
+            None,
+            f"`{' '.join(command)}` failed (exit {completed.returncode}): {message[-1] if message else 'no output'}",
+        )
     return completed.stdout, None
 
 
@@ -157,14 +180,16 @@ def cuda_devices() -> list[dict]:
     devices = []
     for index in range(torch.cuda.device_count()):
         properties = torch.cuda.get_device_properties(index)
-        devices.append({
-            "index": index,
-            "name": properties.name,
-            "memory_total_gib": round(properties.total_memory / GIB, 2),
-            "compute_capability": f"{properties.major}.{properties.minor}",
-            "multiprocessors": properties.multi_processor_count,
-            "uuid": normalize_uuid(properties.uuid),
-        })
+        devices.append(
+            {
+                "index": index,
+                "name": properties.name,
+                "memory_total_gib": round(properties.total_memory / GIB, 2),
+                "compute_capability": f"{properties.major}.{properties.minor}",
+                "multiprocessors": properties.multi_processor_count,
+                "uuid": normalize_uuid(properties.uuid),
+            }
+        )
     return devices
 
 
@@ -192,8 +217,18 @@ def na_to_none(value: str):
 
 def nvidia_smi_gpus() -> tuple[list[dict] | None, str | None]:
     """Driver, PCIe link and memory use of each GPU, from nvidia-smi (in nvidia-smi's numbering)."""
-    fields = ["index", "uuid", "name", "driver_version", "pcie.link.gen.max", "pcie.link.width.max",
-              "pcie.link.gen.current", "pcie.link.width.current", "memory.used", "memory.total"]
+    fields = [
+        "index",
+        "uuid",
+        "name",
+        "driver_version",
+        "pcie.link.gen.max",
+        "pcie.link.width.max",
+        "pcie.link.gen.current",
+        "pcie.link.width.current",
+        "memory.used",
+        "memory.total",
+    ]
     output, reason = run_command(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"])
     if output is None:
         return None, reason
@@ -247,8 +282,8 @@ def parse_nvlink_status(text: str) -> dict[str, dict]:
 
 
 def p2p_copy_check(devices: list[dict], megabytes: int) -> dict[str, dict]:
-    """Copy a float32 buffer from each GPU straight to every other (``tensor.to``: peer-to-peer DMA where peer access is
-    on, through host memory otherwise) and compare every element with the source: the transfer NCCL's P2P transport
+    """Copy a float32 buffer from each GPU straight to every other (``tensor.to``: peer-to-peer DMA where peer access
+    is on, through host memory otherwise) and compare every element with the source: the transfer NCCL's P2P transport
     depends on, tested on this machine rather than assumed from its GPU names."""
     results = {}
     for a in devices:
@@ -264,7 +299,9 @@ def p2p_copy_check(devices: list[dict], megabytes: int) -> dict[str, dict]:
             elapsed = time.perf_counter() - start
             results[f"{a['index']}->{b['index']}"] = {
                 "peer_access": torch.cuda.can_device_access_peer(a["index"], b["index"]),
-                "correct": bool(torch.equal(copied.cpu(), source.cpu())), "gb_per_s": megabytes * MB / elapsed / GB}
+                "correct": bool(torch.equal(copied.cpu(), source.cpu())),
+                "gb_per_s": megabytes * MB / elapsed / GB,
+            }
     return results
 
 
@@ -272,7 +309,9 @@ def peer_access(devices: list[dict]) -> dict[str, bool]:
     """Whether each GPU can read the other's memory directly (CUDA numbering): NCCL's P2P transport needs it."""
     return {
         f"{a['index']}->{b['index']}": torch.cuda.can_device_access_peer(a["index"], b["index"])
-        for a in devices for b in devices if a["index"] != b["index"]
+        for a in devices
+        for b in devices
+        if a["index"] != b["index"]
     }
 
 
@@ -297,8 +336,15 @@ def rtx40_caveat(gpu_names: list[str], driver_version: str | None) -> dict:
     }
 
 
-def believed_link(participants: int, device_type: str, hosts: set[str], used_gpus: list[dict],
-                  topology: dict[str, str], nvlink: dict[str, dict], peers: dict[str, bool]) -> dict:
+def believed_link(
+    participants: int,
+    device_type: str,
+    hosts: set[str],
+    used_gpus: list[dict],
+    topology: dict[str, str],
+    nvlink: dict[str, dict],
+    peers: dict[str, bool],
+) -> dict:
     """The link the all-reduce runs over, as far as this machine says, with its nominal peak.
 
     ``participants``: processes, or the GPUs one process drives; ``used_gpus``: the GPUs in use, as
@@ -307,16 +353,27 @@ def believed_link(participants: int, device_type: str, hosts: set[str], used_gpu
     if participants < 2:
         return {"name": "none", "nominal_peak_gb_per_s": None, "reason": "one process on one device: nothing to link"}
     if len(hosts) > 1:
-        return {"name": f"network between {len(hosts)} hosts", "nominal_peak_gb_per_s": None,
-                "reason": "processes on several hosts: the network sets the pace; this checker knows no nominal peak for it"}
+        return {
+            "name": f"network between {len(hosts)} hosts",
+            "nominal_peak_gb_per_s": None,
+            "reason": "processes on several hosts: the network sets the pace; this checker knows no nominal peak for "
+            "it",
+        }
     if device_type != "cuda":
-        return {"name": "gloo over loopback (one host, CPU)", "nominal_peak_gb_per_s": None,
-                "reason": "CPU processes exchange data through gloo's TCP loopback and memory copies: no nominal link peak"}
+        return {
+            "name": "gloo over loopback (one host, CPU)",
+            "nominal_peak_gb_per_s": None,
+            "reason": "CPU processes exchange data through gloo's TCP loopback and memory copies: no nominal link "
+            "peak",
+        }
     if len(used_gpus) < 2:
-        return {"name": "unknown", "nominal_peak_gb_per_s": None,
-                "reason": "the processes' GPUs were not found in nvidia-smi's list (or share one GPU)"}
+        return {
+            "name": "unknown",
+            "nominal_peak_gb_per_s": None,
+            "reason": "the processes' GPUs were not found in nvidia-smi's list (or share one GPU)",
+        }
     indices = sorted(int(gpu["index"]) for gpu in used_gpus)
-    pairs = [f"{a}-{b}" for i, a in enumerate(indices) for b in indices[i + 1:]]
+    pairs = [f"{a}-{b}" for i, a in enumerate(indices) for b in indices[i + 1 :]]
     on_nvlink = all(topology.get(pair, "").startswith("NV") for pair in pairs) or (
         not topology and all(nvlink.get(str(index), {}).get("active_links", 0) > 0 for index in indices)
     )
@@ -324,17 +381,27 @@ def believed_link(participants: int, device_type: str, hosts: set[str], used_gpu
     if on_nvlink and not p2p_disabled:
         if all("3090" in str(gpu["name"]) for gpu in used_gpus):
             name = "NVLink (RTX 3090 bridge)"
-            return {"name": name, "nominal_peak_gb_per_s": NOMINAL_PEAK_GB_PER_S[name], "reason": "nvidia-smi shows NVLink"}
+            return {
+                "name": name,
+                "nominal_peak_gb_per_s": NOMINAL_PEAK_GB_PER_S[name],
+                "reason": "nvidia-smi shows NVLink",
+            }
         speeds = [nvlink.get(str(index), {}).get("gb_per_s", 0.0) for index in indices]
         peak = min(speeds) if min(speeds) > 0 else None
-        return {"name": "NVLink", "nominal_peak_gb_per_s": peak,
-                "reason": "nvidia-smi shows NVLink; peak = sum of the active link speeds of the slowest GPU"}
+        return {
+            "name": "NVLink",
+            "nominal_peak_gb_per_s": peak,
+            "reason": "nvidia-smi shows NVLink; peak = sum of the active link speeds of the slowest GPU",
+        }
     # PCIe: the slowest GPU's link bounds the ring.
     generations = [gpu.get("pcie.link.gen.max") for gpu in used_gpus]
     widths = [gpu.get("pcie.link.width.max") for gpu in used_gpus]
     if not all(isinstance(value, int) for value in generations + widths):
-        return {"name": "PCIe (generation or width unknown)", "nominal_peak_gb_per_s": None,
-                "reason": "nvidia-smi did not report the PCIe link"}
+        return {
+            "name": "PCIe (generation or width unknown)",
+            "nominal_peak_gb_per_s": None,
+            "reason": "nvidia-smi did not report the PCIe link",
+        }
     name = f"PCIe {min(generations)}.0 x{min(widths)}"
     reason = "nvidia-smi's pcie.link.gen.max / pcie.link.width.max of the slowest GPU"
     if on_nvlink:
@@ -358,7 +425,12 @@ def verify_allreduce(tensor: torch.Tensor, world_size: int) -> dict:
     expected = world_size * (world_size + 1) / 2
     wrong = tensor != expected
     wrong_elements = int(wrong.sum().item())  # .item() waits for the device
-    report = {"correct": wrong_elements == 0, "expected": expected, "elements": tensor.numel(), "wrong_elements": wrong_elements}
+    report = {
+        "correct": wrong_elements == 0,
+        "expected": expected,
+        "elements": tensor.numel(),
+        "wrong_elements": wrong_elements,
+    }
     if wrong_elements:
         first = int(wrong.nonzero()[0, 0].item())
         report.update(first_wrong_index=first, first_wrong_value=float(tensor[first].item()))
@@ -412,13 +484,17 @@ def main():
     # ----------------------------------------------------------------------- devices and versions
     cuda_seen = device.type == "cuda"
     gpus = cuda_devices() if cuda_seen else []
-    smi_gpus, smi_reason = nvidia_smi_gpus() if cuda_seen or shutil.which("nvidia-smi") else (None, "no CUDA device in use")
-    ranks = gather({
-        "rank": rank,
-        "host": socket.gethostname(),
-        "device": str(device),
-        "gpu_uuid": gpus[device.index or 0]["uuid"] if cuda_seen else None,
-    })
+    smi_gpus, smi_reason = (
+        nvidia_smi_gpus() if cuda_seen or shutil.which("nvidia-smi") else (None, "no CUDA device in use")
+    )
+    ranks = gather(
+        {
+            "rank": rank,
+            "host": socket.gethostname(),
+            "device": str(device),
+            "gpu_uuid": gpus[device.index or 0]["uuid"] if cuda_seen else None,
+        }
+    )
     setup = {
         "num_processes": world_size,
         "distributed_type": accelerator.distributed_type.value,
@@ -446,18 +522,26 @@ def main():
     nvlink_present = None
     if topology or nvlink:
         nvlink_present = any(link.startswith("NV") for link in topology.values()) or any(
-            gpu["active_links"] > 0 for gpu in nvlink.values())
+            gpu["active_links"] > 0 for gpu in nvlink.values()
+        )
     used_smi_gpus = [gpu for gpu in smi_gpus or [] if gpu["uuid"] in set(used_uuids)]
     if cuda_seen and world_size == 1 and len(gpus) > 1:
         # One process that sees several GPUs (the device_map config): describe the link between them.
         used_smi_gpus = [gpu for gpu in smi_gpus or [] if gpu["uuid"] in {entry["uuid"] for entry in gpus}]
     participants = world_size if world_size > 1 else len(gpus)
-    link = believed_link(participants, device.type, {entry["host"] for entry in ranks}, used_smi_gpus, topology, nvlink, peers)
+    link = believed_link(
+        participants, device.type, {entry["host"] for entry in ranks}, used_smi_gpus, topology, nvlink, peers
+    )
     setup["links"] = {
         "nvidia_smi": smi_gpus if smi_gpus is not None else {"unavailable": smi_reason},
         "peer_access": peers if len(gpus) > 1 else {"unavailable": f"{len(gpus)} GPU(s) visible: no pair to check"},
-        "p2p_copy": p2p if p2p else {"unavailable": f"{len(gpus)} GPU(s) visible: no pair to copy between"
-                                     if len(gpus) < 2 else "tested by the main process only"},
+        "p2p_copy": p2p
+        if p2p
+        else {
+            "unavailable": f"{len(gpus)} GPU(s) visible: no pair to copy between"
+            if len(gpus) < 2
+            else "tested by the main process only"
+        },
         "topology": topology if topology_text else {"unavailable": topology_reason},
         "nvlink_status": nvlink if nvlink_text else {"unavailable": nvlink_reason},
         "nvlink_present": nvlink_present,
@@ -467,8 +551,10 @@ def main():
         missing = ", ".join(pair for pair, ok in peers.items() if not ok)
         warnings.append(f"no peer access for GPU pair(s) {missing}: NCCL copies through host memory")
     if any(not entry["correct"] for entry in p2p.values()):
-        warnings.append("a direct GPU-to-GPU copy returned WRONG data (links.p2p_copy): NCCL's P2P transport would corrupt "
-                        "gradients; update the driver, and until then NCCL_P2P_DISABLE=1 routes NCCL through host memory")
+        warnings.append(
+            "a direct GPU-to-GPU copy returned WRONG data (links.p2p_copy): NCCL's P2P transport would corrupt "
+            "gradients; update the driver, and until then NCCL_P2P_DISABLE=1 routes NCCL through host memory"
+        )
     if nvlink_present and os.environ.get("NCCL_P2P_DISABLE") == "1":
         warnings.append("NVLink is present but NCCL_P2P_DISABLE=1 is set, so NCCL will not use it")
     driver = next((gpu["driver_version"] for gpu in smi_gpus or []), None)
@@ -481,8 +567,11 @@ def main():
     # measurement. A bandwidth test must time the bare, in-place collective.
     sweep = {"sizes": [], "iterations": args.iterations, "warmup": args.warmup, "dtype": "float32"}
     if world_size == 1:
-        sweep.update(skipped=True, reason="1 process: an all-reduce needs at least 2 processes, so there is no link to "
-                                          "measure (launch with accelerate_configs/ddp_2gpu.yaml)")
+        sweep.update(
+            skipped=True,
+            reason="1 process: an all-reduce needs at least 2 processes, so there is no link to "
+            "measure (launch with accelerate_configs/ddp_2gpu.yaml)",
+        )
     else:
         sweep["skipped"] = False
         for size_mb in args.sizes_mb:
@@ -511,16 +600,18 @@ def main():
             busbw = bus_bandwidth(algbw, world_size)
             peak = link["nominal_peak_gb_per_s"]
             broken = {str(r): entry["failed_check"] for r, entry in enumerate(per_rank) if entry["failed_check"]}
-            sweep["sizes"].append({
-                "size_mb": size_mb,
-                "bytes": size_bytes,
-                "time_s": time_s,
-                "algbw_gb_per_s": algbw,
-                "busbw_gb_per_s": busbw,
-                "busbw_vs_peak": busbw / peak if peak else None,
-                "correct": not broken,
-                "wrong_on_ranks": broken,
-            })
+            sweep["sizes"].append(
+                {
+                    "size_mb": size_mb,
+                    "bytes": size_bytes,
+                    "time_s": time_s,
+                    "algbw_gb_per_s": algbw,
+                    "busbw_gb_per_s": busbw,
+                    "busbw_vs_peak": busbw / peak if peak else None,
+                    "correct": not broken,
+                    "wrong_on_ranks": broken,
+                }
+            )
     broken_sizes = [entry for entry in sweep["sizes"] if not entry["correct"]]
     sweep["all_correct"] = None if sweep["skipped"] else not broken_sizes
     setup["allreduce"] = sweep
@@ -529,52 +620,84 @@ def main():
 
     # ----------------------------------------------------------------------- summary
     cpu = setup["cpu"]
-    lines = [f"processes: {world_size} ({setup['distributed_type']}, backend {backend or 'none'}) on "
-             f"{', '.join(sorted({entry['host'] for entry in ranks}))}"]
+    lines = [
+        f"processes: {world_size} ({setup['distributed_type']}, backend {backend or 'none'}) on "
+        f"{', '.join(sorted({entry['host'] for entry in ranks}))}"
+    ]
     for gpu in gpus:
-        lines.append(f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_total_gib']} GiB, compute capability "
-                     f"{gpu['compute_capability']}")
+        lines.append(
+            f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_total_gib']} GiB, compute capability "
+            f"{gpu['compute_capability']}"
+        )
     if not gpus:
         lines.append("GPUs: none visible to torch (CUDA not available)")
-    lines.append(f"CPU: {cpu['model']}, {cpu['usable_cores']} usable of {cpu['logical_cores']} logical cores "
-                 f"({cpu['physical_cores']} physical), RAM {cpu['ram_total_gib']} GiB ({cpu['ram_available_gib']} GiB "
-                 f"available), {cpu['torch_threads_per_process']} torch thread(s) per process")
+    lines.append(
+        f"CPU: {cpu['model']}, {cpu['usable_cores']} usable of {cpu['logical_cores']} logical cores "
+        f"({cpu['physical_cores']} physical), RAM {cpu['ram_total_gib']} GiB ({cpu['ram_available_gib']} GiB "
+        f"available), {cpu['torch_threads_per_process']} torch thread(s) per process"
+    )
     lines.append("versions: " + ", ".join(f"{name} {value}" for name, value in setup["versions"].items()))
-    lines.append("peer access: " + (", ".join(f"{pair} {'yes' if ok else 'NO'}" for pair, ok in peers.items())
-                                    if peers else setup["links"]["peer_access"]["unavailable"]))
+    lines.append(
+        "peer access: "
+        + (
+            ", ".join(f"{pair} {'yes' if ok else 'NO'}" for pair, ok in peers.items())
+            if peers
+            else setup["links"]["peer_access"]["unavailable"]
+        )
+    )
     if p2p:
-        lines.append("P2P copy: " + ", ".join(f"{pair} {'ok' if entry['correct'] else 'WRONG DATA'} {entry['gb_per_s']:.1f} GB/s"
-                                            f"{'' if entry['peer_access'] else ' (no peer access: via host memory)'}"
-                                            for pair, entry in p2p.items()))
-    lines.append("NVLink: " + ({True: "present", False: "absent"}.get(nvlink_present)
-                               or f"unknown ({nvlink_reason or topology_reason})"))
+        lines.append(
+            "P2P copy: "
+            + ", ".join(
+                f"{pair} {'ok' if entry['correct'] else 'WRONG DATA'} {entry['gb_per_s']:.1f} GB/s"
+                f"{'' if entry['peer_access'] else ' (no peer access: via host memory)'}"
+                for pair, entry in p2p.items()
+            )
+        )
+    lines.append(
+        "NVLink: "
+        + ({True: "present", False: "absent"}.get(nvlink_present) or f"unknown ({nvlink_reason or topology_reason})")
+    )
     if topology:
-        lines.append("topology: " + ", ".join(f"GPU{pair.replace('-', '-GPU')} {kind}" for pair, kind in topology.items()))
+        lines.append(
+            "topology: " + ", ".join(f"GPU{pair.replace('-', '-GPU')} {kind}" for pair, kind in topology.items())
+        )
     caveat = setup["rtx40_caveat"]
-    environment = ", ".join(f"{name}={value if value is not None else 'unset'}" for name, value in caveat["environment"].items())
+    environment = ", ".join(
+        f"{name}={value if value is not None else 'unset'}" for name, value in caveat["environment"].items()
+    )
     if caveat["applies"]:
-        lines.append(f"RTX 40 caveat: APPLIES to {', '.join(caveat['gpus'])}. {caveat['note']} Here: Accelerate "
-                     f"{'disables' if caveat['accelerate_disables_p2p_and_ib'] else 'does not disable'} P2P/IB "
-                     f"(driver {driver}); {environment}")
+        lines.append(
+            f"RTX 40 caveat: APPLIES to {', '.join(caveat['gpus'])}. {caveat['note']} Here: Accelerate "
+            f"{'disables' if caveat['accelerate_disables_p2p_and_ib'] else 'does not disable'} P2P/IB "
+            f"(driver {driver}); {environment}"
+        )
     else:
         lines.append(f"RTX 40 caveat: does not apply (no GPU named '{RTX40}...'); {environment}")
-    peak_words = f"nominal peak {link['nominal_peak_gb_per_s']} GB/s" if link["nominal_peak_gb_per_s"] else "no nominal peak"
+    peak_words = (
+        f"nominal peak {link['nominal_peak_gb_per_s']} GB/s" if link["nominal_peak_gb_per_s"] else "no nominal peak"
+    )
     lines.append(f"link: {link['name']}, {peak_words} ({link['reason']})")
     if sweep["skipped"]:
         lines.append(f"all-reduce sweep: skipped, {sweep['reason']}")
     else:
-        lines.append(f"all-reduce sweep: {world_size} processes over {backend}, float32 sum, {args.iterations} timed "
-                     f"after {args.warmup} warm-up per size; every element checked == {world_size * (world_size + 1) // 2}")
+        lines.append(
+            f"all-reduce sweep: {world_size} processes over {backend}, float32 sum, {args.iterations} timed "
+            f"after {args.warmup} warm-up per size; every element checked == {world_size * (world_size + 1) // 2}"
+        )
         lines.append(f"  {'size':>8} {'time':>11} {'algbw':>12} {'busbw':>12} {'busbw/peak':>10}  result")
         for entry in sweep["sizes"]:
             ratio = f"{entry['busbw_vs_peak']:.0%}" if entry["busbw_vs_peak"] is not None else "-"
-            lines.append(f"  {entry['size_mb']:>5} MB {entry['time_s'] * 1e3:>8.3f} ms {entry['algbw_gb_per_s']:>7.2f} GB/s "
-                         f"{entry['busbw_gb_per_s']:>7.2f} GB/s {ratio:>10}  {'ok' if entry['correct'] else 'BROKEN'}")
+            lines.append(
+                f"  {entry['size_mb']:>5} MB {entry['time_s'] * 1e3:>8.3f} ms {entry['algbw_gb_per_s']:>7.2f} GB/s "
+                f"{entry['busbw_gb_per_s']:>7.2f} GB/s {ratio:>10}  {'ok' if entry['correct'] else 'BROKEN'}"
+            )
     for entry in broken_sizes:
         for broken_rank, check in entry["wrong_on_ranks"].items():
             lines.append(
                 f"BROKEN: all-reduce of {entry['size_mb']} MB gave wrong sums on rank {broken_rank}: "
-                f"{check['wrong_elements']} of {check['elements']} elements, first at index {check['first_wrong_index']} "
+                f"{check['wrong_elements']} of {check['elements']} elements, first at index "
+                f"{check['first_wrong_index']} "
                 f"= {check['first_wrong_value']} (expected {check['expected']}). The link corrupts data silently; "
                 "links.p2p_copy in setup.json says whether direct GPU-to-GPU copies are at fault."
             )

@@ -52,32 +52,70 @@ from shared.runtime import (  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default="outputs/linear_toy", help="Where results.json and the weights go (created if missing).")
-    parser.add_argument("--seed", type=int, default=42, help="Seed for the data set, the initial weights and the shuffling.")
+    parser.add_argument(
+        "--output_dir",
+        default="outputs/linear_toy",
+        help="Where results.json and the weights go (created if missing).",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=42, help="Seed for the data set, the initial weights and the shuffling."
+    )
     parser.add_argument("--num_samples", type=positive_int, default=4096, help="Size of the generated training set.")
-    parser.add_argument("--in_features", type=positive_int, default=8, help="Inputs per sample (number of true weights).")
-    parser.add_argument("--noise_std", type=float, default=0.1, help="Standard deviation of the noise added to the targets.")
-    parser.add_argument("--per_device_train_batch_size", type=positive_int, default=32, help="Samples per process per forward pass.")
-    parser.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per optimizer step.")
-    parser.add_argument("--num_train_epochs", type=positive_int, default=3,
-                        help="Passes over the training set (ignored if --max_train_steps is set).")
-    parser.add_argument("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
+    parser.add_argument(
+        "--in_features", type=positive_int, default=8, help="Inputs per sample (number of true weights)."
+    )
+    parser.add_argument(
+        "--noise_std", type=float, default=0.1, help="Standard deviation of the noise added to the targets."
+    )
+    parser.add_argument(
+        "--per_device_train_batch_size", type=positive_int, default=32, help="Samples per process per forward pass."
+    )
+    parser.add_argument(
+        "--gradient_accumulation_steps",
+        type=positive_int,
+        default=1,
+        help="Forward/backward passes per optimizer step.",
+    )
+    parser.add_argument(
+        "--num_train_epochs",
+        type=positive_int,
+        default=3,
+        help="Passes over the training set (ignored if --max_train_steps is set).",
+    )
+    parser.add_argument(
+        "--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps."
+    )
     parser.add_argument("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
     parser.add_argument(
-        "--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+        "--mixed_precision",
+        choices=["no", "fp16", "bf16"],
+        default=None,
         help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).",
     )
-    parser.add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
-                        help="Save the training state every N optimizer steps, or 'epoch'.")
-    parser.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints.")
     parser.add_argument(
-        "--resume_from_checkpoint", default=None,
-        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh if none).",
+        "--checkpointing_steps",
+        type=steps_or_epoch,
+        default=None,
+        help="Save the training state every N optimizer steps, or 'epoch'.",
     )
-    parser.add_argument("--save_on_each_node", action="store_true",
-                        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
     parser.add_argument(
-        "--dist_timeout", type=float, default=600,
+        "--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints."
+    )
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        default=None,
+        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh if "
+        "none).",
+    )
+    parser.add_argument(
+        "--save_on_each_node",
+        action="store_true",
+        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.",
+    )
+    parser.add_argument(
+        "--dist_timeout",
+        type=float,
+        default=600,
         help="Seconds any collective may wait for the other processes before the run fails with an error naming it.",
     )
     return parser.parse_args(argv)
@@ -112,7 +150,9 @@ def main():
     parallelism = choose_parallelism(accelerator, "auto", "recipes/linear_toy.py")
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     if parallelism.name == "device_map":
-        accelerator.print("parallelism: a linear model is one layer and has nothing to split, so it trains on one device")
+        accelerator.print(
+            "parallelism: a linear model is one layer and has nothing to split, so it trains on one device"
+        )
     trained_as = "single" if parallelism.name == "device_map" else parallelism.name
 
     # tokens per optimizer step would be the same arithmetic with sequence length; here it is samples:
@@ -128,10 +168,16 @@ def main():
     true_bias = torch.randn(1, generator=generator)
     inputs = torch.randn(args.num_samples, args.in_features, generator=generator)
     # Targets are (N, 1) to match the model's output: (N,) targets would broadcast to (N, N) in MSELoss.
-    targets = inputs @ true_weight.T + true_bias + args.noise_std * torch.randn(args.num_samples, 1, generator=generator)
+    targets = (
+        inputs @ true_weight.T + true_bias + args.noise_std * torch.randn(args.num_samples, 1, generator=generator)
+    )
     # Its own generator: a DataLoader without one draws from the global RNG whenever it starts iterating.
-    train_dataloader = DataLoader(TensorDataset(inputs, targets), batch_size=args.per_device_train_batch_size, shuffle=True,
-                                  generator=torch.Generator().manual_seed(args.seed))
+    train_dataloader = DataLoader(
+        TensorDataset(inputs, targets),
+        batch_size=args.per_device_train_batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     if len(train_dataloader) < accelerator.num_processes * args.gradient_accumulation_steps:
         raise RecipeError(
             f"One optimizer step needs {global_batch_size} samples ({args.per_device_train_batch_size} per device x "
@@ -187,7 +233,9 @@ def main():
                 meter.step(samples=global_batch_size)
                 hang_dump.step(completed_steps)
                 if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
-                    accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.5f}")
+                    accelerator.print(
+                        f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.5f}"
+                    )
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                     save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
             if completed_steps >= max_train_steps:
@@ -204,7 +252,9 @@ def main():
     learned_bias = learned.bias.detach().float().cpu()
     weight_error = (learned_weight - true_weight).abs().max().item()
     accelerator.print(f"true    weight: {[round(w, 4) for w in true_weight[0].tolist()]}  bias {true_bias.item():.4f}")
-    accelerator.print(f"learned weight: {[round(w, 4) for w in learned_weight[0].tolist()]}  bias {learned_bias.item():.4f}")
+    accelerator.print(
+        f"learned weight: {[round(w, 4) for w in learned_weight[0].tolist()]}  bias {learned_bias.item():.4f}"
+    )
     accelerator.print(
         f"max |learned - true| weight: {weight_error:.4f}; global batch size {global_batch_size} "
         f"= {args.per_device_train_batch_size} per device x {accelerator.num_processes} processes x "

@@ -5,12 +5,12 @@ between ``# New Code (pipeline) #`` and ``# End New Code #``; a test keeps every
 ``diff recipes/train_lm.py recipes/pipeline_lm.py`` shows exactly what pipelining adds.
 
 The usual tutorial says model parallelism "makes full use of both GPUs' parallel compute". A naive split (train_lm.py's
-device_map) does not: blocks 0..k run on GPU 0 while GPU 1 waits, then GPU 1 runs the rest while GPU 0 waits. Pipelining
-cuts each batch into m micro-batches and lets stage 0 start micro-batch 2 while stage 1 runs micro-batch 1; the idle
-share per device falls from (p-1)/p to (p-1)/(m+p-1). Each process builds the full model from the same seed, keeps its
-stage (the same compute-balanced split as the device_map: embeddings with the first blocks, the LM head + loss with
-the last), and both stages read the same batches (the data loader is not sharded). The losses and weights equal one
-unsplit process's (tests: GPipe and 1F1B with gradient accumulation).
+device_map) does not: blocks 0..k run on GPU 0 while GPU 1 waits, then GPU 1 runs the rest while GPU 0 waits.
+Pipelining cuts each batch into m micro-batches and lets stage 0 start micro-batch 2 while stage 1 runs micro-batch 1;
+the idle share per device falls from (p-1)/p to (p-1)/(m+p-1). Each process builds the full model from the same seed,
+keeps its stage (the same compute-balanced split as the device_map: embeddings with the first blocks, the LM head +
+loss with the last), and both stages read the same batches (the data loader is not sharded). The losses and weights
+equal one unsplit process's (tests: GPipe and 1F1B with gradient accumulation).
 
 Launch (from the repository root; on a CPU-only machine the same commands run 2 gloo processes):
     accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --model_size tiny \\
@@ -31,12 +31,22 @@ import sys
 from pathlib import Path
 
 import torch
+
 # New Code (pipeline) #
+import os
+
+import torch.distributed as dist
+import torch.nn.functional as F
 from accelerate.data_loader import prepare_data_loader
+from safetensors.torch import load_file, save_file
+from torch import nn
+
 # End New Code #
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+
 # New Code (pipeline) #
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
 # End New Code #
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler
@@ -60,19 +70,6 @@ from shared.model_split import (  # noqa: E402
     lm_head_cost_in_blocks,
     plan_device_map,
 )
-# New Code (pipeline) #
-from shared.pipelining import (  # noqa: E402
-    build_stage_module,
-    causal_lm_loss,
-    check_pipeline_model,
-    clip_grad_norm_across_stages,
-    gather_full_state_dict,
-    ideal_bubble_fraction,
-    load_stage_checkpoint,
-    pipeline_split_of,
-    save_stage_checkpoint,
-)
-# End New Code #
 from shared.results import ThroughputMeter, model_state_bytes, per_rank, write_results  # noqa: E402
 from shared.runtime import (  # noqa: E402
     RecipeError,
@@ -87,81 +84,380 @@ from shared.runtime import (  # noqa: E402
 
 # New Code (pipeline) #
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+# The pipeline's own pieces around torch.distributed.pipelining's PipelineStage. Each process builds the full model
+# from the same seed (weights equal a 1-process run's), then keeps its stage: the embeddings and its blocks on the
+# first, its blocks plus the final norm and LM head on the last. A stage runs the model's own forward (masks, rotary
+# tables) with the other stages' blocks replaced by a pass-through, so parameter names stay the full model's and the
+# stages' state dicts merge back into one checkpoint.
+# Decoders whose base model adds nothing to ``inputs_embeds`` (rotary positions, applied inside attention), so a stage
+# can call the base model's forward with hidden states. GPT-2 adds position embeddings there, Gemma scales: not listed.
+PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def ideal_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
+    """Share of each device's time idle in a GPipe/1F1B step: (p - 1) / (m + p - 1). With p stages and m equal
+    micro-batches a step takes m + p - 1 slots, of which each stage works m; m = 1 is the naive split."""
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+class PassThroughBlock(nn.Module):
+    """Stands in for a decoder block another stage owns: returns the hidden states unchanged."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a causal LM: token ids (first stage) or hidden states in; hidden states, or logits on the
+    last stage, out. ``causal_lm`` keeps the full model's attribute names, so its ``state_dict()`` keys are those of
+    ``AutoModelForCausalLM`` for the owned weights."""
+
+    def __init__(self, causal_lm: nn.Module, is_first: bool, is_last: bool):
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.is_first = is_first
+        self.is_last = is_last
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        base = self.causal_lm.base_model
+        if self.is_first:
+            hidden = base(input_ids=inputs, use_cache=False).last_hidden_state
+        else:
+            hidden = base(inputs_embeds=inputs, use_cache=False).last_hidden_state
+        return self.causal_lm.lm_head(hidden) if self.is_last else hidden
+
+
+def check_pipeline_model(config) -> str | None:
+    """Why a model with this transformers ``config`` cannot be split by ``build_stage_module``, or None."""
+    if config.model_type not in PIPELINE_MODEL_TYPES:
+        return (
+            f"pipeline mode supports decoders of type {', '.join(PIPELINE_MODEL_TYPES)}, got {config.model_type!r} "
+            "(its base model may change inputs_embeds, e.g. GPT-2 adds position embeddings there)"
+        )
+    if config.tie_word_embeddings:
+        return (
+            "the model ties its LM head to its input embeddings, but those live on different stages; "
+            "save it untied (config.tie_word_embeddings=False) or use ddp/device_map"
+        )
+    return None
+
+
+def build_stage_module(model: nn.Module, blocks: range, stage_index: int, num_stages: int) -> DecoderStage:
+    """Turn the full ``model`` into stage ``stage_index``: keep ``blocks``, the embeddings on the first stage, the
+    final norm and LM head on the last; drop the rest (freed once the caller moves the stage and the full model
+    goes)."""
+    base = model.base_model
+    for index in range(len(base.layers)):
+        if index not in blocks:
+            base.layers[index] = PassThroughBlock()
+    is_first, is_last = stage_index == 0, stage_index == num_stages - 1
+    if not is_first:
+        base.embed_tokens = None  # never called: later stages pass inputs_embeds
+    if not is_last:
+        base.norm = nn.Identity()  # the final norm belongs to the last stage
+        model.lm_head = None
+    return DecoderStage(model, is_first=is_first, is_last=is_last)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
+    """Sum of next-token cross-entropies (labels of -100 ignored) divided by ``divisor``: transformers' causal-LM loss
+    (shift by one, float32 logits) as a sum, so the caller normalises: by the step's tokens in training (each
+    micro-batch adds its share of the step's mean), by 1 in evaluation (sums add up)."""
+    # Shift the labels, not the logits: slicing (batch, seq, vocab) logits would copy the step's largest tensor.
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return (
+        F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum") / divisor
+    )
+
+
+def clip_grad_norm_across_stages(parameters, max_norm: float, device: torch.device) -> torch.Tensor:
+    """``clip_grad_norm_`` for a model split over stages: clipping each stage's slice by its own norm would scale the
+    stages differently, so the global norm is the root of the all-reduced sum of every stage's squared norms."""
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    squares = torch.zeros((), device=device, dtype=torch.float32)
+    for grad in grads:
+        squares += torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) ** 2
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+    total_norm = squares.sqrt()
+    scale = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        grad.detach().mul_(scale.to(grad.dtype))
+    return total_norm
+
+
+def gather_full_state_dict(stage: DecoderStage, destination: int = 0) -> dict[str, torch.Tensor] | None:
+    """Every stage's weights, merged into one full-model state dict on rank ``destination`` (None elsewhere):
+    ``gather_object``, so only the destination receives (an all-gather would put the model on every rank)."""
+    local = {name: tensor.detach().cpu() for name, tensor in stage.causal_lm.state_dict().items()}
+    parts = [None] * dist.get_world_size() if dist.get_rank() == destination else None
+    dist.gather_object(local, parts, dst=destination)
+    if parts is None:
+        return None
+    merged = {name: tensor for part in parts for name, tensor in part.items()}
+    if len(merged) != sum(len(part) for part in parts):
+        raise RuntimeError("two stages hold the same weight")
+    return merged
+
+
+PIPELINE_FILE = "pipeline.json"
+
+
+def save_stage_checkpoint(
+    accelerator,
+    checkpoints_dir: str | os.PathLike,
+    completed_steps: int,
+    stage: DecoderStage,
+    optimizer,
+    lr_scheduler,
+    blocks_per_stage: list[int],
+    total_limit: int | None = None,
+) -> Path:
+    """``shared.checkpoints.save_checkpoint`` for pipeline stages (same folder, atomic rename, ``progress.json`` last),
+    but every process writes its own ``stage_{i}/`` (weights, optimizer, scheduler, RNG state): ``save_state`` writes
+    weights from the main process only, right for replicas, losing every other stage here. Every process calls it."""
+
+    def write_stage(tmp: Path) -> None:
+        folder = tmp / f"stage_{accelerator.process_index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {name: tensor.contiguous() for name, tensor in stage.state_dict().items()}, folder / "model.safetensors"
+        )
+        torch.save(optimizer.state_dict(), folder / "optimizer.bin")
+        torch.save(lr_scheduler.state_dict(), folder / "scheduler.bin")
+        torch.save(
+            {
+                "torch": torch.get_rng_state(),
+                **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
+            },
+            folder / "rng_state.pth",
+        )
+        # Every process writes the split (the same bytes, atomically): with save_on_each_node each machine needs it.
+        (folder / PIPELINE_FILE).write_text(
+            json.dumps({"num_stages": len(blocks_per_stage), "blocks_per_stage": blocks_per_stage})
+        )
+        os.replace(folder / PIPELINE_FILE, tmp / PIPELINE_FILE)
+
+    return save_checkpoint(
+        accelerator, checkpoints_dir, completed_steps, total_limit, write_state=write_stage, layout="pipeline"
+    )
+
+
+def pipeline_split_of(checkpoint: Path) -> list[int] | None:
+    """Blocks per stage of a pipeline checkpoint, or None for a checkpoint written by ``save_state``."""
+    path = Path(checkpoint) / PIPELINE_FILE
+    return json.loads(path.read_text())["blocks_per_stage"] if path.is_file() else None
+
+
+def load_stage_checkpoint(checkpoint: Path, stage_index: int, stage: DecoderStage, optimizer, lr_scheduler) -> None:
+    """Inverse of ``save_stage_checkpoint`` for one stage, same split; tensors are read to the CPU and copied to
+    wherever the stage's parameters are (``load_state_dict`` of modules and optimizers both do that)."""
+    folder = Path(checkpoint) / f"stage_{stage_index}"
+    stage.load_state_dict(load_file(folder / "model.safetensors"))
+    optimizer.load_state_dict(torch.load(folder / "optimizer.bin", map_location="cpu", weights_only=True))
+    lr_scheduler.load_state_dict(torch.load(folder / "scheduler.bin", weights_only=True))
+    rng = torch.load(folder / "rng_state.pth", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 # End New Code #
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # New Code (pipeline) #
-    parser.add_argument("--output_dir", default="outputs/pipeline_lm",
-    # End New Code #
-                        help="Where the model, results.json and checkpoints go (created if missing).")
-    parser.add_argument("--seed", type=int, default=42,
-                        help="Seed for the initial weights and the data order (the same in every mode).")
+    parser.add_argument(
+        "--output_dir",
+        default="outputs/pipeline_lm",
+        # End New Code #
+        help="Where the model, results.json and checkpoints go (created if missing).",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="Seed for the initial weights and the data order (the same in every mode).",
+    )
     # New Code (pipeline) #
-    parser.add_argument("--pipeline_schedule", choices=sorted(SCHEDULES), default="1f1b",
-                        help="gpipe (all forwards, then all backwards) or 1f1b (same bubble, fewer live activations).")
-    parser.add_argument("--num_microbatches", type=positive_int, default=4,
-                        help="Micro-batches per batch; the batch must divide evenly. More: a smaller bubble, smaller matmuls.")
+    parser.add_argument(
+        "--pipeline_schedule",
+        choices=sorted(SCHEDULES),
+        default="1f1b",
+        help="gpipe (all forwards, then all backwards) or 1f1b (same bubble, fewer live activations).",
+    )
+    parser.add_argument(
+        "--num_microbatches",
+        type=positive_int,
+        default=4,
+        help="Micro-batches per batch; the batch must divide evenly. More: a smaller bubble, smaller matmuls.",
+    )
     # End New Code #
-    parser.add_argument("--gradient_checkpointing", action="store_true",
-                        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.")
-    parser.add_argument("--model_size", choices=list(MODEL_PRESETS), default="small",
-                        help="Model shape when training from scratch (ignored with --model_name_or_path).")
-    parser.add_argument("--num_layers", type=positive_int, default=None, help="Override the preset's number of decoder blocks.")
-    parser.add_argument("--model_name_or_path", default=None,
-                        help="Start from pretrained weights (a Hub id or a folder this recipe saved); its tokenizer is used.")
-    parser.add_argument("--vocab_size", type=positive_int, default=8192,
-                        help="Vocabulary of the byte-level BPE tokenizer trained on the training text.")
-    parser.add_argument("--dataset_name", default=None,
-                        help="A Hub dataset with a text column (needs internet). Default: the offline standard-library corpus.")
-    parser.add_argument("--dataset_config_name", default=None, help="The Hub dataset's configuration name, if it has several.")
-    parser.add_argument("--train_file", default=None, help="A text file to train on (one example per line, line breaks kept).")
-    parser.add_argument("--validation_file", default=None,
-                        help="A text file to validate on (default: the last --validation_split_percentage of --train_file).")
-    parser.add_argument("--validation_split_percentage", type=positive_float, default=5,
-                        help="Share held out for validation when there is no validation split (default corpus: every k-th file).")
-    parser.add_argument("--corpus_max_mb", type=positive_float, default=None,
-                        help="Use only the first N MB of the default corpus (files in sorted order). Default: all (~11 MB).")
-    parser.add_argument("--block_size", type=positive_int, default=256,
-                        help="Tokens per training sequence (texts are packed into blocks of this length).")
-    parser.add_argument("--max_train_samples", type=positive_int, default=None, help="Use only the first N training blocks.")
-    parser.add_argument("--max_eval_samples", type=positive_int, default=None, help="Use only the first N validation blocks.")
-    parser.add_argument("--per_device_train_batch_size", type=positive_int, default=16, help="Blocks per process per forward pass.")
-    parser.add_argument("--per_device_eval_batch_size", type=positive_int, default=None,
-                        help="Blocks per evaluation batch (default: the training batch size).")
-    parser.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per optimizer step.")
-    parser.add_argument("--num_train_epochs", type=positive_int, default=1,
-                        help="Passes over the training set (ignored if --max_train_steps is set).")
-    parser.add_argument("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
+    parser.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
+    )
+    parser.add_argument(
+        "--model_size",
+        choices=list(MODEL_PRESETS),
+        default="small",
+        help="Model shape when training from scratch (ignored with --model_name_or_path).",
+    )
+    parser.add_argument(
+        "--num_layers", type=positive_int, default=None, help="Override the preset's number of decoder blocks."
+    )
+    parser.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="Start from pretrained weights (a Hub id or a folder this recipe saved); its tokenizer is used.",
+    )
+    parser.add_argument(
+        "--vocab_size",
+        type=positive_int,
+        default=8192,
+        help="Vocabulary of the byte-level BPE tokenizer trained on the training text.",
+    )
+    parser.add_argument(
+        "--dataset_name",
+        default=None,
+        help="A Hub dataset with a text column (needs internet). Default: the offline standard-library corpus.",
+    )
+    parser.add_argument(
+        "--dataset_config_name", default=None, help="The Hub dataset's configuration name, if it has several."
+    )
+    parser.add_argument(
+        "--train_file", default=None, help="A text file to train on (one example per line, line breaks kept)."
+    )
+    parser.add_argument(
+        "--validation_file",
+        default=None,
+        help="A text file to validate on (default: the last --validation_split_percentage of --train_file).",
+    )
+    parser.add_argument(
+        "--validation_split_percentage",
+        type=positive_float,
+        default=5,
+        help="Share held out for validation when there is no validation split (default corpus: every k-th file).",
+    )
+    parser.add_argument(
+        "--corpus_max_mb",
+        type=positive_float,
+        default=None,
+        help="Use only the first N MB of the default corpus (files in sorted order). Default: all (~11 MB).",
+    )
+    parser.add_argument(
+        "--block_size",
+        type=positive_int,
+        default=256,
+        help="Tokens per training sequence (texts are packed into blocks of this length).",
+    )
+    parser.add_argument(
+        "--max_train_samples", type=positive_int, default=None, help="Use only the first N training blocks."
+    )
+    parser.add_argument(
+        "--max_eval_samples", type=positive_int, default=None, help="Use only the first N validation blocks."
+    )
+    parser.add_argument(
+        "--per_device_train_batch_size", type=positive_int, default=16, help="Blocks per process per forward pass."
+    )
+    parser.add_argument(
+        "--per_device_eval_batch_size",
+        type=positive_int,
+        default=None,
+        help="Blocks per evaluation batch (default: the training batch size).",
+    )
+    parser.add_argument(
+        "--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per optimizer step."
+    )
+    parser.add_argument(
+        "--num_train_epochs",
+        type=positive_int,
+        default=1,
+        help="Passes over the training set (ignored if --max_train_steps is set).",
+    )
+    parser.add_argument(
+        "--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps."
+    )
     parser.add_argument("--learning_rate", type=positive_float, default=1e-3, help="Peak AdamW learning rate.")
-    parser.add_argument("--weight_decay", type=float, default=0.1,
-                        help="AdamW weight decay (matrices only; norms and biases are not decayed).")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm to this (0: no clipping).")
-    parser.add_argument("--lr_scheduler_type", default="cosine", choices=["linear", "cosine", "constant", "constant_with_warmup"],
-                        help="Learning-rate schedule (transformers.get_scheduler).")
-    parser.add_argument("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
-    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).")
-    parser.add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
-                        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.")
-    parser.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints.")
-    parser.add_argument("--resume_from_checkpoint", default=None,
-                        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh "
-                             "if there is none).")
-    parser.add_argument("--save_on_each_node", action="store_true",
-                        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
-    parser.add_argument("--dist_timeout", type=float, default=600,
-                        help="Seconds any collective may wait for the other processes before the run fails with an error naming it.")
-    parser.add_argument("--eval_before_training", action="store_true", help="Also measure validation perplexity before the first step.")
-    parser.add_argument("--skip_eval", action="store_true",
-                        help="Skip the final evaluation (eval/* are NaN): benchmarks that measure training speed only.")
-    parser.add_argument("--perf_warmup_steps", type=int, default=2,
-                        help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).")
-    parser.add_argument("--cpu_threads_per_process", type=int, default=1,
-                        help="On CPU: PyTorch threads per process (1 = one core stands in for one GPU; 0 = PyTorch's default).")
-    parser.add_argument("--sample_prompt", default="def ", help="Prompt for the short greedy sample printed at the end.")
-    parser.add_argument("--sample_tokens", type=int, default=24, help="Tokens to generate for the sample (0: no sample).")
+    parser.add_argument(
+        "--weight_decay",
+        type=float,
+        default=0.1,
+        help="AdamW weight decay (matrices only; norms and biases are not decayed).",
+    )
+    parser.add_argument(
+        "--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm to this (0: no clipping)."
+    )
+    parser.add_argument(
+        "--lr_scheduler_type",
+        default="cosine",
+        choices=["linear", "cosine", "constant", "constant_with_warmup"],
+        help="Learning-rate schedule (transformers.get_scheduler).",
+    )
+    parser.add_argument(
+        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
+    )
+    parser.add_argument(
+        "--mixed_precision",
+        choices=["no", "fp16", "bf16"],
+        default=None,
+        help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).",
+    )
+    parser.add_argument(
+        "--checkpointing_steps",
+        type=steps_or_epoch,
+        default=None,
+        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.",
+    )
+    parser.add_argument(
+        "--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints."
+    )
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        default=None,
+        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh "
+        "if there is none).",
+    )
+    parser.add_argument(
+        "--save_on_each_node",
+        action="store_true",
+        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.",
+    )
+    parser.add_argument(
+        "--dist_timeout",
+        type=float,
+        default=600,
+        help="Seconds any collective may wait for the other processes before the run fails with an error naming it.",
+    )
+    parser.add_argument(
+        "--eval_before_training", action="store_true", help="Also measure validation perplexity before the first step."
+    )
+    parser.add_argument(
+        "--skip_eval",
+        action="store_true",
+        help="Skip the final evaluation (eval/* are NaN): benchmarks that measure training speed only.",
+    )
+    parser.add_argument(
+        "--perf_warmup_steps",
+        type=int,
+        default=2,
+        help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).",
+    )
+    parser.add_argument(
+        "--cpu_threads_per_process",
+        type=int,
+        default=1,
+        help="On CPU: PyTorch threads per process (1 = one core stands in for one GPU; 0 = PyTorch's default).",
+    )
+    parser.add_argument(
+        "--sample_prompt", default="def ", help="Prompt for the short greedy sample printed at the end."
+    )
+    parser.add_argument(
+        "--sample_tokens", type=int, default=24, help="Tokens to generate for the sample (0: no sample)."
+    )
     return parser.parse_args(argv)
 
 
@@ -178,20 +474,27 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def check_pipeline_request(args, num_stages: int, eval_batch_size: int, mixed_precision: str) -> None:
     """Refuse pipeline settings that cannot work, before any data or model work."""
     microbatches = args.num_microbatches
-    for flag, size in (("--per_device_train_batch_size", args.per_device_train_batch_size),
-                       ("--per_device_eval_batch_size", eval_batch_size)):
+    for flag, size in (
+        ("--per_device_train_batch_size", args.per_device_train_batch_size),
+        ("--per_device_eval_batch_size", eval_batch_size),
+    ):
         if size % microbatches:
             raise RecipeError(
-                f"{flag} {size} does not divide into --num_microbatches {microbatches}: every micro-batch must have the "
+                f"{flag} {size} does not divide into --num_microbatches {microbatches}: every micro-batch must have "
+                "the "
                 f"same shape (pipeline stages exchange fixed-size buffers). Use a batch size that is a multiple of "
                 f"{microbatches}, e.g. {microbatches * max(1, round(size / microbatches))}."
             )
     if mixed_precision == "fp16":
-        raise RecipeError("fp16 needs a gradient scaler shared by all stages, which this recipe does not set up; "
-                          "use --mixed_precision bf16.")
+        raise RecipeError(
+            "fp16 needs a gradient scaler shared by all stages, which this recipe does not set up; "
+            "use --mixed_precision bf16."
+        )
     if args.pipeline_schedule == "1f1b" and microbatches < num_stages:
-        raise RecipeError(f"--pipeline_schedule 1f1b needs --num_microbatches >= the number of stages ({num_stages}); "
-                          f"got {microbatches}.")
+        raise RecipeError(
+            f"--pipeline_schedule 1f1b needs --num_microbatches >= the number of stages ({num_stages}); "
+            f"got {microbatches}."
+        )
 
 
 def evaluate_pipeline(accelerator, schedule, stage, eval_dataloader, batch_size: int) -> tuple[float, int, int]:
@@ -214,14 +517,20 @@ def evaluate_pipeline(accelerator, schedule, stage, eval_dataloader, batch_size:
             labels = torch.cat([labels, torch.full_like(filler, -100)])
         losses = []
         with torch.no_grad(), accelerator.autocast():
-            schedule.eval(*((input_ids,) if stage.is_first else ()), target=labels if stage.is_last else None,
-                          losses=losses if stage.is_last else None, loss_kwargs={"divisor": 1.0})
+            schedule.eval(
+                *((input_ids,) if stage.is_first else ()),
+                target=labels if stage.is_last else None,
+                losses=losses if stage.is_last else None,
+                loss_kwargs={"divisor": 1.0},
+            )
         if stage.is_last:
             loss_sum += torch.stack(losses).sum().float()
         num_tokens += real * (input_ids.shape[1] - 1)
         num_blocks += real
     loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     return loss_sum.item(), num_tokens, num_blocks
+
+
 # End New Code #
 
 
@@ -277,19 +586,27 @@ def main():
         if args.num_layers:
             preset["num_hidden_layers"] = args.num_layers
         # Untied LM head: a split can then put the embeddings on the first part and the head on the last.
-        model_config = LlamaConfig(**preset, num_key_value_heads=preset["num_attention_heads"],
-                                   vocab_size=args.vocab_size, tie_word_embeddings=False)
+        model_config = LlamaConfig(
+            **preset,
+            num_key_value_heads=preset["num_attention_heads"],
+            vocab_size=args.vocab_size,
+            tie_word_embeddings=False,
+        )
     if args.block_size > model_config.max_position_embeddings:
-        raise RecipeError(f"--block_size {args.block_size} is longer than the model's {model_config.max_position_embeddings} "
-                          f"positions (max_position_embeddings). Use --block_size {model_config.max_position_embeddings} or less.")
+        raise RecipeError(
+            f"--block_size {args.block_size} is longer than the model's {model_config.max_position_embeddings} "
+            f"positions (max_position_embeddings). Use --block_size {model_config.max_position_embeddings} or less."
+        )
     # New Code (pipeline) #
     if check_pipeline_model(model_config):
         raise RecipeError(f"Cannot split this model into pipeline stages: {check_pipeline_model(model_config)}.")
     # End New Code #
     if model_config.num_hidden_layers < num_stages:
         raise RecipeError(
-            f"The model has {model_config.num_hidden_layers} decoder layers but {parallelism.name} needs at least one per "
-            f"stage ({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer stages."
+            f"The model has {model_config.num_hidden_layers} decoder layers but {parallelism.name} needs at least "
+            "one per "
+            f"stage ({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer "
+            "stages."
         )
 
     # Checkpoints: output_dir/checkpoints/step_N, complete once progress.json is written; every process agrees on the
@@ -308,9 +625,12 @@ def main():
     with accelerator.main_process_first():
         try:
             raw_datasets, corpus, documents = load_text_corpus(
-                dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                train_file=args.train_file, validation_file=args.validation_file,
-                validation_split_percentage=args.validation_split_percentage, corpus_max_mb=args.corpus_max_mb,
+                dataset_name=args.dataset_name,
+                dataset_config_name=args.dataset_config_name,
+                train_file=args.train_file,
+                validation_file=args.validation_file,
+                validation_split_percentage=args.validation_split_percentage,
+                corpus_max_mb=args.corpus_max_mb,
             )
         except (OSError, ValueError, ConnectionError) as error:
             raise RecipeError(f"Could not load the training text: {error}") from None
@@ -321,8 +641,10 @@ def main():
             try:  # a pretrained model comes with the tokenizer its embeddings were trained for
                 tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
             except (OSError, ValueError) as error:
-                raise RecipeError(f"--model_name_or_path {args.model_name_or_path} has no loadable tokenizer ({error}); "
-                                  "a pretrained model needs the tokenizer it was trained with.") from None
+                raise RecipeError(
+                    f"--model_name_or_path {args.model_name_or_path} has no loadable tokenizer ({error}); "
+                    "a pretrained model needs the tokenizer it was trained with."
+                ) from None
         elif accelerator.is_main_process:
             tokenizer = train_bpe_tokenizer((row["text"] for row in raw_datasets["train"]), vocab_size=args.vocab_size)
             tokenizer.save_pretrained(output_dir)
@@ -333,8 +655,10 @@ def main():
         lm_datasets, token_counts = tokenize_and_pack(raw_datasets, tokenizer, args.block_size, documents)
     for split in ("train", "validation"):
         if len(lm_datasets[split]) == 0:
-            raise RecipeError(f"The {split} text has {token_counts[split]} tokens, fewer than one block of --block_size "
-                              f"{args.block_size}. Use more text or a smaller --block_size.")
+            raise RecipeError(
+                f"The {split} text has {token_counts[split]} tokens, fewer than one block of --block_size "
+                f"{args.block_size}. Use more text or a smaller --block_size."
+            )
     train_dataset, eval_dataset = lm_datasets["train"], lm_datasets["validation"]
     if args.max_train_samples:
         train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
@@ -343,17 +667,22 @@ def main():
     train_dataset.set_format("torch", columns=["input_ids"])
     eval_dataset.set_format("torch", columns=["input_ids"])
     # drop_last: every batch has the same shape (pipeline stages need it), so both LM recipes see the same batches.
-    train_dataloader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True)
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True
+    )
     eval_dataloader = DataLoader(eval_dataset, batch_size=eval_batch_size)
     batches_needed = (num_processes if data_parallel else 1) * args.gradient_accumulation_steps
     if len(train_dataloader) < batches_needed:
         raise RecipeError(
-            f"One optimizer step needs {batches_needed * args.per_device_train_batch_size} blocks of {args.block_size} "
+            f"One optimizer step needs {batches_needed * args.per_device_train_batch_size} blocks of "
+            f"{args.block_size} "
             f"tokens but the training set has {len(train_dataset)} ({token_counts['train']} tokens). Use more text, "
             "a smaller --block_size, --per_device_train_batch_size or --gradient_accumulation_steps."
         )
-    accelerator.print(f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
-                      f"{args.block_size} tokens, vocabulary {len(tokenizer)}")
+    accelerator.print(
+        f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
+        f"{args.block_size} tokens, vocabulary {len(tokenizer)}"
+    )
 
     # ------------------------------------------------------------------------------ model
     if not args.model_name_or_path:
@@ -380,18 +709,24 @@ def main():
         split[0] = "embeddings + " + split[0]
         split[-1] += " + norm + LM head"
         accelerator.print(
-            f"model: {num_parameters / 1e6:.1f}M parameters; split by estimated compute (the LM head and loss count as "
-            f"{head_cost:.1f} blocks): " + "; ".join(f"stage {part}: {text} ({cost / sum(stage_costs):.0%})"
-                                                     for part, (text, cost) in enumerate(zip(split, stage_costs)))
+            f"model: {num_parameters / 1e6:.1f}M parameters; split by estimated compute (the LM head and loss count "
+            "as "
+            f"{head_cost:.1f} blocks): "
+            + "; ".join(
+                f"stage {part}: {text} ({cost / sum(stage_costs):.0%})"
+                for part, (text, cost) in enumerate(zip(split, stage_costs))
+            )
         )
     else:
-        accelerator.print(f"model: {num_parameters / 1e6:.1f}M parameters, {len(model.get_submodule(block_list))} decoder "
-                          "blocks, unsplit")
+        accelerator.print(
+            f"model: {num_parameters / 1e6:.1f}M parameters, {len(model.get_submodule(block_list))} decoder "
+            "blocks, unsplit"
+        )
 
     if args.gradient_checkpointing:
         # Before the split and prepare() (FSDP wraps the blocks): each decoder block then recomputes its activations in
-        # backward. use_reentrant=False: the reentrant version runs backward outside autograd's view of the block, which
-        # breaks DDP (a parameter "used twice" or "unused" error) and needs an input that requires grad; the
+        # backward. use_reentrant=False: the reentrant version runs backward outside autograd's view of the block,
+        # which breaks DDP (a parameter "used twice" or "unused" error) and needs an input that requires grad; the
         # non-reentrant one works in every mode and gives the same gradients.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # New Code (pipeline) #
@@ -416,8 +751,12 @@ def main():
     # Here it is not prepared (see below): one scheduler step per optimizer step.
     scheduler_steps = 1
     # End New Code #
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps * scheduler_steps,
-                                 num_training_steps=max_train_steps * scheduler_steps)
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=args.num_warmup_steps * scheduler_steps,
+        num_training_steps=max_train_steps * scheduler_steps,
+    )
 
     # ------------------------------------------------------------------------------ prepare
     # New Code (pipeline) #
@@ -426,24 +765,43 @@ def main():
     # stages must see the same batches) and step the scheduler once per process. The data loaders still get
     # Accelerate's seedable sampler and device placement, unsharded.
     train_dataloader, eval_dataloader = (
-        prepare_data_loader(loader, device=accelerator.device, num_processes=1, process_index=0, put_on_device=True,
-                            use_seedable_sampler=True, data_seed=args.seed)
+        prepare_data_loader(
+            loader,
+            device=accelerator.device,
+            num_processes=1,
+            process_index=0,
+            put_on_device=True,
+            use_seedable_sampler=True,
+            data_seed=args.seed,
+        )
         for loader in (train_dataloader, eval_dataloader)
     )
     # The stage's input/output shapes are inferred on the first step, and gradients are scaled by the loss below
     # rather than by the schedule: scale_grads=True would divide *all* accumulated gradients by m after every step(),
     # so with gradient accumulation the earlier batches would be divided again.
-    stage = PipelineStage(model, stage_index=accelerator.process_index, num_stages=num_stages, device=accelerator.device)
-    schedule = SCHEDULES[args.pipeline_schedule](stage, n_microbatches=microbatches, loss_fn=causal_lm_loss, scale_grads=False)
+    stage = PipelineStage(
+        model, stage_index=accelerator.process_index, num_stages=num_stages, device=accelerator.device
+    )
+    schedule = SCHEDULES[args.pipeline_schedule](
+        stage, n_microbatches=microbatches, loss_fn=causal_lm_loss, scale_grads=False
+    )
     # End New Code #
 
     # tokens per optimizer step = batch x sequence length x accumulation x data-parallel processes.
-    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * (num_processes if data_parallel else 1)
+    global_batch_size = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * (num_processes if data_parallel else 1)
+    )
     tokens_per_step = global_batch_size * args.block_size
     config = {
-        **vars(args), "parallelism_resolved": parallelism.name, "num_processes": num_processes, "num_stages": num_stages,
-        "global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "max_train_steps_resolved": max_train_steps,
-        "blocks_per_stage": blocks_per_stage, "model_config": model_config.to_diff_dict(),
+        **vars(args),
+        "parallelism_resolved": parallelism.name,
+        "num_processes": num_processes,
+        "num_stages": num_stages,
+        "global_batch_size": global_batch_size,
+        "tokens_per_step": tokens_per_step,
+        "max_train_steps_resolved": max_train_steps,
+        "blocks_per_stage": blocks_per_stage,
+        "model_config": model_config.to_diff_dict(),
         # New Code (pipeline) #
         "devices": [str(accelerator.device)],
         # End New Code #
@@ -455,10 +813,17 @@ def main():
     # New Code (pipeline) #
     # Each stage loads its own weights, optimizer, scheduler and RNG state, with the split it was saved with.
     if checkpoint is not None and pipeline_split_of(checkpoint) != blocks_per_stage:
-        raise RecipeError(f"{checkpoint} holds stages of {pipeline_split_of(checkpoint)} blocks but this run splits "
-                          f"{blocks_per_stage}: resume with the same model, --block_size and number of processes.")
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps,
-                             load_state=lambda folder: load_stage_checkpoint(folder, stage_index, model, optimizer, lr_scheduler))
+        raise RecipeError(
+            f"{checkpoint} holds stages of {pipeline_split_of(checkpoint)} blocks but this run splits "
+            f"{blocks_per_stage}: resume with the same model, --block_size and number of processes."
+        )
+    resume = load_checkpoint(
+        accelerator,
+        checkpoint,
+        steps_per_epoch,
+        args.gradient_accumulation_steps,
+        load_state=lambda folder: load_stage_checkpoint(folder, stage_index, model, optimizer, lr_scheduler),
+    )
     # End New Code #
     completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
 
@@ -495,16 +860,20 @@ def main():
             active_dataloader = accelerator.skip_first_batches(train_dataloader, batches_to_skip)
         for batch in meter.timed(active_dataloader):  # timed: measures the wait for each batch
             input_ids = batch["input_ids"]
-            # accumulate() decides when a step ends (every gradient_accumulation_steps batches, or at the end of the data
-            # loader) and skips DDP's all-reduce until then.
+            # accumulate() decides when a step ends (every gradient_accumulation_steps batches, or at the end of the
+            # data loader) and skips DDP's all-reduce until then.
             with accelerator.accumulate(model):
                 # New Code (pipeline) #
-                # The stage's optimizer steps on the same batches (nothing to all-reduce). One call runs all micro-batches
-                # through both stages, forward and backward, in the schedule's order.
+                # The stage's optimizer steps on the same batches (nothing to all-reduce). One call runs all
+                # micro-batches through both stages, forward and backward, in the schedule's order.
                 losses = []
                 with accelerator.autocast():
-                    schedule.step(*((input_ids,) if stage.is_first else ()), target=input_ids if stage.is_last else None,
-                                  losses=losses if stage.is_last else None, loss_kwargs={"divisor": pipeline_divisor})
+                    schedule.step(
+                        *((input_ids,) if stage.is_first else ()),
+                        target=input_ids if stage.is_last else None,
+                        losses=losses if stage.is_last else None,
+                        loss_kwargs={"divisor": pipeline_divisor},
+                    )
                 if stage.is_last:
                     step_loss += torch.stack(losses).sum().detach().float()
                 # End New Code #
@@ -527,25 +896,50 @@ def main():
                 meter.step(samples=global_batch_size, tokens=tokens_per_step)
                 hang_dump.step(completed_steps)
                 if completed_steps % log_every == 0 or completed_steps == max_train_steps:
-                    accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.4f} "
-                                      f"lr {lr_scheduler.get_last_lr()[0]:.2e}")
+                    accelerator.print(
+                        f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.4f} "
+                        f"lr {lr_scheduler.get_last_lr()[0]:.2e}"
+                    )
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                     # New Code (pipeline) #
-                    save_stage_checkpoint(accelerator, checkpoints_dir, completed_steps, model, optimizer, lr_scheduler,
-                                          blocks_per_stage, args.checkpoints_total_limit)
+                    save_stage_checkpoint(
+                        accelerator,
+                        checkpoints_dir,
+                        completed_steps,
+                        model,
+                        optimizer,
+                        lr_scheduler,
+                        blocks_per_stage,
+                        args.checkpoints_total_limit,
+                    )
                     # End New Code #
             if completed_steps >= max_train_steps:
                 break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
             # New Code (pipeline) #
-            save_stage_checkpoint(accelerator, checkpoints_dir, completed_steps, model, optimizer, lr_scheduler, blocks_per_stage,
-                                  args.checkpoints_total_limit)
+            save_stage_checkpoint(
+                accelerator,
+                checkpoints_dir,
+                completed_steps,
+                model,
+                optimizer,
+                lr_scheduler,
+                blocks_per_stage,
+                args.checkpoints_total_limit,
+            )
             # End New Code #
         if completed_steps >= max_train_steps:
             break
     # Collective: every process calls it. With the training FLOPs per token, MFU on CUDA against the GPU's peak.
-    perf = meter.summary(flops_per_token=lm_flops_per_token(model_config.hidden_size, model_config.num_hidden_layers,
-                                                            model_config.vocab_size, num_parameters, args.block_size))
+    perf = meter.summary(
+        flops_per_token=lm_flops_per_token(
+            model_config.hidden_size,
+            model_config.num_hidden_layers,
+            model_config.vocab_size,
+            num_parameters,
+            args.block_size,
+        )
+    )
     # Exact bytes of parameters + gradients + optimizer state per process.
     # New Code (pipeline) #
     # (Here: each stage's own.)
@@ -557,8 +951,10 @@ def main():
     # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
     loss_sum, num_tokens, num_blocks = (math.nan, 1, 0) if args.skip_eval else evaluate()
     eval_loss = loss_sum / num_tokens
-    accelerator.print(f"eval/loss {eval_loss:.4f} eval/perplexity {math.exp(eval_loss):.2f} "
-                      f"({num_blocks} blocks, {num_tokens} predicted tokens)")
+    accelerator.print(
+        f"eval/loss {eval_loss:.4f} eval/perplexity {math.exp(eval_loss):.2f} "
+        f"({num_blocks} blocks, {num_tokens} predicted tokens)"
+    )
 
     # ------------------------------------------------------------------------------- save
     hang_dump.phase("saving")
@@ -583,44 +979,47 @@ def main():
         final_model.to(accelerator.device)
         # End New Code #
         with torch.no_grad():
-            generated = final_model.generate(prompt_ids, max_new_tokens=args.sample_tokens, do_sample=False,
-                                             pad_token_id=tokenizer.pad_token_id)
+            generated = final_model.generate(
+                prompt_ids, max_new_tokens=args.sample_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
         sample = tokenizer.decode(generated[0], skip_special_tokens=False)
         accelerator.print(f"sample (greedy, {args.sample_tokens} tokens):\n{sample}")
-    results.update({
-        # New Code (pipeline) #
-        "recipe": "pipeline_lm",
-        "pipeline_schedule": args.pipeline_schedule,
-        "num_microbatches": microbatches,
-        # (p-1)/(m+p-1): the share of each device's time the schedule leaves idle.
-        "pipeline/ideal_bubble_fraction": ideal_bubble_fraction(num_stages, microbatches),
-        # End New Code #
-        "parallelism": parallelism.name,
-        **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
-        "num_stages": num_stages,
-        "blocks_per_stage": blocks_per_stage,
-        "stage_cost_share": [cost / sum(stage_costs) for cost in stage_costs],
-        "mixed_precision": accelerator.mixed_precision,
-        "model/num_parameters": num_parameters,
-        "data/corpus": corpus,
-        "data/train_blocks": len(train_dataset),
-        "data/validation_blocks": len(eval_dataset),
-        "data/tokens": token_counts,
-        "global_batch_size": global_batch_size,
-        "tokens_per_step": tokens_per_step,
-        "completed_steps": completed_steps,
-        "resumed_from_step": resume.completed_steps,
-        "train/loss": loss_curve[-1] if loss_curve else None,
-        "train/loss_curve": loss_curve,
-        "eval/loss": eval_loss,
-        "eval/perplexity": math.exp(eval_loss),
-        "eval/num_blocks": num_blocks,
-        "eval/num_tokens": num_tokens,
-        "sample/prompt": args.sample_prompt,
-        "sample/text": sample,
-        **perf,
-        "config": config,
-    })
+    results.update(
+        {
+            # New Code (pipeline) #
+            "recipe": "pipeline_lm",
+            "pipeline_schedule": args.pipeline_schedule,
+            "num_microbatches": microbatches,
+            # (p-1)/(m+p-1): the share of each device's time the schedule leaves idle.
+            "pipeline/ideal_bubble_fraction": ideal_bubble_fraction(num_stages, microbatches),
+            # End New Code #
+            "parallelism": parallelism.name,
+            **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
+            "num_stages": num_stages,
+            "blocks_per_stage": blocks_per_stage,
+            "stage_cost_share": [cost / sum(stage_costs) for cost in stage_costs],
+            "mixed_precision": accelerator.mixed_precision,
+            "model/num_parameters": num_parameters,
+            "data/corpus": corpus,
+            "data/train_blocks": len(train_dataset),
+            "data/validation_blocks": len(eval_dataset),
+            "data/tokens": token_counts,
+            "global_batch_size": global_batch_size,
+            "tokens_per_step": tokens_per_step,
+            "completed_steps": completed_steps,
+            "resumed_from_step": resume.completed_steps,
+            "train/loss": loss_curve[-1] if loss_curve else None,
+            "train/loss_curve": loss_curve,
+            "eval/loss": eval_loss,
+            "eval/perplexity": math.exp(eval_loss),
+            "eval/num_blocks": num_blocks,
+            "eval/num_tokens": num_tokens,
+            "sample/prompt": args.sample_prompt,
+            "sample/text": sample,
+            **perf,
+            "config": config,
+        }
+    )
     write_results(accelerator, output_dir, results)
     accelerator.print(f"wrote {output_dir / 'results.json'} and the model to {output_dir}")
     # Sync point: no process tears down its connections while another is still writing results (a peer that exits

@@ -25,7 +25,8 @@ Launch (from the repository root):
     # two GPUs, fully sharded (FSDP2), with activation recomputation (on CPU: 2 gloo processes, really sharded):
     accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/train_lm.py --model_size 1.3b \\
         --gradient_checkpointing
-    # two GPUs, one process, naive split (one GPU: split over the GPU and the CPU; no GPU: add --parallelism device_map):
+    # two GPUs, one process, naive split (one GPU: split over the GPU and the CPU; no GPU: add --parallelism
+    # device_map):
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/train_lm.py --model_size 1.3b
 
 Writes to ``output_dir``: the model in Hugging Face format (``model.safetensors``, config, the tokenizer; FSDP shards
@@ -83,75 +84,194 @@ from shared.runtime import (  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default="outputs/train_lm",
-                        help="Where the model, results.json and checkpoints go (created if missing).")
-    parser.add_argument("--seed", type=int, default=42,
-                        help="Seed for the initial weights and the data order (the same in every mode).")
-    parser.add_argument("--parallelism", choices=["auto", "single", "ddp", "fsdp", "device_map"], default="auto",
-                        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing >= 2 "
-                             "GPUs: device_map; else single). device_map needs 1 process, ddp 2 or more, fsdp "
-                             "accelerate_configs/fsdp_2gpu.yaml.")
-    parser.add_argument("--gradient_checkpointing", action="store_true",
-                        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.")
-    parser.add_argument("--model_size", choices=list(MODEL_PRESETS), default="small",
-                        help="Model shape when training from scratch (ignored with --model_name_or_path).")
-    parser.add_argument("--num_layers", type=positive_int, default=None, help="Override the preset's number of decoder blocks.")
-    parser.add_argument("--model_name_or_path", default=None,
-                        help="Start from pretrained weights (a Hub id or a folder this recipe saved); its tokenizer is used.")
-    parser.add_argument("--vocab_size", type=positive_int, default=8192,
-                        help="Vocabulary of the byte-level BPE tokenizer trained on the training text.")
-    parser.add_argument("--dataset_name", default=None,
-                        help="A Hub dataset with a text column (needs internet). Default: the offline standard-library corpus.")
-    parser.add_argument("--dataset_config_name", default=None, help="The Hub dataset's configuration name, if it has several.")
-    parser.add_argument("--train_file", default=None, help="A text file to train on (one example per line, line breaks kept).")
-    parser.add_argument("--validation_file", default=None,
-                        help="A text file to validate on (default: the last --validation_split_percentage of --train_file).")
-    parser.add_argument("--validation_split_percentage", type=positive_float, default=5,
-                        help="Share held out for validation when there is no validation split (default corpus: every k-th file).")
-    parser.add_argument("--corpus_max_mb", type=positive_float, default=None,
-                        help="Use only the first N MB of the default corpus (files in sorted order). Default: all (~11 MB).")
-    parser.add_argument("--block_size", type=positive_int, default=256,
-                        help="Tokens per training sequence (texts are packed into blocks of this length).")
-    parser.add_argument("--max_train_samples", type=positive_int, default=None, help="Use only the first N training blocks.")
-    parser.add_argument("--max_eval_samples", type=positive_int, default=None, help="Use only the first N validation blocks.")
-    parser.add_argument("--per_device_train_batch_size", type=positive_int, default=16, help="Blocks per process per forward pass.")
-    parser.add_argument("--per_device_eval_batch_size", type=positive_int, default=None,
-                        help="Blocks per evaluation batch (default: the training batch size).")
-    parser.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per optimizer step.")
-    parser.add_argument("--num_train_epochs", type=positive_int, default=1,
-                        help="Passes over the training set (ignored if --max_train_steps is set).")
-    parser.add_argument("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
+    parser.add_argument(
+        "--output_dir",
+        default="outputs/train_lm",
+        help="Where the model, results.json and checkpoints go (created if missing).",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=42,
+        help="Seed for the initial weights and the data order (the same in every mode).",
+    )
+    parser.add_argument(
+        "--parallelism",
+        choices=["auto", "single", "ddp", "fsdp", "device_map"],
+        default="auto",
+        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing >= 2 "
+        "GPUs: device_map; else single). device_map needs 1 process, ddp 2 or more, fsdp "
+        "accelerate_configs/fsdp_2gpu.yaml.",
+    )
+    parser.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
+    )
+    parser.add_argument(
+        "--model_size",
+        choices=list(MODEL_PRESETS),
+        default="small",
+        help="Model shape when training from scratch (ignored with --model_name_or_path).",
+    )
+    parser.add_argument(
+        "--num_layers", type=positive_int, default=None, help="Override the preset's number of decoder blocks."
+    )
+    parser.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="Start from pretrained weights (a Hub id or a folder this recipe saved); its tokenizer is used.",
+    )
+    parser.add_argument(
+        "--vocab_size",
+        type=positive_int,
+        default=8192,
+        help="Vocabulary of the byte-level BPE tokenizer trained on the training text.",
+    )
+    parser.add_argument(
+        "--dataset_name",
+        default=None,
+        help="A Hub dataset with a text column (needs internet). Default: the offline standard-library corpus.",
+    )
+    parser.add_argument(
+        "--dataset_config_name", default=None, help="The Hub dataset's configuration name, if it has several."
+    )
+    parser.add_argument(
+        "--train_file", default=None, help="A text file to train on (one example per line, line breaks kept)."
+    )
+    parser.add_argument(
+        "--validation_file",
+        default=None,
+        help="A text file to validate on (default: the last --validation_split_percentage of --train_file).",
+    )
+    parser.add_argument(
+        "--validation_split_percentage",
+        type=positive_float,
+        default=5,
+        help="Share held out for validation when there is no validation split (default corpus: every k-th file).",
+    )
+    parser.add_argument(
+        "--corpus_max_mb",
+        type=positive_float,
+        default=None,
+        help="Use only the first N MB of the default corpus (files in sorted order). Default: all (~11 MB).",
+    )
+    parser.add_argument(
+        "--block_size",
+        type=positive_int,
+        default=256,
+        help="Tokens per training sequence (texts are packed into blocks of this length).",
+    )
+    parser.add_argument(
+        "--max_train_samples", type=positive_int, default=None, help="Use only the first N training blocks."
+    )
+    parser.add_argument(
+        "--max_eval_samples", type=positive_int, default=None, help="Use only the first N validation blocks."
+    )
+    parser.add_argument(
+        "--per_device_train_batch_size", type=positive_int, default=16, help="Blocks per process per forward pass."
+    )
+    parser.add_argument(
+        "--per_device_eval_batch_size",
+        type=positive_int,
+        default=None,
+        help="Blocks per evaluation batch (default: the training batch size).",
+    )
+    parser.add_argument(
+        "--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per optimizer step."
+    )
+    parser.add_argument(
+        "--num_train_epochs",
+        type=positive_int,
+        default=1,
+        help="Passes over the training set (ignored if --max_train_steps is set).",
+    )
+    parser.add_argument(
+        "--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps."
+    )
     parser.add_argument("--learning_rate", type=positive_float, default=1e-3, help="Peak AdamW learning rate.")
-    parser.add_argument("--weight_decay", type=float, default=0.1,
-                        help="AdamW weight decay (matrices only; norms and biases are not decayed).")
-    parser.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm to this (0: no clipping).")
-    parser.add_argument("--lr_scheduler_type", default="cosine", choices=["linear", "cosine", "constant", "constant_with_warmup"],
-                        help="Learning-rate schedule (transformers.get_scheduler).")
-    parser.add_argument("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
-    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).")
-    parser.add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
-                        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.")
-    parser.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints.")
-    parser.add_argument("--resume_from_checkpoint", default=None,
-                        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh "
-                             "if there is none).")
-    parser.add_argument("--save_on_each_node", action="store_true",
-                        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
-    parser.add_argument("--dist_timeout", type=float, default=600,
-                        help="Seconds any collective may wait for the other processes before the run fails with an error naming it.")
-    parser.add_argument("--eval_before_training", action="store_true", help="Also measure validation perplexity before the first step.")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the model (inductor, via Accelerate's dynamo_backend) in single, ddp and fsdp; "
-                             "attention already uses PyTorch's SDPA kernels (transformers' default).")
-    parser.add_argument("--skip_eval", action="store_true",
-                        help="Skip the final evaluation (eval/* are NaN): benchmarks that measure training speed only.")
-    parser.add_argument("--perf_warmup_steps", type=int, default=2,
-                        help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).")
-    parser.add_argument("--cpu_threads_per_process", type=int, default=1,
-                        help="On CPU: PyTorch threads per process (1 = one core stands in for one GPU; 0 = PyTorch's default).")
-    parser.add_argument("--sample_prompt", default="def ", help="Prompt for the short greedy sample printed at the end.")
-    parser.add_argument("--sample_tokens", type=int, default=24, help="Tokens to generate for the sample (0: no sample).")
+    parser.add_argument(
+        "--weight_decay",
+        type=float,
+        default=0.1,
+        help="AdamW weight decay (matrices only; norms and biases are not decayed).",
+    )
+    parser.add_argument(
+        "--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm to this (0: no clipping)."
+    )
+    parser.add_argument(
+        "--lr_scheduler_type",
+        default="cosine",
+        choices=["linear", "cosine", "constant", "constant_with_warmup"],
+        help="Learning-rate schedule (transformers.get_scheduler).",
+    )
+    parser.add_argument(
+        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
+    )
+    parser.add_argument(
+        "--mixed_precision",
+        choices=["no", "fp16", "bf16"],
+        default=None,
+        help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).",
+    )
+    parser.add_argument(
+        "--checkpointing_steps",
+        type=steps_or_epoch,
+        default=None,
+        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.",
+    )
+    parser.add_argument(
+        "--checkpoints_total_limit", type=positive_int, default=None, help="Keep only the newest N checkpoints."
+    )
+    parser.add_argument(
+        "--resume_from_checkpoint",
+        default=None,
+        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; starts fresh "
+        "if there is none).",
+    )
+    parser.add_argument(
+        "--save_on_each_node",
+        action="store_true",
+        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.",
+    )
+    parser.add_argument(
+        "--dist_timeout",
+        type=float,
+        default=600,
+        help="Seconds any collective may wait for the other processes before the run fails with an error naming it.",
+    )
+    parser.add_argument(
+        "--eval_before_training", action="store_true", help="Also measure validation perplexity before the first step."
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (inductor, via Accelerate's dynamo_backend) in single, ddp and fsdp; "
+        "attention already uses PyTorch's SDPA kernels (transformers' default).",
+    )
+    parser.add_argument(
+        "--skip_eval",
+        action="store_true",
+        help="Skip the final evaluation (eval/* are NaN): benchmarks that measure training speed only.",
+    )
+    parser.add_argument(
+        "--perf_warmup_steps",
+        type=int,
+        default=2,
+        help="Optimizer steps left out of the throughput numbers (start-up, first-call costs).",
+    )
+    parser.add_argument(
+        "--cpu_threads_per_process",
+        type=int,
+        default=1,
+        help="On CPU: PyTorch threads per process (1 = one core stands in for one GPU; 0 = PyTorch's default).",
+    )
+    parser.add_argument(
+        "--sample_prompt", default="def ", help="Prompt for the short greedy sample printed at the end."
+    )
+    parser.add_argument(
+        "--sample_tokens", type=int, default=24, help="Tokens to generate for the sample (0: no sample)."
+    )
     return parser.parse_args(argv)
 
 
@@ -225,7 +345,9 @@ def main():
     num_processes = accelerator.num_processes
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
     if args.compile and parallelism.name == "device_map":
-        raise RecipeError("--compile works on the model that prepare() wraps whole (single, ddp, fsdp), not on a device_map split.")
+        raise RecipeError(
+            "--compile works on the model that prepare() wraps whole (single, ddp, fsdp), not on a device_map split."
+        )
     # ddp and fsdp are both data parallel: each process trains on its shard of every global batch.
     data_parallel = parallelism.name in ("ddp", "fsdp")
     # device_map: [cuda:0, cuda:1] on a 2-GPU box, [cuda:0, cpu] on one GPU, [cpu, cpu] on a CPU-only machine; the
@@ -242,15 +364,23 @@ def main():
         if args.num_layers:
             preset["num_hidden_layers"] = args.num_layers
         # Untied LM head: a split can then put the embeddings on the first part and the head on the last.
-        model_config = LlamaConfig(**preset, num_key_value_heads=preset["num_attention_heads"],
-                                   vocab_size=args.vocab_size, tie_word_embeddings=False)
+        model_config = LlamaConfig(
+            **preset,
+            num_key_value_heads=preset["num_attention_heads"],
+            vocab_size=args.vocab_size,
+            tie_word_embeddings=False,
+        )
     if args.block_size > model_config.max_position_embeddings:
-        raise RecipeError(f"--block_size {args.block_size} is longer than the model's {model_config.max_position_embeddings} "
-                          f"positions (max_position_embeddings). Use --block_size {model_config.max_position_embeddings} or less.")
+        raise RecipeError(
+            f"--block_size {args.block_size} is longer than the model's {model_config.max_position_embeddings} "
+            f"positions (max_position_embeddings). Use --block_size {model_config.max_position_embeddings} or less."
+        )
     if model_config.num_hidden_layers < num_stages:
         raise RecipeError(
-            f"The model has {model_config.num_hidden_layers} decoder layers but {parallelism.name} needs at least one per "
-            f"stage ({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer stages."
+            f"The model has {model_config.num_hidden_layers} decoder layers but {parallelism.name} needs at least "
+            "one per "
+            f"stage ({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer "
+            "stages."
         )
 
     # Checkpoints: output_dir/checkpoints/step_N, complete once progress.json is written; every process agrees on the
@@ -267,9 +397,12 @@ def main():
     with accelerator.main_process_first():
         try:
             raw_datasets, corpus, documents = load_text_corpus(
-                dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                train_file=args.train_file, validation_file=args.validation_file,
-                validation_split_percentage=args.validation_split_percentage, corpus_max_mb=args.corpus_max_mb,
+                dataset_name=args.dataset_name,
+                dataset_config_name=args.dataset_config_name,
+                train_file=args.train_file,
+                validation_file=args.validation_file,
+                validation_split_percentage=args.validation_split_percentage,
+                corpus_max_mb=args.corpus_max_mb,
             )
         except (OSError, ValueError, ConnectionError) as error:
             raise RecipeError(f"Could not load the training text: {error}") from None
@@ -280,8 +413,10 @@ def main():
             try:  # a pretrained model comes with the tokenizer its embeddings were trained for
                 tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
             except (OSError, ValueError) as error:
-                raise RecipeError(f"--model_name_or_path {args.model_name_or_path} has no loadable tokenizer ({error}); "
-                                  "a pretrained model needs the tokenizer it was trained with.") from None
+                raise RecipeError(
+                    f"--model_name_or_path {args.model_name_or_path} has no loadable tokenizer ({error}); "
+                    "a pretrained model needs the tokenizer it was trained with."
+                ) from None
         elif accelerator.is_main_process:
             tokenizer = train_bpe_tokenizer((row["text"] for row in raw_datasets["train"]), vocab_size=args.vocab_size)
             tokenizer.save_pretrained(output_dir)
@@ -292,8 +427,10 @@ def main():
         lm_datasets, token_counts = tokenize_and_pack(raw_datasets, tokenizer, args.block_size, documents)
     for split in ("train", "validation"):
         if len(lm_datasets[split]) == 0:
-            raise RecipeError(f"The {split} text has {token_counts[split]} tokens, fewer than one block of --block_size "
-                              f"{args.block_size}. Use more text or a smaller --block_size.")
+            raise RecipeError(
+                f"The {split} text has {token_counts[split]} tokens, fewer than one block of --block_size "
+                f"{args.block_size}. Use more text or a smaller --block_size."
+            )
     train_dataset, eval_dataset = lm_datasets["train"], lm_datasets["validation"]
     if args.max_train_samples:
         train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
@@ -302,17 +439,22 @@ def main():
     train_dataset.set_format("torch", columns=["input_ids"])
     eval_dataset.set_format("torch", columns=["input_ids"])
     # drop_last: every batch has the same shape (pipeline stages need it), so both LM recipes see the same batches.
-    train_dataloader = DataLoader(train_dataset, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True)
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True
+    )
     eval_dataloader = DataLoader(eval_dataset, batch_size=eval_batch_size)
     batches_needed = (num_processes if data_parallel else 1) * args.gradient_accumulation_steps
     if len(train_dataloader) < batches_needed:
         raise RecipeError(
-            f"One optimizer step needs {batches_needed * args.per_device_train_batch_size} blocks of {args.block_size} "
+            f"One optimizer step needs {batches_needed * args.per_device_train_batch_size} blocks of "
+            f"{args.block_size} "
             f"tokens but the training set has {len(train_dataset)} ({token_counts['train']} tokens). Use more text, "
             "a smaller --block_size, --per_device_train_batch_size or --gradient_accumulation_steps."
         )
-    accelerator.print(f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
-                      f"{args.block_size} tokens, vocabulary {len(tokenizer)}")
+    accelerator.print(
+        f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
+        f"{args.block_size} tokens, vocabulary {len(tokenizer)}"
+    )
 
     # ------------------------------------------------------------------------------ model
     if not args.model_name_or_path:
@@ -339,26 +481,34 @@ def main():
         split[0] = "embeddings + " + split[0]
         split[-1] += " + norm + LM head"
         accelerator.print(
-            f"model: {num_parameters / 1e6:.1f}M parameters; split by estimated compute (the LM head and loss count as "
-            f"{head_cost:.1f} blocks): " + "; ".join(f"stage {part}: {text} ({cost / sum(stage_costs):.0%})"
-                                                     for part, (text, cost) in enumerate(zip(split, stage_costs)))
+            f"model: {num_parameters / 1e6:.1f}M parameters; split by estimated compute (the LM head and loss count "
+            "as "
+            f"{head_cost:.1f} blocks): "
+            + "; ".join(
+                f"stage {part}: {text} ({cost / sum(stage_costs):.0%})"
+                for part, (text, cost) in enumerate(zip(split, stage_costs))
+            )
         )
     else:
-        accelerator.print(f"model: {num_parameters / 1e6:.1f}M parameters, {len(model.get_submodule(block_list))} decoder "
-                          "blocks, unsplit")
+        accelerator.print(
+            f"model: {num_parameters / 1e6:.1f}M parameters, {len(model.get_submodule(block_list))} decoder "
+            "blocks, unsplit"
+        )
 
     if args.gradient_checkpointing:
         # Before the split and prepare() (FSDP wraps the blocks): each decoder block then recomputes its activations in
-        # backward. use_reentrant=False: the reentrant version runs backward outside autograd's view of the block, which
-        # breaks DDP (a parameter "used twice" or "unused" error) and needs an input that requires grad; the
+        # backward. use_reentrant=False: the reentrant version runs backward outside autograd's view of the block,
+        # which breaks DDP (a parameter "used twice" or "unused" error) and needs an input that requires grad; the
         # non-reentrant one works in every mode and gives the same gradients.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     device_map = None
     if parallelism.name == "device_map":
         model, device_map = dispatch_on_devices(model, plan, split_over)
         if len(set(split_over)) == 1:
-            accelerator.print(f'device_map: splitting over {len(split_over)} {split_over[0].type} "devices" that are one '
-                              "device: the same hooks and moves as on 2 GPUs, not faster")
+            accelerator.print(
+                f'device_map: splitting over {len(split_over)} {split_over[0].type} "devices" that are one '
+                "device: the same hooks and moves as on 2 GPUs, not faster"
+            )
 
     # ------------------------------------------------------------------ optimizer and scheduler
     optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
@@ -372,8 +522,12 @@ def main():
     # A prepared scheduler steps once per process per optimizer step (it assumes every process saw its own batch), so
     # its length is counted in process-steps.
     scheduler_steps = num_processes
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer=optimizer, num_warmup_steps=args.num_warmup_steps * scheduler_steps,
-                                 num_training_steps=max_train_steps * scheduler_steps)
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer=optimizer,
+        num_warmup_steps=args.num_warmup_steps * scheduler_steps,
+        num_training_steps=max_train_steps * scheduler_steps,
+    )
 
     # ------------------------------------------------------------------------------ prepare
     # ddp: wraps the model in DDP and shards the data loaders. fsdp: shards the model instead (fully_shard on every
@@ -386,12 +540,20 @@ def main():
     )
 
     # tokens per optimizer step = batch x sequence length x accumulation x data-parallel processes.
-    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * (num_processes if data_parallel else 1)
+    global_batch_size = (
+        args.per_device_train_batch_size * args.gradient_accumulation_steps * (num_processes if data_parallel else 1)
+    )
     tokens_per_step = global_batch_size * args.block_size
     config = {
-        **vars(args), "parallelism_resolved": parallelism.name, "num_processes": num_processes, "num_stages": num_stages,
-        "global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "max_train_steps_resolved": max_train_steps,
-        "blocks_per_stage": blocks_per_stage, "model_config": model_config.to_diff_dict(),
+        **vars(args),
+        "parallelism_resolved": parallelism.name,
+        "num_processes": num_processes,
+        "num_stages": num_stages,
+        "global_batch_size": global_batch_size,
+        "tokens_per_step": tokens_per_step,
+        "max_train_steps_resolved": max_train_steps,
+        "blocks_per_stage": blocks_per_stage,
+        "model_config": model_config.to_diff_dict(),
         "devices": [str(device) for device in split_over] or [str(accelerator.device)],
         "cpu_threads": torch.get_num_threads() if accelerator.device.type == "cpu" else None,
     }
@@ -411,7 +573,9 @@ def main():
         accelerator.print(f"before training: eval/perplexity {results['eval/perplexity_before_training']:.2f}")
 
     # ---------------------------------------------------------------------- training loop
-    meter = ThroughputMeter(accelerator, warmup_steps=args.perf_warmup_steps, devices=sorted(set(split_over), key=str) or None)
+    meter = ThroughputMeter(
+        accelerator, warmup_steps=args.perf_warmup_steps, devices=sorted(set(split_over), key=str) or None
+    )
     loss_curve = []  # mean training loss of each optimizer step
     step_loss = torch.zeros((), device=accelerator.device)
     log_every = max(1, max_train_steps // 10)
@@ -424,8 +588,8 @@ def main():
             active_dataloader = accelerator.skip_first_batches(train_dataloader, batches_to_skip)
         for batch in meter.timed(active_dataloader):  # timed: measures the wait for each batch
             input_ids = batch["input_ids"]
-            # accumulate() decides when a step ends (every gradient_accumulation_steps batches, or at the end of the data
-            # loader) and skips DDP's all-reduce until then.
+            # accumulate() decides when a step ends (every gradient_accumulation_steps batches, or at the end of the
+            # data loader) and skips DDP's all-reduce until then.
             with accelerator.accumulate(model):
                 loss = model(input_ids=input_ids, labels=input_ids).loss
                 step_loss += loss.detach().float() / args.gradient_accumulation_steps
@@ -444,10 +608,14 @@ def main():
                 meter.step(samples=global_batch_size, tokens=tokens_per_step)
                 hang_dump.step(completed_steps)
                 if completed_steps % log_every == 0 or completed_steps == max_train_steps:
-                    accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.4f} "
-                                      f"lr {lr_scheduler.get_last_lr()[0]:.2e}")
+                    accelerator.print(
+                        f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.4f} "
+                        f"lr {lr_scheduler.get_last_lr()[0]:.2e}"
+                    )
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit, layout=layout)
+                    save_checkpoint(
+                        accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit, layout=layout
+                    )
             if completed_steps >= max_train_steps:
                 break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
@@ -455,8 +623,15 @@ def main():
         if completed_steps >= max_train_steps:
             break
     # Collective: every process calls it. With the training FLOPs per token, MFU on CUDA against the GPU's peak.
-    perf = meter.summary(flops_per_token=lm_flops_per_token(model_config.hidden_size, model_config.num_hidden_layers,
-                                                            model_config.vocab_size, num_parameters, args.block_size))
+    perf = meter.summary(
+        flops_per_token=lm_flops_per_token(
+            model_config.hidden_size,
+            model_config.num_hidden_layers,
+            model_config.vocab_size,
+            num_parameters,
+            args.block_size,
+        )
+    )
     # Exact bytes of parameters + gradients + optimizer state per process.
     perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
     if parallelism.name == "fsdp":
@@ -468,8 +643,10 @@ def main():
     # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
     loss_sum, num_tokens, num_blocks = (math.nan, 1, 0) if args.skip_eval else evaluate()
     eval_loss = loss_sum / num_tokens
-    accelerator.print(f"eval/loss {eval_loss:.4f} eval/perplexity {math.exp(eval_loss):.2f} "
-                      f"({num_blocks} blocks, {num_tokens} predicted tokens)")
+    accelerator.print(
+        f"eval/loss {eval_loss:.4f} eval/perplexity {math.exp(eval_loss):.2f} "
+        f"({num_blocks} blocks, {num_tokens} predicted tokens)"
+    )
 
     # ------------------------------------------------------------------------------- save
     hang_dump.phase("saving")
@@ -494,43 +671,46 @@ def main():
         if parallelism.name == "fsdp":
             final_model.to(accelerator.device)
         with torch.no_grad():
-            generated = final_model.generate(prompt_ids, max_new_tokens=args.sample_tokens, do_sample=False,
-                                             pad_token_id=tokenizer.pad_token_id)
+            generated = final_model.generate(
+                prompt_ids, max_new_tokens=args.sample_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
         sample = tokenizer.decode(generated[0], skip_special_tokens=False)
         accelerator.print(f"sample (greedy, {args.sample_tokens} tokens):\n{sample}")
-    results.update({
-        "recipe": "train_lm",
-        "parallelism": parallelism.name,
-        "parallelism_requested": args.parallelism,
-        **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
-        "num_stages": num_stages,
-        "blocks_per_stage": blocks_per_stage,
-        "stage_cost_share": [cost / sum(stage_costs) for cost in stage_costs],
-        "device_map_devices": [str(device) for device in split_over],
-        "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
-        # The execution device of the AlignDevicesHook on every planned module: the split really is hooked.
-        "device_map/hooks": execution_devices(accelerator.unwrap_model(model), device_map) if device_map else None,
-        "mixed_precision": accelerator.mixed_precision,
-        "model/num_parameters": num_parameters,
-        "data/corpus": corpus,
-        "data/train_blocks": len(train_dataset),
-        "data/validation_blocks": len(eval_dataset),
-        "data/tokens": token_counts,
-        "global_batch_size": global_batch_size,
-        "tokens_per_step": tokens_per_step,
-        "completed_steps": completed_steps,
-        "resumed_from_step": resume.completed_steps,
-        "train/loss": loss_curve[-1] if loss_curve else None,
-        "train/loss_curve": loss_curve,
-        "eval/loss": eval_loss,
-        "eval/perplexity": math.exp(eval_loss),
-        "eval/num_blocks": num_blocks,
-        "eval/num_tokens": num_tokens,
-        "sample/prompt": args.sample_prompt,
-        "sample/text": sample,
-        **perf,
-        "config": config,
-    })
+    results.update(
+        {
+            "recipe": "train_lm",
+            "parallelism": parallelism.name,
+            "parallelism_requested": args.parallelism,
+            **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
+            "num_stages": num_stages,
+            "blocks_per_stage": blocks_per_stage,
+            "stage_cost_share": [cost / sum(stage_costs) for cost in stage_costs],
+            "device_map_devices": [str(device) for device in split_over],
+            "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
+            # The execution device of the AlignDevicesHook on every planned module: the split really is hooked.
+            "device_map/hooks": execution_devices(accelerator.unwrap_model(model), device_map) if device_map else None,
+            "mixed_precision": accelerator.mixed_precision,
+            "model/num_parameters": num_parameters,
+            "data/corpus": corpus,
+            "data/train_blocks": len(train_dataset),
+            "data/validation_blocks": len(eval_dataset),
+            "data/tokens": token_counts,
+            "global_batch_size": global_batch_size,
+            "tokens_per_step": tokens_per_step,
+            "completed_steps": completed_steps,
+            "resumed_from_step": resume.completed_steps,
+            "train/loss": loss_curve[-1] if loss_curve else None,
+            "train/loss_curve": loss_curve,
+            "eval/loss": eval_loss,
+            "eval/perplexity": math.exp(eval_loss),
+            "eval/num_blocks": num_blocks,
+            "eval/num_tokens": num_tokens,
+            "sample/prompt": args.sample_prompt,
+            "sample/text": sample,
+            **perf,
+            "config": config,
+        }
+    )
     write_results(accelerator, output_dir, results)
     accelerator.print(f"wrote {output_dir / 'results.json'} and the model to {output_dir}")
     # Sync point: no process tears down its connections while another is still writing results (a peer that exits

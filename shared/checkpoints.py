@@ -25,14 +25,16 @@ LAYOUTS = {"replica": "whole model (single, ddp or device_map)", "fsdp": "model 
 def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike, completed_steps: int,
                     total_limit: int | None = None, write_state=None, layout: str = "replica") -> Path:
     """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every RNG) to ``checkpoints_dir/step_N``,
-    atomically; keeps the newest ``total_limit``; every process calls it. ``write_state(folder)`` replaces ``save_state``
-    (pipeline stages save their own weights). ``layout`` (``replica``: whole weights, resumable by single/ddp/device_map;
-    ``fsdp``: shards; ``pipeline``: stages) goes into progress.json. With ``save_on_each_node`` (machines without a
-    shared disk) the main process of every machine completes its copy, as ``save_state`` writes one on each."""
+    atomically; keeps the newest ``total_limit``; every process calls it. ``write_state(folder)`` replaces
+    ``save_state`` (pipeline stages save their own weights). ``layout`` (``replica``: whole weights, resumable by
+    single/ddp/device_map; ``fsdp``: shards; ``pipeline``: stages) goes into progress.json. With ``save_on_each_node``
+    (machines without a shared disk) the main process of every machine completes its copy, as ``save_state`` writes
+    one on each."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
-    writes = accelerator.is_local_main_process if accelerator.project_configuration.save_on_each_node else accelerator.is_main_process
+    on_each_node = accelerator.project_configuration.save_on_each_node
+    writes = accelerator.is_local_main_process if on_each_node else accelerator.is_main_process
     if writes and tmp.exists():
         shutil.rmtree(tmp)  # left by a run killed mid-save
     accelerator.wait_for_everyone()
@@ -58,7 +60,7 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     return final
 
 
-def checkpoint_steps(checkpoint: Path) -> int:
+def checkpoint_steps(checkpoint: Path) -> int:  # the optimizer steps a complete checkpoint was saved after
     return json.loads((checkpoint / PROGRESS_FILE).read_text())["completed_steps"]
 
 
@@ -77,12 +79,14 @@ def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.Pa
         return found[-1] if found else None
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
-        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint folder "
+        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint "
+                          "folder "
                           f"(e.g. {Path(checkpoints_dir) / 'step_000100'}) or 'latest'.")
     if not (path / PROGRESS_FILE).is_file():
-        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no {PROGRESS_FILE}: "
-                          "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or 'latest', "
-                          "which skips incomplete ones.")
+        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no "
+                          f"{PROGRESS_FILE}: "
+                          "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or "
+                          "'latest', which skips incomplete ones.")
     return path
 
 
@@ -100,10 +104,12 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
         found, problem = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir), None
     except RecipeError as error:
         found, problem = None, error.message
-    mine = {"rank": accelerator.process_index, "machine": os.environ.get("GROUP_RANK", "0"), "host": socket.gethostname(),
-            "steps": checkpoint_steps(found) if found else None, "folder": str(found or Path(checkpoints_dir).resolve()),
-            "problem": problem}
+    mine = {"rank": accelerator.process_index, "machine": os.environ.get("GROUP_RANK", "0"), "problem": problem,
+            "host": socket.gethostname(), "steps": checkpoint_steps(found) if found else None,
+            "folder": str(found or Path(checkpoints_dir).resolve())}
     everyone = gather_object([mine])
+    if len({entry["problem"] for entry in everyone}) == 1 and problem:  # every process sees the same bad input
+        raise RecipeError(problem)
     if any(entry["problem"] for entry in everyone) or len({entry["steps"] for entry in everyone}) > 1:
         seen = "; ".join(
             f"machine {e['machine']} (rank {e['rank']}, host {e['host']}): "
@@ -111,18 +117,21 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
                else f"no complete checkpoint in {e['folder']}")
             for e in everyone)
         raise RecipeError(
-            f"The processes disagree on the checkpoint to resume from (--resume_from_checkpoint {resume_from_checkpoint}): "
-            f"{seen}. Nothing was loaded: training on would mix different states. Each machine reads its own disk; put "
-            "--output_dir on a disk all machines share, or pass --save_on_each_node so that every machine keeps its own "
-            "copy of each checkpoint (then resume), or copy the newest checkpoint folder to the same path on every machine."
+            "The processes disagree on the checkpoint to resume from (--resume_from_checkpoint "
+            f"{resume_from_checkpoint}): "
+            f"{seen}. Nothing was loaded: training on would mix different states. Each machine reads its own disk; "
+            "put --output_dir on a disk all machines share, or pass --save_on_each_node so that every machine keeps "
+            "its own copy of each checkpoint (then resume), or copy the newest checkpoint folder to the same path on "
+            "every machine."
         )
+    theirs = json.loads((found / PROGRESS_FILE).read_text()).get("layout", layout) if found else layout
     if found is None:
-        accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh")
-    elif json.loads((found / PROGRESS_FILE).read_text()).get("layout", layout) != layout:
-        theirs = json.loads((found / PROGRESS_FILE).read_text())["layout"]
+        accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, "
+                          "starting fresh")
+    elif theirs != layout:
         raise RecipeError(f"{found} holds a {LAYOUTS[theirs]} and cannot be resumed by this run, which trains with a "
-                          f"{LAYOUTS[layout]}. Resume it with the recipe and parallelism that wrote it, or start a new run "
-                          "from that run's saved model (--model_name_or_path).")
+                          f"{LAYOUTS[layout]}. Resume it with the recipe and parallelism that wrote it, or start a "
+                          "new run from that run's saved model (--model_name_or_path).")
     return found
 
 
@@ -135,8 +144,8 @@ class ResumePoint:
     batches_to_skip: int = 0
 
 
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per_epoch: int, gradient_accumulation_steps: int,
-                    load_state=None) -> ResumePoint:
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per_epoch: int,
+                    gradient_accumulation_steps: int, load_state=None) -> ResumePoint:
     """Load ``checkpoint`` (from ``find_checkpoint``) and return where training picks up; ``ResumePoint()`` for None.
 
     ``accelerator.load_state`` restores the model, optimizer, scheduler, the sampler's seed and every process's RNG
@@ -149,5 +158,6 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per
     completed_steps = checkpoint_steps(checkpoint)
     point = ResumePoint(completed_steps, completed_steps // steps_per_epoch,
                         (completed_steps % steps_per_epoch) * gradient_accumulation_steps)
-    accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping {point.batches_to_skip} batches)")
+    accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping "
+                      f"{point.batches_to_skip} batches)")
     return point

@@ -40,7 +40,8 @@ def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_c
             except (SyntaxError, UnicodeDecodeError):
                 continue
             # The module docstring is its own group; each top-level definition groups its nested ones.
-            groups = [("<module>", [tree])] + [(node.name, list(ast.walk(node))) for node in tree.body if hasattr(node, "name")]
+            groups = [("<module>", [tree])]
+            groups += [(node.name, list(ast.walk(node))) for node in tree.body if hasattr(node, "name")]
             for group_name, nodes in groups:
                 source = f"{relative}:{group_name}"
                 split = "validation" if in_validation_split(source, validation_percent) else "train"
@@ -51,16 +52,55 @@ def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_c
                             yield {"text": docstring, "label": package, "source": source, "split": split}
 
 
-def stdlib_docstrings(packages=DOCSTRING_PACKAGES, min_chars: int = 40, validation_percent: int = 20) -> datasets.DatasetDict:
+def _question_rows(stdlib: str, cache_key: str, packages: list[str], validation_percent: int):
+    """One conversation per documented public function: its call as the question, its docstring's first paragraph as
+    the answer (``cache_key``: the Python version and this code's version, which ``datasets`` keys its cache on)."""
+    root = Path(stdlib)
+    for package in sorted(packages):
+        files = [p for p in (root / package).rglob("*.py") if not TEST_FOLDERS & set(p.relative_to(root).parts)]
+        for path in sorted(files):
+            module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            # Public functions, and public methods of public classes (grouped by class for the split).
+            for top in tree.body:
+                if not isinstance(top, (ast.FunctionDef, ast.ClassDef)) or top.name.startswith("_"):
+                    continue
+                methods = [node for node in top.body if isinstance(node, ast.FunctionDef)]
+                for node in [top] if isinstance(top, ast.FunctionDef) else methods:
+                    answer = (ast.get_docstring(node) or "").split("\n\n")[0]
+                    if len(answer) > 40 and not node.name.startswith("_"):
+                        name = f"{module}.{top.name}" + (f".{node.name}" if node is not top else "")
+                        held_out = in_validation_split(f"{module}:{top.name}", validation_percent)
+                        split = "validation" if held_out else "train"
+                        question = f"What does {name}({ast.unparse(node.args)}) do?"
+                        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+                        yield {"messages": messages, "split": split}
+
+
+def stdlib_questions(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
+    """Questions about standard-library functions answered by their docstrings, as ``messages`` conversations
+    (``train``/``validation``): the offline default of ``recipes/llm_finetune.py``. Call under main_process_first."""
+    rows = datasets.Dataset.from_generator(_question_rows, gen_kwargs={
+        "stdlib": str(stdlib_root()), "cache_key": f"{platform.python_version()}-v1", "packages": sorted(packages),
+        "validation_percent": validation_percent})
+    return split_by_column(rows)
+
+
+def split_by_column(rows: datasets.Dataset) -> datasets.DatasetDict:
+    """``train`` and ``validation`` by the ``split`` column, which goes."""
+    return datasets.DatasetDict({split: rows.filter(lambda value, wanted=split: value == wanted, input_columns="split")
+                                 .remove_columns("split") for split in ("train", "validation")})
+
+
+def stdlib_docstrings(packages=DOCSTRING_PACKAGES, min_chars: int = 40,
+                      validation_percent: int = 20) -> datasets.DatasetDict:
     """Docstrings of the standard library labelled by their top-level package (topic classification): ``train`` and
     ``validation`` with ``text``, ``label`` (the package name) and ``source``. Built once per Python installation, then
     read from the ``datasets`` cache: call it under ``accelerator.main_process_first()``."""
-    rows = datasets.Dataset.from_generator(
-        _docstring_rows,
-        gen_kwargs={"stdlib": str(stdlib_root()), "python_version": platform.python_version(), "packages": sorted(packages),
-                    "min_chars": min_chars, "validation_percent": validation_percent},
-    )
-    return datasets.DatasetDict({
-        split: rows.filter(lambda row_split, wanted=split: row_split == wanted, input_columns="split").remove_columns("split")
-        for split in ("train", "validation")
-    })
+    rows = datasets.Dataset.from_generator(_docstring_rows, gen_kwargs={
+        "stdlib": str(stdlib_root()), "python_version": platform.python_version(), "packages": sorted(packages),
+        "min_chars": min_chars, "validation_percent": validation_percent})
+    return split_by_column(rows)

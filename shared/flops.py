@@ -24,7 +24,8 @@ def peak_bf16_flops(gpu_name: str) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key.lower() in gpu_name.lower()), None)
 
 
-def lm_flops_per_token(hidden_size: int, num_layers: int, vocab_size: int, num_parameters: int, sequence_length: int) -> float:
+def lm_flops_per_token(hidden_size: int, num_layers: int, vocab_size: int, num_parameters: int,
+                       sequence_length: int) -> float:
     """Training FLOPs per token of a decoder LM, 6N + 12 L H S (PaLM, Chowdhery et al. 2022, appendix B): N = the
     parameters less the input embedding (a lookup, no multiply-adds; an untied LM head is a matmul and stays in N), 2
     FLOPs per parameter forward and 4 backward; 12 L H S the attention scores and their weighted sum (QK^T and AV),

@@ -16,7 +16,8 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
     time, so one config serves every model (None when not under FSDP or the config names its own). Not the default
     (every ``_no_split_modules`` class): for BERT-like models that holds the embeddings too, which Accelerate then
     shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``."""
-    if accelerator.distributed_type != DistributedType.FSDP or accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap:
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.distributed_type != DistributedType.FSDP or plugin.transformer_cls_names_to_wrap:
         return None
     block_class = type(model.get_submodule(block_list)[0]).__name__
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = [block_class]

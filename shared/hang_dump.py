@@ -20,7 +20,8 @@ import torch
 
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
 # "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
-HANG_ERRORS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "nccl", "gloo", "processgroup")
+HANG_ERRORS = ("timed out", "timeout", "connection "
+                                       "closed", "connection reset", "broken pipe", "nccl", "gloo", "processgroup")
 
 
 class HangDump:
@@ -30,8 +31,7 @@ class HangDump:
     dying of a collective error writes ``rank{R}_error.txt`` and one line on stderr that names the folder."""
 
     def __init__(self, debug_dir: str | os.PathLike, dist_timeout_s: float | None):
-        self.folder = Path(debug_dir).resolve()
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.folder, self.rank = Path(debug_dir).resolve(), int(os.environ.get("RANK", "0"))
         self.active = int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.completed_steps, self.current_phase, self.last_progress = 0, "start-up", time.monotonic()
         self.stall_after_s = max(1.0, 0.8 * dist_timeout_s) if dist_timeout_s else None
@@ -46,7 +46,7 @@ class HangDump:
             self.folder.mkdir(parents=True, exist_ok=True)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._on_uncaught
-        if self.stall_after_s:
+        if self.stall_after_s:  # a daemon: it never keeps a finished run alive
             threading.Thread(target=self._watch, name="hang-dump-watcher", daemon=True).start()
 
     def step(self, completed_steps: int) -> None:
@@ -68,11 +68,15 @@ class HangDump:
     def _on_uncaught(self, kind, error, trace) -> None:
         text = f"{kind.__name__}: {error}"
         if isinstance(error, torch.distributed.DistError) or any(word in text.lower() for word in HANG_ERRORS):
-            path = self._write("error", text, traceback.extract_tb(trace), "".join(traceback.format_exception(kind, error, trace)))
+            details = "".join(traceback.format_exception(kind, error, trace))
+            path = self._write("error", text, traceback.extract_tb(trace), details)
             waiting = json.loads(path.with_suffix(".json").read_text())["waiting_in"]
-            print(f"[rank {self.rank}] error: a collective failed at step {self.completed_steps} ({self.current_phase}), "
-                  f"waiting in {waiting}: {str(error).splitlines()[0][:300]}. Every rank that could still run wrote its "
-                  f"stacks, step and collective to {self.folder}/ (this one: {path.name}).", file=sys.stderr, flush=True)
+            print(f"[rank {self.rank}] error: a collective failed at step {self.completed_steps} "
+                  f"({self.current_phase}), "
+                  f"waiting in {waiting}: {str(error).splitlines()[0][:300]}. Every rank that could still run wrote "
+                  "its "
+                  f"stacks, step and collective to {self.folder}/ (this one: "
+                  f"{path.name}).", file=sys.stderr, flush=True)
         self._previous_hook(kind, error, trace)
 
     def _write(self, event: str, reason: str, frames, error_text: str = "") -> Path:

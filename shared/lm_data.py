@@ -54,11 +54,13 @@ def load_text_corpus(*, dataset_name: str | None, dataset_config_name: str | Non
         raw = load_dataset(dataset_name, dataset_config_name)
         if "validation" not in raw:
             # Same convention as transformers' run_clm: hold out the first N% of the train split.
+            held_out = f"{validation_split_percentage:g}%"
             raw = DatasetDict({
-                "train": load_dataset(dataset_name, dataset_config_name, split=f"train[{validation_split_percentage:g}%:]"),
-                "validation": load_dataset(dataset_name, dataset_config_name, split=f"train[:{validation_split_percentage:g}%]"),
+                "train": load_dataset(dataset_name, dataset_config_name, split=f"train[{held_out}:]"),
+                "validation": load_dataset(dataset_name, dataset_config_name, split=f"train[:{held_out}]"),
             })
-        text_columns = [name for name, feature in raw["train"].features.items() if getattr(feature, "dtype", None) == "string"]
+        features = raw["train"].features.items()
+        text_columns = [name for name, feature in features if getattr(feature, "dtype", None) == "string"]
         if not text_columns:
             raise ValueError(f"dataset {dataset_name!r} has no string column to train on")
         column = "text" if "text" in text_columns else text_columns[0]
@@ -67,10 +69,8 @@ def load_text_corpus(*, dataset_name: str | None, dataset_config_name: str | Non
         return raw, f"Hub dataset {dataset_name}" + (f" ({dataset_config_name})" if dataset_config_name else ""), False
 
     if train_file is not None:
-        data_files = {"train": [train_file]}
-        if validation_file is not None:
-            data_files["validation"] = [validation_file]
-        raw = load_dataset("text", data_files=data_files, keep_linebreaks=True)
+        files = {"train": [train_file], **({"validation": [validation_file]} if validation_file else {})}
+        raw = load_dataset("text", keep_linebreaks=True, data_files=files)
         if "validation" not in raw:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, shuffle=False)
             raw = DatasetDict({"train": split["train"], "validation": split["test"]})
@@ -82,8 +82,8 @@ def load_text_corpus(*, dataset_name: str | None, dataset_config_name: str | Non
     if not train_files:
         raise ValueError("the default corpus needs at least two files; raise --corpus_max_mb")
     # sample_by="document": one example per file, so the train/validation split stays by file.
-    raw = load_dataset("text", sample_by="document", data_files={"train": [str(path) for path in train_files],
-                                                                 "validation": [str(path) for path in validation_files]})
+    data_files = {"train": [str(path) for path in train_files], "validation": [str(path) for path in validation_files]}
+    raw = load_dataset("text", sample_by="document", data_files=data_files)
     megabytes = sum(path.stat().st_size for path in files) / 1e6
     return raw, (f"Python standard library source ({len(train_files)} train files, {len(validation_files)} validation "
                  f"files, {megabytes:.1f} MB) from {stdlib_root()}"), True
@@ -106,7 +106,8 @@ def train_bpe_tokenizer(texts, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT)
 
 
-def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int, documents: bool) -> tuple[DatasetDict, dict[str, int]]:
+def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int,
+                      documents: bool) -> tuple[DatasetDict, dict[str, int]]:
     """Tokenize every split and cut the token stream into blocks of exactly ``block_size`` tokens; returns the packed
     ``DatasetDict`` (``input_ids``) and each split's tokens before packing.
 

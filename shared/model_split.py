@@ -20,7 +20,7 @@ LOSS_COST_PER_VOCAB_ENTRY = 180.0
 def find_block_list(model: nn.Module, block_classes: set[str]) -> str:
     """Name of the ``ModuleList`` that holds the Transformer blocks (e.g. ``bert.encoder.layer``)."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and all(type(m).__name__ in block_classes for m in module):
+        if isinstance(module, nn.ModuleList) and module and all(type(m).__name__ in block_classes for m in module):
             return name
     raise ValueError(f"no ModuleList of {sorted(block_classes)} found in {type(model).__name__}")
 
@@ -61,7 +61,8 @@ def plan_device_map(model: nn.Module, num_devices: int, block_classes: set[str] 
     block_list = find_block_list(model, block_classes)
     num_blocks = len(model.get_submodule(block_list))
     if num_blocks < num_devices:
-        raise ValueError(f"{type(model).__name__} has {num_blocks} blocks, fewer than the {num_devices} devices to split over")
+        raise ValueError(f"{type(model).__name__} has {num_blocks} blocks, fewer than the {num_devices} devices to "
+                         "split over")
     # The modules before/after the blocks share a device with the first/last block: their cost is folded in.
     block_costs = [1.0] * num_blocks
     block_costs[0] += first_cost
@@ -105,14 +106,16 @@ def lm_head_cost_in_blocks(model: nn.Module, block_list: str, sequence_length: i
     """Estimated compute of the LM head and loss, in units of one decoder block: a block's matmuls plus
     attention's QK^T and AV (2 x seq x hidden FLOPs each, per token) against the head's matmul plus
     ``LOSS_COST_PER_VOCAB_ENTRY`` per vocabulary entry. Backward is ~2x forward for both, so the ratio holds."""
-    block = _matmul_flops_per_token(model.get_submodule(f"{block_list}.0")) + 4 * sequence_length * model.config.hidden_size
+    attention = 4 * sequence_length * model.config.hidden_size
+    block = _matmul_flops_per_token(model.get_submodule(f"{block_list}.0")) + attention
     head = model.get_output_embeddings()
     return (2 * head.weight.numel() + LOSS_COST_PER_VOCAB_ENTRY * head.weight.shape[0]) / block
 
 
 def blocks_per_part(plan: dict[str, int], block_list: str) -> list[int]:
     """``{"model.layers.0": 0, ..., "model.layers.6": 1, ...}`` -> ``[5, 2]``: blocks each part runs."""
-    parts = [part for name, part in plan.items() if name.startswith(block_list + ".") and name[len(block_list) + 1:].isdigit()]
+    prefix = block_list + "."
+    parts = [part for name, part in plan.items() if name.startswith(prefix) and name[len(prefix):].isdigit()]
     return [parts.count(part) for part in range(max(plan.values()) + 1)]
 
 
@@ -142,7 +145,8 @@ def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[to
     device_map=...)`` sets) makes ``accelerator.prepare`` leave the placement alone and refuse a distributed mode."""
     device_map = {name: devices[part] for name, part in plan.items()}
     embeddings = model.get_input_embeddings()
-    main = next(device for name, device in device_map.items() if any(m is embeddings for m in model.get_submodule(name).modules()))
+    main = next(device for name, device in device_map.items()
+                if any(module is embeddings for module in model.get_submodule(name).modules()))
     model = dispatch_model(model, device_map=device_map, main_device=main, force_hooks=True)
     model.hf_device_map = dict(device_map)
     return model, device_map
@@ -152,12 +156,14 @@ def execution_devices(model: nn.Module, device_map: dict) -> dict[str, str | Non
     """The execution device of the hook Accelerate attached to each planned module (None: no hook), for
     ``results.json``: proof that a split really went through the hooks, on CPU as on GPUs."""
     hooks = {name: getattr(model.get_submodule(name), "_hf_hook", None) for name in device_map}
-    return {name: str(hook.execution_device) if hasattr(hook, "execution_device") else None for name, hook in hooks.items()}
+    return {name: str(hook.execution_device) if hasattr(hook, "execution_device") else None
+            for name, hook in hooks.items()}
 
 
 def parameter_bytes_per_device(model: nn.Module, plan: dict[str, int]) -> dict[int, int]:
     """Bytes of parameters each planned device holds (what the plan puts where, before training)."""
     totals: dict[int, int] = {}
     for name, index in plan.items():
-        totals[index] = totals.get(index, 0) + sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters())
+        size = sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters())
+        totals[index] = totals.get(index, 0) + size
     return totals

@@ -1,8 +1,8 @@
 """Measuring a run (throughput, step time, MFU, peak memory, model-state bytes) and writing ``results.json``.
 
 One metric vocabulary everywhere (logs, trackers, results.json, benchmarks): ``perf/samples_per_sec``,
-``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it), ``perf/data_wait_fraction``,
-``perf/mfu``, ``memory/peak_gib`` (per device).
+``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it),
+``perf/data_wait_fraction``, ``perf/mfu``, ``memory/peak_gib`` (per device).
 """
 
 from __future__ import annotations
@@ -38,13 +38,11 @@ def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
     return peaks
 
 
-def percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: int) -> float | None:
     """The q-th percentile of ``values``, linearly interpolated (numpy's default); None if empty."""
-    if not values:
-        return None
-    ordered, position = sorted(values), (len(values) - 1) * q / 100
-    low, high = int(position), min(int(position) + 1, len(values) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 class ThroughputMeter:
@@ -55,7 +53,7 @@ class ThroughputMeter:
     def __init__(self, accelerator: Accelerator, warmup_steps: int = 1, devices: list[torch.device] | None = None):
         self.accelerator, self.warmup_steps, self.devices = accelerator, warmup_steps, devices or [accelerator.device]
         self.step_times: list[float] = []
-        self.samples = self.tokens = self.steps_seen = 0
+        self.samples = self.tokens = self.answer_tokens = self.steps_seen = 0
         self.data_wait_times: list[float] = []  # per measured step: seconds spent in next(dataloader)
         self._waiting = 0.0  # data wait since the last step()
         self._data_timed = False  # set by timed(): without it the data wait is unknown, not 0
@@ -77,20 +75,22 @@ class ThroughputMeter:
             yield batch
 
     def _synchronize(self) -> None:
-        # Sync point: CUDA kernels run asynchronously; without this the clock would stop before the GPU finished the step.
+        # Sync point: CUDA kernels run asynchronously; without this the clock would stop before the GPU finished the
+        # step.
         for device in self.devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
 
-    def step(self, samples: int, tokens: int = 0) -> None:
+    def step(self, samples: int, tokens: int = 0, answer_tokens: int = 0) -> None:
+        """``answer_tokens``: the tokens a fine-tune learns from (its loss is on them), beside all ``tokens``."""
         self._synchronize()
         now = time.perf_counter()
         self.steps_seen += 1
         if self.steps_seen > self.warmup_steps:
             self.step_times.append(now - self._last)
             self.data_wait_times.append(self._waiting)
-            self.samples += samples
-            self.tokens += tokens
+            self.samples, self.tokens = self.samples + samples, self.tokens + tokens
+            self.answer_tokens += answer_tokens
         self._waiting = 0.0
         self._last = now
 
@@ -108,6 +108,8 @@ class ThroughputMeter:
         }
         if self.tokens:
             summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
+        if self.answer_tokens:
+            summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
         gpus = [device for device in self.devices if device.type == "cuda"]
         if flops_per_token and gpus and summary.get("perf/tokens_per_sec"):
             name, peak = torch.cuda.get_device_name(gpus[0]), peak_bf16_flops(torch.cuda.get_device_name(gpus[0]))
@@ -123,12 +125,12 @@ class ThroughputMeter:
         return summary
 
 
-def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict, filename: str = "results.json") -> Path:
+def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict,
+                  filename: str = "results.json") -> Path:
     """Write ``output_dir/results.json`` (or ``filename``) from the main process, atomically (tmp file + rename):
     readers (tests, benchmarks, the compare tool) never see a half-written file."""
-    path = Path(output_dir) / filename
+    path, tmp = Path(output_dir) / filename, Path(output_dir) / (filename + ".tmp")
     if accelerator.is_main_process:
-        tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, path)
     return path
@@ -145,20 +147,12 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     ``gradients``: one per trainable parameter shard, in its dtype, what backward allocates (``zero_grad`` may have
     freed them by now). Tied weights count once."""
 
-    def local(tensor: torch.Tensor) -> torch.Tensor:
-        # A DTensor (FSDP2) reports its *global* shape; what this process holds is its local shard.
+    def local(tensor: torch.Tensor) -> torch.Tensor:  # a DTensor (FSDP2) reports its *global* shape: count its shard
         return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
-    seen: set[int] = set()
-    parameters = gradients = 0
-    for parameter in model.parameters():
-        shard = local(parameter)
-        if shard.data_ptr() in seen and shard.numel():
-            continue
-        seen.add(shard.data_ptr())
-        parameters += shard.numel() * shard.element_size()
-        if parameter.requires_grad:
-            gradients += shard.numel() * shard.element_size()
+    shards = {local(param).data_ptr(): (local(param), param.requires_grad) for param in model.parameters()}
+    parameters = sum(shard.numel() * shard.element_size() for shard, _ in shards.values())
+    gradients = sum(shard.numel() * shard.element_size() for shard, trained in shards.values() if trained)
     optimizer_state = 0
     if optimizer is not None:
         for state in optimizer.state.values():

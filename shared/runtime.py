@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from collections import namedtuple
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,10 +65,11 @@ def check_process_count(accelerator: Accelerator) -> None:
     if accelerator.num_processes != expected:
         raise RecipeError(
             f"The launcher started {expected} processes (WORLD_SIZE={expected}) but the Accelerator sees "
-            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type.value}), so every process would "
-            "train alone on the full data set and the results would be silently wrong. On a machine without CUDA build "
-            "the Accelerator with cpu=True (shared.runtime.build_accelerator does) or export ACCELERATE_USE_CPU=1; on a GPU "
-            "machine check that the GPUs are visible (CUDA_VISIBLE_DEVICES, nvidia-smi)."
+            f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type.value}), so every process "
+            "would train alone on the full data set and the results would be silently wrong. On a machine without "
+            "CUDA build the Accelerator with cpu=True (shared.runtime.build_accelerator does) or export "
+            "ACCELERATE_USE_CPU=1; on a GPU machine check that the GPUs are visible (CUDA_VISIBLE_DEVICES, "
+            "nvidia-smi)."
         )
 
 
@@ -80,17 +81,19 @@ def distributed_backend(cpu: bool) -> str:
 
 def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -> None:
     """After ``accelerate launch --max_restarts N`` restarted the workers, join them under fresh store keys: torchrun's
-    static rendezvous hands them the *same* TCPStore as the crashed attempt, with no per-attempt prefix (torch 2.13), so
+    static rendezvous hands them the *same* TCPStore as the crashed attempt, with no per-attempt prefix (torch 2.13):
     a worker can read a dead peer's address (gloo: ``connectFullMesh ... Connection refused``; NCCL can hang). A group
     created here under a ``restart_<n>`` prefix gives every attempt its own keys; Accelerate then uses it."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or torch.distributed.is_initialized():
         return
     timeout = {"timeout": timedelta(seconds=dist_timeout)} if dist_timeout is not None else {}
-    agent_store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = torch.distributed.TCPStore(address, port, is_master=False,
                                              **timeout)
     torch.distributed.init_process_group(
-        backend=distributed_backend(cpu), store=torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store),
+        backend=distributed_backend(cpu),
+        store=torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store),
         rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **timeout,
     )
 
@@ -101,7 +104,7 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     ``dist_timeout`` (seconds) bounds every collective: a hung or dead peer fails the others after that long, with an
     error naming the collective, instead of the backend's default (10 minutes for NCCL, 30 for gloo)."""
     cpu = accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (a backend given to a 1-process run makes Accelerate start a group)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (a backend given to 1 process makes Accelerate start a group)
         timeout = {"timeout": timedelta(seconds=dist_timeout)} if dist_timeout is not None else {}
         handlers = list(accelerator_kwargs.pop("kwargs_handlers", None) or [])
         handlers.append(InitProcessGroupKwargs(backend=distributed_backend(cpu), **timeout))
@@ -142,15 +145,12 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # collectives read it from here
     if not accelerator.is_fsdp2:
         raise RecipeError("Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state "
-                          "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from requirements.txt.")
+                          "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from "
+                          "requirements.txt.")
 
 
-@dataclass(frozen=True)
-class Parallelism:
-    """How the model is trained (``single``, ``ddp``, ``fsdp``, ``device_map``, ``pipeline``), and why."""
-
-    name: str
-    reason: str
+# How the model is trained (``single``, ``ddp``, ``fsdp``, ``device_map``, ``pipeline``), and why.
+Parallelism = namedtuple("Parallelism", "name reason")
 
 
 def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str) -> Parallelism:
@@ -158,47 +158,54 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str) ->
     one-paragraph error for a combination that cannot work. ``auto``: an FSDP config gives ``fsdp``; 2+ processes
     ``ddp``; one process that sees 2+ GPUs ``device_map`` (Accelerate refuses to train a device_map model in a
     distributed mode: ``model_sharding_2gpu.yaml`` is a 1-process ``'NO'`` config); otherwise ``single``."""
-    processes, fsdp = accelerator.num_processes, accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config()
+    processes = accelerator.num_processes
+    fsdp = accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config()
     gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
+    why = "the launch config" if requested == "auto" else f"--parallelism {requested}"
     if requested == "auto":
         requested = "fsdp" if fsdp else "ddp" if processes > 1 else "device_map" if gpus >= 2 else "single"
-        why = "the launch config"
-    else:
-        why = f"--parallelism {requested}"
-    launch = f"accelerate launch --config_file accelerate_configs/{CONFIG_FOR.get(requested, 'single_gpu.yaml')} {recipe}"
+    config = CONFIG_FOR.get(requested, CONFIG_FOR["single"])
+    launch = f"accelerate launch --config_file accelerate_configs/{config} {recipe}"
     if requested == "fsdp" and not fsdp:
         raise RecipeError(f"--parallelism fsdp needs the FSDP launch config, which says how to shard (this launch is "
                           f"{accelerator.distributed_type.value}): {launch}")
     if requested != "fsdp" and fsdp:
         raise RecipeError(f"The launch config is FSDP but --parallelism is {requested}: FSDP is not combined with "
-                          f"{requested} here (Accelerate would shard the model anyway). Use --parallelism fsdp (or auto), "
+                          f"{requested} here (Accelerate would shard the model anyway). Use --parallelism fsdp (or "
+                          "auto), "
                           f"or launch {requested} with its own config: {launch}")
     if requested == "device_map" and processes > 1:
-        raise RecipeError(f"--parallelism device_map splits the model inside one process, but this launch has {processes} "
-                          "processes: Accelerate refuses to train a device_map model in a distributed mode (and each process "
-                          f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only machine too).")
+        raise RecipeError("--parallelism device_map splits the model inside one process, but this launch has "
+                          f"{processes} "
+                          "processes: Accelerate refuses to train a device_map model in a distributed mode (and each "
+                          "process "
+                          f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only "
+                          "machine too).")
     if requested in ("ddp", "pipeline") and processes < 2:
-        what = "A pipeline runs one stage per process" if requested == "pipeline" else "--parallelism ddp needs 2 or more processes"
-        raise RecipeError(f"{what}, but this launch has {processes} process. Launch it with 2: {launch} (on a CPU-only machine "
-                          "too: 2 gloo processes).")
-    reasons = {
-        "fsdp": f"{processes} process(es) with the FSDP config: each holds 1/{processes} of every parameter, gradient and "
-                "optimizer state, gathers one block at a time, and trains on its shard"
+        what = ("A pipeline runs one stage per process" if requested == "pipeline"
+                else "--parallelism ddp needs 2 or more processes")
+        raise RecipeError(f"{what}, but this launch has {processes} process. Launch it with 2: {launch} (on a "
+                          "CPU-only machine too: 2 gloo processes).")
+    reason = {
+        "fsdp": f"{processes} process(es), each holding 1/{processes} of every parameter, gradient and optimizer state"
                 + (" (1 process: FSDP2's full code path, nothing to shard over)" if processes == 1 else ""),
-        "ddp": f"{processes} processes ({accelerator.distributed_type.value}): each holds a full replica, gradients averaged",
-        "device_map": "1 process, the model split over " + (f"{gpus} GPUs" if gpus >= 2 else "1 GPU and the CPU" if gpus == 1
-                                                             else 'two CPU "devices" (the GPU code path: same hooks, not faster)'),
-        "pipeline": f"{processes} processes, one pipeline stage each",
-        "single": f"1 process on {'1 GPU' if gpus == 1 else accelerator.device}",
-    }
-    return Parallelism(requested, f"{reasons[requested]} ({why})")
+        "ddp": f"{processes} processes ({accelerator.distributed_type.value}), each a full replica, gradients "
+               "averaged",
+        "device_map": "1 process, the model split over "
+                      "" + (f"{gpus} GPUs" if gpus >= 2 else "1 GPU and the CPU" if gpus == 1
+                                                             else 'two CPU "devices" (the GPU code path: same hooks, '
+                                                                  'not faster)'),
+        "pipeline": f"{processes} processes, one pipeline stage each", "single": f"1 process on {accelerator.device}",
+    }[requested]
+    return Parallelism(requested, f"{reason} ({why})")
 
 
 def run_facts(accelerator: Accelerator) -> dict:
     """What every results.json records about how the run was distributed: processes, backend, device."""
     initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
     return {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
-            "distributed/backend": torch.distributed.get_backend() if initialized else None, "device": str(accelerator.device)}
+            "distributed/backend": torch.distributed.get_backend() if initialized else None,
+            "device": str(accelerator.device)}
 
 
 def prepare_output_dir(path: str | os.PathLike) -> Path:
@@ -210,6 +217,6 @@ def prepare_output_dir(path: str | os.PathLike) -> Path:
         probe.write_text("ok")
         probe.unlink()
     except OSError as error:
-        raise RecipeError(f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can write "
-                          "to; it is created if missing.") from None
+        raise RecipeError(f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can "
+                          "write to; it is created if missing.") from None
     return output_dir

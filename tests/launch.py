@@ -48,7 +48,11 @@ def visible_gpus() -> int:
 
 def devices_for(num_processes: int) -> list[str]:
     """The device each process of an N-process launch uses here: one GPU each when there are enough, else the CPU."""
-    return [f"cuda:{rank}" for rank in range(num_processes)] if visible_gpus() >= num_processes else ["cpu"] * num_processes
+    return (
+        [f"cuda:{rank}" for rank in range(num_processes)]
+        if visible_gpus() >= num_processes
+        else ["cpu"] * num_processes
+    )
 
 
 def launched_processes(config_path: Path, launch_args: tuple[str, ...]) -> int:
@@ -70,12 +74,27 @@ class Launch:
     The output goes to a file, not a pipe, so an orphaned worker cannot block reading it.
     """
 
-    def __init__(self, config: str | Path, script: str | Path, *args, env: dict | None = None,
-                 launch_args: tuple[str, ...] = (), cpu_only: bool | None = None):
+    def __init__(
+        self,
+        config: str | Path,
+        script: str | Path,
+        *args,
+        env: dict | None = None,
+        launch_args: tuple[str, ...] = (),
+        cpu_only: bool | None = None,
+    ):
         config_path = config if Path(config).is_absolute() else CONFIGS / config
         script_path = script if Path(script).is_absolute() else RECIPES / script
-        self.command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
-                        *map(str, launch_args), str(script_path), *map(str, args)]
+        self.command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config_path),
+            *map(str, launch_args),
+            str(script_path),
+            *map(str, args),
+        ]
         self.marker = uuid.uuid4().hex
         full_env = {
             **os.environ,
@@ -96,8 +115,15 @@ class Launch:
         self.cpu_only = cpu_only
         self.log = tempfile.TemporaryFile("w+")
         self.started = time.monotonic()
-        self.process = subprocess.Popen(self.command, cwd=REPO, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command,
+            cwd=REPO,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     def processes(self) -> list[psutil.Process]:
         found = []
@@ -145,8 +171,15 @@ class Launch:
         return Run(self.process.returncode, output, seconds)
 
 
-def launch(config, script, *args, timeout: float = 300, env: dict | None = None, launch_args: tuple[str, ...] = (),
-           cpu_only: bool | None = None) -> Run:
+def launch(
+    config,
+    script,
+    *args,
+    timeout: float = 300,
+    env: dict | None = None,
+    launch_args: tuple[str, ...] = (),
+    cpu_only: bool | None = None,
+) -> Run:
     """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end.
     ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs)."""
     return Launch(config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only).finish(timeout)

@@ -23,8 +23,13 @@ SMOKE_SETUPS = {"single", "ddp", "raw_ddp", "device_map", "pipeline-gpipe-m2"}
 
 
 def cli(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +38,20 @@ def bench(tmp_path_factory):
     matrix = runner.matrix_preset("smoke")
     # A run that fails to start (its script does not exist) and one whose config file does not exist.
     bad = {"recipe": "pipeline_lm", "size": "tiny", "launcher": "accelerate", "args": []}
-    matrix["groups"].append({"name": "broken", "runs": [
-        {**bad, "setup": "missing-script", "config": "single_gpu.yaml", "script": "recipes/no_such_recipe.py"},
-        {**bad, "setup": "missing-config", "config": "no_such_config.yaml", "script": "recipes/pipeline_lm.py"},
-    ]})
+    matrix["groups"].append(
+        {
+            "name": "broken",
+            "runs": [
+                {**bad, "setup": "missing-script", "config": "single_gpu.yaml", "script": "recipes/no_such_recipe.py"},
+                {
+                    **bad,
+                    "setup": "missing-config",
+                    "config": "no_such_config.yaml",
+                    "script": "recipes/pipeline_lm.py",
+                },
+            ],
+        }
+    )
     (root / "matrix.json").write_text(json.dumps(matrix))
     out = root / "out"
     first = cli("run.py", "--matrix", root / "matrix.json", "--output_dir", out, "--jobs", "2", timeout=600)
@@ -57,7 +72,9 @@ def test_runs_recorded_with_the_schema(bench):
         assert record["memory/peak_gib"] and record["flops/per_token"] > 6 * record["model/non_embedding_parameters"]
         assert record["threads_per_process"] == 1 and record["sequence_length"] == 32 and record["measured_steps"] == 1
     assert ok["ddp"]["processes"] == ok["raw_ddp"]["processes"] == 2 and ok["single"]["processes"] == 1
-    assert ok["ddp"]["global_batch_size"] == ok["raw_ddp"]["global_batch_size"] == 2 * ok["single"]["global_batch_size"]
+    assert (
+        ok["ddp"]["global_batch_size"] == ok["raw_ddp"]["global_batch_size"] == 2 * ok["single"]["global_batch_size"]
+    )
     assert ok["raw_ddp"]["recipe"] == "raw_ddp_lm" and ok["raw_ddp"]["launcher"] == "torchrun"
     assert ok["pipeline-gpipe-m2"]["parallelism"] == "pipeline" and ok["pipeline-gpipe-m2"]["num_microbatches"] == 2
     assert ok["device_map"]["config_file"] == "accelerate_configs/model_sharding_2gpu.yaml"
@@ -74,7 +91,13 @@ def test_failed_run_recorded_and_others_go_on(bench):
 
 def test_summary_table_and_plots(bench):
     out, stdout = bench["out"], bench["first"].stdout
-    for text in ("## Runs", "ddp scaling efficiency", "overhead vs raw PyTorch", "pipeline speedup", "## Failed and skipped runs"):
+    for text in (
+        "## Runs",
+        "ddp scaling efficiency",
+        "overhead vs raw PyTorch",
+        "pipeline speedup",
+        "## Failed and skipped runs",
+    ):
         assert text in stdout and text in (out / "summary.md").read_text()
     for name in ("throughput.png", "pipeline_speedup.png", "memory.png"):
         assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -82,8 +105,16 @@ def test_summary_table_and_plots(bench):
 
 def test_rerun_skips_finished_runs(bench):
     before = {path.name: path.read_text() for path in (bench["out"] / "runs").glob("lm-*.json")}
-    again = cli("run.py", "--matrix", bench["root"] / "matrix.json", "--output_dir", bench["out"], "--groups", "lm-tiny",
-                "--no_compare")
+    again = cli(
+        "run.py",
+        "--matrix",
+        bench["root"] / "matrix.json",
+        "--output_dir",
+        bench["out"],
+        "--groups",
+        "lm-tiny",
+        "--no_compare",
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert "5 already done" in again.stdout
     assert before == {path.name: path.read_text() for path in (bench["out"] / "runs").glob("lm-*.json")}
@@ -114,12 +145,21 @@ def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
     minutes = float(one.stdout.split("checks, about ")[1].split(" minutes")[0])
     assert minutes < 8
     names = [line.split()[0] for line in one.stdout.splitlines()[1:] if line.startswith("  ")]
-    assert names == ["finetune-bf16", "finetune-fp16", "finetune-device_map", "lm-single", "lm-fsdp-1process", "lm-device_map",
-                     "linear_toy"]
+    assert names == [
+        "finetune-bf16",
+        "finetune-fp16",
+        "finetune-device_map",
+        "lm-single",
+        "lm-fsdp-1process",
+        "lm-device_map",
+        "linear_toy",
+    ]
     for line in one.stdout.splitlines()[1:]:
         config = line.split("--config_file ")[1].split()[0]
         script = next(part for part in line.split() if part.startswith("recipes/"))
         assert (REPO / config).is_file() and (REPO / script).is_file(), line
     assert "--mixed_precision fp16" in one.stdout and "--num_processes 1" in one.stdout
     two = cli("gpu_check.py", "--dry_run", "--gpus", "2", timeout=120)
-    assert two.returncode == 0 and {"lm-ddp", "lm-fsdp", "lm-pipeline-1f1b-m4", "finetune-ddp"} <= set(two.stdout.split())
+    assert two.returncode == 0 and {"lm-ddp", "lm-fsdp", "lm-pipeline-1f1b-m4", "finetune-ddp"} <= set(
+        two.stdout.split()
+    )

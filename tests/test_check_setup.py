@@ -36,7 +36,9 @@ def runs(tmp_path_factory):
     source = (RECIPES / "check_setup.py").read_text()
     assert source.count(CHECKED_CALL) == 1
     (broken_project / "check_setup.py").write_text(
-        source.replace(CHECKED_CALL, CHECKED_CALL + "\n    tensor[7] += dist.get_rank()  # rank 1 corrupts one element")
+        source.replace(
+            CHECKED_CALL, CHECKED_CALL + "\n    tensor[7] += dist.get_rank()  # rank 1 corrupts one element"
+        )
     )
     specs = {
         "ddp": ("ddp_2gpu.yaml", RECIPES / "check_setup.py"),
@@ -124,6 +126,7 @@ def test_a_link_that_corrupts_data_is_reported_broken(runs):
 
 # ------------------------------------------------------------------- pure functions, no launch
 
+
 @pytest.fixture(scope="module")
 def checker():
     return load_checker()
@@ -162,12 +165,14 @@ def test_nominal_peaks(checker):
 
 # Written from nvidia-smi's documented layout (tab-separated, header underlined with ANSI codes).
 TOPOLOGY_NVLINK = (
-    "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
-    "GPU0\t X \tNV4\t0-31\t0\t\tN/A\n"
-    "GPU1\tNV4\t X \t0-31\t0\t\tN/A\n"
-    "\nLegend:\n\n  X    = Self\n  NV#  = Connection traversing a bonded set of # NVLinks\n"
+    "\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\nGPU0\t X "
+    "\tNV4\t0-31\t0\t\tN/A\nGPU1\tNV4\t X \t0-31\t0\t\tN/A\n\nLegend:\n\n  X    = Self\n  NV#  = Connection "
+    "traversing a bonded set of # NVLinks\n"
 )
-TOPOLOGY_PCIE = "\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tPHB\tSYS\t0-15\nGPU1\tPHB\t X \tSYS\t0-15\nGPU2\tSYS\tSYS\t X \t16-31\n"
+TOPOLOGY_PCIE = (
+    "\tGPU0\tGPU1\tGPU2\tCPU Affinity\nGPU0\t X \tPHB\tSYS\t0-15\nGPU1\tPHB\t X \tSYS\t0-15\n"
+    "GPU2\tSYS\tSYS\t X \t16-31\n"
+)
 NVLINK_STATUS = (
     "GPU 0: NVIDIA GeForce RTX 3090 (UUID: GPU-aaaa)\n\t Link 0: 14.062 GB/s\n\t Link 1: 14.062 GB/s\n"
     "\t Link 2: 14.062 GB/s\n\t Link 3: 14.062 GB/s\n"

@@ -48,11 +48,19 @@ def test_config_checker_catches_what_launches_silently_wrong(tmp_path):
     from launch import REPO
 
     unquoted = tmp_path / "unquoted_no.yaml"
-    unquoted.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nnum_machines: 1\nnum_processes: 2\n")
+    unquoted.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: NO\nnum_machines: 1\nnum_processes: 2\n"
+    )
     single_multi = tmp_path / "multi_gpu_one_process.yaml"
-    single_multi.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 1\n")
-    run = subprocess.run([sys.executable, "tools/config_check.py", str(unquoted), str(single_multi), str(CONFIGS / "ddp_2gpu.yaml")],
-                         cwd=REPO, capture_output=True, text=True)
+    single_multi.write_text(
+        "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nnum_machines: 1\nnum_processes: 1\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "tools/config_check.py", str(unquoted), str(single_multi), str(CONFIGS / "ddp_2gpu.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 1
     assert "distributed_type: NO is unquoted, so YAML reads it as False; write distributed_type: 'NO'" in run.stdout
     assert "Accelerate starts ONE process" in run.stdout

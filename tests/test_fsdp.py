@@ -20,12 +20,45 @@ from safetensors.torch import load_file
 # of 32 tokens (a global batch of 16, as in test_lm_recipes.py), on the smallest corpus that gives
 # 13 validation blocks. Llama has no dropout, so FSDP and DDP see the same numbers up to the order
 # of the gradient sums.
-LM = ("--model_size", "tiny", "--corpus_max_mb", "0.1", "--vocab_size", "512", "--block_size", "32",
-      "--max_train_steps", "5", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-      "--per_device_eval_batch_size", "4", "--max_eval_samples", "13", "--sample_tokens", "8")
+LM = (
+    "--model_size",
+    "tiny",
+    "--corpus_max_mb",
+    "0.1",
+    "--vocab_size",
+    "512",
+    "--block_size",
+    "32",
+    "--max_train_steps",
+    "5",
+    "--per_device_train_batch_size",
+    "4",
+    "--gradient_accumulation_steps",
+    "2",
+    "--per_device_eval_batch_size",
+    "4",
+    "--max_eval_samples",
+    "13",
+    "--sample_tokens",
+    "8",
+)
 # The fine-tune recipe: the real MiniLM, 2 steps of 2 x 8 docstrings.
-FINETUNE = ("--max_train_samples", "32", "--max_eval_samples", "16", "--max_length", "32", "--per_device_train_batch_size", "8",
-            "--per_device_eval_batch_size", "8", "--max_train_steps", "2", "--logging_steps", "1")
+FINETUNE = (
+    "--max_train_samples",
+    "32",
+    "--max_eval_samples",
+    "16",
+    "--max_length",
+    "32",
+    "--per_device_train_batch_size",
+    "8",
+    "--per_device_eval_batch_size",
+    "8",
+    "--max_train_steps",
+    "2",
+    "--logging_steps",
+    "1",
+)
 
 
 def launch_in_two_lanes(*lanes) -> dict:
@@ -33,6 +66,7 @@ def launch_in_two_lanes(*lanes) -> dict:
     ``(name, function)``; the function launches and returns the Run (and may prepare folders first,
     which is why a run that needs another's output goes after it in the same lane). A failed run ends
     its lane, so the failure reported is the first one, not a missing folder after it."""
+
     def run_lane(lane):
         finished = {}
         for name, job in lane:
@@ -61,13 +95,28 @@ def runs(tmp_path_factory):
             shutil.copy(root / "fsdp" / tokenizer_file, stopped)
         # --gradient_checkpointing here too: recomputing activations must not change a single number,
         # so this one run checks both the sharded resume and gradient checkpointing under FSDP.
-        return launch("fsdp_2gpu.yaml", "train_lm.py", *LM, "--resume_from_checkpoint", "latest", "--gradient_checkpointing",
-                      "--output_dir", stopped)
+        return launch(
+            "fsdp_2gpu.yaml",
+            "train_lm.py",
+            *LM,
+            "--resume_from_checkpoint",
+            "latest",
+            "--gradient_checkpointing",
+            "--output_dir",
+            stopped,
+        )
 
     finished = launch_in_two_lanes(
         [lm("fsdp", "fsdp_2gpu.yaml", "--checkpointing_steps", "2"), ("resumed", resume_with_gradient_checkpointing)],
-        [lm("ddp", "ddp_2gpu.yaml"),
-         ("finetune", lambda: launch("fsdp_2gpu.yaml", "transformer_finetune.py", *FINETUNE, "--output_dir", root / "finetune"))],
+        [
+            lm("ddp", "ddp_2gpu.yaml"),
+            (
+                "finetune",
+                lambda: launch(
+                    "fsdp_2gpu.yaml", "transformer_finetune.py", *FINETUNE, "--output_dir", root / "finetune"
+                ),
+            ),
+        ],
     )
     out = {}
     for name, run in finished.items():
@@ -84,7 +133,11 @@ def max_weight_difference(dir_a, dir_b) -> float:
 
 def test_auto_picks_fsdp_under_the_fsdp_config(runs):
     results = runs["fsdp"]["results"]
-    assert (results["parallelism"], results["parallelism_requested"], results["distributed_type"]) == ("fsdp", "auto", "FSDP")
+    assert (results["parallelism"], results["parallelism_requested"], results["distributed_type"]) == (
+        "fsdp",
+        "auto",
+        "FSDP",
+    )
     assert results["num_processes"] == 2 and results["global_batch_size"] == 16 and results["completed_steps"] == 5
     assert "fsdp: one unit per LlamaDecoderLayer" in runs["fsdp"]["log"]
 
@@ -137,7 +190,10 @@ def test_checkpoint_is_sharded_and_resumes_to_the_same_end(runs):
 def test_gradient_checkpointing_gives_the_same_losses(runs):
     """The resumed run recomputed its activations (non-reentrant checkpointing inside FSDP units)."""
     resumed, uninterrupted = runs["resumed"]["results"], runs["fsdp"]["results"]
-    assert resumed["config"]["gradient_checkpointing"] is True and uninterrupted["config"]["gradient_checkpointing"] is False
+    assert (
+        resumed["config"]["gradient_checkpointing"] is True
+        and uninterrupted["config"]["gradient_checkpointing"] is False
+    )
     curve, reference = np.array(resumed["train/loss_curve"]), np.array(uninterrupted["train/loss_curve"][2:])
     assert np.max(np.abs(curve - reference) / np.abs(reference)) <= 1e-5
 
@@ -166,10 +222,16 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
     assert (results["parallelism"], results["distributed_type"], results["completed_steps"]) == ("fsdp", "FSDP", 2)
     assert "fsdp: one unit per BertLayer" in runs["finetune"]["log"]
     for facts in results["fsdp/sharding"].values():
-        assert facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
-    model, loading = AutoModelForSequenceClassification.from_pretrained(runs["finetune"]["dir"], output_loading_info=True)
+        assert (
+            facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
+        )
+    model, loading = AutoModelForSequenceClassification.from_pretrained(
+        runs["finetune"]["dir"], output_loading_info=True
+    )
     assert not loading["missing_keys"] and not loading["unexpected_keys"]
-    assert sum(parameter.numel() for parameter in model.parameters()) == results["fsdp/sharding"]["rank0"]["global_numel"]
+    assert (
+        sum(parameter.numel() for parameter in model.parameters()) == results["fsdp/sharding"]["rank0"]["global_numel"]
+    )
     assert model.config.id2label[0] == results["label_names"][0]
 
 
@@ -181,7 +243,9 @@ def refusal(monkeypatch, parallelism, num_processes, distributed_type, fsdp_conf
     from shared.runtime import RecipeError, choose_parallelism
 
     stand_in(monkeypatch, fsdp_config)
-    accelerator = SimpleNamespace(num_processes=num_processes, distributed_type=distributed_type, device=torch.device("cpu"))
+    accelerator = SimpleNamespace(
+        num_processes=num_processes, distributed_type=distributed_type, device=torch.device("cpu")
+    )
     with pytest.raises(RecipeError) as refused:
         choose_parallelism(accelerator, parallelism, "recipes/train_lm.py")
     assert "\n" not in refused.value.message  # one line
@@ -196,7 +260,7 @@ def stand_in(monkeypatch, fsdp_config: bool) -> None:
 
 
 def test_fsdp_with_one_process_runs_fsdps_code_path_and_says_so(monkeypatch):
-    """1 process under the FSDP config (the GPU check runs it on one GPU): FSDP2's whole code path, nothing to shard."""
+    """1 process under the FSDP config (the GPU check runs it on one GPU): FSDP2's code path, nothing to shard."""
     from accelerate.utils import DistributedType
     from shared.runtime import choose_parallelism
 
@@ -220,6 +284,10 @@ def test_fsdp_needs_the_fsdp_config(monkeypatch):
     from shared.runtime import choose_parallelism
 
     message = refusal(monkeypatch, "fsdp", 2, DistributedType.MULTI_CPU, fsdp_config=False)
-    assert "--parallelism fsdp needs the FSDP launch config" in message and "accelerate_configs/fsdp_2gpu.yaml" in message
-    accelerator = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU, device=torch.device("cpu"))
+    assert (
+        "--parallelism fsdp needs the FSDP launch config" in message and "accelerate_configs/fsdp_2gpu.yaml" in message
+    )
+    accelerator = SimpleNamespace(
+        num_processes=2, distributed_type=DistributedType.MULTI_CPU, device=torch.device("cpu")
+    )
     assert choose_parallelism(accelerator, "ddp", "recipes/train_lm.py").name == "ddp"

@@ -1,5 +1,6 @@
-"""What only GPUs can show: these tests run where the hardware is there and skip with the reason elsewhere. On a CPU-only
-machine (CI) the same code paths run as CPU processes in the other test files; benchmarks/gpu_check.py measures them."""
+"""What only GPUs can show: these tests run where the hardware is there and skip with the reason elsewhere. On a
+CPU-only machine (CI) the same code paths run as CPU processes in the other test files; benchmarks/gpu_check.py
+measures them."""
 
 import json
 import sys
@@ -11,8 +12,11 @@ from launch import REPO, launch_ok, read_results, visible_gpus
 sys.path.insert(0, str(REPO))
 from shared.flops import lm_flops_per_token, peak_bf16_flops  # noqa: E402
 
-TWO_GPUS = pytest.mark.skipif(visible_gpus() < 2, reason="needs 2 GPUs: NCCL refuses two ranks on one GPU, and a 2-GPU split "
-                                                         "needs two (CPU stand-ins run in test_lm_recipes.py and test_reliability.py)")
+TWO_GPUS = pytest.mark.skipif(
+    visible_gpus() < 2,
+    reason="needs 2 GPUs: NCCL refuses two ranks on one GPU, and a 2-GPU split "
+    "needs two (CPU stand-ins run in test_lm_recipes.py and test_reliability.py)",
+)
 ONE_GPU = pytest.mark.skipif(visible_gpus() < 1, reason="needs a GPU (the CPU path runs everywhere else in the suite)")
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -25,7 +29,9 @@ def test_the_mfu_peak_table_knows_the_cards_users_have():
     assert peak_bf16_flops("NVIDIA L4") == 121e12 and peak_bf16_flops("NVIDIA L40S") == 362e12
     assert peak_bf16_flops("Some Future GPU") is None  # then no MFU is reported rather than a wrong one
     # 6N + 12 L H S with N the parameters less the input embedding: 125m-like shape, 32k vocabulary, 1,024 tokens.
-    assert lm_flops_per_token(768, 12, 32000, 134_000_000, 1024) == 6 * (134_000_000 - 32000 * 768) + 12 * 12 * 768 * 1024
+    assert (
+        lm_flops_per_token(768, 12, 32000, 134_000_000, 1024) == 6 * (134_000_000 - 32000 * 768) + 12 * 12 * 768 * 1024
+    )
 
 
 @TWO_GPUS
@@ -38,19 +44,54 @@ def test_object_collectives_go_through_each_ranks_own_gpu(tmp_path):
 
 @TWO_GPUS
 def test_the_model_sharding_config_splits_the_fine_tune_over_both_gpus(tmp_path):
-    launch_ok("model_sharding_2gpu.yaml", "transformer_finetune.py", "--output_dir", tmp_path, "--max_train_samples", "64",
-              "--max_eval_samples", "16", "--max_length", "32", "--per_device_train_batch_size", "8", "--max_train_steps", "3")
+    launch_ok(
+        "model_sharding_2gpu.yaml",
+        "transformer_finetune.py",
+        "--output_dir",
+        tmp_path,
+        "--max_train_samples",
+        "64",
+        "--max_eval_samples",
+        "16",
+        "--max_length",
+        "32",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_train_steps",
+        "3",
+    )
     results = read_results(tmp_path)
-    assert results["parallelism"] == "device_map" and sorted(set(results["device_map"].values())) == ["cuda:0", "cuda:1"]
+    assert results["parallelism"] == "device_map" and sorted(set(results["device_map"].values())) == [
+        "cuda:0",
+        "cuda:1",
+    ]
     assert results["device_map/hooks"] == results["device_map"]
     assert set(results["memory/peak_gib"]) == {"cuda:0", "cuda:1"}
 
 
 @ONE_GPU
 def test_mfu_is_recorded_against_this_gpus_peak(tmp_path):
-    launch_ok("single_gpu.yaml", "train_lm.py", "--output_dir", tmp_path, "--model_size", "tiny", "--corpus_max_mb", "0.3",
-              "--vocab_size", "512", "--block_size", "64", "--max_train_steps", "4", "--perf_warmup_steps", "1", "--sample_tokens", "0",
-              cpu_only=False)
+    launch_ok(
+        "single_gpu.yaml",
+        "train_lm.py",
+        "--output_dir",
+        tmp_path,
+        "--model_size",
+        "tiny",
+        "--corpus_max_mb",
+        "0.3",
+        "--vocab_size",
+        "512",
+        "--block_size",
+        "64",
+        "--max_train_steps",
+        "4",
+        "--perf_warmup_steps",
+        "1",
+        "--sample_tokens",
+        "0",
+        cpu_only=False,
+    )
     results = read_results(tmp_path)
     assert results["device"] == "cuda:0" and results["distributed/backend"] is None
     if results["perf/peak_flops_per_device"]:

@@ -28,7 +28,7 @@ def lines_of(path: Path) -> list[str]:
 
 
 def without_marked_additions(lines: list[str]) -> tuple[list[str], int]:
-    """The lines outside ``# New Code (pipeline) #`` ... ``# End New Code #`` blocks, and how many blocks there were."""
+    """The lines outside ``# New Code (pipeline) #`` ... ``# End New Code #`` blocks, and how many blocks."""
     kept, inside, blocks = [], False, 0
     for line in lines:
         if line.strip() == BEGIN:
@@ -50,34 +50,51 @@ def test_pipeline_recipe_is_train_lm_plus_marked_additions():
     base = lines_of(REPO / "recipes" / "train_lm.py")
     pipeline, blocks = without_marked_additions(lines_of(REPO / "recipes" / "pipeline_lm.py"))
     assert blocks >= 10
-    unmarked = [(tag, pipeline[j1:j2]) for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, pipeline, autojunk=False).get_opcodes()
-                if tag in ("insert", "replace")]
+    unmarked = [
+        (tag, pipeline[j1:j2])
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, pipeline, autojunk=False).get_opcodes()
+        if tag in ("insert", "replace")
+    ]
     assert not unmarked, f"lines of pipeline_lm.py that are neither train_lm.py's nor marked as new: {unmarked[:3]}"
 
 
 def code_names(path: Path) -> set[str]:
     """The identifiers and attribute names of a file's code: no strings, no comments."""
-    return {token.string for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-            if token.type == tokenize.NAME}
+    return {
+        token.string
+        for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+        if token.type == tokenize.NAME
+    }
 
 
 def test_a_reader_of_one_family_never_reads_the_others_branches():
     train, pipeline = code_names(REPO / "recipes" / "train_lm.py"), code_names(REPO / "recipes" / "pipeline_lm.py")
     assert not {name for name in train if "pipeline" in name or name in ("schedule", "stage")}
-    assert not {name for name in pipeline if "fsdp" in name or "ddp" in name or name in ("device_map", "split_over", "dispatch_on_devices")}
-    assert "parallelism" not in {node.arg for node in ast.walk(ast.parse((REPO / "recipes" / "pipeline_lm.py").read_text()))
-                                 if isinstance(node, ast.keyword)}
+    assert not {
+        name
+        for name in pipeline
+        if "fsdp" in name or "ddp" in name or name in ("device_map", "split_over", "dispatch_on_devices")
+    }
+    assert "parallelism" not in {
+        node.arg
+        for node in ast.walk(ast.parse((REPO / "recipes" / "pipeline_lm.py").read_text()))
+        if isinstance(node, ast.keyword)
+    }
 
 
 # ----------------------------------------------------------------------------- shared/
 def python_files(folder: Path) -> list[Path]:
-    """Our Python files under ``folder``; shared/metrics/ holds vendored evaluate modules, loaded by path, not imported."""
-    return sorted(path for path in folder.rglob("*.py") if "__pycache__" not in path.parts and "metrics" not in path.parts)
+    """Our Python files under ``folder`` (shared/metrics/ holds vendored evaluate modules, loaded by path)."""
+    return sorted(
+        path for path in folder.rglob("*.py") if "__pycache__" not in path.parts and "metrics" not in path.parts
+    )
 
 
 def test_shared_is_small():
     total = sum(len(path.read_text().splitlines()) for path in python_files(REPO / "shared"))
-    assert total <= SHARED_LINE_BUDGET, f"shared/ has {total} lines of Python (vendored metrics aside), over {SHARED_LINE_BUDGET}"
+    assert total <= SHARED_LINE_BUDGET, (
+        f"shared/ has {total} lines of Python (vendored metrics aside), over {SHARED_LINE_BUDGET}"
+    )
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -91,7 +108,9 @@ def imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             found.add(base)
             found |= {f"{base}.{alias.name}" for alias in node.names}
     return found
@@ -111,7 +130,10 @@ def repository_modules() -> dict[str, Path]:
 
 def import_graph() -> dict[str, set[str]]:
     modules = repository_modules()
-    return {name: {other for other in imported_modules(path) if other in modules and other != name} for name, path in modules.items()}
+    return {
+        name: {other for other in imported_modules(path) if other in modules and other != name}
+        for name, path in modules.items()
+    }
 
 
 def test_shared_holds_only_what_recipes_import():
@@ -130,14 +152,16 @@ def test_imports_point_one_way_and_form_no_cycle():
     graph = import_graph()
     for name, imports in graph.items():
         if name.startswith("shared"):
-            assert all(other.startswith("shared") for other in imports), f"{name} imports {imports}: shared imports only shared"
+            assert all(other.startswith("shared") for other in imports), (
+                f"{name} imports {imports}: shared imports only shared"
+            )
         if name.startswith("tools."):
             assert all(other.startswith(("shared", "tools")) for other in imports), f"{name} imports {imports}"
     visiting, done = [], set()
 
     def visit(module):
         if module in visiting:
-            raise AssertionError("import cycle: " + " -> ".join(visiting[visiting.index(module):] + [module]))
+            raise AssertionError("import cycle: " + " -> ".join(visiting[visiting.index(module) :] + [module]))
         if module in done:
             return
         visiting.append(module)
@@ -157,8 +181,13 @@ def test_recipes_find_their_own_shared_before_an_installed_one(tmp_path):
     (impostor / "__init__.py").write_text("raise ImportError('the wrong shared package was imported')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     for recipe in ("linear_toy.py", "train_lm.py"):
-        run = subprocess.run([sys.executable, str(REPO / "recipes" / recipe), "--help"], capture_output=True, text=True, env=env,
-                             timeout=120)
+        run = subprocess.run(
+            [sys.executable, str(REPO / "recipes" / recipe), "--help"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert run.returncode == 0, run.stderr[-2000:]
 
 
@@ -223,9 +252,15 @@ def parser_of(path: Path) -> argparse.ArgumentParser:
 @pytest.fixture(scope="module")
 def flags():
     """{script: {flag: action}} for every recipe and tool."""
-    return {path.relative_to(REPO).as_posix(): {option: action for action in parser_of(path)._actions
-                                                for option in action.option_strings if option.startswith("--")}
-            for path in RECIPES + TOOLS}
+    return {
+        path.relative_to(REPO).as_posix(): {
+            option: action
+            for action in parser_of(path)._actions
+            for option in action.option_strings
+            if option.startswith("--")
+        }
+        for path in RECIPES + TOOLS
+    }
 
 
 def test_no_concept_is_named_two_ways(flags):
@@ -237,6 +272,7 @@ def test_no_concept_is_named_two_ways(flags):
 
 def test_one_name_means_one_thing(flags):
     """A flag that several scripts take has the same kind everywhere: a switch, or a value of one type."""
+
     def kind(action):
         return (type(action).__name__, getattr(action.type, "__name__", str(action.type)), action.nargs)
 

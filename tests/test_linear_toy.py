@@ -24,13 +24,27 @@ def runs(tmp_path_factory):
     specs = {
         "single": ("single_gpu.yaml", "--per_device_train_batch_size", "16"),
         "ddp": ("ddp_2gpu.yaml", "--per_device_train_batch_size", "8"),
-        "accumulation": ("single_gpu.yaml", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"),
+        "accumulation": (
+            "single_gpu.yaml",
+            "--per_device_train_batch_size",
+            "8",
+            "--gradient_accumulation_steps",
+            "2",
+        ),
     }
     outputs = {}
     for name, (config, *args) in specs.items():
         out = root / name
-        run = launch_ok(config, "linear_toy.py", "--output_dir", out, "--max_train_steps", STEPS, *args,
-                        cpu_only=same_devices_as_ddp if config == "single_gpu.yaml" else None)
+        run = launch_ok(
+            config,
+            "linear_toy.py",
+            "--output_dir",
+            out,
+            "--max_train_steps",
+            STEPS,
+            *args,
+            cpu_only=same_devices_as_ddp if config == "single_gpu.yaml" else None,
+        )
         outputs[name] = {"dir": out, "results": read_results(out), "log": run.output}
     return outputs
 
@@ -63,8 +77,19 @@ def test_loss_goes_down_and_the_true_weights_are_learned(runs):
 
 def test_results_json_holds_what_users_compare(runs):
     results = runs["ddp"]["results"]
-    for key in ("num_processes", "distributed_type", "parallelism", "global_batch_size", "train/loss",
-                "model/weight", "true/weight", "perf/samples_per_sec", "perf/step_time_s", "memory/peak_gib", "config"):
+    for key in (
+        "num_processes",
+        "distributed_type",
+        "parallelism",
+        "global_batch_size",
+        "train/loss",
+        "model/weight",
+        "true/weight",
+        "perf/samples_per_sec",
+        "perf/step_time_s",
+        "memory/peak_gib",
+        "config",
+    ):
         assert key in results, key
     assert results["parallelism"] == "ddp"
     assert results["config"]["per_device_train_batch_size"] == 8
@@ -99,7 +124,9 @@ def copy_project(destination: Path) -> Path:
 def test_a_copied_recipe_runs_unchanged(runs, tmp_path):
     script = copy_project(tmp_path / "project")
     out = tmp_path / "out"
-    launch_ok("ddp_2gpu.yaml", script, "--output_dir", out, "--max_train_steps", STEPS, "--per_device_train_batch_size", "8")
+    launch_ok(
+        "ddp_2gpu.yaml", script, "--output_dir", out, "--max_train_steps", STEPS, "--per_device_train_batch_size", "8"
+    )
     assert np.abs(weights(read_results(out)) - weights(runs["ddp"]["results"])).max() == 0
 
 
@@ -111,9 +138,13 @@ def test_equivalence_check_catches_a_model_not_wrapped_in_ddp(runs, tmp_path):
     source = script.read_text()
     wrapped = "model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)"
     assert wrapped in source
-    script.write_text(source.replace(wrapped, "optimizer, train_dataloader = accelerator.prepare(optimizer, train_dataloader)"))
+    script.write_text(
+        source.replace(wrapped, "optimizer, train_dataloader = accelerator.prepare(optimizer, train_dataloader)")
+    )
     out = tmp_path / "out"
-    launch_ok("ddp_2gpu.yaml", script, "--output_dir", out, "--max_train_steps", STEPS, "--per_device_train_batch_size", "8")
+    launch_ok(
+        "ddp_2gpu.yaml", script, "--output_dir", out, "--max_train_steps", STEPS, "--per_device_train_batch_size", "8"
+    )
     assert np.abs(weights(read_results(out)) - weights(runs["single"]["results"])).max() > 1e-4
 
 
@@ -140,8 +171,16 @@ def test_output_dir_that_cannot_be_created_is_refused(tmp_path):
 
 
 def test_data_set_too_small_for_the_global_batch_is_refused(tmp_path):
-    run = launch("ddp_2gpu.yaml", "linear_toy.py", "--output_dir", tmp_path, "--num_samples", "16",
-                 "--per_device_train_batch_size", "16")
+    run = launch(
+        "ddp_2gpu.yaml",
+        "linear_toy.py",
+        "--output_dir",
+        tmp_path,
+        "--num_samples",
+        "16",
+        "--per_device_train_batch_size",
+        "16",
+    )
     assert run.returncode != 0
     assert "One optimizer step needs 32 samples" in run.output
 

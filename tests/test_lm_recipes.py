@@ -15,9 +15,28 @@ from safetensors.torch import load_file
 # Tiny preset, 5 optimizer steps of 2 accumulated batches of 8 blocks x 32 tokens. 13 validation
 # blocks with evaluation batches of 4: the last batch is short (pipeline pads it, ddp's sharded
 # loader repeats samples), which is what the "each block exactly once" check needs.
-TINY = ("--model_size", "tiny", "--corpus_max_mb", "0.5", "--vocab_size", "512", "--block_size", "32",
-        "--max_train_steps", "5", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
-        "--per_device_eval_batch_size", "4", "--max_eval_samples", "13", "--sample_tokens", "8")
+TINY = (
+    "--model_size",
+    "tiny",
+    "--corpus_max_mb",
+    "0.5",
+    "--vocab_size",
+    "512",
+    "--block_size",
+    "32",
+    "--max_train_steps",
+    "5",
+    "--per_device_train_batch_size",
+    "8",
+    "--gradient_accumulation_steps",
+    "2",
+    "--per_device_eval_batch_size",
+    "4",
+    "--max_eval_samples",
+    "13",
+    "--sample_tokens",
+    "8",
+)
 EVAL_BLOCKS, BLOCK = 13, 32
 MODES = ("single", "device_map", "gpipe", "1f1b", "ddp")
 TRAIN, PIPELINE = "train_lm.py", "pipeline_lm.py"
@@ -31,8 +50,10 @@ def launch_two_at_a_time(jobs: dict[str, tuple]) -> dict:
     # Every run on the kind of device the 2-process runs get (CPU processes where there are fewer than 2 GPUs), so
     # the runs compare exactly.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(launch, config, recipe, *args, cpu_only=visible_gpus() < 2)
-                   for name, (config, recipe, *args) in jobs.items()}
+        futures = {
+            name: pool.submit(launch, config, recipe, *args, cpu_only=visible_gpus() < 2)
+            for name, (config, recipe, *args) in jobs.items()
+        }
         return {name: future.result() for name, future in futures.items()}
 
 
@@ -44,18 +65,33 @@ def runs(tmp_path_factory):
         # Listed so that a 1-process run starts beside each 2-process one.
         "gpipe": ("pipeline_2gpu.yaml", PIPELINE, "--pipeline_schedule", "gpipe", "--num_microbatches", "2"),
         "single": ("single_gpu.yaml", TRAIN),
-        "1f1b": ("pipeline_2gpu.yaml", PIPELINE, "--pipeline_schedule", "1f1b", "--num_microbatches", "4",
-                 "--checkpointing_steps", "2"),
+        "1f1b": (
+            "pipeline_2gpu.yaml",
+            PIPELINE,
+            "--pipeline_schedule",
+            "1f1b",
+            "--num_microbatches",
+            "4",
+            "--checkpointing_steps",
+            "2",
+        ),
         # --checkpointing_steps: the resume tests below start from these runs' step-2 checkpoints.
         "device_map": ("model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map", "--checkpointing_steps", "2"),
         # 2 processes x 4 blocks = the same 16-block global batch, in the same order (seedable sampler).
         "ddp": ("ddp_2gpu.yaml", TRAIN, "--per_device_train_batch_size", "4"),
     }
-    finished = launch_two_at_a_time({name: (config, recipe, *TINY, *args, "--output_dir", root / name)
-                                     for name, (config, recipe, *args) in specs.items()})
+    finished = launch_two_at_a_time(
+        {
+            name: (config, recipe, *TINY, *args, "--output_dir", root / name)
+            for name, (config, recipe, *args) in specs.items()
+        }
+    )
     for name, run in finished.items():
         assert run.returncode == 0, f"{name}: {run}"
-    return {name: {"dir": root / name, "results": read_results(root / name), "log": run.output} for name, run in finished.items()}
+    return {
+        name: {"dir": root / name, "results": read_results(root / name), "log": run.output}
+        for name, run in finished.items()
+    }
 
 
 def relative_difference(curve, reference) -> float:
@@ -70,11 +106,20 @@ def max_weight_difference(dir_a, dir_b) -> float:
 
 
 def test_every_mode_ran_as_asked(runs):
-    expected = {"single": ("single", 1, 1), "device_map": ("device_map", 1, 2), "gpipe": ("pipeline", 2, 2),
-                "1f1b": ("pipeline", 2, 2), "ddp": ("ddp", 2, 1)}
+    expected = {
+        "single": ("single", 1, 1),
+        "device_map": ("device_map", 1, 2),
+        "gpipe": ("pipeline", 2, 2),
+        "1f1b": ("pipeline", 2, 2),
+        "ddp": ("ddp", 2, 1),
+    }
     for name, (parallelism, processes, stages) in expected.items():
         results = runs[name]["results"]
-        assert (results["parallelism"], results["num_processes"], results["num_stages"]) == (parallelism, processes, stages), name
+        assert (results["parallelism"], results["num_processes"], results["num_stages"]) == (
+            parallelism,
+            processes,
+            stages,
+        ), name
         assert results["global_batch_size"] == 16 and results["completed_steps"] == 5, name
         assert results["config"]["gradient_accumulation_steps"] == 2, name
     # Two GPUs, or two CPU "devices": the same split, hooks and moves.
@@ -126,8 +171,16 @@ def test_validation_perplexity_counts_every_block_exactly_once(runs, mode):
 def test_results_json_holds_what_users_compare(runs):
     for name in MODES:
         results = runs[name]["results"]
-        for key in ("parallelism", "perf/tokens_per_sec", "perf/step_time_s", "memory/peak_gib", "eval/perplexity",
-                    "num_processes", "distributed/backend", "config"):
+        for key in (
+            "parallelism",
+            "perf/tokens_per_sec",
+            "perf/step_time_s",
+            "memory/peak_gib",
+            "eval/perplexity",
+            "num_processes",
+            "distributed/backend",
+            "config",
+        ):
             assert key in results, (name, key)
         if results["parallelism"] == "pipeline":
             assert {"pipeline_schedule", "num_microbatches", "pipeline/ideal_bubble_fraction"} <= set(results), name
@@ -138,7 +191,9 @@ def test_results_json_holds_what_users_compare(runs):
     assert runs["1f1b"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 5)
     assert runs["1f1b"]["results"]["num_microbatches"] == 4
     # Peak memory per stage (one process each) for the pipeline.
-    assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {f"rank{rank}/{device}" for rank, device in enumerate(devices_for(2))}
+    assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {
+        f"rank{rank}/{device}" for rank, device in enumerate(devices_for(2))
+    }
 
 
 def test_fit_planner_model_state_matches_the_measured_bytes(runs):
@@ -160,10 +215,16 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     setups = plan(shape, gpus=2, gpu_memory_gib=1, seq_len=BLOCK, micro_batch=4, mixed_precision="no")["setups"]
 
     def assert_close(estimated: float, measured: float, what: str) -> None:
-        assert abs(estimated / measured - 1) <= 0.15, f"{what}: estimated {estimated:,.0f} B, measured {measured:,.0f} B"
+        assert abs(estimated / measured - 1) <= 0.15, (
+            f"{what}: estimated {estimated:,.0f} B, measured {measured:,.0f} B"
+        )
 
-    per_rank = {"single": setups["single"]["devices"], "ddp": setups["ddp"]["devices"],
-                "gpipe": setups["pipeline"]["devices"], "1f1b": setups["pipeline"]["devices"]}
+    per_rank = {
+        "single": setups["single"]["devices"],
+        "ddp": setups["ddp"]["devices"],
+        "gpipe": setups["pipeline"]["devices"],
+        "1f1b": setups["pipeline"]["devices"],
+    }
     if "fsdp" in runs:  # full shard: 1/N of every parameter, gradient and optimizer state per rank
         per_rank["fsdp"] = setups["fsdp"]["devices"]
     for mode, devices in per_rank.items():
@@ -176,12 +237,17 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     for mode in ("gpipe", "1f1b", "device_map"):
         assert setups["pipeline"]["blocks_per_device"] == runs[mode]["results"]["blocks_per_stage"], mode
     split = runs["device_map"]
-    assert_close(sum(device["model_state"] for device in setups["device_map"]["devices"]),
-                 split["results"]["memory/model_state_bytes"]["rank0"]["total"], "device_map (one process)")
+    assert_close(
+        sum(device["model_state"] for device in setups["device_map"]["devices"]),
+        split["results"]["memory/model_state_bytes"]["rank0"]["total"],
+        "device_map (one process)",
+    )
     first_blocks = split["results"]["blocks_per_stage"][0]
     held = [0, 0]
     for name, tensor in load_file(split["dir"] / "model.safetensors").items():
-        on_first = name.startswith("model.embed_tokens.") or (name.startswith("model.layers.") and int(name.split(".")[2]) < first_blocks)
+        on_first = name.startswith("model.embed_tokens.") or (
+            name.startswith("model.layers.") and int(name.split(".")[2]) < first_blocks
+        )
         held[0 if on_first else 1] += tensor.numel() * tensor.element_size()
     for index, device in enumerate(setups["device_map"]["devices"]):
         assert_close(device["parameters"], held[index], f"device_map device {index} parameters")
@@ -210,16 +276,30 @@ def resumed(runs, tmp_path_factory):
     --resume_from_checkpoint latest and trained to the end; and a run that starts from a saved model."""
     root = tmp_path_factory.mktemp("resumed")
     jobs = {}
-    for name, config, recipe, *args in (("1f1b", "pipeline_2gpu.yaml", PIPELINE, "--num_microbatches", "4"),
-                                        ("device_map", "model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map")):
+    for name, config, recipe, *args in (
+        ("1f1b", "pipeline_2gpu.yaml", PIPELINE, "--num_microbatches", "4"),
+        ("device_map", "model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
+    ):
         stopped = root / name
         shutil.copytree(runs[name]["dir"] / "checkpoints" / "step_000002", stopped / "checkpoints" / "step_000002")
         for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(runs[name]["dir"] / tokenizer_file, stopped)
         jobs[name] = (config, recipe, *TINY, *args, "--resume_from_checkpoint", "latest", "--output_dir", stopped)
     # Also in this batch: a run that starts from the 1f1b run's saved (gathered) model and tokenizer.
-    jobs["pretrained"] = ("model_sharding_2gpu.yaml", TRAIN, *TINY, "--parallelism", "device_map", "--model_name_or_path", runs["1f1b"]["dir"],
-                          "--eval_before_training", "--max_train_steps", "1", "--output_dir", root / "pretrained")
+    jobs["pretrained"] = (
+        "model_sharding_2gpu.yaml",
+        TRAIN,
+        *TINY,
+        "--parallelism",
+        "device_map",
+        "--model_name_or_path",
+        runs["1f1b"]["dir"],
+        "--eval_before_training",
+        "--max_train_steps",
+        "1",
+        "--output_dir",
+        root / "pretrained",
+    )
     finished = launch_two_at_a_time(jobs)
     outputs = {}
     for name, run in finished.items():
@@ -235,7 +315,9 @@ def test_resumed_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
     uninterrupted = runs["1f1b"]
     checkpoint = uninterrupted["dir"] / "checkpoints" / "step_000002"
     assert {path.name for path in checkpoint.iterdir()} >= {"stage_0", "stage_1", "progress.json", "pipeline.json"}
-    assert resumed["1f1b"]["results"]["train/loss_curve"] == pytest.approx(uninterrupted["results"]["train/loss_curve"][2:], rel=1e-6)
+    assert resumed["1f1b"]["results"]["train/loss_curve"] == pytest.approx(
+        uninterrupted["results"]["train/loss_curve"][2:], rel=1e-6
+    )
     assert max_weight_difference(resumed["1f1b"]["dir"], uninterrupted["dir"]) <= 1e-6
 
 
@@ -243,7 +325,9 @@ def test_resumed_device_map_run_ends_like_the_uninterrupted_run(runs, resumed):
     """The other modes use accelerator.save_state/load_state and skip_first_batches."""
     uninterrupted = runs["device_map"]
     assert (uninterrupted["dir"] / "checkpoints" / "step_000002" / "optimizer.bin").exists()
-    assert resumed["device_map"]["results"]["train/loss_curve"] == pytest.approx(uninterrupted["results"]["train/loss_curve"][2:], rel=1e-6)
+    assert resumed["device_map"]["results"]["train/loss_curve"] == pytest.approx(
+        uninterrupted["results"]["train/loss_curve"][2:], rel=1e-6
+    )
     assert max_weight_difference(resumed["device_map"]["dir"], uninterrupted["dir"]) <= 1e-6
 
 
@@ -251,7 +335,9 @@ def test_training_starts_from_a_saved_model_and_its_tokenizer(runs, resumed):
     """--model_name_or_path with the pipeline run's output folder: the gathered weights load (perplexity
     before training = the pipeline run's final perplexity) with the model's own tokenizer."""
     saved, pretrained = runs["1f1b"], resumed["pretrained"]
-    assert pretrained["results"]["eval/perplexity_before_training"] == pytest.approx(saved["results"]["eval/perplexity"], rel=1e-5)
+    assert pretrained["results"]["eval/perplexity_before_training"] == pytest.approx(
+        saved["results"]["eval/perplexity"], rel=1e-5
+    )
     assert (pretrained["dir"] / "tokenizer.json").read_text() == (saved["dir"] / "tokenizer.json").read_text()
     assert pretrained["results"]["completed_steps"] == 1
 
@@ -265,14 +351,25 @@ def refusals(tmp_path_factory):
     tiny_text.write_text("x = 1\n")
     cases = {
         "layers": ("model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map", "--num_layers", "1"),
-        "microbatches": ("pipeline_2gpu.yaml", PIPELINE, "--per_device_train_batch_size", "6", "--num_microbatches", "4"),
+        "microbatches": (
+            "pipeline_2gpu.yaml",
+            PIPELINE,
+            "--per_device_train_batch_size",
+            "6",
+            "--num_microbatches",
+            "4",
+        ),
         "block_size": ("single_gpu.yaml", TRAIN, "--block_size", "512"),
         "pipeline_one_process": ("single_gpu.yaml", PIPELINE),
         "device_map_two_processes": ("ddp_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
         "small_corpus": ("single_gpu.yaml", TRAIN, "--train_file", tiny_text, "--validation_file", tiny_text),
     }
-    finished = launch_two_at_a_time({name: (config, recipe, *TINY, *args, "--output_dir", root / name)
-                                     for name, (config, recipe, *args) in cases.items()})
+    finished = launch_two_at_a_time(
+        {
+            name: (config, recipe, *TINY, *args, "--output_dir", root / name)
+            for name, (config, recipe, *args) in cases.items()
+        }
+    )
     messages = {}
     for name, run in finished.items():
         assert run.returncode != 0, f"{name}: {run}"
@@ -282,7 +379,9 @@ def refusals(tmp_path_factory):
 
 
 def test_fewer_decoder_layers_than_stages_is_refused(refusals):
-    assert "The model has 1 decoder layers but device_map needs at least one per stage (2 stages)" in refusals["layers"]
+    assert (
+        "The model has 1 decoder layers but device_map needs at least one per stage (2 stages)" in refusals["layers"]
+    )
 
 
 def test_batch_not_divisible_by_microbatches_is_refused(refusals):

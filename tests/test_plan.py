@@ -23,10 +23,36 @@ def minilm_path() -> str:
 
 
 def test_the_command_prints_a_table_and_a_recommendation():
-    run = subprocess.run([sys.executable, "tools/plan.py", "--model_size", "1.3b", "--gpus", "2", "--gpu_memory_gib", "24",
-                          "--seq_len", "1024", "--micro_batch", "4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "tools/plan.py",
+            "--model_size",
+            "1.3b",
+            "--gpus",
+            "2",
+            "--gpu_memory_gib",
+            "24",
+            "--seq_len",
+            "1024",
+            "--micro_batch",
+            "4",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
-    for row in ("single", "ddp (each GPU)", "fsdp (each GPU)", "pipeline stage0", "pipeline stage1", "device_map gpu0", "device_map gpu1"):
+    for row in (
+        "single",
+        "ddp (each GPU)",
+        "fsdp (each GPU)",
+        "pipeline stage0",
+        "pipeline stage1",
+        "device_map gpu0",
+        "device_map gpu1",
+    ):
         assert f"\n{row} " in run.stdout, row
     assert "recommendation: fsdp." in run.stdout
 
@@ -37,7 +63,9 @@ def test_json_output_is_machine_readable(capsys):
     assert result["recommendation"]["setup"] == "ddp"
     assert set(result["setups"]) == {"single", "ddp", "fsdp", "pipeline", "device_map"}
     device = result["setups"]["ddp"]["devices"][0]
-    assert device["total"] == sum(device[key] for key in ("parameters", "gradients", "optimizer", "buffers", "activations", "overhead"))
+    assert device["total"] == sum(
+        device[key] for key in ("parameters", "gradients", "optimizer", "buffers", "activations", "overhead")
+    )
 
 
 @pytest.mark.parametrize("model_size", list(MODEL_SIZES))
@@ -49,7 +77,9 @@ def test_parameter_counts_match_the_real_model(model_size):
 
     shape = preset_shape(model_size)
     preset = MODEL_SIZES[model_size]
-    config = LlamaConfig(**preset, num_key_value_heads=preset["num_attention_heads"], vocab_size=32000, tie_word_embeddings=False)
+    config = LlamaConfig(
+        **preset, num_key_value_heads=preset["num_attention_heads"], vocab_size=32000, tie_word_embeddings=False
+    )
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
     assert shape.num_parameters == sum(parameter.numel() for parameter in model.parameters())
@@ -73,7 +103,9 @@ def test_split_is_the_recipes():
     for size in ("125m", "1.3b", "7b"):
         preset = MODEL_SIZES[size]
         with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(LlamaConfig(**preset, vocab_size=32000, tie_word_embeddings=False))
+            model = AutoModelForCausalLM.from_config(
+                LlamaConfig(**preset, vocab_size=32000, tie_word_embeddings=False)
+            )
         recipe_plan = plan_device_map(model, 2, last_cost=lm_head_cost_in_blocks(model, "model.layers", 1024))
         assert split_blocks(preset_shape(size), 2, 1024) == blocks_per_part(recipe_plan, "model.layers"), size
 
@@ -102,7 +134,10 @@ def test_7b_ddp_does_not_fit_and_is_not_halved():
     assert fsdp["model_state"] == pytest.approx(single["model_state"] / 2, rel=1e-6)  # FSDP is what halves it
     assert single["model_state"] == 16 * 6_738_415_616  # 2 + 2 + 12 bytes per parameter
     assert result["recommendation"]["setup"] is None
-    assert "Nothing fits" in result["recommendation"]["reason"] and "FSDP would fit on" in result["recommendation"]["reason"]
+    assert (
+        "Nothing fits" in result["recommendation"]["reason"]
+        and "FSDP would fit on" in result["recommendation"]["reason"]
+    )
 
 
 def test_memory_terms_move_the_right_way():
@@ -113,7 +148,10 @@ def test_memory_terms_move_the_right_way():
             assert device["activations_checkpointed"] < device["activations"]
     gpipe = plan(shape, **TWO_24GB, pipeline_schedule="gpipe")["setups"]["pipeline"]["devices"]
     one_f_one_b = setups["pipeline"]["devices"]
-    assert [device["in_flight"] for device in one_f_one_b] == [2, 1] and [device["in_flight"] for device in gpipe] == [8, 8]
+    assert [device["in_flight"] for device in one_f_one_b] == [2, 1] and [device["in_flight"] for device in gpipe] == [
+        8,
+        8,
+    ]
     assert all(g["activations"] > o["activations"] for g, o in zip(gpipe, one_f_one_b))
     eager = plan(shape, **TWO_24GB, attention="eager")["setups"]["single"]["devices"][0]
     assert eager["activations"] > setups["single"]["devices"][0]["activations"]
@@ -140,15 +178,18 @@ def test_reads_a_config_from_a_model_folder_without_loading_weights(capsys):
     assert result["recommendation"]["setup"] == "single"
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model_size", "huge"], "invalid choice: 'huge'"),
-    (["--gpus", "0"], "--gpus: must be a whole number >= 1, got 0"),
-    (["--gpu_memory_gib", "0"], "--gpu_memory_gib: must be a number > 0"),
-    (["--gpu_memory_gib", "-24"], "--gpu_memory_gib: must be a number > 0"),
-    (["--model_name_or_path", "/nonexistent/model"], "/nonexistent/model: no such folder"),
-    (["--model_name_or_path", str(REPO / "shared")], "no config.json in that folder"),
-    (["--model_size", "1.3b", "--model_name_or_path", "x"], "not allowed with argument"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model_size", "huge"], "invalid choice: 'huge'"),
+        (["--gpus", "0"], "--gpus: must be a whole number >= 1, got 0"),
+        (["--gpu_memory_gib", "0"], "--gpu_memory_gib: must be a number > 0"),
+        (["--gpu_memory_gib", "-24"], "--gpu_memory_gib: must be a number > 0"),
+        (["--model_name_or_path", "/nonexistent/model"], "/nonexistent/model: no such folder"),
+        (["--model_name_or_path", str(REPO / "shared")], "no config.json in that folder"),
+        (["--model_size", "1.3b", "--model_name_or_path", "x"], "not allowed with argument"),
+    ],
+)
 def test_bad_input_is_one_line_and_a_nonzero_exit(argv, message, capsys):
     try:
         code = main(argv)

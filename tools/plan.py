@@ -59,12 +59,21 @@ from pathlib import Path
 
 # Tools import the helper module; they are run from anywhere, so the repository root goes first on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from shared.model_presets import LLAMA_2_7B, MODEL_PRESETS  # noqa: E402
+from shared.model_presets import MODEL_PRESETS  # noqa: E402
 from shared.model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition  # noqa: E402
 from shared.runtime import positive_float, positive_int  # noqa: E402
 
 
 GIB = 1024**3
+# Llama-2-7B's shape (meta-llama/Llama-2-7b-hf config.json; vocabulary 32000, untied LM head: 6,738,415,616
+# parameters). Only the planner offers it: the recipes would not train it on CPU.
+LLAMA_2_7B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    intermediate_size=11008,
+    max_position_embeddings=4096,
+)
 MODEL_SIZES = {**MODEL_PRESETS, "7b": LLAMA_2_7B}
 DEFAULT_VOCAB_SIZE = 32000  # Llama-2's; the recipe trains its own tokenizer, --vocab_size 8192 by default
 SETUPS = ("single", "ddp", "fsdp", "pipeline", "device_map")
@@ -76,8 +85,13 @@ ACTIVATION_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
 LOSS_BYTES_PER_LOGIT = {"bf16": 10, "fp16": 10, "no": 8}
 DEFAULT_OVERHEAD_GIB = 1.0
 # The accelerate config for each setup on two GPUs (accelerate_configs/).
-CONFIGS = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml",
-           "pipeline": "pipeline_2gpu.yaml", "device_map": "model_sharding_2gpu.yaml"}
+CONFIGS = {
+    "single": "single_gpu.yaml",
+    "ddp": "ddp_2gpu.yaml",
+    "fsdp": "fsdp_2gpu.yaml",
+    "pipeline": "pipeline_2gpu.yaml",
+    "device_map": "model_sharding_2gpu.yaml",
+}
 
 
 @dataclass(frozen=True)
@@ -116,11 +130,20 @@ def preset_shape(model_size: str, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Model
     attention = 2 * h * h + 2 * h * kv_heads * (h // heads)  # q, o; k, v
     mlp = 3 * h * f  # gate, up, down
     return ModelShape(
-        name=model_size, hidden_size=h, num_layers=preset["num_hidden_layers"], num_heads=heads, num_kv_heads=kv_heads,
-        intermediate_size=f, vocab_size=vocab_size, gated_mlp=True,
-        embedding_params=vocab_size * h, block_params=attention + mlp + 2 * h,  # + two RMSNorm weights
+        name=model_size,
+        hidden_size=h,
+        num_layers=preset["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=f,
+        vocab_size=vocab_size,
+        gated_mlp=True,
+        embedding_params=vocab_size * h,
+        block_params=attention + mlp + 2 * h,  # + two RMSNorm weights
         head_params=h + vocab_size * h,  # final norm + untied LM head
-        block_matmul_flops=2 * (attention + mlp), head_matmul_flops=2 * vocab_size * h, has_lm_head=True,
+        block_matmul_flops=2 * (attention + mlp),
+        head_matmul_flops=2 * vocab_size * h,
+        has_lm_head=True,
     )
 
 
@@ -136,7 +159,10 @@ def shape_from_config(config, name: str | None = None) -> ModelShape:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.utils import logging as transformers_logging
 
-    from shared.model_split import _matmul_flops_per_token, find_block_list  # the recipe's own count, so the split matches
+    from shared.model_split import (
+        _matmul_flops_per_token,
+        find_block_list,
+    )  # the recipe's own count, so the split matches
 
     architectures = getattr(config, "architectures", None) or []
     if architectures:
@@ -164,20 +190,31 @@ def shape_from_config(config, name: str | None = None) -> ModelShape:
     h = config.hidden_size
     f = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * h
     heads = config.num_attention_heads
-    projections_to_f = sum(1 for module in blocks[0].modules() if isinstance(module, torch.nn.Linear) and module.out_features == f)
+    projections_to_f = sum(
+        1 for module in blocks[0].modules() if isinstance(module, torch.nn.Linear) and module.out_features == f
+    )
     head = model.get_output_embeddings() if causal else None
     return ModelShape(
-        name=name or getattr(config, "name_or_path", "") or config.model_type, hidden_size=h, num_layers=len(blocks),
-        num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads, intermediate_size=f,
-        vocab_size=config.vocab_size, gated_mlp=projections_to_f >= 2,
-        embedding_params=before, block_params=sum(p.numel() for p in blocks[0].parameters()), head_params=after,
+        name=name or getattr(config, "name_or_path", "") or config.model_type,
+        hidden_size=h,
+        num_layers=len(blocks),
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        intermediate_size=f,
+        vocab_size=config.vocab_size,
+        gated_mlp=projections_to_f >= 2,
+        embedding_params=before,
+        block_params=sum(p.numel() for p in blocks[0].parameters()),
+        head_params=after,
         block_matmul_flops=int(_matmul_flops_per_token(blocks[0])),
-        head_matmul_flops=2 * head.weight.numel() if head is not None else 0, has_lm_head=head is not None,
+        head_matmul_flops=2 * head.weight.numel() if head is not None else 0,
+        has_lm_head=head is not None,
     )
 
 
-def block_activation_bytes(shape: ModelShape, seq_len: int, micro_batch: int, mixed_precision: str = "bf16",
-                           attention: str = "sdpa") -> int:
+def block_activation_bytes(
+    shape: ModelShape, seq_len: int, micro_batch: int, mixed_precision: str = "bf16", attention: str = "sdpa"
+) -> int:
     """Activations one decoder block keeps for backward (formula in the module docstring)."""
     h, f = shape.hidden_size, shape.intermediate_size
     coefficient = 4 + 2 + 2 + 4 * shape.num_kv_heads / shape.num_heads + 2 + 2 + (8 if shape.gated_mlp else 4) * f / h
@@ -211,7 +248,20 @@ def split_blocks(shape: ModelShape, num_parts: int, seq_len: int) -> list[int]:
     return [parts.count(part) for part in range(num_parts)]
 
 
-def _device(label, params, blocks, has_head, in_flight, buffers, shape, seq_len, micro_batch, mixed_precision, attention, overhead):
+def _device(
+    label,
+    params,
+    blocks,
+    has_head,
+    in_flight,
+    buffers,
+    shape,
+    seq_len,
+    micro_batch,
+    mixed_precision,
+    attention,
+    overhead,
+):
     """One device's estimate; ``in_flight`` micro-batches of activations at once."""
     weight_bytes, grad_bytes, optimizer_bytes = STATE_BYTES[mixed_precision]
     block = block_activation_bytes(shape, seq_len, micro_batch, mixed_precision, attention)
@@ -220,30 +270,67 @@ def _device(label, params, blocks, has_head, in_flight, buffers, shape, seq_len,
     activations = in_flight * (blocks * block + head)
     # Checkpointed: every block keeps its input, and one block at a time is recomputed in full.
     checkpointed = in_flight * (blocks * block_input + head) + (block if blocks else 0)
-    state = {"parameters": int(params * weight_bytes), "gradients": int(params * grad_bytes), "optimizer": int(params * optimizer_bytes)}
+    state = {
+        "parameters": int(params * weight_bytes),
+        "gradients": int(params * grad_bytes),
+        "optimizer": int(params * optimizer_bytes),
+    }
     fixed = sum(state.values()) + buffers + overhead
-    return {"device": label, "num_parameters": int(params), "blocks": blocks, "in_flight": in_flight, **state,
-            "model_state": sum(state.values()), "buffers": int(buffers), "activations": activations,
-            "activations_checkpointed": checkpointed, "overhead": overhead,
-            "total": fixed + activations, "total_checkpointed": fixed + checkpointed}
+    return {
+        "device": label,
+        "num_parameters": int(params),
+        "blocks": blocks,
+        "in_flight": in_flight,
+        **state,
+        "model_state": sum(state.values()),
+        "buffers": int(buffers),
+        "activations": activations,
+        "activations_checkpointed": checkpointed,
+        "overhead": overhead,
+        "total": fixed + activations,
+        "total_checkpointed": fixed + checkpointed,
+    }
 
 
-def _estimate_setups(shape, gpus, seq_len, micro_batch, mixed_precision, num_microbatches, pipeline_schedule, attention, overhead):
-    common = dict(shape=shape, seq_len=seq_len, micro_batch=micro_batch, mixed_precision=mixed_precision,
-                  attention=attention, overhead=overhead)
+def _estimate_setups(
+    shape, gpus, seq_len, micro_batch, mixed_precision, num_microbatches, pipeline_schedule, attention, overhead
+):
+    common = dict(
+        shape=shape,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        mixed_precision=mixed_precision,
+        attention=attention,
+        overhead=overhead,
+    )
     total_params = shape.num_parameters
-    setups = {"single": {"devices": [_device("gpu0", total_params, shape.num_layers, True, 1, 0, **common)], "identical": True}}
+    setups = {
+        "single": {
+            "devices": [_device("gpu0", total_params, shape.num_layers, True, 1, 0, **common)],
+            "identical": True,
+        }
+    }
     if gpus < 2:
         return setups
     grad_bytes = STATE_BYTES[mixed_precision][1]
     # DDP: a full replica per GPU, plus gradient buckets (a second copy of the gradients).
-    setups["ddp"] = {"devices": [_device(f"gpu{rank}", total_params, shape.num_layers, True, 1, total_params * grad_bytes, **common)
-                                 for rank in range(gpus)], "identical": True}
+    setups["ddp"] = {
+        "devices": [
+            _device(f"gpu{rank}", total_params, shape.num_layers, True, 1, total_params * grad_bytes, **common)
+            for rank in range(gpus)
+        ],
+        "identical": True,
+    }
     # FSDP full shard: 1/N of every tensor; unsharded: the root unit and two blocks (weights + gradients).
     compute_bytes = STATE_BYTES[mixed_precision][0] + grad_bytes
     gathered = (shape.embedding_params + shape.head_params + 2 * shape.block_params) * compute_bytes
-    setups["fsdp"] = {"devices": [_device(f"gpu{rank}", total_params / gpus, shape.num_layers, True, 1, gathered, **common)
-                                  for rank in range(gpus)], "identical": True}
+    setups["fsdp"] = {
+        "devices": [
+            _device(f"gpu{rank}", total_params / gpus, shape.num_layers, True, 1, gathered, **common)
+            for rank in range(gpus)
+        ],
+        "identical": True,
+    }
     if shape.num_layers < gpus:
         return setups  # fewer blocks than GPUs: no split gives every GPU a block
     counts = split_blocks(shape, gpus, seq_len)
@@ -251,7 +338,11 @@ def _estimate_setups(shape, gpus, seq_len, micro_batch, mixed_precision, num_mic
         devices = []
         for part, blocks in enumerate(counts):
             first, last = part == 0, part == gpus - 1
-            params = blocks * shape.block_params + (shape.embedding_params if first else 0) + (shape.head_params if last else 0)
+            params = (
+                blocks * shape.block_params
+                + (shape.embedding_params if first else 0)
+                + (shape.head_params if last else 0)
+            )
             if name == "device_map":
                 in_flight = 1
             elif pipeline_schedule == "gpipe":
@@ -272,9 +363,18 @@ def _summarize(setups: dict, budget: int) -> None:
         setup["fits_with_checkpointing"] = setup["peak_checkpointed"] <= budget
 
 
-def plan(shape: ModelShape, gpus: int, gpu_memory_gib: float, seq_len: int, micro_batch: int, mixed_precision: str = "bf16",
-         num_microbatches: int = 8, pipeline_schedule: str = "1f1b", attention: str = "sdpa",
-         overhead_gib: float = DEFAULT_OVERHEAD_GIB) -> dict:
+def plan(
+    shape: ModelShape,
+    gpus: int,
+    gpu_memory_gib: float,
+    seq_len: int,
+    micro_batch: int,
+    mixed_precision: str = "bf16",
+    num_microbatches: int = 8,
+    pipeline_schedule: str = "1f1b",
+    attention: str = "sdpa",
+    overhead_gib: float = DEFAULT_OVERHEAD_GIB,
+) -> dict:
     """Per-device memory of every setup on ``gpus`` GPUs of ``gpu_memory_gib``, and the recommendation.
 
     ``micro_batch``: sequences per forward pass on one device (pipeline: per micro-batch, with
@@ -282,7 +382,12 @@ def plan(shape: ModelShape, gpus: int, gpu_memory_gib: float, seq_len: int, micr
     AdamW, 16 bytes per parameter) or ``no`` (fp32 AdamW). Returns a JSON-ready dict; every memory
     number is in bytes, per device. Raises ValueError on impossible inputs.
     """
-    for flag, value in (("gpus", gpus), ("seq_len", seq_len), ("micro_batch", micro_batch), ("num_microbatches", num_microbatches)):
+    for flag, value in (
+        ("gpus", gpus),
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+        ("num_microbatches", num_microbatches),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{flag} must be a whole number >= 1, got {value}")
     if not gpu_memory_gib > 0:
@@ -296,16 +401,31 @@ def plan(shape: ModelShape, gpus: int, gpu_memory_gib: float, seq_len: int, micr
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"--attention must be sdpa or eager, got {attention!r}")
     budget = int(gpu_memory_gib * GIB)
-    arguments = dict(seq_len=seq_len, micro_batch=micro_batch, mixed_precision=mixed_precision, num_microbatches=num_microbatches,
-                     pipeline_schedule=pipeline_schedule, attention=attention, overhead=int(overhead_gib * GIB))
+    arguments = dict(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        mixed_precision=mixed_precision,
+        num_microbatches=num_microbatches,
+        pipeline_schedule=pipeline_schedule,
+        attention=attention,
+        overhead=int(overhead_gib * GIB),
+    )
     setups = _estimate_setups(shape, gpus, **arguments)
     _summarize(setups, budget)
     result = {
         "model": {**asdict(shape), "num_parameters": shape.num_parameters},
-        "inputs": {"gpus": gpus, "gpu_memory_gib": gpu_memory_gib, "seq_len": seq_len, "micro_batch": micro_batch,
-                   "mixed_precision": mixed_precision, "num_microbatches": num_microbatches,
-                   "pipeline_schedule": pipeline_schedule, "attention": attention, "overhead_gib": overhead_gib,
-                   "bytes_per_parameter": sum(STATE_BYTES[mixed_precision])},
+        "inputs": {
+            "gpus": gpus,
+            "gpu_memory_gib": gpu_memory_gib,
+            "seq_len": seq_len,
+            "micro_batch": micro_batch,
+            "mixed_precision": mixed_precision,
+            "num_microbatches": num_microbatches,
+            "pipeline_schedule": pipeline_schedule,
+            "attention": attention,
+            "overhead_gib": overhead_gib,
+            "bytes_per_parameter": sum(STATE_BYTES[mixed_precision]),
+        },
         "setups": setups,
     }
     result["recommendation"] = _recommend(shape, gpus, budget, setups, arguments)
@@ -327,38 +447,61 @@ def _recommend(shape, gpus, budget, setups, arguments) -> dict:
             break
     memory = _gib(budget)
     if chosen is None:
-        return {"setup": None, "gradient_checkpointing": None, "reason": _nothing_fits(shape, gpus, budget, setups, arguments)}
+        return {
+            "setup": None,
+            "gradient_checkpointing": None,
+            "reason": _nothing_fits(shape, gpus, budget, setups, arguments),
+        }
     name, checkpointing = chosen
     key = "peak_checkpointed" if checkpointing else "peak"
     peak = _gib(setups[name][key])
     if name == "ddp":
-        reason = (f"DDP fits ({peak} of {memory} per GPU): each GPU holds a full replica and computes its share of every "
-                  "batch; only gradients travel, overlapped with the backward pass. The fastest setup when it fits.")
+        reason = (
+            f"DDP fits ({peak} of {memory} per GPU): each GPU holds a full replica and computes its share of every "
+            "batch; only gradients travel, overlapped with the backward pass. The fastest setup when it fits."
+        )
     elif name == "fsdp":
-        reason = (f"DDP needs {_gib(setups['ddp'][key])} per GPU, more than {memory}: data parallelism divides the batch, "
-                  f"not the model, so every GPU would hold all of the model state. FSDP (full shard) divides parameters, "
-                  f"gradients and optimizer state by {gpus} ({peak} per GPU) and every GPU still computes; the price is "
-                  "all-gathering the parameters in forward and backward (about 1.5x DDP's traffic).")
+        reason = (
+            f"DDP needs {_gib(setups['ddp'][key])} per GPU, more than {memory}: data parallelism divides the batch, "
+            f"not the model, so every GPU would hold all of the model state. FSDP (full shard) divides parameters, "
+            f"gradients and optimizer state by {gpus} ({peak} per GPU) and every GPU still computes; the price is "
+            "all-gathering the parameters in forward and backward (about 1.5x DDP's traffic)."
+        )
     elif name == "pipeline":
         m, p = arguments["num_microbatches"], gpus
-        reason = (f"Neither DDP ({_gib(setups['ddp'][key])}) nor FSDP ({_gib(setups['fsdp'][key])} per GPU) fits {memory}. "
-                  f"The pipeline gives each GPU a contiguous group of blocks ({setups[name]['blocks_per_device']}; largest "
-                  f"stage {peak}) and keeps every GPU busy except for the bubble, (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.0%} "
-                  f"with m = {m} micro-batches.")
+        reason = (
+            f"Neither DDP ({_gib(setups['ddp'][key])}) nor FSDP ({_gib(setups['fsdp'][key])} per GPU) fits {memory}. "
+            f"The pipeline gives each GPU a contiguous group of blocks ({setups[name]['blocks_per_device']}; largest "
+            f"stage {peak}) and keeps every GPU busy except for the bubble, (p-1)/(m+p-1) = "
+            f"{(p - 1) / (m + p - 1):.0%} with m = {m} micro-batches."
+        )
     elif name == "single":
-        reason = (f"One GPU: the model fits ({peak} of {memory})." if gpus == 1 else
-                  f"The model fits one GPU ({peak}) but no setup that uses all {gpus} does.")
+        reason = (
+            f"One GPU: the model fits ({peak} of {memory})."
+            if gpus == 1
+            else f"The model fits one GPU ({peak}) but no setup that uses all {gpus} does."
+        )
     else:
-        reason = (f"Only the naive device_map split fits ({peak} on its fullest GPU): it lets the model fit, but one GPU "
-                  "computes at a time, so it is no faster than one GPU.")
+        reason = (
+            f"Only the naive device_map split fits ({peak} on its fullest GPU): it lets the model fit, but one GPU "
+            "computes at a time, so it is no faster than one GPU."
+        )
     if checkpointing:
         device = max(setups[name]["devices"], key=lambda d: d["total"])
-        reason += (f" Needs --gradient_checkpointing: the activations ({_gib(device['activations'])}) are what does not fit "
-                   f"({_gib(setups[name]['peak'])} without it); checkpointed they take "
-                   f"{_gib(device['activations_checkpointed'])}, for about one extra forward pass (~33 % more compute).")
+        reason += (
+            f" Needs --gradient_checkpointing: the activations ({_gib(device['activations'])}) are what does not fit "
+            f"({_gib(setups[name]['peak'])} without it); checkpointed they take "
+            f"{_gib(device['activations_checkpointed'])}, for about one extra forward pass (~33 % more compute)."
+        )
     config = CONFIGS[name] if gpus == 2 or name == "single" else None
-    return {"setup": name, "gradient_checkpointing": checkpointing, "reason": reason, "peak_bytes": setups[name][key],
-            "config": config, "launch": _launch_line(shape, name, checkpointing, config, arguments)}
+    return {
+        "setup": name,
+        "gradient_checkpointing": checkpointing,
+        "reason": reason,
+        "peak_bytes": setups[name][key],
+        "config": config,
+        "launch": _launch_line(shape, name, checkpointing, config, arguments),
+    }
 
 
 def _launch_line(shape, name, checkpointing, config, arguments) -> str | None:
@@ -366,11 +509,17 @@ def _launch_line(shape, name, checkpointing, config, arguments) -> str | None:
     if config is None or shape.name not in MODEL_PRESETS:
         return None
     batch = arguments["micro_batch"] * (arguments["num_microbatches"] if name == "pipeline" else 1)
-    flags = [f"--model_size {shape.name}", f"--vocab_size {shape.vocab_size}", f"--block_size {arguments['seq_len']}",
-             f"--per_device_train_batch_size {batch}"]
+    flags = [
+        f"--model_size {shape.name}",
+        f"--vocab_size {shape.vocab_size}",
+        f"--block_size {arguments['seq_len']}",
+        f"--per_device_train_batch_size {batch}",
+    ]
     if name == "pipeline":
-        flags.append(f"--parallelism pipeline --pipeline_schedule {arguments['pipeline_schedule']} "
-                     f"--num_microbatches {arguments['num_microbatches']}")
+        flags.append(
+            f"--parallelism pipeline --pipeline_schedule {arguments['pipeline_schedule']} "
+            f"--num_microbatches {arguments['num_microbatches']}"
+        )
     if arguments["mixed_precision"] != "no":
         flags.append(f"--mixed_precision {arguments['mixed_precision']}")
     if checkpointing:
@@ -381,22 +530,31 @@ def _launch_line(shape, name, checkpointing, config, arguments) -> str | None:
 def _nothing_fits(shape, gpus, budget, setups, arguments) -> str:
     best = min(setups, key=lambda name: setups[name]["peak_checkpointed"])
     state = max(device["model_state"] for device in setups[best]["devices"])
-    reason = (f"Nothing fits {gpus} x {_gib(budget)}, even with --gradient_checkpointing: the smallest need is "
-              f"{best}'s {_gib(setups[best]['peak_checkpointed'])} per GPU, of which model state "
-              f"{_gib(state)}.")
+    reason = (
+        f"Nothing fits {gpus} x {_gib(budget)}, even with --gradient_checkpointing: the smallest need is {best}'s "
+        f"{_gib(setups[best]['peak_checkpointed'])} per GPU, of which model state {_gib(state)}."
+    )
     if arguments["micro_batch"] > 1:
         smaller = _estimate_setups(shape, gpus, **{**arguments, "micro_batch": 1})
         _summarize(smaller, budget)
         for name in PREFERENCE:
             if name in smaller and smaller[name]["fits_with_checkpointing"]:
-                return reason + f" With --micro_batch 1 and --gradient_checkpointing, {name} fits ({_gib(smaller[name]['peak_checkpointed'])})."
+                return (
+                    reason + f" With --micro_batch 1 and --gradient_checkpointing, {name} fits "
+                    f"({_gib(smaller[name]['peak_checkpointed'])})."
+                )
     for more in range(gpus + 1, 1025):
         wider = _estimate_setups(shape, more, **arguments)
         _summarize(wider, budget)
         if wider["fsdp"]["fits_with_checkpointing"]:
-            return reason + (f" FSDP would fit on {more} such GPUs ({_gib(wider['fsdp']['peak_checkpointed'])} each, with "
-                             "--gradient_checkpointing); or shrink the optimizer state (8-bit Adam, LoRA) or offload it to CPU.")
-    return reason + " No number of such GPUs is enough under FSDP: the activations alone do not fit; use a shorter sequence."
+            return reason + (
+                f" FSDP would fit on {more} such GPUs ({_gib(wider['fsdp']['peak_checkpointed'])} each, with "
+                "--gradient_checkpointing); or shrink the optimizer state (8-bit Adam, LoRA) or offload it to CPU."
+            )
+    return (
+        reason
+        + " No number of such GPUs is enough under FSDP: the activations alone do not fit; use a shorter sequence."
+    )
 
 
 # ------------------------------------------------------------------------------- the command
@@ -410,26 +568,64 @@ class _OneLineParser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = _OneLineParser(prog="python tools/plan.py", description=__doc__.split("\n")[0])
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model_size", choices=list(MODEL_SIZES), default=None,
-                       help="A named shape: the recipe's presets (recipes/pipeline_lm.py --model_size) or 7b (Llama-2-7B). Default: 1.3b.")
-    model.add_argument("--model_name_or_path", default=None,
-                       help="A model folder (or Hub id, when online): only its config.json is read, the model is built on the meta device.")
-    parser.add_argument("--vocab_size", type=positive_int, default=DEFAULT_VOCAB_SIZE,
-                        help="Vocabulary of a --model_size model (default 32000, Llama-2's; the recipe's default is 8192).")
+    model.add_argument(
+        "--model_size",
+        choices=list(MODEL_SIZES),
+        default=None,
+        help="A named shape: the recipe's presets (recipes/pipeline_lm.py --model_size) or 7b (Llama-2-7B). Default: "
+        "1.3b.",
+    )
+    model.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="A model folder (or Hub id, when online): only its config.json is read, the model is built on the meta "
+        "device.",
+    )
+    parser.add_argument(
+        "--vocab_size",
+        type=positive_int,
+        default=DEFAULT_VOCAB_SIZE,
+        help="Vocabulary of a --model_size model (default 32000, Llama-2's; the recipe's default is 8192).",
+    )
     parser.add_argument("--gpus", type=positive_int, default=2, help="Number of GPUs.")
     parser.add_argument("--gpu_memory_gib", type=positive_float, default=24.0, help="Memory of one GPU, in GiB.")
-    parser.add_argument("--seq_len", type=positive_int, default=1024, help="Tokens per sequence (the recipe's --block_size).")
-    parser.add_argument("--micro_batch", type=positive_int, default=4,
-                        help="Sequences per forward pass per GPU (the recipe's --per_device_train_batch_size; pipeline: per micro-batch).")
-    parser.add_argument("--mixed_precision", choices=list(STATE_BYTES), default="bf16",
-                        help="bf16/fp16: mixed-precision AdamW, 2+2+12 bytes per parameter; no: fp32 AdamW, 4+4+8.")
-    parser.add_argument("--num_microbatches", type=positive_int, default=8, help="Pipeline: micro-batches per batch (m).")
-    parser.add_argument("--pipeline_schedule", choices=["1f1b", "gpipe"], default="1f1b",
-                        help="Pipeline: 1f1b holds at most p micro-batches' activations per stage, gpipe all m.")
-    parser.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
-                        help="sdpa (flash/memory-efficient: no score matrix stored) or eager (stores a x s x s scores).")
-    parser.add_argument("--overhead_gib", type=float, default=DEFAULT_OVERHEAD_GIB,
-                        help="Fixed memory per GPU outside tensors: CUDA context, NCCL, fragmentation (default 1.0).")
+    parser.add_argument(
+        "--seq_len", type=positive_int, default=1024, help="Tokens per sequence (the recipe's --block_size)."
+    )
+    parser.add_argument(
+        "--micro_batch",
+        type=positive_int,
+        default=4,
+        help="Sequences per forward pass per GPU (the recipe's --per_device_train_batch_size; pipeline: per "
+        "micro-batch).",
+    )
+    parser.add_argument(
+        "--mixed_precision",
+        choices=list(STATE_BYTES),
+        default="bf16",
+        help="bf16/fp16: mixed-precision AdamW, 2+2+12 bytes per parameter; no: fp32 AdamW, 4+4+8.",
+    )
+    parser.add_argument(
+        "--num_microbatches", type=positive_int, default=8, help="Pipeline: micro-batches per batch (m)."
+    )
+    parser.add_argument(
+        "--pipeline_schedule",
+        choices=["1f1b", "gpipe"],
+        default="1f1b",
+        help="Pipeline: 1f1b holds at most p micro-batches' activations per stage, gpipe all m.",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=["sdpa", "eager"],
+        default="sdpa",
+        help="sdpa (flash/memory-efficient: no score matrix stored) or eager (stores a x s x s scores).",
+    )
+    parser.add_argument(
+        "--overhead_gib",
+        type=float,
+        default=DEFAULT_OVERHEAD_GIB,
+        help="Fixed memory per GPU outside tensors: CUDA context, NCCL, fragmentation (default 1.0).",
+    )
     parser.add_argument("--json", action="store_true", help="Print the full estimate as JSON instead of the table.")
     return parser.parse_args(argv)
 
@@ -450,7 +646,9 @@ def load_shape(args: argparse.Namespace) -> ModelShape:
         config = AutoConfig.from_pretrained(location)
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError or hub errors
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"--model_name_or_path {location}: not a local model folder and not loadable ({first_line})") from None
+        raise ValueError(
+            f"--model_name_or_path {location}: not a local model folder and not loadable ({first_line})"
+        ) from None
     try:
         return shape_from_config(config, name=location)
     except (ValueError, KeyError, AttributeError) as error:
@@ -462,10 +660,13 @@ def format_table(result: dict) -> str:
     model, inputs = result["model"], result["inputs"]
     lines = [
         f"model {model['name']}: {model['num_parameters'] / 1e6:,.1f}M parameters (hidden {model['hidden_size']}, "
-        f"{model['num_layers']} blocks, {model['num_heads']} heads, MLP {model['intermediate_size']}, vocabulary {model['vocab_size']})",
-        f"{inputs['gpus']} GPU(s) x {inputs['gpu_memory_gib']:g} GiB; sequence {inputs['seq_len']}, micro-batch {inputs['micro_batch']}; "
-        f"AdamW, mixed_precision={inputs['mixed_precision']} ({inputs['bytes_per_parameter']} B/parameter); {inputs['attention']} attention; "
-        f"overhead {inputs['overhead_gib']:g} GiB per GPU; pipeline: {inputs['pipeline_schedule']}, {inputs['num_microbatches']} micro-batches",
+        f"{model['num_layers']} blocks, {model['num_heads']} heads, MLP {model['intermediate_size']}, vocabulary "
+        f"{model['vocab_size']})",
+        f"{inputs['gpus']} GPU(s) x {inputs['gpu_memory_gib']:g} GiB; sequence {inputs['seq_len']}, micro-batch "
+        f"{inputs['micro_batch']}; AdamW, mixed_precision={inputs['mixed_precision']} "
+        f"({inputs['bytes_per_parameter']} B/parameter); {inputs['attention']} attention; overhead "
+        f"{inputs['overhead_gib']:g} GiB per GPU; pipeline: {inputs['pipeline_schedule']}, "
+        f"{inputs['num_microbatches']} micro-batches",
         "",
         "GiB per device       params  grads  optim  buffers  activ. (ckpt)    total  (ckpt)  fits",
     ]
@@ -480,11 +681,16 @@ def format_table(result: dict) -> str:
                 label = f"{name} {device['device']}"
             elif setup["identical"] and len(setup["devices"]) > 1:
                 label += " (each GPU)"
-            fits = "yes" if device["total"] <= inputs["gpu_memory_gib"] * GIB else (
-                "with ckpt" if device["total_checkpointed"] <= inputs["gpu_memory_gib"] * GIB else "no")
+            fits = (
+                "yes"
+                if device["total"] <= inputs["gpu_memory_gib"] * GIB
+                else ("with ckpt" if device["total_checkpointed"] <= inputs["gpu_memory_gib"] * GIB else "no")
+            )
             lines.append(
-                f"{label:<19}" + "".join(f"{device[key] / GIB:>7.1f}" for key in ("parameters", "gradients", "optimizer"))
-                + f"{device['buffers'] / GIB:>9.1f}{device['activations'] / GIB:>7.1f} ({device['activations_checkpointed'] / GIB:>4.1f})"
+                f"{label:<19}"
+                + "".join(f"{device[key] / GIB:>7.1f}" for key in ("parameters", "gradients", "optimizer"))
+                + f"{device['buffers'] / GIB:>9.1f}{device['activations'] / GIB:>7.1f} "
+                f"({device['activations_checkpointed'] / GIB:>4.1f})"
                 + f"{device['total'] / GIB:>9.1f} ({device['total_checkpointed'] / GIB:>5.1f})  {fits}"
             )
     recommendation = result["recommendation"]
@@ -505,8 +711,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         shape = load_shape(args)
-        result = plan(shape, args.gpus, args.gpu_memory_gib, args.seq_len, args.micro_batch, args.mixed_precision,
-                      args.num_microbatches, args.pipeline_schedule, args.attention, args.overhead_gib)
+        result = plan(
+            shape,
+            args.gpus,
+            args.gpu_memory_gib,
+            args.seq_len,
+            args.micro_batch,
+            args.mixed_precision,
+            args.num_microbatches,
+            args.pipeline_schedule,
+            args.attention,
+            args.overhead_gib,
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

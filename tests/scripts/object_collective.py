@@ -12,8 +12,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.runtime import build_accelerator, run_facts  # noqa: E402
 
 accelerator = build_accelerator(dist_timeout=60)
-seen = gather_object([{"rank": accelerator.process_index, "device": str(accelerator.device),
-                       "current": torch.cuda.current_device() if torch.cuda.is_available() else None}])
+seen = gather_object(
+    [
+        {
+            "rank": accelerator.process_index,
+            "device": str(accelerator.device),
+            "current": torch.cuda.current_device() if torch.cuda.is_available() else None,
+        }
+    ]
+)
 if accelerator.is_main_process:
     print("OBJECTS " + json.dumps({"ranks": seen, **run_facts(accelerator)}))
 accelerator.wait_for_everyone()

