@@ -116,6 +116,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="Batch texts of similar length together (less padding), shuffled as whole batches.",
     )
+    data.add_argument(
+        "--pad_to_max_length",
+        action="store_true",
+        help="Pad every text to --max_length (what most examples do) instead of each batch to its longest text.",
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model_name_or_path",
@@ -441,7 +446,8 @@ def main():
     config.pad_token_id = tokenizer.pad_token_id
 
     def tokenize(batch):
-        encoded = tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length)
+        padding = "max_length" if args.pad_to_max_length else False  # False: the collator pads each batch
+        encoded = tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length, padding=padding)
         encoded["labels"] = (
             [label_to_id[str(v)] for v in batch[args.label_column]] if label_to_id else batch[args.label_column]
         )
@@ -742,7 +748,7 @@ def main():
     perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
     if parallelism.name == "fsdp":
         # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
-        perf["fsdp/sharding"] = per_rank(sharding_facts(model))
+        perf["fsdp/sharding"] = per_rank(sharding_facts(model, optimizer))
     token_counts = accelerator.reduce(torch.stack([real_tokens, padded_tokens]), reduction="sum").tolist()
     perf["train/padding_fraction"] = 1 - token_counts[0] / max(token_counts[1], 1)
     results = {

@@ -18,7 +18,9 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -194,3 +196,41 @@ def launch_ok(config, script, *args, **kwargs) -> Run:
 
 def read_results(output_dir: str | Path) -> dict:
     return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+@dataclass
+class Job:
+    """One launch for ``launch_all``. ``after``: a job whose outputs this one reads (e.g. a checkpoint);
+    ``prepare``: called just before the launch (e.g. to copy those outputs into place)."""
+
+    config: str | Path
+    script: str | Path
+    args: tuple = ()
+    env: dict | None = None
+    after: str | None = None
+    prepare: Callable[[], object] | None = None
+    kwargs: dict = field(default_factory=dict)
+
+
+def launch_all(jobs: dict, cpu_only: bool | None = None, workers: int = 2) -> dict[str, Run]:
+    """Launch independent runs ``workers`` at a time and return name -> Run. Start-up (importing torch,
+    transformers, datasets) is most of a tiny run's time and leaves a core idle whenever one process waits
+    for another, so two launches at once keep a 2-core machine busy; a hang still fails through the timeout.
+
+    ``jobs``: name -> ``Job`` or ``(config, script, *args)``, started in order; a job with ``after`` waits
+    for that earlier job, which has started by then (the pool takes jobs first in, first out)."""
+    jobs = {name: job if isinstance(job, Job) else Job(job[0], job[1], tuple(job[2:])) for name, job in jobs.items()}
+    futures: dict[str, Future] = {}
+
+    def run(job: Job) -> Run:
+        if job.after is not None and futures[job.after].result().returncode != 0:
+            return Run(1, f"not launched: {job.after}, whose outputs it needs, failed")
+        if job.prepare is not None:
+            job.prepare()
+        return launch(job.config, job.script, *job.args, env=job.env, cpu_only=cpu_only, **job.kwargs)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for name, job in jobs.items():
+            assert job.after is None or job.after in futures, f"{name} runs after {job.after}, which must come first"
+            futures[name] = pool.submit(run, job)
+        return {name: future.result() for name, future in futures.items()}

@@ -3,11 +3,10 @@
 import importlib.util
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from launch import REPO, RECIPES, launch
+from launch import REPO, RECIPES, Job, launch_all
 
 SMALL = ("--sizes_mb", "1", "4", "--iterations", "3", "--warmup", "1")
 # The one sum all-reduce that the checker verifies; the broken-link test corrupts its result.
@@ -45,12 +44,11 @@ def runs(tmp_path_factory):
         "single": ("single_gpu.yaml", RECIPES / "check_setup.py"),
         "broken": ("ddp_2gpu.yaml", broken_project / "check_setup.py"),
     }
-    with ThreadPoolExecutor(len(specs)) as pool:
-        futures = {
-            name: pool.submit(launch, config, script, "--output_dir", root / name, *SMALL, timeout=150)
-            for name, (config, script) in specs.items()
-        }
-        return {name: {"run": future.result(), "dir": root / name} for name, future in futures.items()}
+    jobs = {
+        name: Job(config, script, ("--output_dir", root / name, *SMALL), kwargs={"timeout": 150})
+        for name, (config, script) in specs.items()
+    }
+    return {name: {"run": run, "dir": root / name} for name, run in launch_all(jobs, workers=len(jobs)).items()}
 
 
 def test_two_processes_sweep_and_verify_every_size(runs):

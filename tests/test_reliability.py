@@ -222,13 +222,23 @@ def test_two_machines_on_localhost_match_one_machine_with_two_processes(tmp_path
     assert np.abs(weights(two) - weights(one_machine)).max() <= 1e-6
 
 
-def test_machines_without_a_shared_disk_never_resume_into_different_states(tmp_path):
-    """Each machine its own disk: machine 0 holds the step-10 checkpoint it wrote, machine 1 nothing. Before the
-    processes agreed on it, machine 1 printed "starting fresh", machine 0 "resumed at step 10", and the next
-    collective timed out. Now both stop before loading, with one message that says what each machine holds."""
+@pytest.fixture(scope="module")
+def saved_on_each_node(tmp_path_factory):
+    """Two machines, each its own --output_dir, 10 steps with --save_on_each_node: both hold a step-10 checkpoint."""
+    root = tmp_path_factory.mktemp("no_shared_disk")
     first = ("--max_train_steps", "10", "--per_device_train_batch_size", "8", "--checkpointing_steps", "10")
-    for finished in two_machines(tmp_path, "disk", *first):
+    for finished in two_machines(root, "node", *first, "--save_on_each_node"):
         assert finished.returncode == 0, str(finished)
+    return root
+
+
+def test_machines_without_a_shared_disk_never_resume_into_different_states(tmp_path, saved_on_each_node):
+    """Each machine its own disk: machine 0 holds the step-10 checkpoint it wrote, machine 1 nothing (what a run
+    without --save_on_each_node leaves). Before the processes agreed on it, machine 1 printed "starting fresh", machine
+    0 "resumed at step 10", and the next collective timed out. Now both stop before loading, with one message that
+    says what each machine holds."""
+    shutil.copytree(saved_on_each_node / "node_machine0" / "checkpoints", tmp_path / "disk_machine0" / "checkpoints")
+    (tmp_path / "disk_machine1").mkdir()
     resumed = two_machines(
         tmp_path, "disk", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--dist_timeout", "60"
     )
@@ -247,29 +257,18 @@ def test_machines_without_a_shared_disk_never_resume_into_different_states(tmp_p
         assert "--save_on_each_node" in message and "resumed from" not in message and "starting fresh" not in message
 
 
-def test_save_on_each_node_lets_machines_without_a_shared_disk_resume(tmp_path, one_machine):
+def test_save_on_each_node_lets_machines_without_a_shared_disk_resume(saved_on_each_node, one_machine):
     """--save_on_each_node: every machine completes its own copy of each checkpoint, so both resume from step 10 and
     end with the weights of one machine that never stopped."""
-    first = (
-        "--max_train_steps",
-        "10",
-        "--per_device_train_batch_size",
-        "8",
-        "--checkpointing_steps",
-        "10",
-        "--save_on_each_node",
-    )
-    for finished in two_machines(tmp_path, "node", *first):
-        assert finished.returncode == 0, str(finished)
     for rank in (0, 1):
-        assert (tmp_path / f"node_machine{rank}" / "checkpoints" / "step_000010" / "progress.json").is_file()
+        assert (saved_on_each_node / f"node_machine{rank}" / "checkpoints" / "step_000010" / "progress.json").is_file()
     resumed = two_machines(
-        tmp_path, "node", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--save_on_each_node"
+        saved_on_each_node, "node", *MACHINE_ARGS, "--resume_from_checkpoint", "latest", "--save_on_each_node"
     )
     for finished in resumed:
         assert finished.returncode == 0, str(finished)
     assert "at step 10" in resumed[0].output  # printed by the main process, on machine 0
-    results = read_results(tmp_path / "node_machine0")
+    results = read_results(saved_on_each_node / "node_machine0")
     assert results["resumed_from_step"] == 10 and results["completed_steps"] == 30
     assert np.abs(weights(results) - weights(one_machine)).max() <= 1e-6
 

