@@ -33,7 +33,7 @@ import run as runner  # noqa: E402  (the matrix runner: launches, records, summa
 
 # Minutes each check takes on an H100-class GPU, start-up (imports, data, tokenizer) included: for the plan and the
 # budget. The start-up is most of it.
-MINUTES = {"linear_toy": 0.3, "finetune": 0.7, "lm": 0.9, "lm-device_map": 1.2}
+MINUTES = {"linear_toy": 0.3, "finetune": 0.7, "lm": 0.9, "lm-device_map": 1.2, "llm": 0.8}
 LM_SIZE = dict(steps=30, warmup=10, batch=8, block=1024, vocab=8192, corpus_mb=4, threads=None)  # 350m, bf16
 SPLIT_SIZE = dict(steps=6, warmup=2, batch=4, block=512, vocab=8192, corpus_mb=2, threads=None)  # 125m over GPU + CPU
 FINETUNE = [
@@ -75,7 +75,37 @@ def lm(setup: str, size: str, shape: dict, *extra: str, launch_args: tuple[str, 
     }
 
 
-def checks(gpus: int, tiny: bool) -> list[dict]:
+def llm(name: str, config: str, base: Path, *extra: str, launch_args: tuple[str, ...] = ()) -> dict:
+    """A recipes/llm_finetune.py check on the base model the lm-base check saved (offline: no Hub model here)."""
+    args = [
+        "--model_name_or_path",
+        str(base),
+        "--max_train_steps",
+        "20",
+        "--max_length",
+        "512",
+        "--per_device_train_batch_size",
+        "4",
+        "--gradient_checkpointing",
+        "--perf_warmup_steps",
+        "3",
+        *extra,
+    ]
+    return {
+        "name": name,
+        "setup": name.removeprefix("llm-"),
+        "recipe": "llm_finetune",
+        "size": "125m",
+        "launcher": "accelerate",
+        "config": config,
+        "script": "recipes/llm_finetune.py",
+        "args": args,
+        "launch_args": list(launch_args),
+        "minutes": MINUTES["llm"],
+    }
+
+
+def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gpu")) -> list[dict]:
     """The plan for this many GPUs. ``tiny``: the same launches at test sizes (a rehearsal on any machine)."""
     big, split, lm_size, split_size = (
         (
@@ -88,6 +118,7 @@ def checks(gpus: int, tiny: bool) -> list[dict]:
         else ("350m", "125m", LM_SIZE, SPLIT_SIZE)
     )
     bf16 = ["--mixed_precision", "bf16"] if not tiny else []
+    base_dir = output_dir / "work" / "lm-base" / "base" / "r0"
     plan = [
         {"name": "finetune-bf16", **finetune("single+bf16", "single_gpu.yaml", "--mixed_precision", "bf16")},
         {"name": "finetune-fp16", **finetune("single+fp16", "single_gpu.yaml", "--mixed_precision", "fp16")},
@@ -101,6 +132,14 @@ def checks(gpus: int, tiny: bool) -> list[dict]:
             **lm("fsdp:fsdp-1process+bf16", big, lm_size, *bf16, launch_args=("--num_processes", "1")),
         },
         {"name": "lm-device_map", **lm("device_map", split, split_size, *bf16)},
+        # The LLM recipe needs a pretrained causal LM: the lm-base check trains and keeps one (125m, a few steps).
+        {
+            "name": "lm-base",
+            **lm("single:base", "tiny" if tiny else "125m", dict(lm_size, steps=5, warmup=1)),
+            "keep_outputs": True,
+        },
+        llm("llm-lora-bf16", "single_gpu.yaml", base_dir, *bf16),
+        llm("llm-qlora-bf16", "single_gpu.yaml", base_dir, "--load_in_4bit", *bf16),
         {
             "name": "linear_toy",
             "setup": "single",
@@ -113,16 +152,42 @@ def checks(gpus: int, tiny: bool) -> list[dict]:
             "minutes": MINUTES["linear_toy"],
         },
     ]
-    if tiny:  # fp16 needs a GPU; on CPU the rehearsal keeps fp32
+    if tiny:  # fp16 needs a GPU; on CPU the rehearsal keeps fp32 and test sizes
         plan = [check for check in plan if check["name"] != "finetune-fp16"]
+        shrink = {
+            "--max_train_samples": "64",
+            "--max_eval_samples": "16",
+            "--per_device_train_batch_size": "4",
+            "--max_train_steps": "3",
+            "--max_length": "64",
+        }
         for check in plan:
-            check["args"] = [arg for arg in check["args"] if arg != "bf16" and arg != "--mixed_precision"]
+            args = [arg for arg in check["args"] if arg not in ("bf16", "--mixed_precision")]
+            check["args"] = [
+                shrink.get(args[i - 1], arg) if i and check["recipe"] != "train_lm" else arg
+                for i, arg in enumerate(args)
+            ]
     if gpus >= 2 or tiny:
         plan += [
             {"name": "lm-ddp", **lm("ddp:ddp+bf16", big, lm_size, *bf16)},
             {"name": "lm-fsdp", **lm("fsdp:fsdp+bf16", big, lm_size, *bf16)},
             {"name": "lm-pipeline-1f1b-m4", **lm("pipeline-1f1b-m4:pipeline-1f1b-m4+bf16", big, lm_size, *bf16)},
             {"name": "finetune-ddp", **finetune("ddp+bf16", "ddp_2gpu.yaml", *bf16)},
+            llm("llm-lora-fsdp", "fsdp_2gpu.yaml", base_dir, *bf16),
+            llm("llm-qlora-fsdp-offload", "fsdp_offload_2gpu.yaml", base_dir, "--load_in_4bit", *bf16),
+            # The rest of the README's "what fits on two 24 GB cards" launch lines, at this check's size.
+            llm("llm-lora-ddp", "ddp_2gpu.yaml", base_dir, *bf16),
+            llm("llm-qlora-ddp", "ddp_2gpu.yaml", base_dir, "--load_in_4bit", *bf16),
+            llm("llm-qlora-fsdp", "fsdp_2gpu.yaml", base_dir, "--load_in_4bit", *bf16),
+            llm(
+                "llm-qlora-device_map",
+                "model_sharding_2gpu.yaml",
+                base_dir,
+                "--load_in_4bit",
+                "--parallelism",
+                "device_map",
+                *bf16,
+            ),
         ]
     return plan
 
@@ -212,11 +277,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = gpu_names()
     gpus = args.gpus if args.gpus is not None else max(1, len(names))
-    plan = checks(gpus, args.tiny)
-    if args.only:
-        plan = [check for check in plan if any(word in check["name"] for word in args.only)]
     label = re.sub(r"[^A-Za-z0-9]+", "-", names[0]).strip("-").lower() if names else "no-gpu"
     output_dir = Path(args.output_dir or REPO / "benchmarks" / "results" / (label + ("-tiny" if args.tiny else "")))
+    plan = checks(gpus, args.tiny, output_dir.resolve())
+    if args.only:  # the LLM checks need the base model: --only llm keeps lm-base too
+        wanted = set(args.only) | ({"lm-base"} if any("llm" in word for word in args.only) else set())
+        plan = [check for check in plan if any(word in check["name"] for word in wanted)]
     total = sum(check["minutes"] for check in plan)
     print(
         f"GPU check: {gpus} GPU(s) ({', '.join(names) if names else 'none found here: the plan for ' + str(gpus)}); "

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from accelerate import init_empty_weights
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -58,7 +59,7 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_questions  # noqa: E402
 from shared.flops import lm_flops_per_token  # noqa: E402
-from shared.fsdp import sharding_facts, wrap_at_blocks  # noqa: E402
+from shared.fsdp import check_offload_fits_host_ram, sharding_facts, wrap_at_blocks  # noqa: E402
 from shared.hang_dump import HangDump  # noqa: E402
 from shared.model_split import (  # noqa: E402
     dispatch_on_devices,
@@ -696,14 +697,26 @@ def main():
     load_dtype = compute_dtype if lora else torch.float32
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     load_device = {"": str(accelerator.device)} if args.load_in_4bit and not split_over else None
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_name_or_path,
-        config=config,
-        dtype=load_dtype,
-        quantization_config=quantization,
-        device_map=load_device,
-        trust_remote_code=args.trust_remote_code,
-    )
+    # Low host-RAM loading (the FSDP config's fsdp_cpu_ram_efficient_loading): only the main process reads the
+    # checkpoint; the others build the model's shape with no memory behind it (parameters on the meta device, buffers
+    # real), and accelerator.prepare() hands every process its shard of the main process's weights. Without it each
+    # of N processes holds the whole model in host RAM at once: 2 x 140 GB for a 70B model in bf16.
+    ram_efficient = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"  # set by the config
+    low_ram = ram_efficient and parallelism.name == "fsdp"
+    if low_ram and not accelerator.is_main_process and not args.load_in_4bit:
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=load_dtype, trust_remote_code=args.trust_remote_code
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model_name_or_path,
+            config=config,
+            dtype=load_dtype,
+            quantization_config=quantization,
+            device_map=load_device,
+            trust_remote_code=args.trust_remote_code,
+        )
     total_before = sum(parameter.numel() for parameter in model.parameters())
     device_map = None
     if split_over:
@@ -779,9 +792,24 @@ def main():
     if parallelism.name == "fsdp":
         block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
+        check_offload_fits_host_ram(accelerator, model)  # offload config: refuse now, not at an OOM mid-run
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
+    loading = {}
+    if low_ram:
+        # What low-RAM loading gave each process, for results.json: whether it read the checkpoint, and the sum of
+        # every frozen weight's local shard (tests compare them with the checkpoint's slices). A collective.
+        loading = {
+            "loading/read_checkpoint": per_rank(accelerator.is_main_process or bool(args.load_in_4bit)),
+            "loading/shard_sums": per_rank(
+                {
+                    name: float((parameter.to_local() if hasattr(parameter, "to_local") else parameter).double().sum())
+                    for name, parameter in model.named_parameters()
+                    if not parameter.requires_grad
+                }
+            ),
+        }
     if lora and parallelism.name != "fsdp":
         # Checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model): save_state hands its
         # model weights to this hook, which keeps only what requires grad; loading puts them back non-strictly.
@@ -907,7 +935,7 @@ def main():
     )
     perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
     if parallelism.name == "fsdp":
-        perf["fsdp/sharding"] = per_rank(sharding_facts(model))
+        perf["fsdp/sharding"] = per_rank(sharding_facts(model, optimizer))
 
     # ------------------------------------------------------------------------- evaluation
     hang_dump.phase("evaluation")
@@ -1002,6 +1030,7 @@ def main():
         "eval/num_tokens": eval_tokens,
         "samples": samples,
         **perf,
+        **loading,
         "config": run_config,
     }
     accelerator.log({**perf_numbers, "eval/loss": eval_loss}, step=completed_steps)

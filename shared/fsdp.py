@@ -5,9 +5,15 @@ reads from the model), the embeddings, the final norm + head, then the root; cli
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, gather_object
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from shared.runtime import RecipeError
 
 
 
@@ -24,18 +30,75 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
     return block_class
 
 
-def sharding_facts(model: torch.nn.Module) -> dict[str, int]:
+def sharding_facts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """What this process holds: DTensor (FSDP2-sharded) parameters, its elements (``local_numel``) against the model's
-    (``global_numel``), and the modules ``fully_shard`` was applied to (each block, embeddings, norm + head, root)."""
+    (``global_numel``), the modules ``fully_shard`` was applied to (each block, embeddings, norm + head, root), and
+    where the shards and the optimizer state live: ``offloaded_parameters`` counts the parameters FSDP2 keeps on the
+    CPU (its CPUOffloadPolicy; torch has no public accessor, hence ``_get_fsdp_state``)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     parameters = list(model.parameters())
+    states = [module._get_fsdp_state() for module in model.modules() if isinstance(module, FSDPModule)]
+    # fully_shard([embeddings, norm, head]) gives several modules one state: count each group once.
+    groups = {id(state): state._fsdp_param_group for state in states if state._fsdp_param_group is not None}.values()
+    optimizer_values = [v for state in (optimizer.state.values() if optimizer else []) for v in state.values()]
     return {
         "parameters": len(parameters),
         "dtensor_parameters": sum(isinstance(parameter, DTensor) for parameter in parameters),
         # A DTensor's numel() is the global tensor's; to_local() is this process's shard.
         "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in parameters),
         "global_numel": sum(parameter.numel() for parameter in parameters),
-        "fsdp_modules": sum(isinstance(module, FSDPModule) for module in model.modules()),
+        "fsdp_modules": len(states),
+        "offloaded_parameters": sum(fsdp_param.offload_to_cpu for group in groups for fsdp_param in group.fsdp_params),
+        "shard_devices": sorted({str((p.to_local() if isinstance(p, DTensor) else p).device) for p in parameters}),
+        "optimizer_state_devices": sorted({str(getattr(v, "device", "none")) for v in optimizer_values
+                                           if isinstance(v, torch.Tensor) and v.ndim}),
     }
+
+
+def available_host_ram() -> tuple[int, str]:
+    """Bytes of RAM this machine can still give, and where the figure comes from: ``RECIPES_HOST_RAM_GIB`` when set
+    (a scheduler's limit the OS does not report), else the smaller of /proc/meminfo's MemAvailable and the cgroup's
+    memory.max minus memory.current (containers, SLURM jobs)."""
+    if os.environ.get("RECIPES_HOST_RAM_GIB"):
+        return int(float(os.environ["RECIPES_HOST_RAM_GIB"]) * 2**30), "RECIPES_HOST_RAM_GIB"
+    figures = []
+    try:
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        figures.append((int(meminfo["MemAvailable"].split()[0]) * 1024, "MemAvailable"))
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            figures.append((int(limit) - used, "the cgroup's memory.max"))
+    except (OSError, KeyError, ValueError):
+        pass
+    return min(figures) if figures else (2**62, "unknown")
+
+
+def check_offload_fits_host_ram(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Under an FSDP config with CPU offload (``fsdp_offload_2gpu.yaml``), refuse before training when this machine
+    cannot hold its share of the offloaded state: trained parameters with their gradients and AdamW's two moments (4x
+    their bytes), frozen ones once, divided over the processes, this machine's share of them. Call before ``prepare``
+    (the model's numbers are read even from meta-device weights). Every process decides, and all raise together."""
+    plugin = accelerator.state.fsdp_plugin
+    offload = getattr(plugin, "cpu_offload", None) if accelerator.distributed_type == DistributedType.FSDP else None
+    if not (isinstance(offload, CPUOffloadPolicy) or getattr(offload, "offload_params", False)):
+        return
+    trained = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    share = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) / accelerator.num_processes
+    needed = int((4 * trained + frozen) * share)
+    available, source = available_host_ram()
+    verdicts = gather_object([(needed, available, source)])
+    short = [(need, have, where) for need, have, where in verdicts if need > have]
+    if short:
+        need, have, where = short[0]
+        raise RecipeError(
+            "FSDP2 with CPU offload keeps the parameters, gradients and AdamW state in host RAM: this machine's "
+            f"share is {need / 2**30:.2f} GiB (trained {trained / 2**30:.2f} GiB x 4 for weights, gradients and 2 "
+            f"moments, frozen {frozen / 2**30:.2f} GiB once, x {share:.2f} for its processes), but only "
+            f"{have / 2**30:.2f} GiB is free ({where}). Use a machine with more RAM, LoRA or QLoRA (--load_in_4bit) "
+            "to shrink the state, or fsdp_2gpu.yaml when 1/N of it fits on each GPU; python tools/plan.py "
+            "--cpu_offload estimates both."
+        )

@@ -120,6 +120,9 @@ class ThroughputMeter:
         # gather_object is a collective: every process must call summary().
         per_rank = gather_object([peak_memory_gib(self.devices)])
         several = self.accelerator.num_processes > 1
+        # Host RAM too (peak RSS, per process), on GPUs as well: loading and CPU offload live there.
+        host = gather_object([peak_memory_gib([torch.device("cpu")])["cpu"]])
+        summary["memory/host_peak_gib"] = {f"rank{rank}": round(gib, 4) for rank, gib in enumerate(host)}
         summary["memory/peak_gib"] = {(f"rank{rank}/" if several else "") + device: round(gib, 4)
                                       for rank, peaks in enumerate(per_rank) for device, gib in peaks.items()}
         return summary

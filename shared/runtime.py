@@ -16,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml",
               "device_map": "model_sharding_2gpu.yaml", "pipeline": "pipeline_2gpu.yaml"}
@@ -140,6 +141,8 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
                           f"fsdp_version {plugin.fsdp_version}. Use accelerate_configs/fsdp_2gpu.yaml.")
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)  # what AcceleratorState does on GPUs
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # the offload config, unpinned (pinned memory needs a GPU)
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
     accelerator.state.fsdp_plugin = plugin
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # collectives read it from here

@@ -7,13 +7,12 @@ All launches share one module-scoped fixture, run in two lanes at once (start-up
 most of a tiny run's time, and the machine has 2 cores); the bad-input messages are checked in-process."""
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from launch import launch, read_results
+from launch import Job, launch_all, read_results
 from safetensors.torch import load_file
 
 # The language model: tiny preset, 5 optimizer steps of 2 accumulated batches, 2 processes x 4 blocks
@@ -61,63 +60,40 @@ FINETUNE = (
 )
 
 
-def launch_in_two_lanes(*lanes) -> dict:
-    """Run the jobs of each lane one after another, the lanes at the same time. A job is
-    ``(name, function)``; the function launches and returns the Run (and may prepare folders first,
-    which is why a run that needs another's output goes after it in the same lane). A failed run ends
-    its lane, so the failure reported is the first one, not a missing folder after it."""
-
-    def run_lane(lane):
-        finished = {}
-        for name, job in lane:
-            finished[name] = job()
-            if finished[name].returncode != 0:
-                break
-        return finished
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(run_lane, lane) for lane in lanes]
-        return {name: run for future in futures for name, run in future.result().items()}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
 
-    def lm(name, config, *args):
-        return name, lambda: launch(config, "train_lm.py", *LM, *args, "--output_dir", root / name)
+    def lm(config, *args, **job):
+        return Job(config, "train_lm.py", (*LM, *args), **job)
 
-    def resume_with_gradient_checkpointing():
+    def stop_after_step_2():
         # What a run stopped after step 2 leaves behind: its tokenizer and checkpoints/step_000002.
         stopped = root / "resumed"
         shutil.copytree(root / "fsdp" / "checkpoints" / "step_000002", stopped / "checkpoints" / "step_000002")
         for tokenizer_file in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(root / "fsdp" / tokenizer_file, stopped)
+
+    jobs = {
+        "fsdp": lm("fsdp_2gpu.yaml", "--checkpointing_steps", "2"),
+        "ddp": lm("ddp_2gpu.yaml"),
         # --gradient_checkpointing here too: recomputing activations must not change a single number,
         # so this one run checks both the sharded resume and gradient checkpointing under FSDP.
-        return launch(
+        "resumed": lm(
             "fsdp_2gpu.yaml",
-            "train_lm.py",
-            *LM,
             "--resume_from_checkpoint",
             "latest",
             "--gradient_checkpointing",
-            "--output_dir",
-            stopped,
-        )
-
-    finished = launch_in_two_lanes(
-        [lm("fsdp", "fsdp_2gpu.yaml", "--checkpointing_steps", "2"), ("resumed", resume_with_gradient_checkpointing)],
-        [
-            lm("ddp", "ddp_2gpu.yaml"),
-            (
-                "finetune",
-                lambda: launch(
-                    "fsdp_2gpu.yaml", "transformer_finetune.py", *FINETUNE, "--output_dir", root / "finetune"
-                ),
-            ),
-        ],
-    )
+            after="fsdp",
+            prepare=stop_after_step_2,
+        ),
+        "finetune": Job("fsdp_2gpu.yaml", "transformer_finetune.py", FINETUNE),
+        # FSDP2 with CPU offload: the shards, their gradients and AdamW's state on the host.
+        "offload": lm("fsdp_offload_2gpu.yaml"),
+    }
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", root / name)
+    finished = launch_all(jobs)
     out = {}
     for name, run in finished.items():
         assert run.returncode == 0, f"{name}: {run}"
@@ -196,6 +172,18 @@ def test_gradient_checkpointing_gives_the_same_losses(runs):
     )
     curve, reference = np.array(resumed["train/loss_curve"]), np.array(uninterrupted["train/loss_curve"][2:])
     assert np.max(np.abs(curve - reference) / np.abs(reference)) <= 1e-5
+
+
+def test_cpu_offload_really_offloads_and_trains_like_fsdp(runs):
+    """Every FSDP2 parameter is offloaded (CPUOffloadPolicy), the shards and AdamW's state live on the CPU (on GPUs
+    too), and the steps are FSDP's. Under fsdp_2gpu.yaml nothing is offloaded: the count tells the two apart."""
+    offload, fsdp = runs["offload"]["results"], runs["fsdp"]["results"]
+    for rank, facts in offload["fsdp/sharding"].items():
+        assert facts["dtensor_parameters"] == facts["parameters"] == facts["offloaded_parameters"] > 0, rank
+        assert facts["shard_devices"] == ["cpu"] and facts["optimizer_state_devices"] == ["cpu"], rank
+        assert fsdp["fsdp/sharding"][rank]["offloaded_parameters"] == 0
+    np.testing.assert_allclose(offload["train/loss_curve"], fsdp["train/loss_curve"], rtol=1e-5)
+    assert max_weight_difference(runs["offload"]["dir"], runs["fsdp"]["dir"]) <= 1e-5
 
 
 def test_saved_model_is_whole_and_loads(runs):

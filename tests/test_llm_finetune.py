@@ -6,12 +6,11 @@ hooks, collectives and FSDP2 path); benchmarks/gpu_check.py runs the CUDA side."
 import json
 import random
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
-from launch import REPO, launch, read_results, visible_gpus
+from launch import REPO, Job, launch_all, read_results, visible_gpus
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -87,16 +86,6 @@ def base(tmp_path_factory):
     return folder
 
 
-def run_all(jobs: dict, cpu_only: bool | None = None) -> dict:
-    """Launch independent runs two at a time (start-up, not training, is most of a tiny run)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(launch, config, RECIPE, *args, cpu_only=cpu_only)
-            for name, (config, *args) in jobs.items()
-        }
-        return {name: future.result() for name, future in futures.items()}
-
-
 @pytest.fixture(scope="module")
 def runs(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("llm")
@@ -108,9 +97,24 @@ def runs(base, tmp_path_factory):
         "--validation_file",
         base / "chats_validation.jsonl",
     )
+    lora_exact = EXACT[: EXACT.index("--skip_eval")]  # the 1x8 run also evaluates, generates and merges
+    qlora = ("--load_in_4bit", "--max_train_steps", "2", "--lora_dropout", "0", "--adam_epsilon", "1e-4")
     jobs = {
         # The same 8 conversations per optimizer step, three ways (a seedable sampler: the same order everywhere).
-        "1x8": ("single_gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "8", "--checkpointing_steps", "2"),
+        "1x8": (
+            "single_gpu.yaml",
+            *data,
+            *lora_exact,
+            "--per_device_train_batch_size",
+            "8",
+            "--checkpointing_steps",
+            "2",
+            "--generate_samples",
+            "2",
+            "--sample_tokens",
+            "6",
+            "--merge_and_save",
+        ),
         "2x4": ("ddp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
         "1x4x2": (
             "single_gpu.yaml",
@@ -122,6 +126,9 @@ def runs(base, tmp_path_factory):
             "2",
         ),
         "fsdp": ("fsdp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
+        # FSDP2 with CPU offload and low host-RAM loading (only rank 0 reads the checkpoint): if a rank got wrong
+        # weights, its shard would change every forward pass and the losses would not equal one process's.
+        "offload": ("fsdp_offload_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
         "device_map": (
             "model_sharding_2gpu.yaml",
             *data,
@@ -131,60 +138,36 @@ def runs(base, tmp_path_factory):
             "--parallelism",
             "device_map",
         ),
-        # Evaluation, generation and merging; QLoRA; a full fine-tune; the other two data formats, packing and
-        # grouping.
-        "eval": (
-            "single_gpu.yaml",
-            *data,
-            "--max_train_steps",
-            "2",
-            "--max_length",
-            "96",
-            "--per_device_train_batch_size",
-            "8",
-            "--generate_samples",
-            "2",
-            "--sample_tokens",
-            "6",
-            "--merge_and_save",
-        ),
+        # QLoRA on the plain-text format: one process (merged into a full-precision copy), and 2 processes with
+        # FSDP2 sharding the 4-bit base (its storage dtype is FSDP-friendly), the same 8 texts per step.
         "qlora": (
             "single_gpu.yaml",
-            *data,
-            "--load_in_4bit",
-            "--max_train_steps",
-            "2",
+            "--model_name_or_path",
+            base,
+            "--train_file",
+            base / "texts.parquet",
+            *qlora,
             "--max_length",
-            "96",
+            "64",
             "--merge_and_save",
             "--per_device_train_batch_size",
             "8",
-        ),
-        # QLoRA in 2 processes: replicas (DDP), and FSDP2 sharding the 4-bit base (its storage dtype is FSDP-friendly).
-        "qlora_ddp": (
-            "ddp_2gpu.yaml",
-            *data,
-            "--load_in_4bit",
-            "--max_train_steps",
-            "2",
-            "--max_length",
-            "96",
-            "--per_device_train_batch_size",
-            "4",
             "--skip_eval",
         ),
         "qlora_fsdp": (
             "fsdp_2gpu.yaml",
-            *data,
-            "--load_in_4bit",
-            "--max_train_steps",
-            "2",
+            "--model_name_or_path",
+            base,
+            "--train_file",
+            base / "texts.parquet",
+            *qlora,
             "--max_length",
-            "96",
+            "64",
             "--per_device_train_batch_size",
             "4",
             "--skip_eval",
         ),
+        # A full fine-tune in 2 processes, with length-grouped batches and gradient checkpointing.
         "full": (
             "ddp_2gpu.yaml",
             *data,
@@ -199,6 +182,8 @@ def runs(base, tmp_path_factory):
             "4",
             "--per_device_eval_batch_size",
             "3",
+            "--group_by_length",
+            "--gradient_checkpointing",
         ),
         "packed": (
             "single_gpu.yaml",
@@ -214,48 +199,30 @@ def runs(base, tmp_path_factory):
             "--per_device_train_batch_size",
             "2",
         ),
-        "grouped": (
+        # Resumed from the 1x8 run's step-2 checkpoint (adapter-only), to the same end.
+        "resumed": Job(
             "single_gpu.yaml",
-            "--model_name_or_path",
-            base,
-            "--train_file",
-            base / "texts.parquet",
-            "--group_by_length",
-            "--gradient_checkpointing",
-            "--max_length",
-            "64",
-            "--max_train_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "4",
+            RECIPE,
+            (
+                *data,
+                *EXACT,
+                "--per_device_train_batch_size",
+                "8",
+                "--resume_from_checkpoint",
+                root / "1x8" / "checkpoints" / "step_000002",
+            ),
+            after="1x8",
         ),
     }
+    jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", root / name)
     # Every run on the kind of device the 2-process runs get, so that the exact comparisons compare like with like.
-    finished = run_all(
-        {name: (config, *args, "--output_dir", root / name) for name, (config, *args) in jobs.items()},
-        cpu_only=visible_gpus() < 2,
-    )
+    finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
     out = {}
     for name, run in finished.items():
         assert run.returncode == 0, f"{name}: {run}"
         out[name] = {"dir": root / name, "results": read_results(root / name), "log": run.output}
-    # A run resumed from the 1x8 run's step-2 checkpoint (adapter-only), to the same end.
-    resumed = root / "resumed"
-    run = launch(
-        "single_gpu.yaml",
-        RECIPE,
-        *data,
-        *EXACT,
-        "--per_device_train_batch_size",
-        "8",
-        "--output_dir",
-        resumed,
-        "--resume_from_checkpoint",
-        root / "1x8" / "checkpoints" / "step_000002",
-        cpu_only=visible_gpus() < 2,
-    )
-    assert run.returncode == 0, str(run)
-    out["resumed"] = {"dir": resumed, "results": read_results(resumed), "log": run.output}
     return out
 
 
@@ -300,11 +267,33 @@ def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
     np.testing.assert_allclose(split["train/loss_curve"], reference, rtol=1e-5)
 
 
+def test_lora_with_cpu_offload_and_low_ram_loading_trains_like_one_process(runs, base):
+    """Offload: every parameter FSDP2 holds is offloaded, AdamW's state lives on the CPU. Low-RAM loading: only
+    rank 0 read the checkpoint, and every rank's shard of every frozen weight sums to its slice of the checkpoint
+    (FSDP2 shards dim 0 in torch.chunk pieces): rank 1 received rank 0's weights, not random or empty ones."""
+    from safetensors.torch import load_file
+
+    offload = runs["offload"]["results"]
+    assert offload["parallelism"] == "fsdp"
+    for facts in offload["fsdp/sharding"].values():
+        assert facts["offloaded_parameters"] == facts["parameters"] and facts["optimizer_state_devices"] == ["cpu"]
+    assert offload["loading/read_checkpoint"] == {"rank0": True, "rank1": False}
+    checkpoint = load_file(base / "model.safetensors")
+    for rank, sums in offload["loading/shard_sums"].items():
+        assert len(sums) == len(checkpoint), sorted(sums)
+        for name, value in sums.items():
+            weight = checkpoint[name.removeprefix("base_model.model.").replace(".base_layer", "")]
+            expected = float(torch.chunk(weight, 2, dim=0)[int(rank.removeprefix("rank"))].double().sum())
+            assert value == pytest.approx(expected, rel=1e-6, abs=1e-9), (rank, name)
+    np.testing.assert_allclose(offload["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"], rtol=1e-5)
+    assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
+
+
 def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs, base):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    out = runs["eval"]["dir"]
+    out = runs["1x8"]["dir"]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["lora_alpha"] == 16 and config["peft_type"] == "LORA"
     assert not (out / "model.safetensors").exists(), "a LoRA run saves the adapter, not a copy of the base"
@@ -313,7 +302,7 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs
     ids = torch.tensor([[5, 17, 42, 99, 3]])
     with torch.no_grad():
         torch.testing.assert_close(tuned(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
-    results = runs["eval"]["results"]
+    results = runs["1x8"]["results"]
     assert results["model/trainable_parameters"] < 0.2 * results["model/total_parameters"]
     assert len(results["samples"]) == 2 and all(
         sample["prompt"].endswith("<|assistant|>\n") for sample in results["samples"]
@@ -322,7 +311,7 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs
 
 def test_evaluation_counts_every_answer_token_of_every_validation_sample_once(runs):
     """8 validation conversations in batches of 3 over 2 processes: gather_for_metrics drops the repeated ones."""
-    one, two = runs["eval"]["results"], runs["full"]["results"]
+    one, two = runs["1x8"]["results"], runs["full"]["results"]
     assert one["eval/num_samples"] == two["eval/num_samples"] == 8
     assert one["eval/num_tokens"] == two["eval/num_tokens"] > 8
     assert one["eval/perplexity"] == pytest.approx(np.exp(one["eval/loss"]))
@@ -334,21 +323,23 @@ def test_qlora_trains_a_4bit_base_and_merges_into_a_full_precision_copy(runs):
     results = runs["qlora"]["results"]
     assert results["method"] == "qlora" and results["train/loss"] == results["train/loss"]
     assert (
-        results["model/total_parameters"] == runs["eval"]["results"]["model/total_parameters"]
+        results["model/total_parameters"] == runs["1x8"]["results"]["model/total_parameters"]
     )  # 4-bit counted as parameters
     merged = AutoModelForCausalLM.from_pretrained(runs["qlora"]["dir"] / "merged")
     assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
 
 
-def test_qlora_trains_in_two_processes_replicated_and_sharded(runs):
-    ddp, fsdp = runs["qlora_ddp"]["results"], runs["qlora_fsdp"]["results"]
-    assert (ddp["parallelism"], fsdp["parallelism"], fsdp["distributed_type"]) == ("ddp", "fsdp", "FSDP")
-    np.testing.assert_allclose(fsdp["train/loss_curve"], ddp["train/loss_curve"], rtol=1e-5)
+def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
+    one, fsdp = runs["qlora"]["results"], runs["qlora_fsdp"]["results"]
+    assert (fsdp["parallelism"], fsdp["distributed_type"], fsdp["global_batch_size"]) == ("fsdp", "FSDP", 8)
+    np.testing.assert_allclose(fsdp["train/loss_curve"], one["train/loss_curve"], rtol=1e-5)
     for rank, facts in fsdp["fsdp/sharding"].items():
         assert (
             facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
         )
-        assert fsdp["memory/model_state_bytes"][rank]["total"] <= 0.55 * ddp["memory/model_state_bytes"][rank]["total"]
+        assert (
+            fsdp["memory/model_state_bytes"][rank]["total"] <= 0.55 * one["memory/model_state_bytes"]["rank0"]["total"]
+        )
 
 
 def test_full_fine_tune_saves_the_whole_model(runs, base):
@@ -373,14 +364,15 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
 
 
 def test_formats_are_detected_and_tokens_counted_separately(runs):
-    packed, grouped = runs["packed"]["results"], runs["grouped"]["results"]
+    packed, text = runs["packed"]["results"], runs["qlora"]["results"]
     assert runs["1x8"]["results"]["data/format"] == "messages"
-    assert packed["data/format"] == "prompt_completion" and grouped["data/format"] == "text"
+    assert packed["data/format"] == "prompt_completion" and text["data/format"] == "text"
     assert "data: format prompt_completion" in runs["packed"]["log"]
     assert "tokenizer: no pad token, using the end-of-sequence token" in runs["1x8"]["log"]
-    for results in (packed, grouped, runs["1x8"]["results"]):
+    for results in (packed, text, runs["1x8"]["results"]):
         assert results["perf/tokens_per_sec"] > results["perf/answer_tokens_per_sec"] > 0
-    assert grouped["config"]["gradient_checkpointing"] and grouped["config"]["group_by_length"]
+    full = runs["full"]["results"]
+    assert full["config"]["gradient_checkpointing"] and full["config"]["group_by_length"]
 
 
 # ----------------------------------------------------------------------------- in-process: labels, packing
@@ -490,19 +482,23 @@ def refusals(base, tmp_path_factory):
         "max_length": ("single_gpu.yaml", *model, *data, "--max_length", "4"),
         "batch": ("ddp_2gpu.yaml", *model, *data, "--max_train_samples", "3", "--per_device_train_batch_size", "4"),
     }
-    finished = run_all({name: (config, *args, "--output_dir", root / name) for name, (config, *args) in cases.items()})
-    no_bnb = launch(
+    jobs = {name: Job(config, RECIPE, (*args, "--output_dir", root / name)) for name, (config, *args) in cases.items()}
+    jobs["no_bitsandbytes"] = Job(
         "single_gpu.yaml",
         RECIPE,
-        *model,
-        *data,
-        "--load_in_4bit",
-        "--output_dir",
-        root / "bnb",
+        (*model, *data, "--load_in_4bit", "--output_dir", root / "bnb"),
         env={"PYTHONPATH": str(fake.parent)},
     )
-    messages = {name: " ".join(run.output.split()) for name, run in {**finished, "no_bitsandbytes": no_bnb}.items()}
-    for name, run in {**finished, "no_bitsandbytes": no_bnb}.items():
+    # The offload config on a machine said to have 1 KiB free: refused before training, in both processes at once.
+    jobs["offload_host_ram"] = Job(
+        "fsdp_offload_2gpu.yaml",
+        RECIPE,
+        (*model, *data, "--full_finetune", "--output_dir", root / "offload"),
+        env={"RECIPES_HOST_RAM_GIB": str(2**-20)},
+    )
+    finished = launch_all(jobs)
+    messages = {name: " ".join(run.output.split()) for name, run in finished.items()}
+    for name, run in finished.items():
         assert run.returncode != 0 and "error: " in run.output, f"{name}: {run}"
     return messages
 
@@ -517,7 +513,10 @@ def refusals(base, tmp_path_factory):
         ("max_length", "--max_length 4 is shorter than the prompt of every train sample"),
         ("batch", "3 training samples make 1 batch(es) of 4, fewer than the 2 processes"),
         ("no_bitsandbytes", "--load_in_4bit needs bitsandbytes"),
+        ("offload_host_ram", "FSDP2 with CPU offload keeps the parameters, gradients and AdamW state in host RAM"),
     ],
 )
 def test_bad_input_gets_one_clear_error(refusals, case, message):
     assert message in refusals[case]
+    if case == "offload_host_ram":
+        assert "is free (RECIPES_HOST_RAM_GIB)" in refusals[case] and "tools/plan.py --cpu_offload" in refusals[case]
