@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -121,15 +122,47 @@ def split_setup(setup: str) -> tuple[str, frozenset]:
     return base, frozenset(options)
 
 
+# Options that change only how data is fed or how gradients travel: a setup with one of them is compared with the
+# same setup without it (samples/s ratio).
+OPTION_COMPARISONS = {
+    "group_by_length": "group_by_length speedup",
+    "compile": "torch.compile speedup",
+    "bf16hook": "bf16 gradient compression speedup",
+    "fp16hook": "fp16 gradient compression speedup",
+    "dynamic": "dynamic padding speedup",
+}
+# Setups compared by the bytes of model state one process holds (memory/model_state_bytes, rank 0) rather than speed.
+MEMORY_COMPARISONS = {
+    ("full", "lora"): "lora vs full model state",
+    ("lora", "qlora"): "qlora vs lora model state",
+    ("ddp", "fsdp"): "fsdp vs ddp model state",
+}
+
+
 def comparison(a: str, b: str) -> str | None:
     """What comparing setup b against setup a (the reference) measures, if anything."""
     (base_a, options_a), (base_b, options_b) = split_setup(a), split_setup(b)
+    added = options_b - options_a
+    if base_a == base_b and options_a - options_b == {"fixed"} and added <= {"group_by_length"}:
+        return "speedup over the plain loop"  # the plain loop pads every text to --max_length
+    if base_a == base_b and len(added) == 1 and options_a <= options_b and next(iter(added)) in OPTION_COMPARISONS:
+        return OPTION_COMPARISONS[next(iter(added))]
+    if options_a == options_b and base_a.startswith("pipeline-1f1b-") and base_b.startswith("pipeline-interleaved"):
+        if base_a.split("-m")[-1] == base_b.split("-m")[-1]:
+            return "interleaved vs 1f1b"
+    if options_a == options_b and base_a.startswith("pipeline-1f1b-") and base_b.startswith("pipeline-zb"):
+        if base_a.split("-m")[-1] == base_b.split("-m")[-1]:
+            return "zero bubble vs 1f1b"
     if base_a == base_b and options_b - options_a == {"group_by_length"} and options_a <= options_b:
         return "group_by_length speedup"
     if base_a == base_b and options_b - options_a == {"compile"} and options_a <= options_b:
         return "torch.compile speedup"
     if options_a != options_b:
         return None
+    method_a, method_b = base_a.split("-")[0], base_b.split("-")[0]  # llm setups: <method>-<processes>p
+    if base_a.split("-")[1:] == base_b.split("-")[1:] and (method_a, method_b) in MEMORY_COMPARISONS:
+        if (method_a, method_b) != ("ddp", "fsdp"):
+            return MEMORY_COMPARISONS[(method_a, method_b)]
     return {
         ("single", "ddp"): "ddp scaling efficiency",
         ("raw_ddp", "ddp"): "overhead vs raw PyTorch",
@@ -139,8 +172,15 @@ def comparison(a: str, b: str) -> str | None:
     )
 
 
+def model_state(record: dict) -> int | None:
+    state = (record.get("memory/model_state_bytes") or {}).get("rank0") or {}
+    return state.get("total")
+
+
 def ratio_of(kind: str, a: dict, b: dict) -> float | None:
     """The ratio for one pair of runs (or of two configurations' medians)."""
+    if kind.endswith("model state"):
+        return model_state(b) / model_state(a) if model_state(a) and model_state(b) else None
     if kind == "overhead vs raw PyTorch":
         return (
             b["perf/step_time_s"] / a["perf/step_time_s"]
@@ -181,6 +221,8 @@ def medians(runs: list[dict]) -> dict:
                 "sequence_length",
                 "num_microbatches",
                 "pipeline_schedule",
+                "stages_per_process",
+                "memory/model_state_bytes",
             )
         },
         **{key: median(run.get(key) for run in runs) for key in keys},
@@ -216,13 +258,59 @@ def ratios(grouped: dict[tuple, list[dict]]) -> list[dict]:
                 "ideal": None,
                 "max_foreign_cpu_share": max(shares) if shares else None,
             }
-            if kind == "pipeline speedup":
-                stages, m = runs_b[0]["processes"], runs_b[0].get("num_microbatches")
+            if kind in ("pipeline speedup", "interleaved vs 1f1b", "zero bubble vs 1f1b"):
+                p, m = runs_b[0]["processes"], runs_b[0].get("num_microbatches")
+                v = runs_b[0].get("stages_per_process") or (2 if "interleaved" in key_b[-1] else 1)
                 row["m"], row["schedule"] = m, runs_b[0].get("pipeline_schedule")
-                if m:
-                    row["ideal"] = stages * m / (m + stages - 1)
+                if m:  # the bubble of p stages over m micro-batches, v chunks per process (Narayanan et al. 2021)
+                    row["ideal"] = {
+                        "pipeline speedup": p * m / (m + (p - 1) / v),
+                        "interleaved vs 1f1b": (m + p - 1) / (m + (p - 1) / v),
+                        "zero bubble vs 1f1b": (m + p - 1) / m,
+                    }[kind]
+            row["interval"] = bootstrap_interval(paired)
+            row["bound"], row["above_bound"] = physical_bound(row, runs_b[0]["processes"])
             rows.append(row)
     return sorted(rows, key=lambda row: (row["group"], row["comparison"], row["setup"]))
+
+
+def bootstrap_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95 % interval of the median of ``values`` (the paired per-round ratios), by the percentile bootstrap:
+    resample the rounds with replacement, take each resample's median, read the 2.5th and 97.5th percentiles.
+    None below 3 rounds, where it says nothing."""
+    if len(values) < 3:
+        return None
+    rng = random.Random(seed)
+    estimates = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return estimates[int(0.025 * resamples)], estimates[int(0.975 * resamples) - 1]
+
+
+def beyond(value: float, bound: str | None) -> bool:
+    """Whether ``value`` passes a bound written as physical_bound writes it ("<= 1.60", ">= 0.50")."""
+    if not bound or value is None:
+        return False
+    limit = float(bound.split()[1])
+    return value > limit + 1e-9 if bound.startswith("<=") else value < limit - 1e-9
+
+
+def physical_bound(row: dict, processes: int) -> tuple[str | None, bool]:
+    """The bound no correct measurement can pass, and whether this ratio passes it (then it is a measurement error:
+    a disturbed reference run, a too-short run, clocks read before the GPU finished). Pipelines: their ideal
+    (bubble-free beyond the schedule's own); DDP scaling efficiency: 1.0; FSDP model state per process: 1/N of
+    DDP's."""
+    ratio = row["ratio"]
+    if ratio is None:
+        return None, False
+    bound = (
+        f"<= {row['ideal']:.3f}"
+        if row.get("ideal")
+        else "<= 1.000"
+        if row["comparison"] == "ddp scaling efficiency"
+        else f">= {1 / processes:.3f}"
+        if row["comparison"] == "fsdp vs ddp model state"
+        else None
+    )
+    return bound, beyond(ratio, bound)
 
 
 def target_of(row: dict) -> tuple[str, float] | None:
@@ -264,6 +352,15 @@ def machines_text(records: list[dict]) -> list[str]:
     return lines
 
 
+def spread(runs: list[dict], name: str, spec: str) -> str:
+    """Mean ± standard deviation of ``name`` over runs (rounds), or "-"."""
+    values = [run[name] for run in runs if run.get(name) is not None]
+    if not values:
+        return "-"
+    deviation = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{format(statistics.mean(values), spec)} ± {format(deviation, spec)}"
+
+
 def markdown(records: list[dict]) -> str:
     grouped = configurations(records)
     several = len({record["_input"] for record in records}) > 1
@@ -291,15 +388,36 @@ def markdown(records: list[dict]) -> str:
             f"{fmt(m['perf/step_time_p90_s'], '.3f')} | {fmt(m['perf/data_wait_fraction'], '.1%')} | "
             f"{memory_text(runs)} | {fmt(m['perf/mfu'], '.1%')} | {len(runs)} | {fmt(m['foreign_cpu_share'], '.0%')} |"
         )
+    quality = [
+        (key, runs)
+        for key, runs in grouped.items()
+        if any(run.get("eval/accuracy") is not None or run.get("memory/model_state_bytes") for run in runs)
+    ]
+    if quality:
+        # What a speed-up may cost: accuracy over the rounds (seeds), and the training state one process holds.
+        lines += [
+            "",
+            "## Accuracy and model state (mean ± sd over rounds)",
+            "",
+            "| group | setup | eval/accuracy | train/loss | model state, rank 0 (MB) | trained parameters |",
+            "|" + " --- |" * 6,
+        ]
+        for key, runs in quality:
+            state, trained = model_state(runs[0]), runs[0].get("model/trainable_parameters")
+            lines.append(
+                f"| {key[-2]} | {key[-1]} | {spread(runs, 'eval/accuracy', '.4f')} "
+                f"| {spread(runs, 'train/loss', '.4f')} "
+                f"| {fmt(state / 1e6 if state else None, '.2f')} | {fmt(trained, ',')} |"
+            )
     rows = ratios(grouped)
     if rows:
         lines += [
             "",
             "## Ratios (paired within a round, median over rounds)",
             "",
-            "| group | comparison | setup vs reference | ratio | per round | pooled medians | ideal | of ideal | "
-            "target | max other CPU load |",
-            "|" + " --- |" * 10,
+            "| group | comparison | setup vs reference | ratio [95 % interval] | per round | pooled medians | ideal | "
+            "of ideal | bound | target | max other CPU load |",
+            "|" + " --- |" * 11,
         ]
         for row in rows:
             target = target_of(row)
@@ -312,17 +430,26 @@ def markdown(records: list[dict]) -> str:
                     else " missed"
                 )
             )
+            interval = f" [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]" if row.get("interval") else ""
+            rounds = ", ".join(fmt(v, ".3f") + (" (!)" if beyond(v, row.get("bound")) else "") for v in row["paired"])
+            bound = (row.get("bound") or "") + (
+                " **ABOVE BOUND: a measurement error**" if row.get("above_bound") else ""
+            )
             lines.append(
                 f"| {(row['key'][0] + ': ') if several else ''}{row['group']} | {row['comparison']} | {row['setup']} "
                 f"vs {row['reference']} "
-                f"| **{fmt(row['ratio'], '.3f')}** | {', '.join(fmt(value, '.3f') for value in row['paired']) or '-'} "
+                f"| **{fmt(row['ratio'], '.3f')}**{interval} "
+                f"| {rounds or '-'} "  # a single round beyond the bound is marked (!): that round was disturbed
                 f"| {fmt(row['pooled'], '.3f')} | {fmt(row['ideal'], '.2f')} "
-                f"| {fmt(row['ratio'] / row['ideal'] if row['ideal'] and row['ratio'] else None, '.0%')} "
+                f"| {fmt(row['ratio'] / row['ideal'] if row['ideal'] and row['ratio'] else None, '.0%')} | {bound} "
                 f"| {(target[0] + ' ' + format(target[1], 'g') + met) if target else ''} | "
                 f"{fmt(row['max_foreign_cpu_share'], '.0%')} |"
             )
         lines += [
             "",
+            "Intervals: 95 % percentile bootstrap of the median over rounds (3 rounds or more). A ratio beyond its "
+            "physical bound (a pipeline above its ideal, DDP efficiency above 1, FSDP state below 1/N of DDP's) is a "
+            "measurement error, not a result: measure it again.",
             "Other CPU load: the share of all cores that other processes used during a run (the largest of the runs "
             "behind a ratio); above a few percent the ratio is disturbed, measure it again on a quiet machine.",
         ]

@@ -12,6 +12,27 @@ SCHEMA = "two-gpu-recipes/benchmark-run/1"
 # Recipes whose runs count tokens and FLOPs (the reference records from before the LM recipe was split say pipeline_lm
 # for every LM setup).
 LM_RECIPES = ("train_lm", "pipeline_lm", "raw_ddp_lm")
+# Fields copied as they are from results.json into every record (each recipe writes the ones that apply to it).
+COPIED = (
+    "perf/samples_per_sec",
+    "perf/tokens_per_sec",
+    "perf/answer_tokens_per_sec",
+    "perf/step_time_s",
+    "perf/step_time_p90_s",
+    "perf/data_wait_fraction",
+    "memory/peak_gib",
+    "memory/host_peak_gib",
+    "memory/model_state_bytes",
+    "train/padding_fraction",
+    "model/num_parameters",
+    "model/trainable_parameters",
+    "train/loss",
+    "eval/accuracy",
+    "eval/f1",
+    "eval/loss",
+    "method",
+    "stages_per_process",
+)
 
 
 def summarize(results: dict, threads: int | None) -> dict:
@@ -38,14 +59,6 @@ def summarize(results: dict, threads: int | None) -> dict:
         "steps": results.get("completed_steps"),
         "warmup_steps": config.get("perf_warmup_steps"),
         "measured_steps": results.get("perf/measured_steps"),
-        "perf/samples_per_sec": results.get("perf/samples_per_sec"),
-        "perf/tokens_per_sec": results.get("perf/tokens_per_sec"),
-        "perf/step_time_s": results.get("perf/step_time_s"),
-        "perf/step_time_p90_s": results.get("perf/step_time_p90_s"),
-        "perf/data_wait_fraction": results.get("perf/data_wait_fraction"),
-        "memory/peak_gib": results.get("memory/peak_gib"),
-        "memory/model_state_bytes": results.get("memory/model_state_bytes"),
-        "train/padding_fraction": results.get("train/padding_fraction"),
-        "model/num_parameters": results.get("model/num_parameters"),
-        "train/loss": results.get("train/loss"),
+        "seed": config.get("seed"),
+        **{key: results.get(key) for key in COPIED},
     }

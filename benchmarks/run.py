@@ -54,6 +54,7 @@ from shared.flops import lm_flops_per_token, peak_bf16_flops  # noqa: E402  (tor
 RUN_MARKER = "TWO_GPU_RECIPES_BENCH_RUN"  # in every process of a run, to find and kill them all on timeout
 LIBRARIES = ["torch", "accelerate", "transformers", "datasets", "tokenizers", "numpy", "evaluate"]
 
+CPU_FLAGS = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "sve"}
 KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work/<run>/ after a successful run
 
 
@@ -96,7 +97,12 @@ def lm_runs(size: str, setups: list[str], **shape) -> list[dict]:
         base, *options = setup.split("+")
         extra = []
         for option in options:
-            extra += {"compile": ["--compile"], "bf16": ["--mixed_precision", "bf16"]}[option]
+            extra += {
+                "compile": ["--compile"],
+                "bf16": ["--mixed_precision", "bf16"],
+                "bf16hook": ["--ddp_comm_hook", "bf16"],
+                "fp16hook": ["--ddp_comm_hook", "fp16"],
+            }[option]
         if base == "raw_ddp":
             runs.append(
                 {
@@ -147,13 +153,21 @@ def lm_runs(size: str, setups: list[str], **shape) -> list[dict]:
 
 
 def finetune_runs(
-    setups: list[str], *, steps: int | None, warmup: int, max_train_samples: int | None = None
+    setups: list[str],
+    *,
+    steps: int | None,
+    warmup: int,
+    max_train_samples: int | None = None,
+    evaluate: bool = False,
+    seeds: list[int] | None = None,
 ) -> list[dict]:
     """Run specs for recipes/transformer_finetune.py (the default MiniLM and docstring data).
 
-    ``steps=None`` trains one whole epoch, so both sides of the group_by_length pair see the same samples.
+    ``steps=None`` trains one whole epoch, so both sides of the group_by_length pair see the same samples. Setup
+    options: ``fixed`` (every batch padded to --max_length: the plain loop of most examples), ``group_by_length``.
+    ``seeds``: one per round (the runner adds ``--seed``), so rounds are independent trainings, for accuracy.
     """
-    common = ["--perf_warmup_steps", str(warmup), "--skip_eval"]
+    common = ["--perf_warmup_steps", str(warmup)] + ([] if evaluate else ["--skip_eval"])
     common += ["--max_train_steps", str(steps)] if steps else ["--num_train_epochs", "1"]
     common += ["--max_train_samples", str(max_train_samples)] if max_train_samples else []
     runs = []
@@ -161,6 +175,7 @@ def finetune_runs(
         base, *options = setup.split("+")
         config = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml"}[base]
         extra = ["--group_by_length"] if "group_by_length" in options else []
+        extra += ["--pad_to_max_length"] if "fixed" in options else []
         runs.append(
             {
                 "setup": setup,
@@ -170,6 +185,47 @@ def finetune_runs(
                 "config": config,
                 "script": "recipes/transformer_finetune.py",
                 "args": common + extra,
+                **({"seeds": seeds} if seeds else {}),
+            }
+        )
+    return runs
+
+
+def llm_runs(setups: list[str], *, steps: int, warmup: int, base: str) -> list[dict]:
+    """Run specs for recipes/llm_finetune.py on the model the ``llm-base`` group trains and keeps (``base``: its run
+    folder, with ``{output_dir}`` for the runner's output folder). Setups: ``<method>-<N>p``, method full, lora or
+    qlora, N processes (1: single_gpu.yaml, 2: ddp_2gpu.yaml)."""
+    runs = []
+    for setup in setups:
+        method, processes = setup.split("-")
+        args = [
+            "--model_name_or_path",
+            base,
+            "--max_train_steps",
+            str(steps),
+            "--perf_warmup_steps",
+            str(warmup),
+            "--per_device_train_batch_size",
+            "4",
+            "--max_length",
+            "256",
+            "--skip_eval",
+            "--lora_dropout",
+            "0",
+        ]
+        args += {"full": ["--full_finetune", "--learning_rate", "1e-4"], "lora": [], "qlora": ["--load_in_4bit"]}[
+            method
+        ]
+        config = {"1p": "single_gpu.yaml", "2p": "ddp_2gpu.yaml"}[processes]
+        runs.append(
+            {
+                "setup": setup,
+                "recipe": "llm_finetune",
+                "size": "small",
+                "launcher": "accelerate",
+                "config": config,
+                "script": "recipes/llm_finetune.py",
+                "args": args,
             }
         )
     return runs
@@ -209,6 +265,45 @@ def matrix_preset(name: str) -> dict:
             },
         ]
         return {"name": name, "repeats": 2, "threads_per_process": 1, "groups": groups}
+    if name == "perf":
+        # The performance issue's measurements, >= 5 A/B rounds each for intervals: DDP against raw PyTorch and with
+        # 16-bit gradient compression (fp16 on CPU: Accelerate allows its bf16 hook on NCCL only); the fine-tune
+        # against a plain loop at equal accuracy (3 seeds, whole epochs, evaluated). The pipeline schedules are
+        # measured by benchmarks/pipeline_vs_naive.py --num_layers 13: the small preset's 7 blocks cannot be cut
+        # into 4 stages of equal cost, which would charge interleaved 1F1B for the split, not the schedule.
+        small = dict(steps=6, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
+        groups = [
+            {"name": "lm-small-ddp", "runs": lm_runs("small", ["raw_ddp", "ddp", "ddp+fp16hook"], **small)},
+            {
+                "name": "finetune-equal-accuracy",
+                "repeats": 3,
+                "runs": finetune_runs(
+                    ["ddp+fixed", "ddp", "ddp+group_by_length"],
+                    steps=None,
+                    warmup=2,
+                    evaluate=True,
+                    seeds=[42, 43, 44],
+                ),
+            },
+        ]
+        return {"name": name, "repeats": 5, "threads_per_process": 1, "groups": groups}
+    if name == "llm":
+        # LoRA against a full fine-tune and QLoRA against LoRA, 1 and 2 processes, on the small preset (9.7M) that
+        # the llm-base group pretrains for 100 steps and keeps (fp32 on CPU: bf16 is emulated there).
+        base = "{output_dir}/work/llm-base/base/r0"
+        base_run = lm_runs(
+            "small", ["single"], steps=100, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1
+        )[0]
+        groups = [
+            {"name": "llm-base", "repeats": 1, "runs": [{**base_run, "setup": "base", "keep_outputs": True}]},
+            {
+                "name": "llm-small-methods",
+                "runs": llm_runs(
+                    ["full-1p", "lora-1p", "qlora-1p", "full-2p", "lora-2p"], steps=8, warmup=2, base=base
+                ),
+            },
+        ]
+        return {"name": name, "repeats": 2, "threads_per_process": 1, "groups": groups}
     if name == "gpu":
         # One GPU: the 350M preset (GPT-3 Medium shape) in bf16, torch.compile (inductor) + SDPA attention,
         # for MFU; the same run uncompiled beside it. 10 warm-up steps absorb compilation.
@@ -217,7 +312,7 @@ def matrix_preset(name: str) -> dict:
             {"name": "lm-350m-single_gpu", "runs": lm_runs("350m", ["single+bf16+compile", "single+bf16"], **big)}
         ]
         return {"name": name, "repeats": 1, "threads_per_process": None, "groups": groups}
-    raise SystemExit(f"unknown --matrix {name!r}: use smoke, cpu, gpu or a JSON file (see --dump_matrix)")
+    raise SystemExit(f"unknown --matrix {name!r}: use smoke, cpu, perf, llm, gpu or a JSON file (see --dump_matrix)")
 
 
 def load_matrix(value: str) -> dict:
@@ -231,10 +326,19 @@ def plan_runs(matrix: dict, repeats: int) -> list[dict]:
     """Order the runs: group by group, round by round, all setups of a group within a round (A B A B)."""
     planned = []
     for group in matrix["groups"]:
-        for round_index in range(repeats):
+        for round_index in range(group.get("repeats", repeats)):  # a group may set its own rounds
             for spec in group["runs"]:
                 run_id = f"{group['name']}/{spec['setup']}/r{round_index}"
-                planned.append({**spec, "group": group["name"], "round": round_index, "run_id": run_id})
+                seed = ["--seed", str(spec["seeds"][round_index % len(spec["seeds"])])] if spec.get("seeds") else []
+                planned.append(
+                    {
+                        **spec,
+                        "args": spec["args"] + seed,
+                        "group": group["name"],
+                        "round": round_index,
+                        "run_id": run_id,
+                    }
+                )
     return planned
 
 
@@ -270,11 +374,15 @@ def machine_info() -> dict:
     """CPU model, cores, RAM, GPUs. recipes/check_setup.py reads the same /proc files, but importing it
     would load torch into this long-lived parent process; the runner stays torch-free."""
     cpu_model = platform.processor() or None
-    memory_gib = None
+    memory_gib, flags = None, []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu_model in (None, "", platform.processor()):
                 cpu_model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                # The vector extensions that decide CPU speed here: without avx512_bf16/amx_bf16, bf16 autocast is
+                # emulated (~10x slower than fp32 on our machines), so CPU numbers are compared in fp32.
+                flags = sorted(set(line.split(":", 1)[1].split()) & CPU_FLAGS)
                 break
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal"):
@@ -284,6 +392,7 @@ def machine_info() -> dict:
     return {
         "cpu_model": cpu_model,
         "cpu_cores": os.cpu_count(),
+        "cpu_flags": flags,
         "memory_gib": memory_gib,
         "os": platform.platform(),
         "gpus": gpu_info(),
@@ -361,7 +470,10 @@ def command_for(spec: dict, run_dir: Path) -> list[str]:
             str(CONFIGS / spec["config"]),
             *spec.get("launch_args", []),
         ]
-    return prefix + [str(REPO / spec["script"]), *spec["args"], "--output_dir", str(run_dir)]
+    # "{output_dir}" in an argument: this runner's output folder (a later group reading an earlier group's run).
+    output_dir = run_dir.parents[2]
+    args = [str(arg).replace("{output_dir}", str(output_dir)) for arg in spec["args"]]
+    return prefix + [str(REPO / spec["script"]), *args, "--output_dir", str(run_dir)]
 
 
 def spec_hash(spec: dict) -> str:
@@ -458,7 +570,12 @@ def execute(
     add_flops(record, results, run_dir, context["machine"]["gpus"])
     for path in run_dir.iterdir():
         # Keep the numbers and the log, not the trained weights (hundreds of MB per run at 350M) or tokenizers.
-        if path.is_file() and path.name not in KEEP_FILES and not path.name.startswith("stage_timers"):
+        if (
+            path.is_file()
+            and path.name not in KEEP_FILES
+            and not path.name.startswith("stage_timers")
+            and not spec.get("keep_outputs")
+        ):
             path.unlink()
     return {**record, "status": "ok", "results_file": str(results_path.relative_to(output_dir))}
 

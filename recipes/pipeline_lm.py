@@ -1,26 +1,47 @@
 # New Code (pipeline) #
-"""Train a GPT-style (Llama-architecture) language model with true pipeline parallelism: one stage per process,
-``torch.distributed.pipelining`` (GPipe or 1F1B) over m micro-batches. This is ``recipes/train_lm.py`` plus the lines
-between ``# New Code (pipeline) #`` and ``# End New Code #``; a test keeps every other line identical to it, so
-``diff recipes/train_lm.py recipes/pipeline_lm.py`` shows exactly what pipelining adds.
+"""Train a GPT-style (Llama-architecture) language model with pipeline parallelism: GPipe, 1F1B, interleaved, ZB-V.
+torch.distributed.pipelining over m micro-batches, one or several stages per process. This is
+``recipes/train_lm.py`` plus the lines between ``# New Code (pipeline) #`` and ``# End New Code #``; a test keeps
+every other line identical to it, so ``diff recipes/train_lm.py recipes/pipeline_lm.py`` shows exactly what
+pipelining adds.
 
 The usual tutorial says model parallelism "makes full use of both GPUs' parallel compute". A naive split (train_lm.py's
 device_map) does not: blocks 0..k run on GPU 0 while GPU 1 waits, then GPU 1 runs the rest while GPU 0 waits.
-Pipelining cuts each batch into m micro-batches and lets stage 0 start micro-batch 2 while stage 1 runs micro-batch 1;
-the idle share per device falls from (p-1)/p to (p-1)/(m+p-1). Each process builds the full model from the same seed,
-keeps its stage (the same compute-balanced split as the device_map: embeddings with the first blocks, the LM head +
-loss with the last), and both stages read the same batches (the data loader is not sharded). The losses and weights
-equal one unsplit process's (tests: GPipe and 1F1B with gradient accumulation).
+Pipelining cuts each batch into m micro-batches and lets stage 0 start micro-batch 2 while stage 1 runs micro-batch 1.
+Each process builds the full model from the same seed and keeps its stages (whole decoder blocks balanced by estimated
+compute, the same plan as the device_map: embeddings with the first stage, the LM head + loss with the last), and every
+process reads the same batches (the data loader is not sharded). The losses and weights equal one unsplit process's
+(tests: every schedule, with gradient accumulation). ``--pipeline_schedule``, with p processes:
+
+- ``gpipe``: one stage per process; all m forwards, then all backwards. Idle share of each device (the bubble)
+  (p-1)/(m+p-1); holds the activations of all m micro-batches.
+- ``1f1b`` (default): one stage per process; after a warm-up each stage alternates one forward and one backward. Same
+  bubble as GPipe, but a stage holds at most p micro-batches' activations instead of m.
+- ``interleaved1f1b``: ``--stages_per_process`` v (default 2) non-contiguous stages per process (process r holds
+  stages r, r+p, r+2p, ...: p*v stages in all), 1F1B over them (Narayanan et al. 2021, Megatron-LM). The warm-up and
+  cool-down shrink v-fold: bubble (p-1)/(v*m+p-1) of the step, i.e. (p-1)/(v*m) of the ideal compute time. Costs: v
+  times as many sends per micro-batch, and the first process holds the activations of p + (p-1)/v micro-batches
+  instead of 1F1B's p (Korthikanti et al. 2022).
+- ``zbv``: zero-bubble ZB-V (Qi et al. 2024, section 6): 2 stages per process in a V (process r holds stages r and
+  2p-1-r, so the two middle stages share a process and pass activations without a send); each backward is split into
+  the input gradient (on the critical path, sent at once) and the weight gradient (deferred to fill the idle slots).
+  Zero bubble in the ideal it is built for (a stage's forward, input-gradient and weight-gradient take equal time,
+  m >= 2p-1), with 1F1B's peak activation memory by design; a deferred weight gradient keeps its stage's activations
+  alive until it runs.
 
 Launch (from the repository root; on a CPU-only machine the same commands run 2 gloo processes):
     accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --model_size tiny \\
         --max_train_steps 20 --corpus_max_mb 1
     accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --model_size 1.3b \\
         --num_microbatches 8 --pipeline_schedule 1f1b
+    accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --model_size 1.3b \\
+        --num_microbatches 8 --pipeline_schedule interleaved1f1b --stages_per_process 2
+    accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --model_size 1.3b \\
+        --num_microbatches 8 --pipeline_schedule zbv
 
 Writes to ``output_dir``: the model in Hugging Face format (the stages gathered into one), ``results.json`` (as
-train_lm.py, plus the schedule, m and the ideal bubble fraction) and, with ``--checkpointing_steps``, checkpoints in
-``checkpoints/step_N`` in which every stage saves its own part.
+train_lm.py, plus the schedule, m, the stages each process holds and the ideal bubble fraction) and, with
+``--checkpointing_steps``, checkpoints in ``checkpoints/step_N`` in which every stage saves its own part.
 """
 # End New Code #
 
@@ -33,6 +54,7 @@ from pathlib import Path
 import torch
 
 # New Code (pipeline) #
+import copy
 import os
 
 import torch.distributed as dist
@@ -45,7 +67,14 @@ from torch import nn
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
 # New Code (pipeline) #
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 
 # End New Code #
 from torch.utils.data import DataLoader
@@ -83,12 +112,20 @@ from shared.runtime import (  # noqa: E402
 )
 
 # New Code (pipeline) #
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+}
+# The schedules that run several stages per process, and how they lay the stages out over the processes: in a loop
+# (process r: stages r, r + p, r + 2p, ...) or in a V (process r: stages r and 2p - 1 - r).
+STAGE_LAYOUTS = {"interleaved1f1b": "loop", "zbv": "v"}
 
 
 # The pipeline's own pieces around torch.distributed.pipelining's PipelineStage. Each process builds the full model
-# from the same seed (weights equal a 1-process run's), then keeps its stage: the embeddings and its blocks on the
-# first, its blocks plus the final norm and LM head on the last. A stage runs the model's own forward (masks, rotary
+# from the same seed (weights equal a 1-process run's), then keeps its stages: each its blocks, plus the embeddings on
+# the first stage and the final norm and LM head on the last. A stage runs the model's own forward (masks, rotary
 # tables) with the other stages' blocks replaced by a pass-through, so parameter names stay the full model's and the
 # stages' state dicts merge back into one checkpoint.
 # Decoders whose base model adds nothing to ``inputs_embeds`` (rotary positions, applied inside attention), so a stage
@@ -96,10 +133,27 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 PIPELINE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def ideal_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """Share of each device's time idle in a GPipe/1F1B step: (p - 1) / (m + p - 1). With p stages and m equal
-    micro-batches a step takes m + p - 1 slots, of which each stage works m; m = 1 is the naive split."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def stages_of_process(rank: int, num_processes: int, stages_per_process: int, layout: str = "loop") -> list[int]:
+    """The pipeline stages process ``rank`` holds, first to last. ``loop``: r, r + p, r + 2p, ... (one stage per
+    process: just r); ``v``: down the processes and back up, r, 2p - 1 - r, 2p + r, ... The same mappings as torch's
+    schedules (``generate_stage_to_rank_mapping`` in torch/distributed/pipelining/_utils.py). Either way a process's
+    first stage is stage r."""
+    p = num_processes
+    if layout == "v":
+        return [k * p + (rank if k % 2 == 0 else p - 1 - rank) for k in range(stages_per_process)]
+    return [k * p + rank for k in range(stages_per_process)]
+
+
+def ideal_bubble_slots(schedule: str, num_processes: int, stages_per_process: int) -> float:
+    """Idle time of each device in one step, in units of one micro-batch's forward + backward through that device's
+    share of the model, with balanced stages, free communication and m >= p. A step then takes m + bubble units, of
+    which each device works m. gpipe, 1f1b: p - 1 (warm-up and cool-down; m = 1 is the naive split). interleaved1f1b:
+    (p - 1) / v, the warm-up runs chunks 1/v as long (Narayanan et al. 2021, arXiv:2104.04473, section 2.2: bubble time
+    fraction (p - 1) / (v m) of the ideal time). zbv: 0, the ideal ZB-V is built for: forward, input gradient and
+    weight gradient of a stage take equal time and m >= 2p - 1 (Qi et al. 2024, arXiv:2401.10241, section 6)."""
+    if schedule == "zbv":
+        return 0.0
+    return (num_processes - 1) / stages_per_process
 
 
 class PassThroughBlock(nn.Module):
@@ -129,8 +183,9 @@ class DecoderStage(nn.Module):
         return self.causal_lm.lm_head(hidden) if self.is_last else hidden
 
 
-def check_pipeline_model(config) -> str | None:
-    """Why a model with this transformers ``config`` cannot be split by ``build_stage_module``, or None."""
+def check_pipeline_model(config, num_processes: int, stages_per_process: int) -> str | None:
+    """Why a model with this transformers ``config`` cannot be split by ``build_stage_module`` into ``num_processes`` x
+    ``stages_per_process`` stages, or None."""
     if config.model_type not in PIPELINE_MODEL_TYPES:
         return (
             f"pipeline mode supports decoders of type {', '.join(PIPELINE_MODEL_TYPES)}, got {config.model_type!r} "
@@ -141,24 +196,36 @@ def check_pipeline_model(config) -> str | None:
             "the model ties its LM head to its input embeddings, but those live on different stages; "
             "save it untied (config.tie_word_embeddings=False) or use ddp/device_map"
         )
+    num_stages = num_processes * stages_per_process
+    if stages_per_process > 1 and config.num_hidden_layers < num_stages:
+        return (
+            f"the model has {config.num_hidden_layers} decoder blocks, fewer than the {num_stages} stages of "
+            f"{num_processes} processes x --stages_per_process {stages_per_process}, and every stage needs at least "
+            f"one whole block. Use --num_layers {num_stages} or more, or a smaller --stages_per_process"
+        )
     return None
 
 
 def build_stage_module(model: nn.Module, blocks: range, stage_index: int, num_stages: int) -> DecoderStage:
-    """Turn the full ``model`` into stage ``stage_index``: keep ``blocks``, the embeddings on the first stage, the
-    final norm and LM head on the last; drop the rest (freed once the caller moves the stage and the full model
-    goes)."""
-    base = model.base_model
-    for index in range(len(base.layers)):
-        if index not in blocks:
-            base.layers[index] = PassThroughBlock()
+    """Stage ``stage_index`` of the full ``model``: ``blocks``, the embeddings on the first stage, the final norm and
+    LM head on the last. Nothing is copied and ``model`` is left whole: the stage is a shallow copy of the causal LM
+    and of its base model (same submodules, same forward) whose own module tables hold a pass-through for every other
+    block, so one process can cut several stages from one model; the parts no stage keeps are freed with the full
+    model."""
+    causal_lm, base = copy.copy(model), copy.copy(model.base_model)
+    # copy.copy shares the module tables too: give each shell its own before changing an entry.
+    causal_lm._modules, base._modules = dict(model._modules), dict(model.base_model._modules)
+    setattr(causal_lm, model.base_model_prefix, base)
+    base.layers = nn.ModuleList(
+        block if index in blocks else PassThroughBlock() for index, block in enumerate(model.base_model.layers)
+    )
     is_first, is_last = stage_index == 0, stage_index == num_stages - 1
     if not is_first:
         base.embed_tokens = None  # never called: later stages pass inputs_embeds
     if not is_last:
         base.norm = nn.Identity()  # the final norm belongs to the last stage
-        model.lm_head = None
-    return DecoderStage(model, is_first=is_first, is_last=is_last)
+        causal_lm.lm_head = None
+    return DecoderStage(causal_lm, is_first=is_first, is_last=is_last)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
@@ -174,7 +241,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, divisor: float = 
 
 def clip_grad_norm_across_stages(parameters, max_norm: float, device: torch.device) -> torch.Tensor:
     """``clip_grad_norm_`` for a model split over stages: clipping each stage's slice by its own norm would scale the
-    stages differently, so the global norm is the root of the all-reduced sum of every stage's squared norms."""
+    stages differently, so the global norm is the root of the all-reduced sum of every process's squared norms (each
+    over the parameters of all its stages)."""
     grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
     squares = torch.zeros((), device=device, dtype=torch.float32)
     for grad in grads:
@@ -187,16 +255,20 @@ def clip_grad_norm_across_stages(parameters, max_norm: float, device: torch.devi
     return total_norm
 
 
-def gather_full_state_dict(stage: DecoderStage, destination: int = 0) -> dict[str, torch.Tensor] | None:
-    """Every stage's weights, merged into one full-model state dict on rank ``destination`` (None elsewhere):
-    ``gather_object``, so only the destination receives (an all-gather would put the model on every rank)."""
-    local = {name: tensor.detach().cpu() for name, tensor in stage.causal_lm.state_dict().items()}
+def gather_full_state_dict(stage_modules: nn.ModuleList, destination: int = 0) -> dict[str, torch.Tensor] | None:
+    """The weights of every process's stages, merged into one full-model state dict on rank ``destination`` (None
+    elsewhere): ``gather_object``, so only the destination receives (an all-gather would put the model everywhere)."""
+    local = [
+        {name: tensor.detach().cpu() for name, tensor in module.causal_lm.state_dict().items()}
+        for module in stage_modules
+    ]
     parts = [None] * dist.get_world_size() if dist.get_rank() == destination else None
     dist.gather_object(local, parts, dst=destination)
     if parts is None:
         return None
-    merged = {name: tensor for part in parts for name, tensor in part.items()}
-    if len(merged) != sum(len(part) for part in parts):
+    stage_dicts = [stage_dict for part in parts for stage_dict in part]
+    merged = {name: tensor for stage_dict in stage_dicts for name, tensor in stage_dict.items()}
+    if len(merged) != sum(len(stage_dict) for stage_dict in stage_dicts):
         raise RuntimeError("two stages hold the same weight")
     return merged
 
@@ -208,22 +280,27 @@ def save_stage_checkpoint(
     accelerator,
     checkpoints_dir: str | os.PathLike,
     completed_steps: int,
-    stage: DecoderStage,
+    stage_modules: nn.ModuleList,
     optimizer,
     lr_scheduler,
-    blocks_per_stage: list[int],
+    pipeline_split: dict,
     total_limit: int | None = None,
 ) -> Path:
     """``shared.checkpoints.save_checkpoint`` for pipeline stages (same folder, atomic rename, ``progress.json`` last),
-    but every process writes its own ``stage_{i}/`` (weights, optimizer, scheduler, RNG state): ``save_state`` writes
-    weights from the main process only, right for replicas, losing every other stage here. Every process calls it."""
+    but every process writes its own parts: ``stage_{i}/model.safetensors`` for each stage i it holds, and its
+    optimizer, scheduler and RNG state (one optimizer over all its stages) in the folder of its first stage, stage_{r}
+    for process r. ``save_state`` writes weights from the main process only, right for replicas, losing every other
+    stage here. ``pipeline_split``: blocks per stage and the stages of every process. Every process calls it."""
 
     def write_stage(tmp: Path) -> None:
-        folder = tmp / f"stage_{accelerator.process_index}"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file(
-            {name: tensor.contiguous() for name, tensor in stage.state_dict().items()}, folder / "model.safetensors"
-        )
+        indices = pipeline_split["stages_of_processes"][accelerator.process_index]
+        for index, module in zip(indices, stage_modules):
+            (tmp / f"stage_{index}").mkdir(parents=True, exist_ok=True)
+            save_file(
+                {name: tensor.contiguous() for name, tensor in module.state_dict().items()},
+                tmp / f"stage_{index}" / "model.safetensors",
+            )
+        folder = tmp / f"stage_{indices[0]}"
         torch.save(optimizer.state_dict(), folder / "optimizer.bin")
         torch.save(lr_scheduler.state_dict(), folder / "scheduler.bin")
         torch.save(
@@ -235,7 +312,7 @@ def save_stage_checkpoint(
         )
         # Every process writes the split (the same bytes, atomically): with save_on_each_node each machine needs it.
         (folder / PIPELINE_FILE).write_text(
-            json.dumps({"num_stages": len(blocks_per_stage), "blocks_per_stage": blocks_per_stage})
+            json.dumps({"num_stages": len(pipeline_split["blocks_per_stage"]), **pipeline_split})
         )
         os.replace(folder / PIPELINE_FILE, tmp / PIPELINE_FILE)
 
@@ -244,17 +321,28 @@ def save_stage_checkpoint(
     )
 
 
-def pipeline_split_of(checkpoint: Path) -> list[int] | None:
-    """Blocks per stage of a pipeline checkpoint, or None for a checkpoint written by ``save_state``."""
+def pipeline_split_of(checkpoint: Path) -> dict | None:
+    """Blocks per stage and the stages of every process of a pipeline checkpoint, or None for a checkpoint written by
+    ``save_state``."""
     path = Path(checkpoint) / PIPELINE_FILE
-    return json.loads(path.read_text())["blocks_per_stage"] if path.is_file() else None
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    # Checkpoints written before several stages per process existed hold stage i on process i.
+    return {
+        "blocks_per_stage": saved["blocks_per_stage"],
+        "stages_of_processes": saved.get("stages_of_processes", [[i] for i in range(len(saved["blocks_per_stage"]))]),
+    }
 
 
-def load_stage_checkpoint(checkpoint: Path, stage_index: int, stage: DecoderStage, optimizer, lr_scheduler) -> None:
-    """Inverse of ``save_stage_checkpoint`` for one stage, same split; tensors are read to the CPU and copied to
-    wherever the stage's parameters are (``load_state_dict`` of modules and optimizers both do that)."""
-    folder = Path(checkpoint) / f"stage_{stage_index}"
-    stage.load_state_dict(load_file(folder / "model.safetensors"))
+def load_stage_checkpoint(
+    checkpoint: Path, stage_indices: list[int], stage_modules: nn.ModuleList, optimizer, lr_scheduler
+) -> None:
+    """Inverse of ``save_stage_checkpoint`` for one process's stages, same split; tensors are read to the CPU and
+    copied to wherever the stages' parameters are (``load_state_dict`` of modules and optimizers both do that)."""
+    for index, module in zip(stage_indices, stage_modules):
+        module.load_state_dict(load_file(Path(checkpoint) / f"stage_{index}" / "model.safetensors"))
+    folder = Path(checkpoint) / f"stage_{stage_indices[0]}"
     optimizer.load_state_dict(torch.load(folder / "optimizer.bin", map_location="cpu", weights_only=True))
     lr_scheduler.load_state_dict(torch.load(folder / "scheduler.bin", weights_only=True))
     rng = torch.load(folder / "rng_state.pth", weights_only=True)
@@ -284,15 +372,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     # New Code (pipeline) #
     parser.add_argument(
         "--pipeline_schedule",
-        choices=sorted(SCHEDULES),
+        choices=list(SCHEDULES),
         default="1f1b",
-        help="gpipe (all forwards, then all backwards) or 1f1b (same bubble, fewer live activations).",
+        help="gpipe: all forwards, then all backwards (bubble (p-1)/(m+p-1) of the step, m micro-batches' "
+        "activations live); 1f1b: one forward, one backward (same bubble, at most p micro-batches' activations); "
+        "interleaved1f1b: 1F1B over --stages_per_process v stages per process (bubble (p-1)/(v*m+p-1), v times the "
+        "sends, up to p+(p-1)/v micro-batches' activations); zbv: zero-bubble ZB-V, 2 stages per process in a V, "
+        "backward split into input and weight gradients that fill the bubble (ideally none, m >= 2p-1).",
     )
     parser.add_argument(
         "--num_microbatches",
         type=positive_int,
         default=4,
         help="Micro-batches per batch; the batch must divide evenly. More: a smaller bubble, smaller matmuls.",
+    )
+    parser.add_argument(
+        "--stages_per_process",
+        type=positive_int,
+        default=None,
+        help="Pipeline stages (model chunks) each process holds, for interleaved1f1b (default 2) and zbv (exactly "
+        "2); gpipe and 1f1b hold 1. The model is cut into processes x this many stages of whole decoder blocks.",
     )
     # End New Code #
     parser.add_argument(
@@ -471,9 +570,9 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 # New Code (pipeline) #
-def check_pipeline_request(args, num_stages: int, eval_batch_size: int, mixed_precision: str) -> None:
-    """Refuse pipeline settings that cannot work, before any data or model work."""
-    microbatches = args.num_microbatches
+def check_pipeline_request(args, num_processes: int, eval_batch_size: int, mixed_precision: str) -> int:
+    """Refuse pipeline settings that cannot work, before any data or model work; return the stages per process."""
+    microbatches, schedule = args.num_microbatches, args.pipeline_schedule
     for flag, size in (
         ("--per_device_train_batch_size", args.per_device_train_batch_size),
         ("--per_device_eval_batch_size", eval_batch_size),
@@ -490,21 +589,83 @@ def check_pipeline_request(args, num_stages: int, eval_batch_size: int, mixed_pr
             "fp16 needs a gradient scaler shared by all stages, which this recipe does not set up; "
             "use --mixed_precision bf16."
         )
-    if args.pipeline_schedule == "1f1b" and microbatches < num_stages:
+    if schedule == "1f1b" and microbatches < num_processes:
         raise RecipeError(
-            f"--pipeline_schedule 1f1b needs --num_microbatches >= the number of stages ({num_stages}); "
+            f"--pipeline_schedule 1f1b needs --num_microbatches >= the number of stages ({num_processes}); "
             f"got {microbatches}."
         )
+    if schedule not in STAGE_LAYOUTS:
+        if args.stages_per_process not in (None, 1):
+            raise RecipeError(
+                f"--pipeline_schedule {schedule} runs one stage per process, but --stages_per_process is "
+                f"{args.stages_per_process}: use --pipeline_schedule interleaved1f1b (or zbv, 2 stages) for several."
+            )
+        return 1
+    stages_per_process = args.stages_per_process or 2
+    if schedule == "interleaved1f1b" and microbatches < num_processes:
+        # torch runs it, but each micro-batch then travels the p x v stages mostly alone: no 1F1B steady state, and
+        # not the bubble the interleaved schedule is for (Narayanan et al. assume m a multiple of p).
+        raise RecipeError(
+            f"--pipeline_schedule interleaved1f1b needs --num_microbatches >= the number of processes "
+            f"({num_processes}); got {microbatches}: with fewer, every process waits for each micro-batch to come "
+            "round its stages again."
+        )
+    if schedule == "interleaved1f1b" and microbatches % max(1, microbatches // num_processes):
+        # torch's ScheduleInterleaved1F1B runs the micro-batches in rounds of about one per process
+        # (rounds = max(1, m // p)) and needs whole rounds (torch/distributed/pipelining/schedules.py).
+        rounds = max(1, microbatches // num_processes)
+        raise RecipeError(
+            f"--pipeline_schedule interleaved1f1b runs the micro-batches in max(1, m // processes) = {rounds} rounds "
+            f"of equal size, and --num_microbatches {microbatches} does not divide into {rounds}. Use a multiple of "
+            f"the {num_processes} processes, e.g. --num_microbatches {num_processes * rounds}."
+        )
+    if schedule == "zbv" and stages_per_process != 2:
+        raise RecipeError(
+            f"--pipeline_schedule zbv holds exactly 2 stages per process (down the V and back up), but "
+            f"--stages_per_process is {stages_per_process}: leave it out, or use interleaved1f1b."
+        )
+    if schedule == "zbv" and microbatches < 2 * num_processes - 1:
+        raise RecipeError(
+            f"--pipeline_schedule zbv needs --num_microbatches >= 2 x processes - 1 = {2 * num_processes - 1}, got "
+            f"{microbatches}: with fewer it is no zero-bubble schedule (torch's ScheduleZBVZeroBubble builds the V "
+            "for 2p - 1 micro-batches and leaves the missing ones' slots idle). Use more micro-batches, or 1f1b."
+        )
+    return stages_per_process
 
 
-def evaluate_pipeline(accelerator, schedule, stage, eval_dataloader, batch_size: int) -> tuple[float, int, int]:
+def zbv_eval_schedule(
+    stage_modules: nn.ModuleList, stage_indices: list[int], num_stages: int, microbatches: int, device: torch.device
+) -> ScheduleZBVZeroBubble:
+    """A ZB-V schedule for evaluation only. torch 2.13's ``ScheduleZBVZeroBubble.eval()`` crashes on the process that
+    holds the V's two middle stages: its forward-only run still executes the input-gradient actions, and the one
+    between two stages of one process asks for a gradient that eval never made (``AssertionError: can't
+    steal_bwd_input if this stage doesn't have backward``, from ``stage.get_local_bwd_output`` in schedules.py's
+    ``_perform_action``). This schedule runs over its own ``PipelineStage`` objects on the same modules (the training
+    schedule's stay untouched) and replaces that action by all it has left to do in eval: drop the (empty) gradient
+    receive it is paired with. Delete it once ``schedule.eval()`` works under zbv."""
+    stages = [
+        PipelineStage(module, stage_index=index, num_stages=num_stages, device=device)
+        for index, module in zip(stage_indices, stage_modules)
+    ]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=microbatches, loss_fn=causal_lm_loss, scale_grads=False)
+    schedule.register_custom_function(
+        BACKWARD_INPUT,
+        lambda action, ctx: ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None),
+    )
+    return schedule
+
+
+def evaluate_pipeline(accelerator, schedule, stages, eval_dataloader, batch_size: int) -> tuple[float, int, int]:
     """Summed next-token loss, tokens and blocks over the whole validation set, through the pipeline.
 
     Every stage reads the whole (unsharded) validation set. Stages exchange fixed-shape buffers, so a short last batch
     is padded to ``batch_size`` with copies of its first block whose labels are -100 (ignored by the loss and not
-    counted). Only the last stage sees the loss; a sum-reduce (the other stages add zero) gives it to every process.
+    counted). Only the process with the last stage sees the loss; a sum-reduce (the others add zero) gives it to every
+    process. ``stages``: this process's ``PipelineStage``s.
     """
-    stage.submod.eval()
+    holds_first, holds_last = any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+    for stage in stages:
+        stage.submod.eval()
     loss_sum = torch.zeros((), device=accelerator.device)
     num_tokens, num_blocks = 0, 0
     for batch in eval_dataloader:
@@ -518,12 +679,12 @@ def evaluate_pipeline(accelerator, schedule, stage, eval_dataloader, batch_size:
         losses = []
         with torch.no_grad(), accelerator.autocast():
             schedule.eval(
-                *((input_ids,) if stage.is_first else ()),
-                target=labels if stage.is_last else None,
-                losses=losses if stage.is_last else None,
+                *((input_ids,) if holds_first else ()),
+                target=labels if holds_last else None,
+                losses=losses if holds_last else None,
                 loss_kwargs={"divisor": 1.0},
             )
-        if stage.is_last:
+        if holds_last:
             loss_sum += torch.stack(losses).sum().float()
         num_tokens += real * (input_ids.shape[1] - 1)
         num_blocks += real
@@ -571,10 +732,16 @@ def main():
     num_processes = accelerator.num_processes
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
     # New Code (pipeline) #
-    # Both stages read the same batches: the first feeds the tokens, the last computes the loss on them.
+    # Every process reads the same batches: the first stage feeds the tokens, the last computes the loss on them.
     data_parallel = False
-    num_stages, microbatches = num_processes, args.num_microbatches
-    check_pipeline_request(args, num_stages, eval_batch_size, accelerator.mixed_precision)
+    # p processes x v stages each (v = 1 for gpipe and 1f1b) = the pipeline's stages.
+    stages_per_process = check_pipeline_request(args, num_processes, eval_batch_size, accelerator.mixed_precision)
+    num_stages, microbatches = num_processes * stages_per_process, args.num_microbatches
+    stages_of_processes = [
+        stages_of_process(rank, num_processes, stages_per_process, STAGE_LAYOUTS.get(args.pipeline_schedule, "loop"))
+        for rank in range(num_processes)
+    ]
+    stage_indices = stages_of_processes[accelerator.process_index]  # this process's stages
     # End New Code #
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
 
@@ -598,8 +765,9 @@ def main():
             f"positions (max_position_embeddings). Use --block_size {model_config.max_position_embeddings} or less."
         )
     # New Code (pipeline) #
-    if check_pipeline_model(model_config):
-        raise RecipeError(f"Cannot split this model into pipeline stages: {check_pipeline_model(model_config)}.")
+    problem = check_pipeline_model(model_config, num_processes, stages_per_process)
+    if problem:
+        raise RecipeError(f"Cannot split this model into pipeline stages: {problem}.")
     # End New Code #
     if model_config.num_hidden_layers < num_stages:
         raise RecipeError(
@@ -730,9 +898,19 @@ def main():
         # non-reentrant one works in every mode and gives the same gradients.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # New Code (pipeline) #
-    # Keep this stage's blocks (plus the embeddings on the first, the norm + head on the last), drop the rest.
-    stage_index = accelerator.process_index
-    model = build_stage_module(model, block_ranges(blocks_per_stage)[stage_index], stage_index, num_stages)
+    # Keep this process's stages, one module each (its blocks, plus the embeddings on the first stage and the norm +
+    # head on the last); the blocks of the other processes' stages go with the full model. "model" is from here on
+    # the list of this process's stages: train(), parameters() and the optimizer cover all of them.
+    if stages_per_process > 1:
+        accelerator.print(
+            f"{args.pipeline_schedule}: {stages_per_process} stages per process ("
+            + "; ".join(f"process {rank}: stages {indices}" for rank, indices in enumerate(stages_of_processes))
+            + ")"
+        )
+    pipeline_split = {"blocks_per_stage": blocks_per_stage, "stages_of_processes": stages_of_processes}
+    model = nn.ModuleList(
+        build_stage_module(model, block_ranges(blocks_per_stage)[index], index, num_stages) for index in stage_indices
+    )
     model.to(accelerator.device)
     # End New Code #
 
@@ -779,11 +957,27 @@ def main():
     # The stage's input/output shapes are inferred on the first step, and gradients are scaled by the loss below
     # rather than by the schedule: scale_grads=True would divide *all* accumulated gradients by m after every step(),
     # so with gradient accumulation the earlier batches would be divided again.
-    stage = PipelineStage(
-        model, stage_index=accelerator.process_index, num_stages=num_stages, device=accelerator.device
-    )
+    stages = [
+        PipelineStage(module, stage_index=index, num_stages=num_stages, device=accelerator.device)
+        for index, module in zip(stage_indices, model)
+    ]
+    # gpipe and 1f1b take the process's one stage, the other schedules the list of its stages.
     schedule = SCHEDULES[args.pipeline_schedule](
-        stage, n_microbatches=microbatches, loss_fn=causal_lm_loss, scale_grads=False
+        stages if args.pipeline_schedule in STAGE_LAYOUTS else stages[0],
+        n_microbatches=microbatches,
+        loss_fn=causal_lm_loss,
+        scale_grads=False,
+    )
+    # The first stage takes the tokens, the last the targets (under zbv both are on process 0).
+    holds_first, holds_last = any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+    # Evaluation runs the same schedule forward only (under zbv a second one: see zbv_eval_schedule).
+    eval_schedule = schedule
+    if args.pipeline_schedule == "zbv":
+        eval_schedule = zbv_eval_schedule(model, stage_indices, num_stages, microbatches, accelerator.device)
+    bubble_slots = ideal_bubble_slots(args.pipeline_schedule, num_processes, stages_per_process)
+    accelerator.print(
+        f"pipeline: {args.pipeline_schedule}, {num_stages} stages on {num_processes} processes, m = {microbatches}: "
+        f"ideal bubble {bubble_slots / (microbatches + bubble_slots):.1%} of each step"
     )
     # End New Code #
 
@@ -812,24 +1006,27 @@ def main():
     # Restores the model, optimizer, scheduler, the sampler's seed and every process's RNG states.
     # New Code (pipeline) #
     # Each stage loads its own weights, optimizer, scheduler and RNG state, with the split it was saved with.
-    if checkpoint is not None and pipeline_split_of(checkpoint) != blocks_per_stage:
+    if checkpoint is not None and pipeline_split_of(checkpoint) != pipeline_split:
+        saved = pipeline_split_of(checkpoint)
         raise RecipeError(
-            f"{checkpoint} holds stages of {pipeline_split_of(checkpoint)} blocks but this run splits "
-            f"{blocks_per_stage}: resume with the same model, --block_size and number of processes."
+            f"{checkpoint} holds stages of {saved['blocks_per_stage']} blocks on processes "
+            f"{saved['stages_of_processes']}, but this run splits {blocks_per_stage} on {stages_of_processes}: "
+            "resume with the same model, --block_size, number of processes, and stages per process laid out the same "
+            "way (--pipeline_schedule, --stages_per_process)."
         )
     resume = load_checkpoint(
         accelerator,
         checkpoint,
         steps_per_epoch,
         args.gradient_accumulation_steps,
-        load_state=lambda folder: load_stage_checkpoint(folder, stage_index, model, optimizer, lr_scheduler),
+        load_state=lambda folder: load_stage_checkpoint(folder, stage_indices, model, optimizer, lr_scheduler),
     )
     # End New Code #
     completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
 
     def evaluate():
         # New Code (pipeline) #
-        return evaluate_pipeline(accelerator, schedule, stage, eval_dataloader, eval_batch_size)
+        return evaluate_pipeline(accelerator, eval_schedule, stages, eval_dataloader, eval_batch_size)
         # End New Code #
 
     results = {}
@@ -864,23 +1061,23 @@ def main():
             # data loader) and skips DDP's all-reduce until then.
             with accelerator.accumulate(model):
                 # New Code (pipeline) #
-                # The stage's optimizer steps on the same batches (nothing to all-reduce). One call runs all
-                # micro-batches through both stages, forward and backward, in the schedule's order.
+                # Each process's optimizer steps on the same batches (nothing to all-reduce). One call runs all
+                # micro-batches through every stage, forward and backward, in the schedule's order.
                 losses = []
                 with accelerator.autocast():
                     schedule.step(
-                        *((input_ids,) if stage.is_first else ()),
-                        target=input_ids if stage.is_last else None,
-                        losses=losses if stage.is_last else None,
+                        *((input_ids,) if holds_first else ()),
+                        target=input_ids if holds_last else None,
+                        losses=losses if holds_last else None,
                         loss_kwargs={"divisor": pipeline_divisor},
                     )
-                if stage.is_last:
+                if holds_last:
                     step_loss += torch.stack(losses).sum().detach().float()
                 # End New Code #
                 if accelerator.sync_gradients:
                     if args.max_grad_norm > 0:
                         # New Code (pipeline) #
-                        # One global norm over both stages' gradients, so both scale by the same factor.
+                        # One global norm over every stage's gradients, so all scale by the same factor.
                         clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, accelerator.device)
                         # End New Code #
                     optimizer.step()
@@ -889,7 +1086,7 @@ def main():
             if accelerator.sync_gradients:
                 completed_steps += 1
                 # New Code (pipeline) #
-                # Sync point (.item()): only the last stage has the loss; the others add zero.
+                # Sync point (.item()): only the process with the last stage has the loss; the others add zero.
                 loss_curve.append(accelerator.reduce(step_loss, reduction="sum").item())
                 # End New Code #
                 step_loss.zero_()
@@ -909,7 +1106,7 @@ def main():
                         model,
                         optimizer,
                         lr_scheduler,
-                        blocks_per_stage,
+                        pipeline_split,
                         args.checkpoints_total_limit,
                     )
                     # End New Code #
@@ -924,7 +1121,7 @@ def main():
                 model,
                 optimizer,
                 lr_scheduler,
-                blocks_per_stage,
+                pipeline_split,
                 args.checkpoints_total_limit,
             )
             # End New Code #
@@ -960,7 +1157,7 @@ def main():
     hang_dump.phase("saving")
     accelerator.wait_for_everyone()
     # New Code (pipeline) #
-    # Each stage holds different weights: gather them into one full model on the main process (a collective).
+    # Each process holds different stages: gather their weights into one full model on the main process (a collective).
     full_state_dict = gather_full_state_dict(model)
     final_model = None
     if accelerator.is_main_process:
@@ -990,8 +1187,18 @@ def main():
             "recipe": "pipeline_lm",
             "pipeline_schedule": args.pipeline_schedule,
             "num_microbatches": microbatches,
-            # (p-1)/(m+p-1): the share of each device's time the schedule leaves idle.
-            "pipeline/ideal_bubble_fraction": ideal_bubble_fraction(num_stages, microbatches),
+            "stages_per_process": stages_per_process,
+            "pipeline/stages_of_processes": stages_of_processes,
+            # Estimated compute of each process: the sum over its stages (a multi-stage schedule runs as fast as its
+            # busiest process).
+            "pipeline/process_cost_share": [
+                sum(stage_costs[index] for index in indices) / sum(stage_costs) for indices in stages_of_processes
+            ],
+            # The share of each device's step time the schedule leaves idle with balanced stages, b / (m + b) for b
+            # idle slots (ideal_bubble_slots): gpipe and 1f1b (p-1)/(m+p-1), interleaved1f1b (p-1)/(v*m+p-1), zbv 0.
+            "pipeline/ideal_bubble_fraction": bubble_slots / (microbatches + bubble_slots),
+            # The same bubble relative to the ideal compute time, b / m: Narayanan et al.'s (p-1)/(v*m).
+            "pipeline/ideal_bubble_over_compute": bubble_slots / microbatches,
             # End New Code #
             "parallelism": parallelism.name,
             **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device

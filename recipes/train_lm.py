@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler
 
@@ -52,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.flops import lm_flops_per_token  # noqa: E402
-from shared.fsdp import sharding_facts, wrap_at_blocks  # noqa: E402
+from shared.fsdp import check_offload_fits_host_ram, sharding_facts, wrap_at_blocks  # noqa: E402
 from shared.hang_dump import HangDump  # noqa: E402
 from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
 
@@ -107,6 +108,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gradient_checkpointing",
         action="store_true",
         help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
+    )
+    parser.add_argument(
+        "--ddp_comm_hook",
+        choices=["no", "bf16", "fp16"],
+        default="no",
+        help="DDP: compress gradients to 16 bits for the all-reduce (Accelerate's DDPCommunicationHookType), half the "
+        "bytes on the link, summed and averaged in 16-bit.",
+    )
+    parser.add_argument(
+        "--ddp_bucket_cap_mb",
+        type=positive_int,
+        default=25,
+        help="DDP: gradients are all-reduced in buckets of this many MB, overlapped with the rest of backward.",
     )
     parser.add_argument(
         "--model_size",
@@ -332,6 +346,12 @@ def main():
         # the modes comparable batch-for-batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
+        # ddp: the gradient buckets and their compression (ignored by the other parallelisms).
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(
+                bucket_cap_mb=args.ddp_bucket_cap_mb, comm_hook=DDPCommunicationHookType(args.ddp_comm_hook)
+            )
+        ],
     )
     set_seed(args.seed)
     output_dir = prepare_output_dir(args.output_dir)
@@ -535,6 +555,7 @@ def main():
     # its 1/N. device_map: the model keeps its placement (prepare reads hf_device_map). single: moves it to the device.
     if parallelism.name == "fsdp":
         accelerator.print(f"fsdp: one unit per {wrap_at_blocks(accelerator, model, block_list) or 'configured block'}")
+        check_offload_fits_host_ram(accelerator, model)  # offload config: refuse now, not at an OOM mid-run
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
@@ -636,7 +657,7 @@ def main():
     perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
     if parallelism.name == "fsdp":
         # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
-        perf["fsdp/sharding"] = per_rank(sharding_facts(model))
+        perf["fsdp/sharding"] = per_rank(sharding_facts(model, optimizer))
 
     # ------------------------------------------------------------------------- evaluation
     hang_dump.phase("evaluation")

@@ -152,6 +152,9 @@ def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
         "lm-single",
         "lm-fsdp-1process",
         "lm-device_map",
+        "lm-base",
+        "llm-lora-bf16",
+        "llm-qlora-bf16",
         "linear_toy",
     ]
     for line in one.stdout.splitlines()[1:]:

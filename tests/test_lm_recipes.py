@@ -1,15 +1,15 @@
 """The two language-model recipes: recipes/train_lm.py (single, ddp, device_map; fsdp in test_fsdp.py) and
-recipes/pipeline_lm.py (GPipe and 1F1B), which is train_lm.py plus marked additions. A naive device_map split and a
-pipeline train exactly like one unsplit device, evaluation counts every block once, the saved model loads and
-generates, and a resumed run ends where an uninterrupted one does."""
+recipes/pipeline_lm.py (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-V), which is train_lm.py plus marked additions. A
+naive device_map split and every pipeline schedule train exactly like one unsplit device, evaluation counts every
+block once, the saved model loads and generates, and a resumed run ends where an uninterrupted one does."""
 
+import json
 import math
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from launch import devices_for, launch, read_results, visible_gpus
+from launch import REPO, devices_for, launch_all, read_results, visible_gpus
 from safetensors.torch import load_file
 
 # Tiny preset, 5 optimizer steps of 2 accumulated batches of 8 blocks x 32 tokens. 13 validation
@@ -38,23 +38,16 @@ TINY = (
     "8",
 )
 EVAL_BLOCKS, BLOCK = 13, 32
-MODES = ("single", "device_map", "gpipe", "1f1b", "ddp")
+# interleaved1f1b and zbv: 2 stages per process, 4 stages of 1 block each (the tiny preset's 4 blocks).
+MODES = ("single", "device_map", "gpipe", "1f1b", "ddp", "interleaved1f1b", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "zbv")
 TRAIN, PIPELINE = "train_lm.py", "pipeline_lm.py"
 
 
 def launch_two_at_a_time(jobs: dict[str, tuple]) -> dict:
-    """``jobs``: name -> (config, recipe, *args)."""
-    """Launch independent runs two at a time. Start-up (importing torch, transformers, datasets) is
-    most of a tiny run's time and leaves a core idle whenever one process waits for another, so two
-    launches at once keep the 2-core machine busy; a hang still fails through launch()'s timeout."""
-    # Every run on the kind of device the 2-process runs get (CPU processes where there are fewer than 2 GPUs), so
-    # the runs compare exactly.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {
-            name: pool.submit(launch, config, recipe, *args, cpu_only=visible_gpus() < 2)
-            for name, (config, recipe, *args) in jobs.items()
-        }
-        return {name: future.result() for name, future in futures.items()}
+    """``jobs``: name -> (config, recipe, *args). Every run on the kind of device the 2-process runs get (CPU
+    processes where there are fewer than 2 GPUs), so the runs compare exactly."""
+    return launch_all(jobs, cpu_only=visible_gpus() < 2)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +72,38 @@ def runs(tmp_path_factory):
         "device_map": ("model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map", "--checkpointing_steps", "2"),
         # 2 processes x 4 blocks = the same 16-block global batch, in the same order (seedable sampler).
         "ddp": ("ddp_2gpu.yaml", TRAIN, "--per_device_train_batch_size", "4"),
+        # DDP with its gradients compressed to fp16 for the all-reduce (Accelerate's communication hook).
+        "ddp_fp16_hook": (
+            "ddp_2gpu.yaml",
+            TRAIN,
+            "--per_device_train_batch_size",
+            "4",
+            "--ddp_comm_hook",
+            "fp16",
+            "--ddp_bucket_cap_mb",
+            "1",
+        ),
+        # Several stages per process: stages 0, 2 | 1, 3 (loop) and 0, 3 | 1, 2 (V), one block each.
+        "interleaved1f1b": (
+            "pipeline_2gpu.yaml",
+            PIPELINE,
+            "--pipeline_schedule",
+            "interleaved1f1b",
+            "--num_microbatches",
+            "4",
+            "--checkpointing_steps",
+            "2",
+        ),
+        # --eval_before_training: evaluation, then training, through the zbv schedules (see zbv_eval_schedule).
+        "zbv": (
+            "pipeline_2gpu.yaml",
+            PIPELINE,
+            "--pipeline_schedule",
+            "zbv",
+            "--num_microbatches",
+            "4",
+            "--eval_before_training",
+        ),
     }
     finished = launch_two_at_a_time(
         {
@@ -112,6 +137,8 @@ def test_every_mode_ran_as_asked(runs):
         "gpipe": ("pipeline", 2, 2),
         "1f1b": ("pipeline", 2, 2),
         "ddp": ("ddp", 2, 1),
+        "interleaved1f1b": ("pipeline", 2, 4),
+        "zbv": ("pipeline", 2, 4),
     }
     for name, (parallelism, processes, stages) in expected.items():
         results = runs[name]["results"]
@@ -136,7 +163,7 @@ def test_device_map_split_trains_exactly_like_one_device(runs):
     assert max_weight_difference(runs["single"]["dir"], runs["device_map"]["dir"]) <= 1e-6
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipeline_trains_like_one_process_with_gradient_accumulation(runs, schedule):
     single, pipeline = runs["single"]["results"], runs[schedule]["results"]
     assert pipeline["pipeline_schedule"] == schedule
@@ -145,9 +172,31 @@ def test_pipeline_trains_like_one_process_with_gradient_accumulation(runs, sched
     assert max_weight_difference(runs["single"]["dir"], runs[schedule]["dir"]) <= 1e-4
 
 
+def test_several_stages_per_process_are_laid_out_as_the_schedule_needs(runs):
+    """interleaved1f1b: process r holds stages r and r + 2 (a loop); zbv: r and 3 - r (a V, so process 1 holds the two
+    middle stages and process 0 both ends). Every stage gets one whole block (the split's plan over 4 parts)."""
+    for schedule, layout in (("interleaved1f1b", [[0, 2], [1, 3]]), ("zbv", [[0, 3], [1, 2]])):
+        results = runs[schedule]["results"]
+        assert results["stages_per_process"] == 2, schedule
+        assert results["pipeline/stages_of_processes"] == layout, schedule
+        assert results["blocks_per_stage"] == [1, 1, 1, 1], schedule
+        assert sum(results["pipeline/process_cost_share"]) == pytest.approx(1.0), schedule
+    for schedule in ("gpipe", "1f1b"):
+        assert runs[schedule]["results"]["pipeline/stages_of_processes"] == [[0], [1]], schedule
+
+
 def test_ddp_trains_like_one_process_with_the_same_global_batch(runs):
     single, ddp = runs["single"]["results"], runs["ddp"]["results"]
     assert relative_difference(ddp["train/loss_curve"], single["train/loss_curve"]) <= 1e-4
+
+
+def test_the_fp16_communication_hook_compresses_the_gradients_and_still_trains(runs):
+    """The all-reduce in fp16 rounds every gradient to 11 significant bits: the losses move (the hook is in effect;
+    without it they would equal plain DDP's to ~1e-7) but stay within 1e-3 of plain DDP's over 5 steps."""
+    ddp, hooked = runs["ddp"]["results"], runs["ddp_fp16_hook"]["results"]
+    assert hooked["config"]["ddp_comm_hook"] == "fp16" and hooked["config"]["ddp_bucket_cap_mb"] == 1
+    difference = relative_difference(hooked["train/loss_curve"], ddp["train/loss_curve"])
+    assert 0 < difference <= 1e-3
 
 
 def test_loss_goes_down(runs):
@@ -190,6 +239,15 @@ def test_results_json_holds_what_users_compare(runs):
     assert runs["gpipe"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 3)
     assert runs["1f1b"]["results"]["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 5)
     assert runs["1f1b"]["results"]["num_microbatches"] == 4
+    # Interleaved, v = 2 stages per process: (p - 1) / (v m + p - 1) = 1/9 of the step, (p - 1) / (v m) = 1/8 of the
+    # ideal compute time (Narayanan et al.'s form); ZB-V's ideal is no bubble.
+    interleaved = runs["interleaved1f1b"]["results"]
+    assert interleaved["pipeline/ideal_bubble_fraction"] == pytest.approx(1 / 9)
+    assert interleaved["pipeline/ideal_bubble_over_compute"] == pytest.approx(1 / 8)
+    assert runs["1f1b"]["results"]["pipeline/ideal_bubble_over_compute"] == pytest.approx(1 / 4)
+    assert runs["zbv"]["results"]["pipeline/ideal_bubble_fraction"] == 0.0
+    # zbv evaluated before training too, and trained on from there.
+    assert runs["zbv"]["results"]["eval/perplexity_before_training"] > runs["zbv"]["results"]["eval/perplexity"]
     # Peak memory per stage (one process each) for the pipeline.
     assert set(runs["1f1b"]["results"]["memory/peak_gib"]) == {
         f"rank{rank}/{device}" for rank, device in enumerate(devices_for(2))
@@ -272,12 +330,21 @@ def test_saved_model_loads_and_generates_the_recipes_sample(runs, mode):
 @pytest.fixture(scope="module")
 def resumed(runs, tmp_path_factory):
     """Runs that start from the first runs' outputs: what a run stopped after step 2 leaves behind
-    (its tokenizer and checkpoints/step_000002, from the 1f1b and device_map runs), resumed with
+    (its tokenizer and checkpoints/step_000002, from the 1f1b, interleaved1f1b and device_map runs), resumed with
     --resume_from_checkpoint latest and trained to the end; and a run that starts from a saved model."""
     root = tmp_path_factory.mktemp("resumed")
     jobs = {}
     for name, config, recipe, *args in (
         ("1f1b", "pipeline_2gpu.yaml", PIPELINE, "--num_microbatches", "4"),
+        (
+            "interleaved1f1b",
+            "pipeline_2gpu.yaml",
+            PIPELINE,
+            "--pipeline_schedule",
+            "interleaved1f1b",
+            "--num_microbatches",
+            "4",
+        ),
         ("device_map", "model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
     ):
         stopped = root / name
@@ -321,6 +388,22 @@ def test_resumed_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
     assert max_weight_difference(resumed["1f1b"]["dir"], uninterrupted["dir"]) <= 1e-6
 
 
+def test_resumed_interleaved_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
+    """Two stages per process: each stage's weights in its own folder, each process's optimizer, scheduler and RNG
+    state in the folder of its first stage, and the layout in pipeline.json."""
+    uninterrupted = runs["interleaved1f1b"]
+    checkpoint = uninterrupted["dir"] / "checkpoints" / "step_000002"
+    assert {path.name for path in checkpoint.iterdir()} >= {f"stage_{index}" for index in range(4)}
+    # Process 1's optimizer state sits with its first stage, stage 1; none with its second, stage 3.
+    assert (checkpoint / "stage_1" / "optimizer.bin").exists()
+    assert not (checkpoint / "stage_3" / "optimizer.bin").exists()
+    assert json.loads((checkpoint / "pipeline.json").read_text())["stages_of_processes"] == [[0, 2], [1, 3]]
+    assert resumed["interleaved1f1b"]["results"]["train/loss_curve"] == pytest.approx(
+        uninterrupted["results"]["train/loss_curve"][2:], rel=1e-6
+    )
+    assert max_weight_difference(resumed["interleaved1f1b"]["dir"], uninterrupted["dir"]) <= 1e-6
+
+
 def test_resumed_device_map_run_ends_like_the_uninterrupted_run(runs, resumed):
     """The other modes use accelerator.save_state/load_state and skip_first_batches."""
     uninterrupted = runs["device_map"]
@@ -359,6 +442,14 @@ def refusals(tmp_path_factory):
             "--num_microbatches",
             "4",
         ),
+        "interleaved_blocks": (
+            "pipeline_2gpu.yaml",
+            PIPELINE,
+            "--pipeline_schedule",
+            "interleaved1f1b",
+            "--num_layers",
+            "3",
+        ),
         "block_size": ("single_gpu.yaml", TRAIN, "--block_size", "512"),
         "pipeline_one_process": ("single_gpu.yaml", PIPELINE),
         "device_map_two_processes": ("ddp_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
@@ -388,6 +479,13 @@ def test_batch_not_divisible_by_microbatches_is_refused(refusals):
     assert "--per_device_train_batch_size 6 does not divide into --num_microbatches 4" in refusals["microbatches"]
 
 
+def test_fewer_blocks_than_stages_is_refused(refusals):
+    assert (
+        "the model has 3 decoder blocks, fewer than the 4 stages of 2 processes x --stages_per_process 2"
+        in refusals["interleaved_blocks"]
+    )
+
+
 def test_block_size_beyond_the_models_positions_is_refused(refusals):
     assert "--block_size 512 is longer than the model's 256 positions" in refusals["block_size"]
 
@@ -405,3 +503,72 @@ def test_device_map_with_two_processes_is_refused(refusals):
 
 def test_corpus_too_small_for_one_block_is_refused(refusals):
     assert "fewer than one block of --block_size 32" in refusals["small_corpus"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_recipe():
+    """pipeline_lm.py imported as a module: its request checks are plain functions (the "microbatches" launch above
+    shows the recipe calls them before any model work)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pipeline_lm_under_test", REPO / "recipes" / PIPELINE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "request_args, message",
+    [
+        # batch 10 = 5 micro-batches of 2, but interleaved runs them in 5 // 2 = 2 rounds of equal size.
+        (
+            {"pipeline_schedule": "interleaved1f1b", "per_device_train_batch_size": 10, "num_microbatches": 5},
+            "--pipeline_schedule interleaved1f1b runs the micro-batches in max(1, m // processes) = 2 rounds of equal "
+            "size, and --num_microbatches 5 does not divide into 2",
+        ),
+        (
+            {"pipeline_schedule": "interleaved1f1b", "num_microbatches": 1, "per_device_train_batch_size": 4},
+            "--pipeline_schedule interleaved1f1b needs --num_microbatches >= the number of processes (2); got 1",
+        ),
+        ({"pipeline_schedule": "zbv", "stages_per_process": 3}, "--pipeline_schedule zbv holds exactly 2 stages"),
+        ({"pipeline_schedule": "zbv", "num_microbatches": 2}, "zbv needs --num_microbatches >= 2 x processes - 1 = 3"),
+        ({"pipeline_schedule": "1f1b", "num_microbatches": 1, "per_device_train_batch_size": 4}, "1f1b needs"),
+        ({"pipeline_schedule": "gpipe", "stages_per_process": 2}, "runs one stage per process"),
+    ],
+    ids=["interleaved_rounds", "interleaved_few", "zbv_stages", "zbv_few", "1f1b_few", "gpipe_stages"],
+)
+def test_pipeline_requests_that_cannot_run_are_refused(pipeline_recipe, request_args, message):
+    from argparse import Namespace
+
+    from shared.runtime import RecipeError
+
+    args = Namespace(
+        **{
+            "pipeline_schedule": "1f1b",
+            "per_device_train_batch_size": 8,
+            "num_microbatches": 4,
+            "stages_per_process": None,
+            **request_args,
+        }
+    )
+    with pytest.raises(RecipeError) as refused:
+        pipeline_recipe.check_pipeline_request(
+            args, num_processes=2, eval_batch_size=args.num_microbatches, mixed_precision="no"
+        )
+    assert message in " ".join(refused.value.message.split())
+
+
+def test_pipeline_requests_that_can_run_get_their_stages_per_process(pipeline_recipe):
+    from argparse import Namespace
+
+    def stages(schedule, microbatches=4, stages_per_process=None):
+        args = Namespace(
+            pipeline_schedule=schedule,
+            per_device_train_batch_size=8,
+            num_microbatches=microbatches,
+            stages_per_process=stages_per_process,
+        )
+        return pipeline_recipe.check_pipeline_request(args, 2, 8, "no")
+
+    assert (stages("gpipe", 2), stages("1f1b"), stages("interleaved1f1b"), stages("zbv")) == (1, 1, 2, 2)
+    assert stages("interleaved1f1b", 8, 4) == 4
