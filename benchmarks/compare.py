@@ -38,6 +38,7 @@ TARGETS = {
     "ddp scaling efficiency": (">=", 0.92),
     "overhead vs raw PyTorch": ("<=", 1.02),
     "group_by_length speedup": (">=", 1.3),
+    "speedup over the plain loop": (">=", 1.3),  # at equal accuracy: read the accuracy table beside it
     "pipeline speedup m=4": (">=", 1.4),
 }
 
