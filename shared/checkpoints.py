@@ -35,8 +35,9 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     tmp = checkpoints_dir / f".{final.name}.tmp"
     on_each_node = accelerator.project_configuration.save_on_each_node
     writes = accelerator.is_local_main_process if on_each_node else accelerator.is_main_process
-    if writes and tmp.exists():
-        shutil.rmtree(tmp)  # left by a run killed mid-save
+    if writes:  # left by a run killed mid-save or mid-prune
+        for leftover in [tmp, *checkpoints_dir.glob(".step_*.deleted")]:
+            shutil.rmtree(leftover, ignore_errors=True)
     accelerator.wait_for_everyone()
     if write_state is None:
         accelerator.save_state(str(tmp))
@@ -53,9 +54,12 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
             shutil.rmtree(old)
         else:
             os.replace(tmp, final)
-        if total_limit:
+        if total_limit:  # a kill before this leaves total_limit + 1 complete ones: none is lost
             for stale in complete_checkpoints(checkpoints_dir)[:-total_limit]:
-                shutil.rmtree(stale)
+                # Renamed (atomic) before deleted: a kill mid-delete never leaves a half-deleted step_N.
+                doomed = stale.with_name(f".{stale.name}.deleted")
+                os.replace(stale, doomed)
+                shutil.rmtree(doomed)
     accelerator.wait_for_everyone()
     return final
 

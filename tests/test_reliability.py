@@ -4,7 +4,10 @@ import json
 import shutil
 import signal
 import socket
+import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -51,7 +54,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         process.send_signal(signal.SIGKILL)
     assert run.finish().returncode != 0
     complete = sorted(checkpoints.glob("step_*"))
-    assert 1 <= len(complete) <= 3
+    # A kill between a save's rename and its pruning leaves total_limit + 1: pruning never comes first, or a run
+    # with --checkpoints_total_limit 1 would hold no complete checkpoint while it saves.
+    assert 1 <= len(complete) <= 3 + 1
     for checkpoint in complete:
         assert (checkpoint / "progress.json").is_file(), f"{checkpoint} was left incomplete"
         load_file(checkpoint / "model.safetensors")
@@ -64,6 +69,45 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     uninterrupted = tmp_path / "uninterrupted"
     launch_ok("single_gpu.yaml", TOY, "--output_dir", uninterrupted, *args[2:])
     assert np.array_equal(weights(results), weights(read_results(uninterrupted)))
+
+
+def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """Pruning to --checkpoints_total_limit deletes a folder file by file. A kill midway must not leave a folder
+    named step_N without its progress.json (resuming would skip it, but a user copying "the newest step_N" would not);
+    the next save clears what the killed one left. In-process, with a stand-in for the one process's Accelerator."""
+    sys.path.insert(0, str(REPO))
+    from shared import checkpoints
+
+    one_process = SimpleNamespace(
+        project_configuration=SimpleNamespace(save_on_each_node=False),
+        is_main_process=True,
+        is_local_main_process=True,
+        wait_for_everyone=lambda: None,
+    )
+
+    def save(step):
+        def write_state(folder):
+            folder.mkdir(parents=True)
+            (folder / "model.safetensors").write_bytes(b"weights")
+
+        checkpoints.save_checkpoint(one_process, tmp_path, step, total_limit=2, write_state=write_state)
+
+    save(1), save(2)
+
+    def killed_midway(path, *args, **kwargs):  # deletes the first file, then the process dies
+        if Path(path).exists():
+            (Path(path) / checkpoints.PROGRESS_FILE).unlink()
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoints.shutil, "rmtree", killed_midway)
+        with pytest.raises(KeyboardInterrupt):
+            save(3)
+    named = sorted(tmp_path.glob("step_*"))
+    assert [folder.name for folder in named] == ["step_000002", "step_000003"]
+    assert all((folder / checkpoints.PROGRESS_FILE).is_file() for folder in named)
+    save(4)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_000003", "step_000004"]
 
 
 def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
