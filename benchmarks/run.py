@@ -287,6 +287,12 @@ def matrix_preset(name: str) -> dict:
             },
         ]
         return {"name": name, "repeats": 5, "threads_per_process": 1, "groups": groups}
+    if name == "overhead":
+        # The recipe against raw torchrun + DDP alone, long enough to resolve 2 %: 14 measured steps per run (the perf
+        # matrix measures 4), 8 A/B rounds.
+        small = dict(steps=16, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
+        groups = [{"name": "lm-small-ddp-overhead", "runs": lm_runs("small", ["raw_ddp", "ddp"], **small)}]
+        return {"name": name, "repeats": 8, "threads_per_process": 1, "groups": groups}
     if name == "llm":
         # LoRA against a full fine-tune and QLoRA against LoRA, 1 and 2 processes, on the small preset (9.7M) that
         # the llm-base group pretrains for 100 steps and keeps (fp32 on CPU: bf16 is emulated there).
@@ -312,7 +318,9 @@ def matrix_preset(name: str) -> dict:
             {"name": "lm-350m-single_gpu", "runs": lm_runs("350m", ["single+bf16+compile", "single+bf16"], **big)}
         ]
         return {"name": name, "repeats": 1, "threads_per_process": None, "groups": groups}
-    raise SystemExit(f"unknown --matrix {name!r}: use smoke, cpu, perf, llm, gpu or a JSON file (see --dump_matrix)")
+    raise SystemExit(
+        f"unknown --matrix {name!r}: use smoke, cpu, perf, overhead, llm, gpu or a JSON file (see --dump_matrix)"
+    )
 
 
 def load_matrix(value: str) -> dict:
@@ -605,7 +613,9 @@ def is_done(path: Path, spec: dict) -> bool:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--matrix", default="cpu", help="A preset (smoke, cpu, gpu) or a JSON file in the --dump_matrix format."
+        "--matrix",
+        default="cpu",
+        help="A preset (smoke, cpu, perf, overhead, llm, gpu) or a JSON file in the --dump_matrix format.",
     )
     parser.add_argument(
         "--output_dir",
