@@ -59,6 +59,11 @@ KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work
 
 
 # ------------------------------------------------------------------------------ the matrices
+# The small LM preset's benchmark shape (9.7M parameters, compute-bound on CPU), shared by the CPU matrices so their
+# figures stay comparable with each other.
+SMALL_LM = dict(steps=6, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
+
+
 def lm_args(
     size: str, *, steps: int, warmup: int, batch: int, block: int, vocab: int, corpus_mb: float, threads: int | None
 ) -> list[str]:
@@ -245,7 +250,7 @@ def matrix_preset(name: str) -> dict:
     if name == "cpu":
         # 2-core CPU machines, 1 thread per process. small: 9.7M parameters, compute-bound on one core
         # (~5 s per step of 16 x 256 tokens); tiny: 0.6M, where start-up and communication dominate.
-        small = dict(steps=6, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
+        small = SMALL_LM
         tiny = dict(small, steps=24, warmup=4)
         groups = [
             {"name": "lm-tiny-data_parallel", "runs": lm_runs("tiny", ["single", "ddp", "raw_ddp"], **tiny)},
@@ -271,7 +276,7 @@ def matrix_preset(name: str) -> dict:
         # against a plain loop at equal accuracy (3 seeds, whole epochs, evaluated). The pipeline schedules are
         # measured by benchmarks/pipeline_vs_naive.py --num_layers 13: the small preset's 7 blocks cannot be cut
         # into 4 stages of equal cost, which would charge interleaved 1F1B for the split, not the schedule.
-        small = dict(steps=6, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
+        small = SMALL_LM
         groups = [
             {"name": "lm-small-ddp", "runs": lm_runs("small", ["raw_ddp", "ddp", "ddp+fp16hook"], **small)},
             {
@@ -290,16 +295,14 @@ def matrix_preset(name: str) -> dict:
     if name == "overhead":
         # The recipe against raw torchrun + DDP alone, long enough to resolve 2 %: 14 measured steps per run (the perf
         # matrix measures 4), 8 A/B rounds.
-        small = dict(steps=16, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
+        small = {**SMALL_LM, "steps": 16}
         groups = [{"name": "lm-small-ddp-overhead", "runs": lm_runs("small", ["raw_ddp", "ddp"], **small)}]
         return {"name": name, "repeats": 8, "threads_per_process": 1, "groups": groups}
     if name == "llm":
         # LoRA against a full fine-tune and QLoRA against LoRA, 1 and 2 processes, on the small preset (9.7M) that
         # the llm-base group pretrains for 100 steps and keeps (fp32 on CPU: bf16 is emulated there).
         base = "{output_dir}/work/llm-base/base/r0"
-        base_run = lm_runs(
-            "small", ["single"], steps=100, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1
-        )[0]
+        base_run = lm_runs("small", ["single"], **{**SMALL_LM, "steps": 100})[0]
         groups = [
             {"name": "llm-base", "repeats": 1, "runs": [{**base_run, "setup": "base", "keep_outputs": True}]},
             {

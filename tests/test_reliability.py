@@ -14,6 +14,9 @@ import pytest
 from launch import REPO, Launch, launch, launch_ok, read_results
 from safetensors.torch import load_file
 
+sys.path.insert(0, str(REPO))
+from shared.checkpoints import PROGRESS_FILE, save_checkpoint  # noqa: E402
+
 TOY = "linear_toy.py"
 # Small batches over a big data set: many cheap steps, so a run lasts long enough to be interrupted.
 LONG = ("--num_samples", "200000", "--per_device_train_batch_size", "4")
@@ -75,9 +78,6 @@ def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, m
     """Pruning to --checkpoints_total_limit deletes a folder file by file. A kill midway must not leave a folder
     named step_N without its progress.json (resuming would skip it, but a user copying "the newest step_N" would not);
     the next save clears what the killed one left. In-process, with a stand-in for the one process's Accelerator."""
-    sys.path.insert(0, str(REPO))
-    from shared import checkpoints
-
     one_process = SimpleNamespace(
         project_configuration=SimpleNamespace(save_on_each_node=False),
         is_main_process=True,
@@ -90,22 +90,23 @@ def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, m
             folder.mkdir(parents=True)
             (folder / "model.safetensors").write_bytes(b"weights")
 
-        checkpoints.save_checkpoint(one_process, tmp_path, step, total_limit=2, write_state=write_state)
+        save_checkpoint(one_process, tmp_path, step, total_limit=2, write_state=write_state)
 
-    save(1), save(2)
+    save(1)
+    save(2)
 
     def killed_midway(path, *args, **kwargs):  # deletes the first file, then the process dies
         if Path(path).exists():
-            (Path(path) / checkpoints.PROGRESS_FILE).unlink()
+            (Path(path) / PROGRESS_FILE).unlink()
             raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoints.shutil, "rmtree", killed_midway)
+        patch.setattr(shutil, "rmtree", killed_midway)  # the module shared/checkpoints.py calls
         with pytest.raises(KeyboardInterrupt):
             save(3)
     named = sorted(tmp_path.glob("step_*"))
     assert [folder.name for folder in named] == ["step_000002", "step_000003"]
-    assert all((folder / checkpoints.PROGRESS_FILE).is_file() for folder in named)
+    assert all((folder / PROGRESS_FILE).is_file() for folder in named)
     save(4)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_000003", "step_000004"]
 
