@@ -30,8 +30,11 @@ class RecipeError(SystemExit):
     def __init__(self, message: str):
         self.message = " ".join(message.split())
         rank, world_size = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
-        # One line: terminals wrap it, and it stays greppable in logs.
-        super().__init__(("[rank " + rank + "] " if world_size > 1 else "") + "error: " + self.message)
+        # One line: terminals wrap it, and it stays greppable in logs. Python writes a SystemExit's message and its
+        # newline in two writes, so the ranks' lines would run together: with several processes the newline is part
+        # of the message (stderr is line-buffered, so each rank's line is written whole).
+        prefix, end = ("[rank " + rank + "] ", "\n") if world_size > 1 else ("", "")
+        super().__init__(prefix + "error: " + self.message + end)
 
 
 def positive_int(text: str) -> int:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
 from shared.checkpoints import PROGRESS_FILE, save_checkpoint  # noqa: E402
+from shared.runtime import RecipeError  # noqa: E402
 
 TOY = "linear_toy.py"
 # Small batches over a big data set: many cheap steps, so a run lasts long enough to be interrupted.
@@ -337,6 +338,17 @@ def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(tmp_path):
         )
     assert f"Port `{port}` is already in use" in run.output
     assert read_results(tmp_path)["num_processes"] == 2
+
+
+def test_every_rank_writes_its_error_as_a_line_of_its_own(monkeypatch):
+    """Python writes a SystemExit's message and then its newline, two writes: two ranks failing at once printed
+    "[rank 0] error: ...[rank 1] error: ..." on one line. Under several processes the newline is in the message, so
+    line-buffered stderr writes each rank's line whole; one process keeps Python's own newline only."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert RecipeError("The  batch is\n too small.").code == "[rank 1] error: The batch is too small.\n"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert RecipeError("The batch is too small.").code == "error: The batch is too small."
 
 
 def test_missing_config_file_is_reported(tmp_path):
