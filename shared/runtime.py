@@ -114,9 +114,16 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
         handlers.append(InitProcessGroupKwargs(backend=distributed_backend(cpu), **timeout))
         accelerator_kwargs["kwargs_handlers"] = handlers
     join_restarted_elastic_group(cpu=cpu, dist_timeout=dist_timeout)
+    if not cpu and torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # One process: Accelerate's device would be torch.device("cuda"), with no index (several processes get
+        # cuda:<local rank>). torch.cuda.set_device refuses it, and results would name the GPU "cuda" here and "cuda:0"
+        # there. ACCELERATE_TORCH_DEVICE is Accelerate's own override of the device it picks.
+        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", f"cuda:{torch.cuda.current_device()}")
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
     if accelerator.device.type == "cuda":
+        if accelerator.device.index is None:  # the override came too late (a state built before) or was set to "cuda"
+            accelerator.state.device = torch.device("cuda", torch.cuda.current_device())
         # Object collectives under NCCL (gather_object, the pipeline's state-dict gather) go through the *current* CUDA
         # device: unset, every rank uses cuda:0, or hangs. Accelerate sets it when it starts the group; this line also
         # covers a group started by join_restarted_elastic_group.

@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from launch import REPO, launch_ok, read_results, visible_gpus
 
 sys.path.insert(0, str(REPO))
+import shared.runtime  # noqa: E402
 from shared.flops import lm_flops_per_token, peak_bf16_flops  # noqa: E402
 
 TWO_GPUS = pytest.mark.skipif(
@@ -32,6 +34,48 @@ def test_the_mfu_peak_table_knows_the_cards_users_have():
     assert (
         lm_flops_per_token(768, 12, 32000, 134_000_000, 1024) == 6 * (134_000_000 - 32000 * 768) + 12 * 12 * 768 * 1024
     )
+
+
+def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
+    """One process on a GPU: Accelerate's device is ``torch.device("cuda")``, with no index, which
+    ``torch.cuda.set_device`` refuses (this crashed every 1-process GPU launch). A fake Accelerator that reports
+    exactly that, on a machine said to have one GPU: build_accelerator must give the run ``cuda:0`` (results.json,
+    memory keys, the split's devices) and set the current device by index. ``torch.cuda.set_device`` is replaced by
+    torch's own index check, which is what raised on the GPU."""
+    from accelerate.utils import DistributedType
+
+    calls = []
+
+    class OneProcessOnAGpu:  # what Accelerate 1.16 reports for a 1-process CUDA launch, unless told the device
+        def __init__(self, **kwargs):
+            override = shared.runtime.os.environ.get("ACCELERATE_TORCH_DEVICE")
+            self.state = type("State", (), {"device": torch.device(override or "cuda")})()
+            self.num_processes, self.distributed_type, self.mixed_precision = 1, DistributedType.NO, "no"
+
+        @property
+        def device(self):
+            return self.state.device
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(shared.runtime, "Accelerator", OneProcessOnAGpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda, "set_device", lambda device: calls.append(torch.cuda._utils._get_device_index(device))
+    )
+    for override in (None, "cuda"):  # Accelerate's own pick, and a user's ACCELERATE_TORCH_DEVICE=cuda
+        calls.clear()
+        if override:
+            monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", override)
+        else:
+            monkeypatch.delenv("ACCELERATE_TORCH_DEVICE", raising=False)
+        accelerator = shared.runtime.build_accelerator()
+        assert str(accelerator.device) == "cuda:0" and calls == [0], (override, accelerator.device, calls)
+        assert shared.runtime.run_facts(accelerator)["device"] == "cuda:0"
+        from shared.model_split import split_devices
+
+        assert [str(device) for device in split_devices(accelerator.device)] == ["cuda:0", "cpu"]
 
 
 @TWO_GPUS
@@ -93,6 +137,8 @@ def test_mfu_is_recorded_against_this_gpus_peak(tmp_path):
         cpu_only=False,
     )
     results = read_results(tmp_path)
+    # One name for the GPU everywhere (Accelerate's own 1-process device is "cuda", without the index).
     assert results["device"] == "cuda:0" and results["distributed/backend"] is None
+    assert list(results["memory/peak_gib"]) == ["cuda:0"]
     if results["perf/peak_flops_per_device"]:
         assert 0 < results["perf/mfu"] < 1
