@@ -59,7 +59,13 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_questions  # noqa: E402
 from shared.flops import lm_flops_per_token  # noqa: E402
-from shared.fsdp import check_offload_fits_host_ram, sharding_facts, wrap_at_blocks  # noqa: E402
+from shared.fsdp import (  # noqa: E402
+    check_offload_fits_host_ram,
+    gathered_state_dict,
+    sharding_facts,
+    trained_weights_only_in_checkpoints,
+    wrap_at_blocks,
+)
 from shared.hang_dump import HangDump  # noqa: E402
 from shared.model_split import (  # noqa: E402
     dispatch_on_devices,
@@ -76,6 +82,7 @@ from shared.runtime import (  # noqa: E402
     choose_parallelism,
     positive_float,
     positive_int,
+    main_process_alone,
     prepare_output_dir,
     run_facts,
     steps_or_epoch,
@@ -311,43 +318,48 @@ def default_base_model(accelerator, output_dir: Path) -> str:
             f"{Path(__file__).name})."
         )
     target = output_dir / "base_model"
-    if accelerator.is_main_process:
-        command = [
-            sys.executable,
-            str(recipe),
-            "--model_size",
-            "small",
-            "--max_train_steps",
-            "150",
-            "--corpus_max_mb",
-            "3",
-            "--per_device_train_batch_size",
-            "8",
-            "--block_size",
-            "256",
-            "--sample_tokens",
-            "0",
-            "--output_dir",
-            str(target),
-        ]
-        accelerator.print(
-            "no base model yet: pretraining one first (a 1-process run, a few minutes on a CPU): " + " ".join(command)
-        )
-        # A plain 1-process run: none of this launch's distributed settings may reach it.
-        env = {
-            key: value
-            for key, value in os.environ.items()
-            if not key.startswith(
-                ("RANK", "LOCAL_", "WORLD_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_", "ACCELERATE_")
-            )
-        }
-        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if done.returncode != 0:
-            raise RecipeError(
-                f"Pretraining the default base model failed: {done.stdout.strip().splitlines()[-1][:300]}"
-            )
-    accelerator.wait_for_everyone()  # sync point: the others wait for the main process's model
+    # Minutes of pretraining on the main process: the others wait untimed (a barrier bounded by --dist_timeout would
+    # kill the run while it is only slow).
+    with main_process_alone(accelerator):
+        if accelerator.is_main_process:
+            pretrain_base_model(accelerator, recipe, target)
     return str(target)
+
+
+def pretrain_base_model(accelerator, recipe: Path, target: Path) -> None:
+    """``recipes/train_lm.py`` as a plain 1-process run into ``target``."""
+    command = [
+        sys.executable,
+        str(recipe),
+        "--model_size",
+        "small",
+        "--max_train_steps",
+        "150",
+        "--corpus_max_mb",
+        "3",
+        "--per_device_train_batch_size",
+        "8",
+        "--block_size",
+        "256",
+        "--sample_tokens",
+        "0",
+        "--output_dir",
+        str(target),
+    ]
+    accelerator.print(
+        "no base model yet: pretraining one first (a 1-process run, a few minutes on a CPU): " + " ".join(command)
+    )
+    # A plain 1-process run: none of this launch's distributed settings may reach it.
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith(
+            ("RANK", "LOCAL_", "WORLD_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_", "ACCELERATE_")
+        )
+    }
+    done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RecipeError(f"Pretraining the default base model failed: {done.stdout.strip().splitlines()[-1][:300]}")
 
 
 def load_raw_datasets(args) -> datasets.DatasetDict:
@@ -696,7 +708,10 @@ def main():
     # stays float32 (PEFT upcasts it). A full fine-tune keeps float32 master weights under mixed-precision autocast.
     load_dtype = compute_dtype if lora else torch.float32
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
-    load_device = {"": str(accelerator.device)} if args.load_in_4bit and not split_over else None
+    # QLoRA is quantized where it is loaded. One device: there. A split: on the CPU (a layer at a time, in host RAM),
+    # then dispatch_on_devices below moves each block to its own device, so that no GPU ever holds more than its share
+    # (loaded onto a GPU, the whole 4-bit model would sit there before being split: 35 GB for a 70B model).
+    load_device = ({"": "cpu"} if split_over else {"": str(accelerator.device)}) if args.load_in_4bit else None
     # Low host-RAM loading (the FSDP config's fsdp_cpu_ram_efficient_loading): only the main process reads the
     # checkpoint; the others build the model's shape with no memory behind it (parameters on the meta device, buffers
     # real), and accelerator.prepare() hands every process its shard of the main process's weights. Without it each
@@ -810,19 +825,9 @@ def main():
                 }
             ),
         }
-    if lora and parallelism.name != "fsdp":
-        # Checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model): save_state hands its
-        # model weights to this hook, which keeps only what requires grad; loading puts them back non-strictly.
-        def adapter_only(models, weights, folder):
-            for index, model_weights in enumerate(weights):
-                trained = {
-                    name
-                    for name, parameter in accelerator.unwrap_model(models[index]).named_parameters()
-                    if parameter.requires_grad
-                }
-                weights[index] = {name: tensor for name, tensor in model_weights.items() if name in trained}
-
-        accelerator.register_save_state_pre_hook(adapter_only)
+    if lora:
+        # Checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model); loaded non-strictly.
+        trained_weights_only_in_checkpoints(accelerator)
     global_batch_size = (
         args.per_device_train_batch_size
         * args.gradient_accumulation_steps
@@ -852,9 +857,7 @@ def main():
         checkpoint,
         steps_per_epoch,
         args.gradient_accumulation_steps,
-        load_state=lambda folder: accelerator.load_state(
-            str(folder), strict=not (lora and parallelism.name != "fsdp")
-        ),
+        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
     )
     completed_steps = resume.completed_steps
     meter = ThroughputMeter(
@@ -978,28 +981,31 @@ def main():
     hang_dump.phase("saving")
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
-    # get_state_dict gathers the full weights (every shard of FSDP2, every device of a split) on the main process; a
-    # PeftModel's save_pretrained then writes only the adapter from it (adapter_model.safetensors +
-    # adapter_config.json).
-    state_dict = accelerator.get_state_dict(model)
+    # The full weights on the main process (every shard of FSDP2, every device of a split): for LoRA only the adapter
+    # is gathered, and a PeftModel's save_pretrained writes it (adapter_model.safetensors + adapter_config.json).
+    state_dict = gathered_state_dict(accelerator, model, trained_only=lora)  # a collective
     unwrapped.save_pretrained(
         output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
-    if args.merge_and_save and lora and accelerator.is_main_process:
-        from peft import PeftModel
+    # The merge runs on the main process alone (minutes for a 13B model): the others wait untimed, not in a barrier
+    # bounded by --dist_timeout.
+    with main_process_alone(accelerator):
+        if args.merge_and_save and lora and accelerator.is_main_process:
+            from peft import PeftModel
 
-        # A fresh 16/32-bit copy of the base (a 4-bit base cannot take the merged weights exactly), with the adapter.
-        base = AutoModelForCausalLM.from_pretrained(
-            args.model_name_or_path,
-            dtype=compute_dtype if compute_dtype != torch.float16 else torch.float32,
-            trust_remote_code=args.trust_remote_code,
-        )
-        merged = PeftModel.from_pretrained(base, output_dir).merge_and_unload()
-        merged.save_pretrained(output_dir / "merged")
-        tokenizer.save_pretrained(output_dir / "merged")
-        accelerator.print(f"merged the adapter into the base model: {output_dir / 'merged'}")
+            # A fresh 16/32-bit copy of the base (a 4-bit base cannot take the merged weights exactly), with the
+            # adapter.
+            base = AutoModelForCausalLM.from_pretrained(
+                args.model_name_or_path,
+                dtype=compute_dtype if compute_dtype != torch.float16 else torch.float32,
+                trust_remote_code=args.trust_remote_code,
+            )
+            merged = PeftModel.from_pretrained(base, output_dir).merge_and_unload()
+            merged.save_pretrained(output_dir / "merged")
+            tokenizer.save_pretrained(output_dir / "merged")
+            accelerator.print(f"merged the adapter into the base model: {output_dir / 'merged'}")
     perf_numbers = {k: v for k, v in perf.items() if isinstance(v, (int, float))}
     results = {
         "recipe": "llm_finetune",

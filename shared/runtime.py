@@ -7,6 +7,7 @@ them over gloo; ``build_accelerator`` always passes the right value, then checks
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections import namedtuple
 from datetime import timedelta
@@ -132,6 +133,22 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
         # cpu=True makes Accelerate drop an FSDP config and run plain DDP: switch it back to its FSDP2 path.
         use_fsdp_on_cpu(accelerator)
     return accelerator
+
+
+@contextlib.contextmanager
+def main_process_alone(accelerator: Accelerator):
+    """The main process works alone inside the ``with`` block (merging a 13B model, pretraining a base model:
+    minutes), and the other processes wait for it at the end, with no time limit. ``wait_for_everyone`` would bound
+    that wait by ``--dist_timeout`` (600 s by default: long enough for any collective, too short for a merge) and kill
+    a run that was only slow. The wait is a barrier of a gloo group made for it with a week's timeout (gloo needs no
+    GPU memory). If the main process fails instead, it exits, and the launcher stops the others."""
+    several = accelerator.num_processes > 1 and torch.distributed.is_initialized()
+    # Sync point: making a group is a collective, before the main process goes off on its own.
+    group = torch.distributed.new_group(backend="gloo", timeout=timedelta(days=7)) if several else None
+    yield  # (no finally: a main process that failed must not release the others into its missing output)
+    if group is not None:
+        torch.distributed.barrier(group=group)  # sync point: the others wait here, untimed, for the main one
+        torch.distributed.destroy_process_group(group)
 
 
 def fsdp_launch_config() -> bool:

@@ -166,6 +166,15 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"
 
 
+def test_the_main_process_may_work_alone_longer_than_dist_timeout():
+    """A merge (--merge_and_save) or the default base model's pretraining runs on the main process while the others
+    wait: 6 s of work under --dist_timeout 2. Waiting in wait_for_everyone would fail after 2 s with gloo's timeout;
+    shared.runtime.main_process_alone waits untimed, and the group still works after it."""
+    run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "main_process_alone.py", "2", "6")
+    assert run.returncode == 0, str(run)
+    assert run.output.count("waited 6.0 s for the main process with --dist_timeout 2.0") == 2
+
+
 def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tmp_path):
     """`accelerate launch --max_restarts 1` + `--resume_from_checkpoint latest`: rank 1 crashes once
     right after the step-10 checkpoint; torchrun's agent restarts both workers, they resume from
