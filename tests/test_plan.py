@@ -573,6 +573,43 @@ def test_reads_a_config_json_file(tmp_path, capsys):
     )
 
 
+def test_the_launch_line_for_a_config_json_names_what_the_recipe_can_load(tmp_path, capsys):
+    """Given a config.json, the printed launch line names its folder when the weights lie beside it (the recipe
+    cannot load a config.json file: a raw OSError), and otherwise a word to replace, said so under the line."""
+    import importlib.util
+    import shlex
+
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=256,
+        architectures=["LlamaForCausalLM"],
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "with_weights")
+    config.save_pretrained(tmp_path / "config_only")
+    spec = importlib.util.spec_from_file_location("llm_finetune_for_plan", REPO / "recipes" / "llm_finetune.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    for folder in ("with_weights", "config_only"):
+        argv = ["--model_name_or_path", str(tmp_path / folder / "config.json"), "--method", "lora", "--gpus", "1"]
+        code, out, _ = run_main([*argv, "--json", "--host_ram_gib", "64"], capsys)
+        assert code == 0
+        words = shlex.split(json.loads(out)["recommendation"]["launch"])
+        args = recipe.parse_args(words[words.index("recipes/llm_finetune.py") + 1 :])  # the recipe's own parser
+        if folder == "with_weights":
+            assert args.model_name_or_path == str(tmp_path / folder)
+            assert AutoConfig.from_pretrained(args.model_name_or_path).hidden_size == 64  # what the recipe calls
+        else:
+            assert args.model_name_or_path == "FOLDER_WITH_THE_WEIGHTS"
+            code, text, _ = run_main([*argv, "--host_ram_gib", "64"], capsys)
+            assert "replace FOLDER_WITH_THE_WEIGHTS with the folder that holds the model's weights" in text
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

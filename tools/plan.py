@@ -1062,6 +1062,23 @@ def _recommend(shape: ModelShape, a: dict, setups: dict) -> dict:
     }
 
 
+# In a launch line, for a config.json with no weights beside it: the one word the user must replace (a bare word, so
+# that the shell does not read it as a redirection); the text output says so under the line.
+WEIGHTS_PLACEHOLDER = "FOLDER_WITH_THE_WEIGHTS"
+
+
+def loadable_location(location: str) -> str:
+    """What ``recipes/llm_finetune.py --model_name_or_path`` can load for the planner's ``--model_name_or_path``: a Hub
+    name as it is; a config.json or a folder by the folder, when the weights lie there; otherwise the placeholder."""
+    path = Path(location)
+    if not path.exists():
+        return location  # a Hub name
+    folder = path.parent if path.is_file() else path
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")) or any(folder.glob("*.safetensors.index.json")):
+        return str(folder)
+    return WEIGHTS_PLACEHOLDER
+
+
 def launch_line(shape: ModelShape, name: str, checkpointing: bool, config: str | None, a: dict) -> str | None:
     """The recipe command for this setup: train_lm.py / pipeline_lm.py for full fine-tuning of a preset the
     recipes build, llm_finetune.py for a model it can load by name or path; None when there is neither."""
@@ -1083,7 +1100,8 @@ def launch_line(shape: ModelShape, name: str, checkpointing: bool, config: str |
     elif name == "pipeline":
         return None
     else:
-        location = HUB_NAMES.get(shape.name) or (shape.name if shape.name not in MODEL_PRESETS else None)
+        preset = shape.name in MODEL_PRESETS
+        location = HUB_NAMES.get(shape.name) or (None if preset else loadable_location(shape.name))
         if location is None:
             return None
         recipe = "llm_finetune.py"
@@ -1396,6 +1414,11 @@ def format_table(result: dict) -> str:
         lines.append(f"recommendation: {name}{flag}. {recommendation['reason']}")
         if recommendation.get("launch"):
             lines.append(f"launch: {recommendation['launch']}")
+            if WEIGHTS_PLACEHOLDER in recommendation["launch"]:
+                lines.append(
+                    f"        replace {WEIGHTS_PLACEHOLDER} with the folder that holds the model's weights and "
+                    "tokenizer (the planner read only a config.json, with no weights beside it)"
+                )
         elif recommendation.get("config"):
             lines.append(f"config: accelerate_configs/{recommendation['config']}")
         setup = result["setups"][name]
