@@ -1,10 +1,14 @@
 """Checkpoints that never lose work, and the one resume path every recipe takes. ``checkpoints/step_000120`` is
 complete when it holds ``progress.json``, written last in a temporary folder then renamed (a run killed mid-save
-leaves a ``.tmp`` folder, which resuming skips). Resuming: ``find_checkpoint`` (every process agrees on the folder),
-then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip)."""
+leaves a ``.tmp`` folder, which resuming skips). ``progress.json`` also holds a manifest of every file's size and a
+fingerprint (a hash of its size, first and last MiB: a truncated or overwritten file is caught without reading GBs),
+so a checkpoint damaged later (a full disk, a bad copy) is found before loading: ``latest`` skips it for the newest
+intact one and says so, an explicit path to it is refused naming the file. Resuming: ``find_checkpoint`` (every
+process agrees on the folder), then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +22,7 @@ from accelerate.utils import gather_object
 from .runtime import RecipeError
 
 PROGRESS_FILE = "progress.json"
+FINGERPRINT_BYTES = 2**20  # hashed at each end of every file
 LAYOUTS = {"replica": "whole model (single, ddp or device_map)", "fsdp": "model in FSDP shards (fsdp)",
            "pipeline": "model in pipeline stages (recipes/pipeline_lm.py)"}
 
@@ -46,7 +51,8 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     # Sync point: every process must have written its part before the folder is declared complete.
     accelerator.wait_for_everyone()
     if writes:
-        (tmp / PROGRESS_FILE).write_text(json.dumps({"completed_steps": completed_steps, "layout": layout}) + "\n")
+        progress = {"completed_steps": completed_steps, "layout": layout, "manifest": manifest(tmp)}
+        (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
         if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
             old = checkpoints_dir / f".{final.name}.old"
             os.replace(final, old)
@@ -64,6 +70,39 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     return final
 
 
+def fingerprint(path: Path) -> str:
+    """A hash of a file's size and of its first and last ``FINGERPRINT_BYTES``."""
+    digest, size = hashlib.sha256(), path.stat().st_size
+    digest.update(str(size).encode())
+    with open(path, "rb") as file:
+        digest.update(file.read(FINGERPRINT_BYTES))
+        if size > FINGERPRINT_BYTES:
+            file.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
+            digest.update(file.read())
+    return digest.hexdigest()
+
+
+def manifest(folder: Path) -> dict:
+    """``{relative path: [size, fingerprint]}`` for every file under ``folder``."""
+    return {str(path.relative_to(folder)): [path.stat().st_size, fingerprint(path)]
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files against its manifest (None: intact, or saved before
+    manifests existed)."""
+    expected = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("manifest")
+    for name, (size, print_) in (expected or {}).items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size:,} bytes, the save wrote {size:,}"
+        if fingerprint(path) != print_:
+            return f"{path} differs from what the save wrote (its fingerprint changed)"
+    return None
+
+
 def checkpoint_steps(checkpoint: Path) -> int:  # the optimizer steps a complete checkpoint was saved after
     return json.loads((checkpoint / PROGRESS_FILE).read_text())["completed_steps"]
 
@@ -76,11 +115,18 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
     return sorted((p for p in checkpoints_dir.glob("step_*") if (p / PROGRESS_FILE).is_file()), key=checkpoint_steps)
 
 
-def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.PathLike) -> Path | None:
-    """The folder this process would resume from: a path, or ``latest`` (the newest complete one; None if none yet)."""
+def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.PathLike,
+                       skipped: list | None = None) -> Path | None:
+    """The folder this process would resume from: a path, or ``latest`` (the newest complete and intact one; None if
+    none yet; the damaged ones it passed over are appended to ``skipped``, with why)."""
     if resume_from_checkpoint == "latest":
-        found = complete_checkpoints(checkpoints_dir)
-        return found[-1] if found else None
+        for candidate in reversed(complete_checkpoints(checkpoints_dir)):
+            problem = damage(candidate)
+            if problem is None:
+                return candidate
+            if skipped is not None:
+                skipped.append(f"{candidate.name}: {problem}")
+        return None
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
         raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint "
@@ -91,6 +137,11 @@ def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.Pa
                           f"{PROGRESS_FILE}: "
                           "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or "
                           "'latest', which skips incomplete ones.")
+    problem = damage(path)
+    if problem:
+        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} is damaged: {problem}, so loading "
+                          "it would fail or resume from wrong weights. Nothing was loaded. Pass an earlier "
+                          "checkpoint, or 'latest', which skips damaged ones.")
     return path
 
 
@@ -104,10 +155,13 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
     of another ``layout`` (see ``save_checkpoint``) is refused too."""
     if not resume_from_checkpoint:
         return None
+    skipped = []
     try:
-        found, problem = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir), None
+        found, problem = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir, skipped), None
     except RecipeError as error:
         found, problem = None, error.message
+    for reason in skipped:
+        accelerator.print(f"--resume_from_checkpoint latest: skipping the damaged checkpoint {reason}")
     mine = {"rank": accelerator.process_index, "machine": os.environ.get("GROUP_RANK", "0"), "problem": problem,
             "host": socket.gethostname(), "steps": checkpoint_steps(found) if found else None,
             "folder": str(found or Path(checkpoints_dir).resolve())}

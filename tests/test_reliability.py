@@ -112,6 +112,52 @@ def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, m
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_000003", "step_000004"]
 
 
+def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path):
+    """A checkpoint damaged after its save (a truncated file: a full disk, a bad copy) would load into a raw
+    'PytorchStreamReader failed reading zip archive' traceback, and 'latest' would pick it again. The manifest in
+    progress.json catches it first: 'latest' takes the newest intact one and says which it skipped and why; an
+    explicit path gets one paragraph naming the file. In-process, with a stand-in for one process's Accelerator."""
+    printed = []
+    one_process = SimpleNamespace(
+        project_configuration=SimpleNamespace(save_on_each_node=False),
+        is_main_process=True,
+        is_local_main_process=True,
+        process_index=0,
+        wait_for_everyone=lambda: None,
+        print=printed.append,
+    )
+
+    def save(step):
+        def write_state(folder):
+            (folder / "optimizer_0").mkdir(parents=True)
+            (folder / "model.safetensors").write_bytes(bytes(range(256)) * 9000)  # > 2 x the fingerprinted MiB
+            (folder / "optimizer_0" / "__0_0.distcp").write_bytes(b"optimizer state")
+
+        return save_checkpoint(one_process, tmp_path, step, write_state=write_state)
+
+    from shared.checkpoints import find_checkpoint
+
+    first, second, third = save(1), save(2), save(3)
+    assert find_checkpoint(one_process, "latest", tmp_path) == third
+    with open(third / "model.safetensors", "r+b") as weights:  # truncated
+        weights.truncate(1000)
+    middle = bytearray((second / "model.safetensors").read_bytes())  # overwritten in its last MiB, same size
+    middle[-10] ^= 0xFF
+    (second / "model.safetensors").write_bytes(middle)
+    assert find_checkpoint(one_process, "latest", tmp_path) == first
+    skipping = "--resume_from_checkpoint latest: skipping the damaged checkpoint"
+    assert printed == [
+        f"{skipping} step_000003: {third / 'model.safetensors'} has 1,000 bytes, the save wrote 2,304,000",
+        f"{skipping} step_000002: {second / 'model.safetensors'} differs from what the save wrote (its fingerprint "
+        "changed)",
+    ]
+    (first / "optimizer_0" / "__0_0.distcp").unlink()
+    with pytest.raises(RecipeError) as refused:
+        find_checkpoint(one_process, str(first), tmp_path)
+    assert f"is damaged: {first / 'optimizer_0' / '__0_0.distcp'} is missing" in refused.value.message
+    assert "Nothing was loaded" in refused.value.message
+
+
 def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
     missing = launch(
         "single_gpu.yaml", TOY, "--output_dir", tmp_path / "a", "--resume_from_checkpoint", tmp_path / "nope"
