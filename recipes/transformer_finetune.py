@@ -54,6 +54,7 @@ from transformers import (
 # so that no installed package named "shared" shadows it.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
+import shared  # noqa: E402
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.data import stdlib_docstrings  # noqa: E402
 from shared.fsdp import sharding_facts, wrap_at_blocks  # noqa: E402
@@ -71,6 +72,7 @@ from shared.runtime import (  # noqa: E402
     RecipeError,
     build_accelerator,
     choose_parallelism,
+    main_process_alone,
     positive_float,
     positive_int,
     prepare_output_dir,
@@ -79,7 +81,8 @@ from shared.runtime import (  # noqa: E402
 )
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 
-METRICS_DIR = Path(__file__).resolve().parents[1] / "shared" / "metrics"
+# The metric modules evaluate loads offline ship in shared/metrics/, wherever the shared/ found above lies.
+METRICS_DIR = Path(shared.__file__).resolve().parent / "metrics"
 DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -512,7 +515,7 @@ def main():
         # version runs backward outside autograd's view of the layer, which breaks DDP (a parameter
         # "used twice" or "unused" error) and needs an input that requires grad; the non-reentrant one
         # works in every mode here (single, ddp, device_map, fsdp) and gives the same gradients.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:
         from peft import LoraConfig, get_peft_model
 
@@ -536,6 +539,10 @@ def main():
                 f"--lora_target_modules {' '.join(args.lora_target_modules)} matches no module of the model "
                 f"({str(error).splitlines()[0][:200]})."
             ) from None
+        if Path(args.model_name_or_path).is_dir():
+            # adapter_config.json names its base: a local one by its absolute path, so that the adapter loads from any
+            # folder of this machine (a relative path, read from elsewhere, is taken for a Hub name).
+            model.peft_config["default"].base_model_name_or_path = str(Path(args.model_name_or_path).resolve())
         trainable, total = model.get_nb_trainable_parameters()
         accelerator.print(f"lora: rank {args.lora_r}, {trainable / 1e6:.2f}M of {total / 1e6:.1f}M parameters trained")
     device_map = None
@@ -678,6 +685,37 @@ def main():
             break
     progress_bar.close()
 
+    # ------------------------------------------------------------------------------- save
+    # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
+    hang_dump.phase("saving")
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    # get_state_dict collects the full weights (from every device of a device_map, or every shard).
+    state_dict = accelerator.get_state_dict(model)
+    if args.lora_r:
+        # The adapter (and head) in output_dir/adapter; output_dir itself gets the merged model, so that
+        # AutoModelForSequenceClassification.from_pretrained(output_dir) works after either kind of fine-tune.
+        unwrapped.save_pretrained(
+            output_dir / "adapter", is_main_process=accelerator.is_main_process, state_dict=state_dict
+        )
+        with main_process_alone(accelerator):  # the others wait untimed (not bounded by --dist_timeout)
+            if accelerator.is_main_process:
+                from peft import PeftModel
+
+                base = AutoModelForSequenceClassification.from_pretrained(
+                    args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
+                )
+                PeftModel.from_pretrained(base, output_dir / "adapter").merge_and_unload().save_pretrained(output_dir)
+    else:
+        unwrapped.save_pretrained(
+            output_dir,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=state_dict,
+        )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+
     # ------------------------------------------------------------------------- evaluation
     hang_dump.phase("evaluation")
     model.eval()
@@ -715,34 +753,6 @@ def main():
     )
     accelerator.log(results_eval, step=completed_steps)
 
-    # ------------------------------------------------------------------------------- save
-    hang_dump.phase("saving")
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    # get_state_dict collects the full weights (from every device of a device_map, or every shard).
-    state_dict = accelerator.get_state_dict(model)
-    if args.lora_r:
-        # The adapter (and head) in output_dir/adapter; output_dir itself gets the merged model, so that
-        # AutoModelForSequenceClassification.from_pretrained(output_dir) works after either kind of fine-tune.
-        unwrapped.save_pretrained(
-            output_dir / "adapter", is_main_process=accelerator.is_main_process, state_dict=state_dict
-        )
-        if accelerator.is_main_process:
-            from peft import PeftModel
-
-            base = AutoModelForSequenceClassification.from_pretrained(
-                args.model_name_or_path, config=config, trust_remote_code=args.trust_remote_code
-            )
-            PeftModel.from_pretrained(base, output_dir / "adapter").merge_and_unload().save_pretrained(output_dir)
-    else:
-        unwrapped.save_pretrained(
-            output_dir,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            state_dict=state_dict,
-        )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
     perf = meter.summary()
     # Exact bytes of parameters + gradients + optimizer state per process (the part FSDP shards).
     perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
