@@ -68,9 +68,24 @@ LAUNCHED_ELSEWHERE = {
     ("model_sharding_2gpu.yaml", "llm_finetune.py"): "test_llm_finetune.py",
 }
 # Appended to a launched line (argparse keeps the last value of a flag, so these win over the line's sizes).
-LM_TINY = ("--model_size", "tiny", "--corpus_max_mb", "0.5", "--vocab_size", "512", "--block_size", "32",
-           "--max_train_steps", "2", "--per_device_train_batch_size", "4", "--max_eval_samples", "4",
-           "--sample_tokens", "4")
+LM_TINY = (
+    "--model_size",
+    "tiny",
+    "--corpus_max_mb",
+    "0.5",
+    "--vocab_size",
+    "512",
+    "--block_size",
+    "32",
+    "--max_train_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "4",
+    "--max_eval_samples",
+    "4",
+    "--sample_tokens",
+    "4",
+)
 TINY = {
     "check_setup.py": ("--sizes_mb", "1", "--iterations", "2", "--warmup", "1"),
     "linear_toy.py": ("--max_train_steps", "5"),
@@ -133,8 +148,11 @@ def launch_lines() -> list[tuple[str, str]]:
     """(where, command) for every launch line: config headers, README code blocks, recipe docstrings."""
     found = []
     for path in sorted(CONFIGS.glob("*.yaml")):
-        comments = [(number, line.lstrip("#").strip())
-                    for number, line in enumerate(path.read_text().splitlines(), 1) if line.startswith("#")]
+        comments = [
+            (number, line.lstrip("#").strip())
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if line.startswith("#")
+        ]
         found += [(f"accelerate_configs/{path.name}:{number}", line) for number, line in joined(comments)]
     found += [(f"README.md:{number}", line) for number, line in joined(readme_code_lines())]
     for path in sorted(RECIPES.glob("*.py")):
@@ -185,7 +203,7 @@ def recipe_module(path: Path):
     return module
 
 
-def requested_parallelism(path: Path, args: Namespace) -> str | None:
+def parallelism_argument(path: Path) -> ast.expr | None:
     """What the recipe passes to ``choose_parallelism``, read from its code: a literal (``"pipeline"``) or an
     argument (``args.parallelism``). None: the recipe does not choose one (check_setup.py runs under any config)."""
     calls = [
@@ -197,10 +215,16 @@ def requested_parallelism(path: Path, args: Namespace) -> str | None:
         return None
     assert len(calls) == 1, f"{path.name} calls choose_parallelism {len(calls)} times"
     value = calls[0].args[1]
-    if isinstance(value, ast.Constant):
-        return value.value
-    assert isinstance(value, ast.Attribute) and getattr(value.value, "id", None) == "args", ast.unparse(value)
-    return getattr(args, value.attr)
+    assert isinstance(value, ast.Constant) or (
+        isinstance(value, ast.Attribute) and getattr(value.value, "id", None) == "args"
+    ), ast.unparse(value)
+    return value
+
+
+def requested_parallelism(path: Path, args: Namespace) -> str | None:
+    """The parallelism the recipe asks choose_parallelism for, with these arguments."""
+    value = parallelism_argument(path)
+    return value if value is None else value.value if isinstance(value, ast.Constant) else getattr(args, value.attr)
 
 
 def fake_accelerator(config, num_processes: int) -> SimpleNamespace:
@@ -282,14 +306,46 @@ def test_launch_line_is_one_the_recipe_accepts(where, command, monkeypatch):
         ("accelerate_configs/no_such.yaml recipes/train_lm.py", "no config"),
         ("accelerate_configs/ddp_2gpu.yaml recipes/no_such.py", "no recipe"),
     ],
-    ids=["unknown_flag", "fsdp_pipeline", "fsdp_without_config", "pipeline_1_process", "device_map_2_processes",
-         "microbatches", "config", "recipe"],
+    ids=[
+        "unknown_flag",
+        "fsdp_pipeline",
+        "fsdp_without_config",
+        "pipeline_1_process",
+        "device_map_2_processes",
+        "microbatches",
+        "config",
+        "recipe",
+    ],
 )
 def test_a_line_that_cannot_run_is_caught(command, refusal, monkeypatch):
     """The stale lines this test exists for, and one of each other kind."""
     with pytest.raises((pytest.fail.Exception, AssertionError)) as caught:
         check_launch_line(f"accelerate launch --config_file {command}", monkeypatch)
     assert refusal in str(caught.value)
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.py")), ids=lambda path: path.name)
+def test_the_launch_lines_in_refusals_are_ones_the_recipe_accepts(path, monkeypatch):
+    """choose_parallelism's refusals end with a launch line for what was asked (``CONFIG_FOR``): with
+    ``--parallelism X`` for a recipe that takes the flag, that line runs."""
+    value = parallelism_argument(path)
+    if value is None:
+        pytest.skip(f"{path.name} chooses no parallelism")
+    # The table of the very shared/runtime.py the recipe imports.
+    config_for = sys.modules[recipe_module(path).choose_parallelism.__module__].CONFIG_FOR
+    if isinstance(value, ast.Constant):  # pipeline_lm.py: always the pipeline, no flag
+        suggested = [(value.value, "")] if value.value in config_for else []
+    else:
+        suggested = [(requested, f" --{value.attr} {requested}") for requested in config_for]
+    for requested, flag in suggested:
+        if flag:
+            try:
+                with redirect_stderr(io.StringIO()):
+                    recipe_module(path).parse_args(flag.split())
+            except SystemExit:  # a parallelism this recipe does not offer
+                continue
+        line = f"accelerate launch --config_file accelerate_configs/{config_for[requested]} recipes/{path.name}{flag}"
+        check_launch_line(line, monkeypatch)
 
 
 def test_the_pairs_launched_elsewhere_are_still_launched_there():
