@@ -8,13 +8,16 @@ the value it passes: ``args.parallelism``, or the ``"pipeline"`` that pipeline_l
 has one, its ``check_pipeline_request``, called with a small fake Accelerator shaped like the config (its process
 count and distributed type; an FSDP config also sets ``ACCELERATE_USE_FSDP``, as ``accelerate launch`` does).
 
-Then every (config, recipe) pair that no other test launches is launched for real, as written plus tiny-size flags.
+The launch line each ``choose_parallelism`` refusal prints (``CONFIG_FOR``) gets the same check. Then every
+(config, recipe) pair that no other test launches is launched for real, as written plus tiny-size flags (``TINY``);
+today that is model_sharding_2gpu.yaml + check_setup.py, the only pair not in ``LAUNCHED_ELSEWHERE``.
 
 Substitutions, all explicit here: shell variables in the SLURM example (``SHELL_VARIABLES``); documented placeholders
-(``PLACEHOLDERS``: ``...`` and the users' own files) and Hub model names (``org/name``; no internet in tests) are
-accepted as flag values in-process, and a line that holds one is never launched: its pair must be launched elsewhere
-with a local stand-in (``LAUNCHED_ELSEWHERE``). README prose that only mentions a launch (an inline fragment such as
-``accelerate launch --max_restarts 1 ...``, an error message quoted in a table) is not a launch line; fenced code is.
+(``PLACEHOLDERS``: ``...`` and the users' own files) and Hub model names (``org/name``, or a legacy
+``bert-base-uncased``; no internet in tests) are accepted as flag values in-process, and a line that holds one is never
+launched: its pair must be launched elsewhere with a local stand-in (``LAUNCHED_ELSEWHERE``). README prose that only
+mentions a launch (an inline fragment such as ``accelerate launch --max_restarts 1 ...``, an error message quoted in a
+table) is not a launch line; fenced code is.
 """
 
 import ast
@@ -232,8 +235,7 @@ def fake_accelerator(config, num_processes: int) -> SimpleNamespace:
     return SimpleNamespace(
         num_processes=num_processes,
         distributed_type=DistributedType(config.distributed_type),
-        device=torch.device("cpu"),
-        process_index=0,
+        device=torch.device("cpu"),  # (on GPUs only auto's pick differs, never a refusal)
     )
 
 
