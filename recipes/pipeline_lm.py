@@ -1,9 +1,9 @@
 # New Code (pipeline) #
 """Train a GPT-style (Llama-architecture) language model with pipeline parallelism: GPipe, 1F1B, interleaved, ZB-V.
 torch.distributed.pipelining over m micro-batches, one or several stages per process. This is
-``recipes/train_lm.py`` plus the lines between ``# New Code (pipeline) #`` and ``# End New Code #``; a test keeps
-every other line identical to it, so ``diff recipes/train_lm.py recipes/pipeline_lm.py`` shows exactly what
-pipelining adds.
+``recipes/train_lm.py`` plus the lines between ``# New Code (pipeline) #`` and ``# End New Code #``, and comments
+marked ``# (pipeline)`` where train_lm.py's comment is not true of a pipeline; a test keeps every other line identical
+to it, so ``diff recipes/train_lm.py recipes/pipeline_lm.py`` shows exactly what pipelining adds and changes.
 
 The usual tutorial says model parallelism "makes full use of both GPUs' parallel compute". A naive split (train_lm.py's
 device_map) does not: blocks 0..k run on GPU 0 while GPU 1 waits, then GPU 1 runs the rest while GPU 0 waits.
@@ -778,8 +778,8 @@ def main():
         )
 
     # Checkpoints: output_dir/checkpoints/step_N, complete once progress.json is written; every process agrees on the
-    # one to resume from ("latest" skips incomplete ones and starts fresh when there is none). FSDP shards and whole
-    # models are different layouts: a checkpoint of the other one is refused.
+    # (pipeline) one to resume from ("latest" skips incomplete ones and starts fresh when there is none). Each process
+    # (pipeline) saves its own stages: a checkpoint of another layout (a whole model, FSDP shards) is refused.
     checkpoints_dir = output_dir / "checkpoints"
     # New Code (pipeline) #
     layout = "pipeline"
@@ -787,9 +787,9 @@ def main():
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
 
     # ------------------------------------------------------------------------------- data
-    # (pipeline_lm.py repeats this section line for line, so that each recipe can be copied alone; a test keeps the
-    # two the same.) main_process_first: the main process reads, trains the tokenizer and tokenizes (datasets caches
-    # the results); the others then load the tokenizer it saved and hit the cache.
+    # (pipeline) This section is train_lm.py's, line for line (so that each recipe can be copied alone; a test keeps
+    # (pipeline) the two the same). main_process_first: the main process reads, trains the tokenizer and tokenizes
+    # (pipeline) (datasets caches the results); the others then load the tokenizer it saved and hit the cache.
     with accelerator.main_process_first():
         try:
             raw_datasets, corpus, documents = load_text_corpus(
@@ -892,7 +892,8 @@ def main():
         )
 
     if args.gradient_checkpointing:
-        # Before the split and prepare() (FSDP wraps the blocks): each decoder block then recomputes its activations in
+        # (pipeline) Before the split into stages (each stage keeps its blocks as they are): each decoder block then
+        # (pipeline) recomputes its activations in
         # backward. use_reentrant=False: the reentrant version runs backward outside autograd's view of the block,
         # which breaks DDP (a parameter "used twice" or "unused" error) and needs an input that requires grad; the
         # non-reentrant one works in every mode and gives the same gradients.
@@ -916,9 +917,9 @@ def main():
 
     # ------------------------------------------------------------------ optimizer and scheduler
     optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
-    # Batches each process sees per epoch: the prepared data-parallel loader gives each process every num_processes-th
-    # batch (drop_last: whole rounds only). accumulate() also steps on the last, shorter group of an epoch, hence the
-    # ceiling division.
+    # (pipeline) Batches each process sees per epoch: all of them (every stage works on every batch: the loader is
+    # (pipeline) not sharded; drop_last: whole batches only). accumulate() also steps on the last, shorter group of an
+    # (pipeline) epoch, hence the ceiling division.
     batches_per_epoch = len(train_dataloader) // (num_processes if data_parallel else 1)
     steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
@@ -981,7 +982,8 @@ def main():
     )
     # End New Code #
 
-    # tokens per optimizer step = batch x sequence length x accumulation x data-parallel processes.
+    # (pipeline) tokens per optimizer step = batch x sequence length x accumulation (every process works on the same
+    # (pipeline) batches).
     global_batch_size = (
         args.per_device_train_batch_size * args.gradient_accumulation_steps * (num_processes if data_parallel else 1)
     )
@@ -1058,7 +1060,7 @@ def main():
         for batch in meter.timed(active_dataloader):  # timed: measures the wait for each batch
             input_ids = batch["input_ids"]
             # accumulate() decides when a step ends (every gradient_accumulation_steps batches, or at the end of the
-            # data loader) and skips DDP's all-reduce until then.
+            # (pipeline) data loader); the stages are not wrapped in DDP, so there is no all-reduce for it to skip.
             with accelerator.accumulate(model):
                 # New Code (pipeline) #
                 # Each process's optimizer steps on the same batches (nothing to all-reduce). One call runs all
@@ -1232,8 +1234,9 @@ def main():
     # Sync point: no process tears down its connections while another is still writing results (a peer that exits
     # early can make gloo abort the main process at exit, seen on 127.0.0.1).
     accelerator.wait_for_everyone()
-    # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can deadlock in the DDP
-    # reducer's destructor at interpreter exit (seen with torch 2.13 on CPU).
+    # (pipeline) No DDP wrapper to drop here (train_lm.py drops its own while the process group still exists: gloo
+    # (pipeline) can deadlock in the DDP reducer's destructor at exit); this only lets go of our names for the stages,
+    # (pipeline) optimizer and scheduler and empties the device cache (the schedule still holds the stages).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 

@@ -8,7 +8,7 @@ with --train_file/--validation_file (CSV, JSON lines, Parquet) or a Hub --datase
 
 Launch (from the repository root):
     # CPU smoke run (a few steps):
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/transformer_finetune.py \
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/transformer_finetune.py \\
         --max_train_steps 20 --max_train_samples 320
     # one GPU:
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/transformer_finetune.py
@@ -20,7 +20,7 @@ Launch (from the repository root):
     accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/transformer_finetune.py \\
         --gradient_checkpointing
     # your own CSV:
-    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/transformer_finetune.py \
+    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/transformer_finetune.py \\
         --train_file train.csv --validation_file dev.csv --text_column sentence --label_column label
 
 Writes to --output_dir: the fine-tuned model and tokenizer (``save_pretrained``, safetensors, with

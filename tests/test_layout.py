@@ -19,6 +19,8 @@ from launch import REPO
 RECIPES = sorted((REPO / "recipes").glob("*.py"))
 TOOLS = sorted((REPO / "tools").glob("*.py"))
 BEGIN, END = "# New Code (pipeline) #", "# End New Code #"
+# A comment line of pipeline_lm.py that says what is true of a pipeline where train_lm.py's comment is not.
+PIPELINE_COMMENT = "# (pipeline) "
 SHARED_LINE_BUDGET = 1450  # 1,300 until checkpoint manifests, the untimed main-only wait and the LoRA saves
 
 
@@ -43,19 +45,52 @@ def without_marked_additions(lines: list[str]) -> tuple[list[str], int]:
     return kept, blocks
 
 
+def unmarked_differences(base: list[str], pipeline: list[str]) -> list[tuple[str, list[str]]]:
+    """The runs of ``pipeline`` lines (marked additions already taken out) that are not ``base`` lines in the same
+    order. Base lines may be left out (device_map, FSDP), and a run of ``# (pipeline)`` comment lines may stand where
+    the base has comment lines of its own (a comment rewritten to be true of a pipeline); anything else, code above
+    all, is a difference that is not marked."""
+    found = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, pipeline, autojunk=False).get_opcodes():
+        if tag not in ("insert", "replace"):
+            continue
+        added = pipeline[j1:j2]
+        rewritten_comment = (
+            tag == "replace"
+            and any(line.lstrip().startswith("#") for line in base[i1:i2])
+            and all(line.lstrip().startswith(PIPELINE_COMMENT) for line in added)
+        )
+        if not rewritten_comment:
+            found.append((tag, added))
+    return found
+
+
 def test_pipeline_recipe_is_train_lm_plus_marked_additions():
-    """Every line of pipeline_lm.py outside its marked additions is a line of train_lm.py, in the same order: the
-    pipeline recipe may leave base lines out (device_map, FSDP), but every line it adds or changes is marked, so a diff
-    against the base shows exactly what pipelining adds."""
+    """Every line of pipeline_lm.py outside its marked additions is a line of train_lm.py, in the same order, or a
+    ``# (pipeline)`` comment standing where train_lm.py has a comment that is not true of a pipeline: the pipeline
+    recipe may leave base lines out (device_map, FSDP), but every line it adds or changes is marked, so a diff against
+    the base shows exactly what pipelining adds and changes."""
     base = lines_of(REPO / "recipes" / "train_lm.py")
     pipeline, blocks = without_marked_additions(lines_of(REPO / "recipes" / "pipeline_lm.py"))
     assert blocks >= 10
-    unmarked = [
-        (tag, pipeline[j1:j2])
-        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, base, pipeline, autojunk=False).get_opcodes()
-        if tag in ("insert", "replace")
-    ]
+    assert not any(PIPELINE_COMMENT.strip() in line for line in base), "train_lm.py carries a pipeline comment"
+    unmarked = unmarked_differences(base, pipeline)
     assert not unmarked, f"lines of pipeline_lm.py that are neither train_lm.py's nor marked as new: {unmarked[:3]}"
+
+
+def test_the_rule_lets_a_pipeline_comment_replace_a_comment_and_nothing_else():
+    base = ["x = 1", "# sums with DDP's all-reduce", "y = x + 1", "z = y"]
+
+    def differences(*pipeline):
+        return unmarked_differences(base, list(pipeline))
+
+    assert not differences("x = 1", "# (pipeline) nothing to all-reduce", "y = x + 1", "z = y")
+    assert not differences("x = 1", "# (pipeline) nothing to all-reduce", "z = y")  # a base line left out, too
+    assert not differences("x = 1", "y = x + 1")  # base lines left out
+    assert differences("x = 1", "# (pipeline) nothing to all-reduce", "y = x + 2", "z = y")  # code changed
+    assert differences("x = 1", "# nothing to all-reduce", "y = x + 1", "z = y")  # a comment changed, unmarked
+    assert differences("# (pipeline) where base has code", "x = 1", "# sums with DDP's all-reduce", "y = x + 1")
+    assert differences("x = 1", "# (pipeline) a comment", "y = x + 1  # (pipeline) a comment", "z = y")
 
 
 def code_names(path: Path) -> set[str]:
