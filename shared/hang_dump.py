@@ -5,6 +5,7 @@ itself the clue: the others' dumps name the collective that waited for it. Activ
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -42,12 +43,24 @@ class HangDump:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.folder / "nccl_trace_rank_"))
-        with contextlib.suppress(OSError):  # NCCL writes here; a bad --output_dir is the recipe's to report
-            self.folder.mkdir(parents=True, exist_ok=True)
+        # What this rank wrote in an earlier run into the same output_dir describes that run, not this one.
+        for stale in self.folder.glob(f"rank{self.rank}_*"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        if torch.cuda.is_available():
+            with contextlib.suppress(OSError):  # NCCL writes here; a bad --output_dir is the recipe's to report
+                self.folder.mkdir(parents=True, exist_ok=True)
+        # Our own dumps create the folder when they write; an empty one is removed at exit (no empty debug/ beside
+        # every result).
+        atexit.register(self._remove_if_empty)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._on_uncaught
         if self.stall_after_s:  # a daemon: it never keeps a finished run alive
             threading.Thread(target=self._watch, name="hang-dump-watcher", daemon=True).start()
+
+    def _remove_if_empty(self) -> None:
+        with contextlib.suppress(OSError):  # not empty, or another rank removed it first
+            self.folder.rmdir()
 
     def step(self, completed_steps: int) -> None:
         self.completed_steps, self.current_phase, self.last_progress = completed_steps, "training", time.monotonic()
