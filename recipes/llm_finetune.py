@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import logging
 import math
 import os
 import subprocess
@@ -50,7 +51,11 @@ from accelerate import init_empty_weights
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
+# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler  # noqa: E402
 
 # The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
 # so that no installed package named "shared" shadows it.
@@ -376,12 +381,19 @@ def load_raw_datasets(args) -> datasets.DatasetDict:
             raise RecipeError(
                 f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got {sorted(files.values())}."
             )
-        try:
-            raw = datasets.load_dataset(DATA_FILE_BUILDERS[suffixes.pop()], data_files=files)
-        except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
+        builder = DATA_FILE_BUILDERS[suffixes.pop()]
+        raw = {}
+        for split, file in files.items():  # one at a time, so that an error can name the file
+            try:
+                raw[split] = datasets.load_dataset(builder, data_files={split: file}, split=split)
+            except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
+                raise RecipeError(f"Could not read --{split}_file {file!r}: {unreadable(file, error)}") from None
+        if "validation" in raw and set(raw["validation"].column_names) != set(raw["train"].column_names):
             raise RecipeError(
-                f"Could not read {sorted(files.values())}: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
-            ) from None
+                f"--train_file {files['train']!r} has the columns {raw['train'].column_names} but --validation_file "
+                f"{files['validation']!r} has {raw['validation'].column_names}: both must be in one format (messages, "
+                "prompt + completion, or text)."
+            )
     elif args.dataset_name:
         try:
             raw = datasets.load_dataset(args.dataset_name, args.dataset_config_name)
@@ -394,10 +406,58 @@ def load_raw_datasets(args) -> datasets.DatasetDict:
             raw["validation"] = raw["test"]
     else:
         return stdlib_questions()
+    # Every row checked before anything is shuffled or split off, so that a bad row is named by its place in the file.
+    for split in ("train", "validation"):
+        if split in raw and len(raw[split]):
+            given = args.train_file if split == "train" else args.validation_file
+            source = f"--{split}_file {given!r}" if given else f"the {split} split of {args.dataset_name}"
+            check_rows(raw[split], data_format(raw["train"].column_names), source)
     if "validation" not in raw:
         raw = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
         raw["validation"] = raw.pop("test")
     return datasets.DatasetDict({"train": raw["train"], "validation": raw["validation"]})
+
+
+def unreadable(file: str, error: Exception) -> str:
+    """Why a data file could not be read: for JSON Lines, the first line that is not a JSON object (datasets names
+    only its own error; the line is in a log message above it)."""
+    if Path(file).suffix.lower() == ".jsonl":
+        with open(file, encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as bad:
+                    return f"line {number} is not valid JSON ({bad.msg} at column {bad.colno}): {line.strip()[:120]!r}"
+                if not isinstance(row, dict):
+                    return f"line {number} is a JSON {type(row).__name__}, not an object of columns: {line[:120]!r}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+
+
+def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
+    """Refuse, naming the row, a conversation that tokenize_sample could not learn from (rows count from 1, as lines
+    of a JSON Lines file do)."""
+    if fmt != "messages":
+        return
+    for number, messages in enumerate(dataset["messages"], start=1):
+        where = f"Row {number} of {source}"
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages
+        ):
+            raise RecipeError(
+                f"{where}: 'messages' must be a list of {{role, content}} objects; got {str(messages)[:200]}."
+            )
+        unknown = sorted({m["role"] for m in messages} - ROLES)
+        if unknown:
+            raise RecipeError(
+                f"{where} has the role(s) {unknown}; the roles are {sorted(ROLES)}: {str(messages)[:200]}"
+            )
+        if not any(m["role"] == "assistant" for m in messages):
+            raise RecipeError(
+                f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the answer as "
+                "{'role': 'assistant', 'content': ...}, or drop the row."
+            )
 
 
 def data_format(columns: list[str]) -> str:
@@ -466,12 +526,14 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
         ids, labels = prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
     labels[0:1] = [-100]
     truncated = len(ids) > max_length
+    prompt_tokens = next((index for index, label in enumerate(labels) if label != -100), len(labels))
     ids, labels = ids[:max_length], labels[:max_length]
     return {
         "input_ids": ids,
         "labels": labels,
         "num_answer_tokens": sum(label != -100 for label in labels),
         "truncated": truncated,
+        "prompt_tokens": prompt_tokens,  # before the first answer token, untruncated: what --max_length must exceed
     }
 
 
@@ -592,6 +654,14 @@ def main():
             "cannot generate answers. Use a decoder such as Llama, Qwen, Mistral, Gemma or GPT-2; to classify "
             "text, use recipes/transformer_finetune.py."
         )
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions and args.max_length > positions:
+        # Longer rows would index past the position embeddings (an IndexError mid-run) or past what the model learned.
+        accelerator.print(
+            f"--max_length {args.max_length} is more than the {positions} positions of {args.model_name_or_path}: "
+            f"samples are cut to {positions} tokens"
+        )
+        args.max_length = positions
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss; any id will do
@@ -637,11 +707,15 @@ def main():
             "dropped_without_answer": len(tokenized[split]) - len(kept),
         }
         if len(kept) == 0:
+            prompts = sorted(tokenized[split]["prompt_tokens"])
+            median = prompts[len(prompts) // 2]
             raise RecipeError(
                 f"--max_length {args.max_length} is shorter than the prompt of every {split} sample, so no answer "
-                f"token is left to learn from. Raise --max_length (the shortest prompt needs more)."
+                f"token is left to learn from. The shortest prompt has {prompts[0]} tokens and the median one "
+                f"{median}: use --max_length {median + 64} or more to keep most samples with answers of up to 64 "
+                "tokens."
             )
-        tokenized[split] = kept.remove_columns(["truncated"])
+        tokenized[split] = kept.remove_columns(["truncated", "prompt_tokens"])
     accelerator.print(
         f"data: format {fmt}; "
         + "; ".join(
@@ -744,17 +818,14 @@ def main():
         model, device_map = dispatch_on_devices(model, plan, split_over)
     if args.gradient_checkpointing:
         # Non-reentrant: works with DDP and LoRA (a frozen base gives the reentrant version inputs without grad).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         if args.load_in_4bit:
             # Casts the remaining 16-bit weights (norms, embeddings) to float32 for stable training of the adapter.
-            model = prepare_model_for_kbit_training(
-                model,
-                use_gradient_checkpointing=args.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False},
-            )
+            # Checkpointing is on already (above): PEFT would turn it on again through transformers' deprecated name.
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         targets = (
             args.lora_target_modules[0] if args.lora_target_modules == ["all-linear"] else args.lora_target_modules
         )
@@ -774,6 +845,10 @@ def main():
                 f"--lora_target_modules {' '.join(args.lora_target_modules)} matches no module of the model "
                 f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names such as q_proj v_proj."
             ) from None
+        if Path(args.model_name_or_path).is_dir():
+            # adapter_config.json names its base: a local one by its absolute path, so that the adapter loads from any
+            # folder of this machine (a relative path, read from elsewhere, is taken for a Hub name).
+            model.peft_config["default"].base_model_name_or_path = str(Path(args.model_name_or_path).resolve())
         trainable, total = model.get_nb_trainable_parameters()  # counts 4-bit weights as the parameters they stand for
     else:
         trainable = total = total_before
@@ -940,6 +1015,37 @@ def main():
     if parallelism.name == "fsdp":
         perf["fsdp/sharding"] = per_rank(sharding_facts(model, optimizer))
 
+    # ------------------------------------------------------------------------------- save
+    # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
+    hang_dump.phase("saving")
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    # The full weights on the main process (every shard of FSDP2, every device of a split): for LoRA only the adapter
+    # is gathered, and a PeftModel's save_pretrained writes it (adapter_model.safetensors + adapter_config.json).
+    state_dict = gathered_state_dict(accelerator, model, trained_only=lora)  # a collective
+    unwrapped.save_pretrained(
+        output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+    # The merge runs on the main process alone (minutes for a 13B model): the others wait untimed, not in a barrier
+    # bounded by --dist_timeout.
+    with main_process_alone(accelerator):
+        if args.merge_and_save and lora and accelerator.is_main_process:
+            from peft import PeftModel
+
+            # A fresh 16/32-bit copy of the base (a 4-bit base cannot take the merged weights exactly), with the
+            # adapter.
+            base = AutoModelForCausalLM.from_pretrained(
+                args.model_name_or_path,
+                dtype=compute_dtype if compute_dtype != torch.float16 else torch.float32,
+                trust_remote_code=args.trust_remote_code,
+            )
+            merged = PeftModel.from_pretrained(base, output_dir).merge_and_unload()
+            merged.save_pretrained(output_dir / "merged")
+            tokenizer.save_pretrained(output_dir / "merged")
+            accelerator.print(f"merged the adapter into the base model: {output_dir / 'merged'}")
+
     # ------------------------------------------------------------------------- evaluation
     hang_dump.phase("evaluation")
     model.eval()
@@ -977,35 +1083,6 @@ def main():
             )
             accelerator.print(f"--- prompt:\n{prompt}\n--- answer (greedy):\n{samples[-1]['answer']}")
 
-    # ------------------------------------------------------------------------------- save
-    hang_dump.phase("saving")
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    # The full weights on the main process (every shard of FSDP2, every device of a split): for LoRA only the adapter
-    # is gathered, and a PeftModel's save_pretrained writes it (adapter_model.safetensors + adapter_config.json).
-    state_dict = gathered_state_dict(accelerator, model, trained_only=lora)  # a collective
-    unwrapped.save_pretrained(
-        output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
-    # The merge runs on the main process alone (minutes for a 13B model): the others wait untimed, not in a barrier
-    # bounded by --dist_timeout.
-    with main_process_alone(accelerator):
-        if args.merge_and_save and lora and accelerator.is_main_process:
-            from peft import PeftModel
-
-            # A fresh 16/32-bit copy of the base (a 4-bit base cannot take the merged weights exactly), with the
-            # adapter.
-            base = AutoModelForCausalLM.from_pretrained(
-                args.model_name_or_path,
-                dtype=compute_dtype if compute_dtype != torch.float16 else torch.float32,
-                trust_remote_code=args.trust_remote_code,
-            )
-            merged = PeftModel.from_pretrained(base, output_dir).merge_and_unload()
-            merged.save_pretrained(output_dir / "merged")
-            tokenizer.save_pretrained(output_dir / "merged")
-            accelerator.print(f"merged the adapter into the base model: {output_dir / 'merged'}")
     perf_numbers = {k: v for k, v in perf.items() if isinstance(v, (int, float))}
     results = {
         "recipe": "llm_finetune",

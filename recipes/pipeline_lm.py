@@ -47,6 +47,7 @@ train_lm.py, plus the schedule, m, the stages each process holds and the ideal b
 
 import argparse
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -78,7 +79,11 @@ from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 
 # End New Code #
 from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler
+
+# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
+# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler  # noqa: E402
 
 # The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
 # so that no installed package named "shared" shadows it.
@@ -897,7 +902,7 @@ def main():
         # backward. use_reentrant=False: the reentrant version runs backward outside autograd's view of the block,
         # which breaks DDP (a parameter "used twice" or "unused" error) and needs an input that requires grad; the
         # non-reentrant one works in every mode and gives the same gradients.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # New Code (pipeline) #
     # Keep this process's stages, one module each (its blocks, plus the embeddings on the first stage and the norm +
     # head on the last); the blocks of the other processes' stages go with the full model. "model" is from here on

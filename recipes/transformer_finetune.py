@@ -30,6 +30,7 @@ names), ``results.json``, and ``checkpoints/step_N`` when --checkpointing_steps 
 
 import argparse
 import json
+import logging
 import math
 import os
 import re
@@ -42,7 +43,11 @@ import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import (
+
+# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
+# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,

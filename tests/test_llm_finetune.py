@@ -4,6 +4,7 @@ merge, exact resume, packing, the TRL data formats, and the refusals. CPU proces
 hooks, collectives and FSDP2 path); benchmarks/gpu_check.py runs the CUDA side."""
 
 import json
+import os
 import random
 import sys
 
@@ -103,7 +104,11 @@ def runs(base, tmp_path_factory):
         # The same 8 conversations per optimizer step, three ways (a seedable sampler: the same order everywhere).
         "1x8": (
             "single_gpu.yaml",
-            *data,
+            # The base by a relative path (launches start in the repository): adapter_config.json must record it
+            # absolute, or the adapter would not load from another folder.
+            "--model_name_or_path",
+            os.path.relpath(base, REPO),
+            *data[2:],
             *lora_exact,
             "--per_device_train_batch_size",
             "8",
@@ -125,7 +130,7 @@ def runs(base, tmp_path_factory):
             "--gradient_accumulation_steps",
             "2",
         ),
-        "fsdp": ("fsdp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
+        "fsdp": ("fsdp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4", "--checkpointing_steps", "2"),
         # FSDP2 with CPU offload and low host-RAM loading (only rank 0 reads the checkpoint): if a rank got wrong
         # weights, its shard would change every forward pass and the losses would not equal one process's.
         "offload": ("fsdp_offload_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
@@ -166,6 +171,8 @@ def runs(base, tmp_path_factory):
             "--per_device_train_batch_size",
             "4",
             "--skip_eval",
+            "--checkpointing_steps",
+            "1",
         ),
         # A full fine-tune in 2 processes, with length-grouped batches and gradient checkpointing.
         "full": (
@@ -185,6 +192,8 @@ def runs(base, tmp_path_factory):
             "--group_by_length",
             "--gradient_checkpointing",
         ),
+        # --max_length beyond the model's 512 positions: cut to 512, said so (not an IndexError mid-run).
+        "positions": ("single_gpu.yaml", *data, "--max_length", "600", "--max_train_steps", "1", "--skip_eval"),
         "packed": (
             "single_gpu.yaml",
             "--model_name_or_path",
@@ -198,6 +207,21 @@ def runs(base, tmp_path_factory):
             "2",
             "--per_device_train_batch_size",
             "2",
+        ),
+        # Resumed from the FSDP run's step-2 checkpoint (the adapter's shards, the optimizer's), to the same end.
+        "fsdp_resumed": Job(
+            "fsdp_2gpu.yaml",
+            RECIPE,
+            (
+                *data,
+                *EXACT,
+                "--per_device_train_batch_size",
+                "4",
+                "--resume_from_checkpoint",
+                root / "fsdp" / "checkpoints" / "step_000002",
+            ),
+            after="fsdp",
+            prepare=lambda: leave_a_stale_error_dump(root / "fsdp_resumed"),
         ),
         # Resumed from the 1x8 run's step-2 checkpoint (adapter-only), to the same end.
         "resumed": Job(
@@ -224,6 +248,12 @@ def runs(base, tmp_path_factory):
         assert run.returncode == 0, f"{name}: {run}"
         out[name] = {"dir": root / name, "results": read_results(root / name), "log": run.output}
     return out
+
+
+def leave_a_stale_error_dump(output_dir):
+    """What a crashed earlier run into the same folder leaves: a successful run must not keep it."""
+    (output_dir / "debug").mkdir(parents=True)
+    (output_dir / "debug" / "rank0_error.txt").write_text("an earlier run's error\n")
 
 
 def adapter(run) -> dict:
@@ -289,13 +319,17 @@ def test_lora_with_cpu_offload_and_low_ram_loading_trains_like_one_process(runs,
     assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
 
 
-def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs, base):
-    from peft import PeftModel
+def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs, base, tmp_path, monkeypatch):
+    from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
 
     out = runs["1x8"]["dir"]
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 8 and config["lora_alpha"] == 16 and config["peft_type"] == "LORA"
+    # Trained with a relative base path; recorded absolute, the adapter alone loads its base from any folder.
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    monkeypatch.chdir(tmp_path)
+    assert AutoPeftModelForCausalLM.from_pretrained(out).get_base_model().config.hidden_size == 64
     assert not (out / "model.safetensors").exists(), "a LoRA run saves the adapter, not a copy of the base"
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out).eval()
     merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
@@ -361,6 +395,37 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
         runs["resumed"]["results"]["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"][2:], rtol=1e-6
     )
     assert max_relative_difference(adapter(runs["resumed"]), adapter(runs["1x8"])) <= 1e-6
+
+
+def test_lora_checkpoints_under_fsdp_hold_the_adapter_and_resume_to_the_same_end(runs):
+    """Under FSDP2 a LoRA checkpoint is the adapter's shards (and the optimizer's): the frozen base, 4-bit or not, is
+    not written at every save. Resumed from step 2 (of 4), the run ends where the uninterrupted one did."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name in ("fsdp", "qlora_fsdp"):
+        for checkpoint in sorted((runs[name]["dir"] / "checkpoints").glob("step_*")):
+            saved = list(FileSystemReader(checkpoint / "pytorch_model_fsdp_0").read_metadata().state_dict_metadata)
+            assert saved and all(".lora_" in key for key in saved), (name, [k for k in saved if ".lora_" not in k][:3])
+    resumed, uninterrupted = runs["fsdp_resumed"], runs["fsdp"]
+    assert "at step 2" in resumed["log"]
+    # No debug/ after a run without a hang: neither an empty one, nor an earlier run's stale error dump.
+    assert not (uninterrupted["dir"] / "debug").exists() and not (resumed["dir"] / "debug").exists()
+    assert resumed["results"]["train/loss_curve"] == uninterrupted["results"]["train/loss_curve"][2:]
+    assert max_relative_difference(adapter(resumed), adapter(uninterrupted)) == 0
+
+
+def test_launches_print_no_library_noise(runs):
+    """No bitsandbytes Hub-kernel warning on every process of every launch (PEFT imports bitsandbytes), and no
+    deprecated transformers call (checkpointing is turned on by its current name, also under QLoRA)."""
+    for name, run in runs.items():
+        assert "gemm_4bit_forward" not in run["log"], name
+        assert "gradient_checkpointing_enable` is deprecated" not in run["log"], name
+
+
+def test_a_max_length_beyond_the_models_positions_is_cut_to_them(runs):
+    results = runs["positions"]["results"]
+    assert results["config"]["max_length"] == 512 and results["completed_steps"] == 1
+    assert "--max_length 600 is more than the 512 positions of" in runs["positions"]["log"]
 
 
 def test_formats_are_detected_and_tokens_counted_separately(runs):
@@ -462,6 +527,46 @@ def test_bad_rows_are_refused_with_the_sample(recipe, rows, message):
     assert message in refused.value.message
 
 
+def test_data_errors_name_the_file_the_row_and_the_fix(recipe, base, tmp_path):
+    """What datasets reports as 'DatasetGenerationCastError' or 'DatasetGenerationError' (the row only in a log line
+    above), and a conversation without an answer, each get one paragraph naming the file, the row or the columns."""
+    from argparse import Namespace
+
+    from shared.runtime import RecipeError
+
+    module, _ = recipe
+    chats = (base / "chats.jsonl").read_text().splitlines()
+    files = {
+        "pairs.jsonl": '{"prompt": "Q?", "completion": " A."}\n',
+        "broken.jsonl": "\n".join([chats[0], chats[1][:-7], chats[2]]) + "\n",
+        "no_answer.jsonl": "\n".join([chats[0], chats[1], '{"messages": [{"role": "user", "content": "hi"}]}']) + "\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+
+    def refusal(train, validation=None) -> str:
+        args = Namespace(
+            train_file=str(train),
+            validation_file=validation and str(validation),
+            dataset_name=None,
+            validation_split_percentage=5,
+            seed=0,
+        )
+        with pytest.raises(RecipeError) as refused:
+            module.load_raw_datasets(args)
+        return refused.value.message
+
+    columns = refusal(base / "chats.jsonl", tmp_path / "pairs.jsonl")
+    assert f"--train_file '{base / 'chats.jsonl'}' has the columns ['messages']" in columns
+    assert f"--validation_file '{tmp_path / 'pairs.jsonl'}' has ['prompt', 'completion']" in columns
+    assert f"Could not read --train_file '{tmp_path / 'broken.jsonl'}': line 2 is not valid JSON" in refusal(
+        tmp_path / "broken.jsonl"
+    )
+    no_answer = refusal(tmp_path / "no_answer.jsonl")
+    assert f"Row 3 of --train_file '{tmp_path / 'no_answer.jsonl'}' has no assistant turn" in no_answer
+    assert "Add the answer as {'role': 'assistant'" in no_answer
+
+
 # ----------------------------------------------------------------------------- refusals, launched
 @pytest.fixture(scope="module")
 def refusals(base, tmp_path_factory):
@@ -510,7 +615,11 @@ def refusals(base, tmp_path_factory):
         ("empty_file", "empty.jsonl' is empty: it needs at least one sample"),
         ("not_causal", "is a bert model, not a causal (decoder-only) LM"),
         ("targets", "--lora_target_modules no_such_proj matches no module of the model"),
-        ("max_length", "--max_length 4 is shorter than the prompt of every train sample"),
+        (
+            "max_length",
+            "--max_length 4 is shorter than the prompt of every train sample, so no answer token is left "
+            "to learn from. The shortest prompt has",
+        ),
         ("batch", "3 training samples make 1 batch(es) of 4, fewer than the 2 processes"),
         ("no_bitsandbytes", "--load_in_4bit needs bitsandbytes"),
         ("offload_host_ram", "FSDP2 with CPU offload keeps the parameters, gradients and AdamW state in host RAM"),

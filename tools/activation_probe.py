@@ -66,14 +66,12 @@ def saved_bytes(folder: Path, method: str, mixed_precision: str, lora_dropout: f
         device_map={"": "cpu"} if quantization else None,
     )
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if method != "full":
         from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
         if method == "qlora":
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # (on already: above)
         adapter = LoraConfig(r=8, lora_alpha=16, lora_dropout=lora_dropout, target_modules="all-linear")
         model = get_peft_model(model, adapter)
     model.train()

@@ -29,8 +29,15 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 torch.manual_seed(0)
-config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=4, vocab_size=128, tie_word_embeddings=False)
+config = LlamaConfig(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=128,
+    tie_word_embeddings=False,
+)
 model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 total = sum(p.numel() for p in model.parameters())
