@@ -573,6 +573,29 @@ def test_reads_a_config_json_file(tmp_path, capsys):
     )
 
 
+def test_the_first_line_says_what_was_assumed_and_help_shows_defaults(capsys):
+    """Unasked, the planner assumes a micro-batch, a sequence length, this machine's host RAM...: each changes the
+    answer (8B LoRA on two 24 GB cards: 'single GPU only', with DDP 'no (host RAM)' on a 24 GiB laptop), so its first
+    line names the ones it assumed, and --help shows every default."""
+    code, out, _ = run_main(["--model_size", "7b", "--method", "lora", "--micro_batch", "1"], capsys)
+    first = out.splitlines()[0]
+    assert code == 0 and first.startswith("assumed, not given")
+    assert "--seq_len 1024" in first and "--gpus 2" in first and "(this machine's)" in first
+    assert "--micro_batch" not in first and "--method" not in first  # given
+    code, out, _ = run_main(["--model_size", "7b", "--host_ram_gib", "64", "--json"], capsys)
+    assert json.loads(out)["assumed"] == {
+        "--gpus": 2,
+        "--gpu_memory_gib": 24.0,
+        "--seq_len": 1024,
+        "--micro_batch": 4,
+        "--mixed_precision": "bf16",
+        "--method": "full",
+    }
+    code, out, _ = run_main(["--help"], capsys)
+    text = " ".join(out.split())
+    assert "(default: 4)" in text and "(default: 1024)" in text and "(default: 2)" in text
+
+
 def test_the_launch_line_for_a_config_json_names_what_the_recipe_can_load(tmp_path, capsys):
     """Given a config.json, the printed launch line names its folder when the weights lie beside it (the recipe
     cannot load a config.json file: a raw OSError), and otherwise a word to replace, said so under the line."""

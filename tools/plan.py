@@ -1169,10 +1169,42 @@ def _nothing_fits(shape: ModelShape, a: dict, setups: dict) -> str:
 
 # ------------------------------------------------------------------------------- the command
 class _OneLineParser(argparse.ArgumentParser):
-    """Bad input: one line on stderr and exit code 2, without the usage block."""
+    """Bad input: one line on stderr and exit code 2, without the usage block. ``--help`` shows every default."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=_HelpWithDefaults, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {message}\n")
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to a flag's help, unless its help names its default already or it has none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        named = "default" in text.lower()
+        if action.default in (None, False, argparse.SUPPRESS) or named or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+# What the planner assumes when a flag is not given: said on its first line, since each changes the answer.
+ASSUMED = {
+    "--gpus": "gpus",
+    "--gpu_memory_gib": "gpu_memory_gib",
+    "--seq_len": "seq_len",
+    "--micro_batch": "micro_batch",
+    "--mixed_precision": "mixed_precision",
+    "--method": "method",
+    "--host_ram_gib": "host_ram_gib",
+}
+
+
+def assumptions(argv: list[str], result: dict) -> dict:
+    """The inputs of ``ASSUMED`` this command line did not give, with the values the estimate used."""
+    given = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
+    return {flag: result["inputs"][key] for flag, key in ASSUMED.items() if flag not in given}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -1361,7 +1393,21 @@ def format_table(result: dict) -> str:
     model, inputs = result["model"], result["inputs"]
     method = inputs["method"]
     lora = f", LoRA r={inputs['lora_r']} ({model['lora_parameters'] / 1e6:,.1f}M)" if method != "full" else ""
-    lines = [
+    assumed = result.get("assumed") or {}
+    lines = (
+        [
+            "assumed, not given (each changes the answer; pass the flag to say otherwise): "
+            + ", ".join(
+                f"{flag} {value:g}" + (" (this machine's)" if flag == "--host_ram_gib" else "")
+                if isinstance(value, (int, float))
+                else f"{flag} {value}"
+                for flag, value in assumed.items()
+            )
+        ]
+        if assumed
+        else []
+    )
+    lines += [
         f"model {model['name']}: {model['num_parameters'] / 1e6:,.1f}M parameters (hidden {model['hidden_size']}, "
         f"{model['num_layers']} blocks, {model['num_heads']} heads / {model['num_kv_heads']} K/V, MLP "
         f"{model['intermediate_size']}, vocabulary {model['vocab_size']})",
@@ -1477,6 +1523,7 @@ def main(argv=None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    result["assumed"] = assumptions(sys.argv[1:] if argv is None else list(argv), result)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0
 
