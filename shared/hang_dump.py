@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+# What gloo says when the process at the other end exited (NCCL: the watchdog reports a timeout instead).
+PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
 # "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
 HANG_ERRORS = ("timed out", "timeout", "connection "
@@ -80,6 +82,18 @@ class HangDump:
 
     def _on_uncaught(self, kind, error, trace) -> None:
         text = f"{kind.__name__}: {error}"
+        if any(words in text.lower() for words in PEER_ENDED):
+            # A peer exited (its own error, if any, is above; the launcher names it): one line instead of a traceback
+            # and a dump of a process that was only waiting for it.
+            # sys.__stderr__: torch's own excepthook (around this one) collects sys.stderr to prefix it, and prints
+            # nothing of it when this one exits the process.
+            print(f"[rank {self.rank}] stopped: another process ended first, at step {self.completed_steps} "
+                  f"({self.current_phase}); its error, if it had one, is above.", file=sys.__stderr__, flush=True)
+            sys.stdout.flush()
+            # The failed process exits first (its exit is what the launcher reports as the root cause, with its
+            # paragraph) and the launcher reads this line before it stops reading our output.
+            time.sleep(2)
+            os._exit(1)  # (no traceback, and no wait for threads of a run that is over)
         if isinstance(error, torch.distributed.DistError) or any(word in text.lower() for word in HANG_ERRORS):
             details = "".join(traceback.format_exception(kind, error, trace))
             path = self._write("error", text, traceback.extract_tb(trace), details)

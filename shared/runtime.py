@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import time
 from collections import namedtuple
 from datetime import timedelta
 from pathlib import Path
@@ -36,6 +38,14 @@ class RecipeError(SystemExit):
         # of the message (stderr is line-buffered, so each rank's line is written whole).
         prefix, end = ("[rank " + rank + "] ", "\n") if world_size > 1 else ("", "")
         super().__init__(prefix + "error: " + self.message + end)
+        # Under torchrun (accelerate launch with 2+ processes) the launcher ends with a box naming the first process
+        # that failed; it shows this file's message as that failure's "traceback", so the paragraph that matters is
+        # also the last thing on the screen, instead of "To enable traceback see: ...".
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with contextlib.suppress(OSError):
+                Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
+                    json.dumps({"message": "error: " + self.message, "timestamp": int(time.time())})
+                )
 
 
 def positive_int(text: str) -> int:
