@@ -87,7 +87,12 @@ def test_resumed_run_ends_with_the_same_weights_2_processes(runs):
 
 def test_checkpoints_are_complete_folders(runs):
     checkpoint = runs["single"]["dir"] / "checkpoints" / "step_000003"
-    assert json.loads((checkpoint / "progress.json").read_text()) == {"completed_steps": 3, "layout": "replica"}
+    progress = json.loads((checkpoint / "progress.json").read_text())
+    assert (progress["completed_steps"], progress["layout"]) == (3, "replica")
+    # The manifest names every file the save wrote, with its size: what a resume checks before loading.
+    files = {str(path.relative_to(checkpoint)) for path in checkpoint.rglob("*") if path.is_file()} - {"progress.json"}
+    assert set(progress["manifest"]) == files
+    assert all(progress["manifest"][name][0] == (checkpoint / name).stat().st_size for name in files)
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.bin").is_file()
     assert not list((runs["single"]["dir"] / "checkpoints").glob(".*tmp"))
 
