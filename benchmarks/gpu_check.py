@@ -235,6 +235,9 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
                 minutes=two["minutes"],
             ),
             finetune("finetune-ddp", "ddp+bf16", "ddp_2gpu.yaml", *bf16),
+        ]
+    if gpus >= 2:  # not in a CPU rehearsal unless asked for (--gpus 2): on the 125m base they take half an hour there
+        alone += [
             llm("llm-lora-fsdp", "fsdp_2gpu.yaml", base_dir, *bf16),
             llm("llm-qlora-fsdp-offload", "fsdp_offload_2gpu.yaml", base_dir, "--load_in_4bit", *bf16),
             # The rest of the README's "what fits on two 24 GB cards" launch lines, at this check's size.
