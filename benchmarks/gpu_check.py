@@ -503,7 +503,8 @@ def _probe_rank(rank: int, port: int, device: str, out: str) -> None:
             found[op] = "ok" if right else f"wrong result {got.cpu().tolist()}"
         except Exception as error:  # the finding: this backend does not take it on this device
             found[op] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+        # After every collective: if a later one hangs, what worked before it is still reported.
+        Path(out, f"rank{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
 
@@ -526,7 +527,9 @@ def two_rank_probe(device: str, timeout: float = 120) -> dict:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-            return {"device": device, "error": f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"}
+            done = [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank*.json"))]
+            why = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
+            return {"device": device, "error": why, "before_it": done}
         ranks = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(2)]
     return {
         "device": device,
