@@ -83,9 +83,9 @@ TOLERANCE = {
     # Params4bit bytes / bf16 bytes of the same weights: NF4 is 4 bits of 16 (0.25); its scales are held apart.
     "4bit-bytes-ratio": 0.30,
     # ||delta_4bit - delta_full|| / ||delta_full||, delta = logits with the adapter - logits without. The adapter's
-    # effect passes through NF4 weights downstream (16 levels per 64-weight block: ~10 % error per weight, over 12
-    # blocks): 0.35 measured on the 125m base of the CPU rehearsal. An adapter that did not load (delta 0) gives 1.0,
-    # another adapter more: 0.6 lies between.
+    # effect passes through NF4 weights downstream (16 levels per 64-weight block): 0.16 of it on the CPU rehearsal's
+    # 125m base with the dequantized weights in fp32; bitsandbytes' CPU 4-bit kernel computes at about bf16 precision
+    # and brings it to 0.35-0.44 there. An adapter that did not load (delta 0) gives 1.0, another adapter more.
     "adapter-reload": 0.6,
     # The planner's estimate of a peak against the measured one (the issue's bar).
     "planner": 0.15,
@@ -269,7 +269,7 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
         for check in plan:
             args = [arg for arg in check["args"] if arg not in ("bf16", "--mixed_precision")]
             check["args"] = [
-                shrink.get(args[i - 1], arg) if i and check["recipe"] != "train_lm" else arg
+                shrink.get(args[i - 1], arg) if i and check["recipe"] not in ("train_lm", "linear_toy") else arg
                 for i, arg in enumerate(args)
             ]
     return plan
