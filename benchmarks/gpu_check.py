@@ -1,41 +1,58 @@
-"""The prepared GPU check: prove and measure the CUDA paths of every recipe, in one short script.
+"""The prepared GPU check: prove the CUDA paths of every recipe against references computed in the same run.
 
-    python benchmarks/gpu_check.py --dry_run                  # the plan: commands and minutes (works without a GPU)
+    python benchmarks/gpu_check.py --dry_run                  # the plan: commands, comparisons, minutes (no GPU)
     python benchmarks/gpu_check.py                            # run it: writes benchmarks/results/<gpu-name>/
-    python benchmarks/gpu_check.py --only finetune lm-single  # a subset (names contain one of the words)
+    python benchmarks/gpu_check.py --only finetune lm-single  # a subset (names contain one of the words), with the
+                                                              # reference runs its comparisons need
+    python benchmarks/gpu_check.py --tiny                     # the same script at test sizes in fp32, on any machine
 
-On one GPU (under 8 minutes on an H100/H200-class card): the fine-tune in bf16 and in fp16 with GradScaler, and split
-over cuda:0 + the CPU (a real two-device split on one GPU: it catches device mismatches such as labels on one device
-and logits on another); the language model on one GPU (bf16, MFU), under FSDP2 in 1 process (FSDP2's CUDA code path:
-mixed precision, DTensor shards, sharded checkpoints) and split over cuda:0 + the CPU; the linear toy. With two or more
-GPUs also DDP, FSDP2, the device_map split over two GPUs and the 1F1B pipeline. Two-process checks need two GPUs: NCCL
-refuses two ranks on one GPU (the test suite covers those paths with CPU processes).
+A launch that exits 0 proves nothing, so every check is a comparison with a reference from the same run, and fails
+with its numbers when it is off (the tolerances and why are at ``TOLERANCE``):
 
-Every check goes through ``benchmarks/run.py`` (the same launches, records and summary as the CPU reference results,
-so ``benchmarks/compare.py benchmarks/results/cpu benchmarks/results/<gpu>`` compares them), and
-``gpu_check.json`` adds per check: pass/fail, tokens/s, MFU, peak memory per device and the fit planner's estimate
-for it (``tools/plan.py``). The exit code is 1 when a check failed.
+- the fine-tune in bf16, in fp16 (GradScaler really scaling: its scale from results.json) and split over cuda:0 + the
+  CPU against the same fine-tune in fp32 (same data, seed and steps): the logged loss curves;
+- the language model (125m, fp32) under FSDP2 in 1 process and split over cuda:0 + the CPU against the same model on
+  one GPU: the loss of every step;
+- LoRA with --gradient_checkpointing against LoRA without: a lower peak of allocated CUDA memory;
+- QLoRA: the base really is 4-bit (bitsandbytes ``Linear4bit`` modules, ``Params4bit`` bytes against a bf16 load), and
+  the saved adapter reloaded on the 4-bit base changes the logits as it does on the full-precision base;
+- the linear toy against the line its data came from; every LM run's peak against the fit planner's estimate;
+- two ranks on one GPU over gloo: which of the collectives DDP and FSDP2 need work on CUDA tensors (NCCL refuses two
+  ranks on one device, so the recipes' two-process paths need two GPUs; ``TWO_PROCESS_ON_ONE_GPU`` says which).
+
+The comparison runs go two or three at a time (they read losses and per-process peaks, not speed); the 350m bf16 speed
+check (tokens/s, MFU) runs alone at the end. Every launch goes through ``benchmarks/run.py`` (the records and summary
+of the CPU reference results). ``gpu_check.json``: per comparison its verdict, numbers and tolerance; per launch its
+status, throughput and peak memory. The exit code is 1 when a launch failed or a comparison is off.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import run as runner  # noqa: E402  (the matrix runner: launches, records, summary)
 
-# Minutes each check takes on an H100-class GPU, start-up (imports, data, tokenizer) included: for the plan and the
-# budget. The start-up is most of it.
-MINUTES = {"linear_toy": 0.3, "finetune": 0.7, "lm": 0.9, "lm-device_map": 1.2, "llm": 0.8}
-LM_SIZE = dict(steps=30, warmup=10, batch=8, block=1024, vocab=8192, corpus_mb=4, threads=None)  # 350m, bf16
-SPLIT_SIZE = dict(steps=6, warmup=2, batch=4, block=512, vocab=8192, corpus_mb=2, threads=None)  # 125m over GPU + CPU
+# Minutes each launch takes on an H100/H200-class GPU, start-up (imports, data, tokenizer: 30-40 s) included, from
+# the previous run's timings (H200: fine-tune 0.026 s/step, LM 350m bf16 8x1024 0.117 s/step, LLM LoRA 0.28 s/step,
+# the 125m split over cuda:0 + CPU 7.1 s/step at 4x512 in bf16; fp32 at 4x256 is about a quarter of that work).
+MINUTES = {"linear_toy": 0.3, "finetune": 0.7, "lm-ref": 0.6, "lm-device_map": 0.8, "lm-speed": 0.8, "llm": 0.8}
+QLORA_VERIFY_MINUTES = 0.4  # two loads of the 125m base and four forward passes, in this process
+PARALLEL_JOBS = 3  # comparison launches at once: start-up is CPU work and the card has room for three small runs
+# The comparison shape of the LM: small enough that the split's CPU half takes well under a second per step.
+REF_SHAPE = dict(steps=6, warmup=1, batch=4, block=256, vocab=8192, corpus_mb=2, threads=None)  # 125m, fp32
+SPEED_SHAPE = dict(steps=30, warmup=10, batch=8, block=1024, vocab=8192, corpus_mb=4, threads=None)  # 350m, bf16
 FINETUNE = [
     "--max_train_samples",
     "2048",
@@ -45,11 +62,53 @@ FINETUNE = [
     "32",
     "--perf_warmup_steps",
     "5",
+    "--logging_steps",  # the loss curve the comparisons read: one mean per 5 steps (a sync each)
+    "5",
 ]
 
+# Each tolerance with why. |candidate - reference| <= atol + rtol * |reference| at every point of a loss curve.
+TOLERANCE = {
+    # bf16 keeps 8 bits of mantissa (0.4 % per rounding); fp16 10 bits, but its loss scale can skip steps. MiniLM also
+    # has dropout 0.1, whose masks need not repeat across dtypes, so the curves are two samples of one training: 10 %
+    # of the loss (+0.05 for the low end) holds them and still fails a run that diverges, stalls or turns NaN.
+    "finetune-precision": dict(rtol=0.10, atol=0.05),
+    # The split draws the dropout masks of its CPU layers from the CPU generator: another sample of the same training,
+    # in fp32.
+    "finetune-device_map": dict(rtol=0.10, atol=0.05),
+    # The LM has no dropout and runs in fp32 (no TF32: torch's default for matmuls): only the order of sums differs
+    # (CPU vs GPU kernels for the split's CPU half, FSDP2's one-rank reduce-scatter), 1e-6 per op, grown over 6 steps.
+    "lm-fp32": dict(rtol=1e-3, atol=1e-4),
+    # A checkpointed block keeps only its input for backward; 10 % of the peak is far below what 12 blocks save.
+    "gradient-checkpointing-saving": 0.10,
+    # Params4bit bytes / bf16 bytes of the same weights: NF4 is 4 bits of 16 (0.25); its scales are held apart.
+    "4bit-bytes-ratio": 0.30,
+    # ||delta_4bit - delta_full|| / ||delta_full||, delta = logits with the adapter - logits without. The adapter's
+    # effect passes through NF4 weights downstream (16 levels per 64-weight block): 0.16 of it on the CPU rehearsal's
+    # 125m base with the dequantized weights in fp32; bitsandbytes' CPU 4-bit kernel computes at about bf16 precision
+    # and brings it to 0.35-0.44 there. An adapter that did not load (delta 0) gives 1.0, another adapter more.
+    "adapter-reload": 0.6,
+    # The planner's estimate of a peak against the measured one (the issue's bar).
+    "planner": 0.15,
+    # The toy fits y = w.x + b from noisy samples; its test asserts 0.1.
+    "linear_toy-weight": 0.1,
+}
 
-def finetune(setup: str, config: str, *extra: str, steps: int = 40) -> dict:
+# The two-process paths that cannot run on one GPU, and why (printed with the plan, written to gpu_check.json).
+TWO_PROCESS_ON_ONE_GPU = {
+    "lm-ddp, finetune-ddp, llm-*-ddp": "the recipes take NCCL between GPUs, and NCCL refuses two ranks on one device "
+    "('Duplicate GPU detected'); the probe shows which collectives gloo takes on cuda:0 tensors instead",
+    "lm-fsdp, llm-*-fsdp*": "FSDP2 over NCCL, same refusal; its all_gather_into_tensor/reduce_scatter_tensor over "
+    "gloo on cuda:0 are in the probe",
+    "lm-pipeline-1f1b-m4": "stage-to-stage send/recv over NCCL between two devices: two ranks on cuda:0 are refused",
+    "llm-qlora-device_map, the device_map split over two GPUs": "needs a second CUDA device; one GPU runs the split "
+    "over cuda:0 + the CPU instead (lm-device_map, finetune-device_map)",
+}
+
+
+# ------------------------------------------------------------------------------ the plan
+def finetune(name: str, setup: str, config: str, *extra: str, steps: int = 40, needs=()) -> dict:
     return {
+        "name": name,
         "setup": setup,
         "recipe": "transformer_finetune",
         "size": "minilm-l6",
@@ -58,39 +117,30 @@ def finetune(setup: str, config: str, *extra: str, steps: int = 40) -> dict:
         "script": "recipes/transformer_finetune.py",
         "args": FINETUNE + ["--max_train_steps", str(steps), *extra],
         "minutes": MINUTES["finetune"],
+        "needs": list(needs),
     }
 
 
-def lm(setup: str, size: str, shape: dict, *extra: str, launch_args: tuple[str, ...] = ()) -> dict:
+def lm(name: str, setup: str, size: str, shape: dict, *extra: str, minutes: float, launch_args=(), needs=()) -> dict:
     """A train_lm/pipeline_lm run spec from the runner's own builder, with this check's extra flags."""
     base = setup.split(":")[0]
     spec = runner.lm_runs(size, [base], **shape)[0]
-    minutes = MINUTES["lm-device_map"] if base == "device_map" else MINUTES["lm"]
     return {
         **spec,
+        "name": name,
         "setup": setup.split(":")[-1],
         "args": spec["args"] + list(extra),
         "launch_args": list(launch_args),
         "minutes": minutes,
+        "needs": list(needs),
     }
 
 
-def llm(name: str, config: str, base: Path, *extra: str, launch_args: tuple[str, ...] = ()) -> dict:
+def llm(name: str, config: str, base: Path, *extra: str, gradient_checkpointing: bool = True, needs=()) -> dict:
     """A recipes/llm_finetune.py check on the base model the lm-base check saved (offline: no Hub model here)."""
-    args = [
-        "--model_name_or_path",
-        str(base),
-        "--max_train_steps",
-        "20",
-        "--max_length",
-        "512",
-        "--per_device_train_batch_size",
-        "4",
-        "--gradient_checkpointing",
-        "--perf_warmup_steps",
-        "3",
-        *extra,
-    ]
+    args = ["--model_name_or_path", str(base), "--max_train_steps", "20", "--max_length", "512"]
+    args += ["--per_device_train_batch_size", "4", "--perf_warmup_steps", "3", *extra]
+    args += ["--gradient_checkpointing"] if gradient_checkpointing else []
     return {
         "name": name,
         "setup": name.removeprefix("llm-"),
@@ -100,46 +150,51 @@ def llm(name: str, config: str, base: Path, *extra: str, launch_args: tuple[str,
         "config": config,
         "script": "recipes/llm_finetune.py",
         "args": args,
-        "launch_args": list(launch_args),
         "minutes": MINUTES["llm"],
+        "needs": ["lm-base", *needs],
     }
 
 
 def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gpu")) -> list[dict]:
-    """The plan for this many GPUs. ``tiny``: the same launches at test sizes (a rehearsal on any machine)."""
-    big, split, lm_size, split_size = (
-        (
-            "tiny",
-            "tiny",
-            dict(LM_SIZE, steps=4, warmup=1, block=64, vocab=512, corpus_mb=0.3),
-            dict(SPLIT_SIZE, steps=3, warmup=1, block=64, vocab=512, corpus_mb=0.3),
-        )
-        if tiny
-        else ("350m", "125m", LM_SIZE, SPLIT_SIZE)
-    )
+    """The launches for this many GPUs, each with its phase and the launches its comparisons need (``needs``).
+
+    Phases: "compare" (two or three at a time), "llm" (after lm-base, whose model they fine-tune), "alone" (speed).
+    ``tiny``: the same launches at test sizes in fp32 (a rehearsal on any machine).
+    """
+    speed_size, ref_size, speed_shape, ref_shape = "350m", "125m", SPEED_SHAPE, REF_SHAPE
+    if tiny:
+        # The reference LM stays 125m (at a test shape): it is also the QLoRA base, and bitsandbytes' CPU 4-bit kernel
+        # needs every Linear's output size divisible by 32 (the tiny preset's MLP has 176).
+        speed_size, speed_shape = "tiny", dict(SPEED_SHAPE, steps=4, warmup=1, block=64, vocab=512, corpus_mb=0.3)
+        ref_shape = dict(REF_SHAPE, steps=3, batch=2, block=64, vocab=512, corpus_mb=0.3)
     bf16 = ["--mixed_precision", "bf16"] if not tiny else []
     base_dir = output_dir / "work" / "lm-base" / "base" / "r0"
-    plan = [
-        {"name": "finetune-bf16", **finetune("single+bf16", "single_gpu.yaml", "--mixed_precision", "bf16")},
-        {"name": "finetune-fp16", **finetune("single+fp16", "single_gpu.yaml", "--mixed_precision", "fp16")},
-        {
-            "name": "finetune-device_map",
-            **finetune("device_map", "model_sharding_2gpu.yaml", "--parallelism", "device_map", steps=10),
-        },
-        {"name": "lm-single", **lm("single:single+bf16", big, lm_size, *bf16)},
-        {
-            "name": "lm-fsdp-1process",
-            **lm("fsdp:fsdp-1process+bf16", big, lm_size, *bf16, launch_args=("--num_processes", "1")),
-        },
-        {"name": "lm-device_map", **lm("device_map", split, split_size, *bf16)},
-        # The LLM recipe needs a pretrained causal LM: the lm-base check trains and keeps one (125m, a few steps).
-        {
-            "name": "lm-base",
-            **lm("single:base", "tiny" if tiny else "125m", dict(lm_size, steps=5, warmup=1)),
-            "keep_outputs": True,
-        },
-        llm("llm-lora-bf16", "single_gpu.yaml", base_dir, *bf16),
-        llm("llm-qlora-bf16", "single_gpu.yaml", base_dir, "--load_in_4bit", *bf16),
+    compare = [
+        finetune("finetune-fp32", "single", "single_gpu.yaml"),
+        finetune("finetune-bf16", "single+bf16", "single_gpu.yaml", *bf16, needs=["finetune-fp32"]),
+        finetune(
+            "finetune-fp16", "single+fp16", "single_gpu.yaml", "--mixed_precision", "fp16", needs=["finetune-fp32"]
+        ),
+        finetune(
+            "finetune-device_map",
+            "device_map",
+            "model_sharding_2gpu.yaml",
+            "--parallelism",
+            "device_map",
+            needs=["finetune-fp32"],
+        ),
+        # The LM reference (one GPU, fp32), kept: the LLM checks fine-tune it.
+        {**lm("lm-base", "single:base", ref_size, ref_shape, minutes=MINUTES["lm-ref"]), "keep_outputs": True},
+        lm(
+            "lm-fsdp-1process",
+            "fsdp:fsdp-1process",
+            ref_size,
+            ref_shape,
+            minutes=MINUTES["lm-ref"],
+            launch_args=("--num_processes", "1"),
+            needs=["lm-base"],
+        ),
+        lm("lm-device_map", "device_map", ref_size, ref_shape, minutes=MINUTES["lm-device_map"], needs=["lm-base"]),
         {
             "name": "linear_toy",
             "setup": "single",
@@ -150,29 +205,39 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
             "script": "recipes/linear_toy.py",
             "args": ["--max_train_steps", "200"],
             "minutes": MINUTES["linear_toy"],
+            "needs": [],
         },
     ]
-    if tiny:  # fp16 needs a GPU; on CPU the rehearsal keeps fp32 and test sizes
-        plan = [check for check in plan if check["name"] != "finetune-fp16"]
-        shrink = {
-            "--max_train_samples": "64",
-            "--max_eval_samples": "16",
-            "--per_device_train_batch_size": "4",
-            "--max_train_steps": "3",
-            "--max_length": "64",
-        }
-        for check in plan:
-            args = [arg for arg in check["args"] if arg not in ("bf16", "--mixed_precision")]
-            check["args"] = [
-                shrink.get(args[i - 1], arg) if i and check["recipe"] != "train_lm" else arg
-                for i, arg in enumerate(args)
-            ]
+    phases = [(compare, "compare")]
+    phases.append(
+        (
+            [
+                llm("llm-lora-bf16", "single_gpu.yaml", base_dir, *bf16, needs=["llm-lora-bf16-no_gc"]),
+                llm("llm-lora-bf16-no_gc", "single_gpu.yaml", base_dir, *bf16, gradient_checkpointing=False),
+                # Kept: the adapter is reloaded on the 4-bit base after the run.
+                {**llm("llm-qlora-bf16", "single_gpu.yaml", base_dir, "--load_in_4bit", *bf16), "keep_outputs": True},
+            ],
+            "llm",
+        )
+    )
+    alone = [lm("lm-single", "single:single+bf16", speed_size, speed_shape, *bf16, minutes=MINUTES["lm-speed"])]
     if gpus >= 2 or tiny:
-        plan += [
-            {"name": "lm-ddp", **lm("ddp:ddp+bf16", big, lm_size, *bf16)},
-            {"name": "lm-fsdp", **lm("fsdp:fsdp+bf16", big, lm_size, *bf16)},
-            {"name": "lm-pipeline-1f1b-m4", **lm("pipeline-1f1b-m4:pipeline-1f1b-m4+bf16", big, lm_size, *bf16)},
-            {"name": "finetune-ddp", **finetune("ddp+bf16", "ddp_2gpu.yaml", *bf16)},
+        two = dict(size=speed_size, shape=speed_shape, minutes=MINUTES["lm-speed"])
+        alone += [
+            lm("lm-ddp", "ddp:ddp+bf16", two["size"], two["shape"], *bf16, minutes=two["minutes"]),
+            lm("lm-fsdp", "fsdp:fsdp+bf16", two["size"], two["shape"], *bf16, minutes=two["minutes"]),
+            lm(
+                "lm-pipeline-1f1b-m4",
+                "pipeline-1f1b-m4:pipeline-1f1b-m4+bf16",
+                two["size"],
+                two["shape"],
+                *bf16,
+                minutes=two["minutes"],
+            ),
+            finetune("finetune-ddp", "ddp+bf16", "ddp_2gpu.yaml", *bf16),
+        ]
+    if gpus >= 2:  # not in a CPU rehearsal unless asked for (--gpus 2): on the 125m base they take half an hour there
+        alone += [
             llm("llm-lora-fsdp", "fsdp_2gpu.yaml", base_dir, *bf16),
             llm("llm-qlora-fsdp-offload", "fsdp_offload_2gpu.yaml", base_dir, "--load_in_4bit", *bf16),
             # The rest of the README's "what fits on two 24 GB cards" launch lines, at this check's size.
@@ -189,7 +254,38 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
                 *bf16,
             ),
         ]
+    phases.append((alone, "alone"))
+    plan = [{**check, "phase": phase} for group, phase in phases for check in group]
+    if tiny:  # fp16 needs a GPU; on CPU the rehearsal keeps fp32 and test sizes
+        plan = [check for check in plan if check["name"] != "finetune-fp16"]
+        shrink = {
+            "--max_train_samples": "64",
+            "--max_eval_samples": "16",
+            "--per_device_train_batch_size": "4",
+            "--max_train_steps": "4",
+            "--max_length": "64",
+            "--logging_steps": "2",
+        }
+        for check in plan:
+            args = [arg for arg in check["args"] if arg not in ("bf16", "--mixed_precision")]
+            check["args"] = [
+                shrink.get(args[i - 1], arg) if i and check["recipe"] not in ("train_lm", "linear_toy") else arg
+                for i, arg in enumerate(args)
+            ]
     return plan
+
+
+def select(plan: list[dict], words: list[str]) -> list[dict]:
+    """The checks whose names contain one of ``words``, with every launch their comparisons need (transitively)."""
+    by_name = {check["name"]: check for check in plan}
+    wanted = {check["name"] for check in plan if any(word in check["name"] for word in words)}
+    todo = list(wanted)
+    while todo:
+        for need in by_name[todo.pop()]["needs"]:
+            if need in by_name and need not in wanted:
+                wanted.add(need)
+                todo.append(need)
+    return [check for check in plan if check["name"] in wanted]
 
 
 def gpu_names() -> list[str]:
@@ -205,47 +301,350 @@ def gpu_names() -> list[str]:
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
-def planner_estimate(record: dict, gpu_memory_gib: float) -> dict | None:
-    """The fit planner's per-device peak for an LM check's setup, in GiB (``tools/plan.py --json``)."""
-    if record.get("recipe") not in ("train_lm", "pipeline_lm") or record.get("status") != "ok":
-        return None
+# ------------------------------------------------------------------------------ verdicts (pure: tested on fabricated
+# records in tests/test_benchmarks.py)
+def verdict(name: str, ok: bool, line: str, tolerance, **numbers) -> dict:
+    return {"comparison": name, "status": "pass" if ok else "fail", "line": line, "tolerance": tolerance, **numbers}
+
+
+def skipped(name: str, reason: str) -> dict:
+    return {"comparison": name, "status": "skipped", "line": reason, "tolerance": None}
+
+
+def compare_curves(name: str, candidate: list | None, reference: list | None, rtol: float, atol: float) -> dict:
+    """Two loss curves of the same training: equal length, finite, and within atol + rtol * |reference| everywhere."""
+    tolerance = {"rtol": rtol, "atol": atol}
+    if not candidate or not reference or len(candidate) != len(reference):
+        line = f"loss curves of different lengths: {len(candidate or [])} vs reference {len(reference or [])}"
+        return verdict(name, False, line, tolerance, candidate=candidate, reference=reference)
+    worst, worst_step, excess = 0.0, 0, -math.inf
+    for step, (got, want) in enumerate(zip(candidate, reference)):
+        diff = abs(got - want) if math.isfinite(got) and math.isfinite(want) else math.inf
+        if diff - (atol + rtol * abs(want)) > excess:
+            worst, worst_step, excess = diff, step, diff - (atol + rtol * abs(want))
+    ok = excess <= 0
+    line = (
+        f"max |loss - reference| {worst:.3g} at point {worst_step} ({candidate[worst_step]:.5g} vs "
+        f"{reference[worst_step]:.5g}); allowed {atol:g} + {rtol:g} x |reference|"
+    )
+    return verdict(
+        name, ok, line, tolerance, max_abs_diff=worst, at=worst_step, candidate=candidate, reference=reference
+    )
+
+
+def compare_grad_scale(name: str, scale: float | None, losses: list | None) -> dict:
+    """fp16: GradScaler's scale above 1 (it multiplies the loss before backward) and a finite loss curve."""
+    finite = bool(losses) and all(math.isfinite(value) for value in losses)
+    ok = scale is not None and scale > 1 and finite
+    line = f"GradScaler scale {scale} (must be > 1: None means no scaler, 1.0 a disabled one); losses finite: {finite}"
+    return verdict(name, ok, line, "> 1", grad_scale=scale)
+
+
+def compare_less_memory(name: str, with_gc: float | None, without_gc: float | None, min_saving: float) -> dict:
+    """Gradient checkpointing: the peak with it at least ``min_saving`` (a fraction) below the peak without it."""
+    if with_gc is None or without_gc is None:
+        return verdict(name, False, f"a peak is missing: {with_gc} with, {without_gc} without", min_saving)
+    saving = 1 - with_gc / without_gc
+    line = f"peak {with_gc:.3f} GiB with checkpointing vs {without_gc:.3f} without: {saving:+.1%} saved"
+    return verdict(name, saving >= min_saving, line + f" (need >= {min_saving:.0%})", min_saving, saving=saving)
+
+
+def compare_planner(name: str, measured: float | None, estimate: float | None, tolerance: float) -> dict:
+    """The fit planner's peak against the measured one: within ``tolerance``, else by how much it misses."""
+    if not measured or not estimate:
+        return verdict(name, False, f"no estimate or measurement: {estimate} vs measured {measured}", tolerance)
+    miss = estimate / measured - 1
+    line = f"planner {estimate:.3f} GiB vs measured {measured:.3f} GiB: {miss:+.1%} (allowed +-{tolerance:.0%})"
+    return verdict(name, abs(miss) <= tolerance, line, tolerance, estimate_gib=estimate, measured_gib=measured)
+
+
+def compare_at_most(name: str, value: float | None, limit: float, what: str) -> dict:
+    ok = value is not None and math.isfinite(value) and value <= limit
+    return verdict(name, ok, f"{what} {value} (allowed <= {limit:g})", limit, value=value)
+
+
+def compare_4bit(name: str, facts: dict, max_ratio: float) -> dict:
+    """The 4-bit base: every Linear the bf16 base quantizes is a Linear4bit, and its weights take ~1/4 of the bytes."""
+    ratio = facts["params4bit_bytes"] / facts["bf16_bytes_of_same"] if facts["bf16_bytes_of_same"] else None
+    ok = facts["linear4bit"] > 0 and facts["linear4bit"] == facts["params4bit"] == facts["quantizable_linear"]
+    ok = ok and ratio is not None and ratio <= max_ratio
+    line = (
+        f"{facts['linear4bit']} Linear4bit modules, {facts['params4bit']} Params4bit weights of "
+        f"{facts['quantizable_linear']} quantizable Linear layers; weight bytes {ratio} of bf16 "
+        f"(allowed <= {max_ratio})"
+    )
+    return verdict(name, ok, line, max_ratio, bytes_ratio=ratio, **facts)
+
+
+# ------------------------------------------------------------------------------ measurements in this process
+def planner_estimate(record: dict, results: dict) -> dict | None:
+    """The fit planner's peak for the device a check's peak is read on (``tools/plan.py --json``), in GiB.
+
+    Like for like: the planner gets the run's vocabulary; FSDP2 in one process holds the whole model (the planner's
+    "single"); the split over cuda:0 + CPU is compared on cuda:0 with the planner's first GPU of a two-GPU split.
+    """
     setup, processes = record.get("parallelism"), max(1, record["processes"])
     per_device = record["global_batch_size"] // (processes if setup in ("ddp", "fsdp") else 1)
     micro = per_device // record["num_microbatches"] if setup == "pipeline" else per_device
-    command = [
-        sys.executable,
-        str(REPO / "tools" / "plan.py"),
-        "--model_size",
-        record["size"],
-        "--gpus",
-        str(max(2, processes)),
-        "--gpu_memory_gib",
-        str(gpu_memory_gib),
-        "--seq_len",
-        str(record["sequence_length"]),
-        "--micro_batch",
-        str(micro),
-        "--mixed_precision",
-        record.get("mixed_precision") or "no",
-        "--json",
-    ]
+    planned = "single" if processes == 1 and setup in ("ddp", "fsdp") else setup
+    gpus = 1 if planned == "single" else max(2, processes)
+    command = [sys.executable, str(REPO / "tools" / "plan.py"), "--model_size", record["size"], "--gpus", str(gpus)]
+    command += ["--gpu_memory_gib", "80", "--seq_len", str(record["sequence_length"]), "--micro_batch", str(micro)]
+    command += ["--mixed_precision", record.get("mixed_precision") or "no", "--json"]
+    command += ["--vocab_size", str(results["config"]["vocab_size"])] if results["config"].get("vocab_size") else []
     if setup == "pipeline":
-        command += [
-            "--num_microbatches",
-            str(record["num_microbatches"]),
-            "--pipeline_schedule",
-            record["pipeline_schedule"],
-        ]
+        command += ["--num_microbatches", str(record["num_microbatches"])]
+        command += ["--pipeline_schedule", record["pipeline_schedule"]]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
     if done.returncode != 0:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
-    estimate = json.loads(done.stdout)["setups"].get(setup)
+    estimate = json.loads(done.stdout)["setups"].get(planned)
     if estimate is None:
         return None
-    peak = estimate.get("peak") or max(device["total"] for device in estimate["devices"])
-    return {"setup": setup, "peak_gib": round(peak / 2**30, 3)}
+    peak = estimate["devices"][0]["total"] if planned == "device_map" else estimate.get("peak")
+    peak = peak or max(device["total"] for device in estimate["devices"])
+    return {"setup": planned, "gpus": gpus, "peak_gib": round(peak / 2**30, 3)}
 
 
+def qlora_facts(base_dir: Path, adapter_dir: Path) -> dict:
+    """Load the base as the recipe's --load_in_4bit does, count what bitsandbytes made of it, and reload the adapter.
+
+    The adapter reference: its effect on the logits of a fixed probe (logits with it - without it) on the 4-bit base
+    against the same on the full-precision base. The 4-bit model computes in fp32 here, so the difference left is the
+    NF4 rounding of the layers the effect passes through, not bf16 noise.
+    """
+    import bitsandbytes as bnb
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+
+    def load_4bit(dtype):
+        config = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,
+        )
+        return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=config, device_map={"": device})
+
+    facts = {"device": device}
+    quantized = load_4bit(torch.bfloat16)  # as the recipe loads it on a GPU in bf16
+    bf16 = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
+    names_4bit = {name for name, module in quantized.named_modules() if isinstance(module, bnb.nn.Linear4bit)}
+    params_4bit = [param for param in quantized.parameters() if isinstance(param, bnb.nn.Params4bit)]
+    # bitsandbytes leaves the output layer (lm_head) in 16 bits: every other Linear must be 4-bit.
+    quantizable = {
+        name for name, module in bf16.named_modules() if isinstance(module, torch.nn.Linear) and name != "lm_head"
+    }
+    facts.update(
+        linear4bit=len(names_4bit & quantizable), params4bit=len(params_4bit), quantizable_linear=len(quantizable)
+    )
+    facts["params4bit_bytes"] = sum(param.numel() * param.element_size() for param in params_4bit)
+    facts["bf16_bytes_of_same"] = sum(
+        module.weight.numel() * module.weight.element_size()
+        for name, module in bf16.named_modules()
+        if name in names_4bit
+    )
+    del quantized, bf16
+
+    probe = torch.arange(64).remainder(200).add(3).unsqueeze(0)  # fixed token ids inside any vocabulary here
+    with torch.no_grad():
+        full = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(device)
+        full_base = full(probe.to(device)).logits.float()
+        full_adapted = PeftModel.from_pretrained(full, adapter_dir)(probe.to(device)).logits.float()
+        del full
+        four = load_4bit(torch.float32)
+        four_base = four(probe.to(device)).logits.float()
+        four_adapted = PeftModel.from_pretrained(four, adapter_dir)(probe.to(device)).logits.float()
+    delta_full, delta_4bit = full_adapted - full_base, four_adapted - four_base
+    facts["adapter_effect_norm"] = delta_full.norm().item()
+    facts["adapter_effect_4bit_norm"] = delta_4bit.norm().item()
+    facts["adapter_relative_error"] = ((delta_4bit - delta_full).norm() / delta_full.norm().clamp_min(1e-12)).item()
+    facts["base_4bit_vs_full_max_abs"] = (four_base - full_base).abs().max().item()
+    return facts
+
+
+# Each collective with its check: rank r contributes a tensor full of (r + 1).
+PROBE_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _probe_rank(rank: int, port: int, device: str, out: str) -> None:
+    """One rank of the two-rank probe: every collective of PROBE_COLLECTIVES on ``device`` tensors, over gloo."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    found = {}
+    for op in PROBE_COLLECTIVES:
+        mine = torch.full((4,), float(rank + 1), device=device)
+        try:
+            if op == "all_reduce":  # DDP's gradient sync
+                dist.all_reduce(mine)
+                got, want = mine, torch.full((4,), 3.0)
+            elif op == "broadcast":  # DDP's parameter sync at wrap time
+                dist.broadcast(mine, src=0)
+                got, want = mine, torch.full((4,), 1.0)
+            elif op == "all_gather_into_tensor":  # FSDP2's unshard before forward/backward
+                got = torch.empty(8, device=device)
+                dist.all_gather_into_tensor(got, mine)
+                want = torch.tensor([1.0] * 4 + [2.0] * 4)
+            else:  # FSDP2's gradient reduce-scatter
+                got = torch.empty(4, device=device)
+                dist.reduce_scatter_tensor(got, torch.cat([mine, mine]))
+                want = torch.full((4,), 3.0)
+            right = torch.equal(got.cpu(), want) and got.device.type == torch.device(device).type
+            found[op] = "ok" if right else f"wrong result {got.cpu().tolist()}"
+        except Exception as error:  # the finding: this backend does not take it on this device
+            found[op] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        # After every collective: if a later one hangs, what worked before it is still reported.
+        Path(out, f"rank{rank}.json").write_text(json.dumps(found))
+    dist.destroy_process_group()
+
+
+def two_rank_probe(device: str, timeout: float = 120) -> dict:
+    """Two processes on one device (cuda:0, or the CPU in a rehearsal) over gloo: which collectives work there."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as free:  # a free port for the rendezvous
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        context = mp.start_processes(_probe_rank, args=(port, device, out), nprocs=2, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            # join() returns when any rank ends: wait for both, and no longer than the deadline (a hung collective).
+            while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the ranks did not finish in {timeout:.0f} s (a collective hung)")
+        except Exception as error:  # a rank died or hung: the finding is that this setup does not run
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            done = [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank*.json"))]
+            why = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
+            return {"device": device, "error": why, "before_it": done}
+        ranks = [json.loads(Path(out, f"rank{rank}.json").read_text()) for rank in range(2)]
+    return {
+        "device": device,
+        "backend": "gloo",
+        **{
+            op: ranks[0][op] if ranks[0][op] == ranks[1][op] else [ranks[0][op], ranks[1][op]]
+            for op in PROBE_COLLECTIVES
+        },
+    }
+
+
+# ------------------------------------------------------------------------------ the comparisons of one run
+def peak_on(record: dict, device: str) -> float | None:
+    """The peak on ``device`` (e.g. cuda:0) of a record's per-device peaks."""
+    return (record.get("memory/peak_gib") or {}).get(device)
+
+
+def judge(plan: list[dict], records: dict, output_dir: Path, cuda: bool) -> list[dict]:
+    """Every comparison whose launches are in the plan, from their records and results.json files."""
+    names = {check["name"] for check in plan}
+
+    def results(name: str) -> dict | None:
+        record = records.get(name, {})
+        if record.get("status") != "ok":
+            return None
+        return json.loads((output_dir / record["results_file"]).read_text())
+
+    def curves(name: str, candidate: str, reference: str, tolerance: dict) -> dict:
+        got, want = results(candidate), results(reference)
+        if got is None or want is None:
+            missing = candidate if got is None else reference
+            return verdict(name, False, f"{missing} did not finish: nothing to compare", tolerance)
+        return compare_curves(name, got.get("train/loss_curve"), want.get("train/loss_curve"), **tolerance)
+
+    verdicts = []
+    if {"finetune-bf16", "finetune-fp32"} <= names:
+        verdicts.append(
+            curves("finetune bf16 = fp32", "finetune-bf16", "finetune-fp32", TOLERANCE["finetune-precision"])
+        )
+    if {"finetune-fp16", "finetune-fp32"} <= names:
+        verdicts.append(
+            curves("finetune fp16 = fp32", "finetune-fp16", "finetune-fp32", TOLERANCE["finetune-precision"])
+        )
+        fp16 = results("finetune-fp16") or {}
+        verdicts.append(
+            compare_grad_scale("fp16 GradScaler scales", fp16.get("train/grad_scale"), fp16.get("train/loss_curve"))
+        )
+    elif not cuda and "finetune-bf16" in names:
+        verdicts.append(skipped("finetune fp16 = fp32", "fp16 with GradScaler needs CUDA: not in the CPU rehearsal"))
+    if {"finetune-device_map", "finetune-fp32"} <= names:
+        verdicts.append(
+            curves(
+                "finetune device_map = single",
+                "finetune-device_map",
+                "finetune-fp32",
+                TOLERANCE["finetune-device_map"],
+            )
+        )
+    for candidate, what in (("lm-fsdp-1process", "FSDP2 in 1 process"), ("lm-device_map", "device_map split")):
+        if {candidate, "lm-base"} <= names:
+            verdicts.append(curves(f"lm {what} = single", candidate, "lm-base", TOLERANCE["lm-fp32"]))
+    if {"llm-lora-bf16", "llm-lora-bf16-no_gc"} <= names:
+        name = "gradient checkpointing saves memory"
+        if not cuda:
+            verdicts.append(skipped(name, "CPU peaks are the process's RSS, where test-size activations are noise"))
+        else:
+            with_gc, without_gc = (
+                peak_on(records.get(n, {}), "cuda:0") for n in ("llm-lora-bf16", "llm-lora-bf16-no_gc")
+            )
+            verdicts.append(compare_less_memory(name, with_gc, without_gc, TOLERANCE["gradient-checkpointing-saving"]))
+    if "llm-qlora-bf16" in names:
+        verdicts += qlora_verdicts(records, output_dir)
+    if "linear_toy" in names:
+        toy = results("linear_toy") or {}
+        error = toy.get("eval/max_abs_weight_error")
+        verdicts.append(
+            compare_at_most("linear_toy = its true line", error, TOLERANCE["linear_toy-weight"], "max |w - w_true|")
+        )
+    for check in plan:
+        record = records.get(check["name"], {})
+        if check["recipe"] not in ("train_lm", "pipeline_lm") or record.get("status") != "ok":
+            continue
+        name = f"planner peak {check['name']}"
+        if not cuda:
+            verdicts.append(skipped(name, "the planner estimates CUDA tensors; a CPU peak is the process's RSS"))
+            continue
+        estimate = planner_estimate(record, results(check["name"])) or {}
+        measured = peak_on(record, "cuda:0") or max((record.get("memory/peak_gib") or {0: None}).values())
+        verdicts.append(
+            {**compare_planner(name, measured, estimate.get("peak_gib"), TOLERANCE["planner"]), "plan": estimate}
+        )
+    return verdicts
+
+
+def qlora_verdicts(records: dict, output_dir: Path) -> list[dict]:
+    names = ("QLoRA base is 4-bit", "QLoRA adapter reloads")
+    record = records.get("llm-qlora-bf16", {})
+    if record.get("status") != "ok" or records.get("lm-base", {}).get("status") != "ok":
+        return [verdict(name, False, "llm-qlora-bf16 or lm-base did not finish", None) for name in names]
+    try:
+        facts = qlora_facts(output_dir / "work" / "lm-base" / "base" / "r0", output_dir / "work" / record["run_id"])
+    except Exception as error:  # a verdict, not a crash: the other comparisons still get written
+        return [verdict(name, False, f"could not load: {type(error).__name__}: {error}"[:400], None) for name in names]
+    return [
+        compare_4bit(names[0], facts, TOLERANCE["4bit-bytes-ratio"]),
+        compare_at_most(
+            names[1],
+            facts["adapter_relative_error"],
+            TOLERANCE["adapter-reload"],
+            f"||effect on 4-bit - on full base|| / ||on full base|| (effect norm {facts['adapter_effect_norm']:.4g})",
+        ),
+    ]
+
+
+# ------------------------------------------------------------------------------ main
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -254,10 +653,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--dry_run",
         action="store_true",
-        help="Print the plan (commands, estimated minutes) and exit 0; no GPU needed.",
+        help="Print the plan (commands, comparisons, estimated minutes) and exit 0; no GPU needed.",
     )
     parser.add_argument(
-        "--only", nargs="+", default=None, help="Run only the checks whose names contain one of these words."
+        "--only",
+        nargs="+",
+        default=None,
+        help="Run only the checks whose names contain one of these words, and the launches their comparisons need.",
     )
     parser.add_argument(
         "--gpus", type=int, default=None, help="Plan for this many GPUs (default: the ones nvidia-smi lists)."
@@ -268,9 +670,54 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="The same launches at test sizes in fp32: a rehearsal of the script itself, also on a CPU-only machine.",
     )
     parser.add_argument(
-        "--timeout", type=float, default=240, help="Seconds one check may take before it is recorded as failed."
+        "--timeout",
+        type=float,
+        default=None,
+        help="Seconds one launch may take before it is recorded as failed (default 240; --tiny: 900, for QLoRA's slow "
+        "CPU kernels on a busy machine).",
     )
     return parser.parse_args(argv)
+
+
+def estimated_minutes(plan: list[dict], jobs: int) -> float:
+    """The plan's wall time: a parallel phase takes its launches' minutes / jobs, plus a quarter for contention (the
+    start-ups share the CPU cores, the split's CPU half most), and never less than its longest launch."""
+    total = 0.0
+    for phase in ("compare", "llm", "alone"):
+        minutes = [check["minutes"] for check in plan if check["phase"] == phase]
+        if phase == "alone":
+            total += sum(minutes)
+        elif minutes:
+            total += max(max(minutes), 1.25 * sum(minutes) / jobs)
+    if any(check["name"] == "llm-qlora-bf16" for check in plan):
+        total += QLORA_VERIFY_MINUTES
+    return total + 0.2  # the probe and the planner's estimates
+
+
+def run_phases(plan: list[dict], output_dir: Path, timeout: float, jobs: int, name: str) -> int:
+    """Each phase through the runner (one matrix file each, one runs/ folder); the summary with the last."""
+    status = 0
+    phases = [phase for phase in ("compare", "llm", "alone") if any(check["phase"] == phase for check in plan)]
+    for phase in phases:
+        group = [check for check in plan if check["phase"] == phase]
+        matrix = {
+            "name": name,
+            "repeats": 1,
+            "threads_per_process": None,
+            "groups": [
+                {
+                    "name": check["name"],
+                    "runs": [{k: v for k, v in check.items() if k not in ("name", "minutes", "needs", "phase")}],
+                }
+                for check in group
+            ],
+        }
+        path = output_dir / f"gpu_check_matrix_{phase}.json"
+        path.write_text(json.dumps(matrix, indent=2) + "\n")
+        argv = ["--matrix", str(path), "--output_dir", str(output_dir), "--timeout", str(timeout)]
+        argv += ["--jobs", str(jobs if phase != "alone" else 1)] + ([] if phase == phases[-1] else ["--no_compare"])
+        status |= runner.main(argv)
+    return status
 
 
 def main(argv=None) -> int:
@@ -279,32 +726,29 @@ def main(argv=None) -> int:
     gpus = args.gpus if args.gpus is not None else max(1, len(names))
     label = re.sub(r"[^A-Za-z0-9]+", "-", names[0]).strip("-").lower() if names else "no-gpu"
     output_dir = Path(args.output_dir or REPO / "benchmarks" / "results" / (label + ("-tiny" if args.tiny else "")))
-    plan = checks(gpus, args.tiny, output_dir.resolve())
-    if args.only:  # the LLM checks need the base model: --only llm keeps lm-base too
-        wanted = set(args.only) | ({"lm-base"} if any("llm" in word for word in args.only) else set())
-        plan = [check for check in plan if any(word in check["name"] for word in wanted)]
-    total = sum(check["minutes"] for check in plan)
+    output_dir = output_dir.resolve()
+    plan = checks(gpus, args.tiny, output_dir)
+    if args.only:
+        plan = select(plan, args.only)
+    jobs = 1 if args.tiny else PARALLEL_JOBS  # the rehearsal runs on small shared machines: one launch at a time
     print(
         f"GPU check: {gpus} GPU(s) ({', '.join(names) if names else 'none found here: the plan for ' + str(gpus)}); "
-        f"{len(plan)} checks, about {total:.1f} minutes; results to {output_dir}"
+        f"{len(plan)} launches, about {estimated_minutes(plan, PARALLEL_JOBS):.1f} minutes; results to {output_dir}"
     )
-    matrix = {
-        "name": "gpu_check" + ("-tiny" if args.tiny else ""),
-        "repeats": 1,
-        "threads_per_process": None,
-        "groups": [
-            {
-                "name": check["name"],
-                "runs": [{key: value for key, value in check.items() if key not in ("name", "minutes")}],
-            }
-            for check in plan
-        ],
-    }
-    for check, group in zip(plan, matrix["groups"]):
-        spec = {**group["runs"][0], "run_id": f"{check['name']}/{check['setup']}/r0"}
+    for check in plan:
+        spec = {**check, "run_id": f"{check['name']}/{check['setup']}/r0"}
         command = runner.command_for(spec, output_dir / "work" / spec["run_id"])
         shown = " ".join(command).replace(str(REPO) + "/", "").replace(sys.executable, "python")
-        print(f"  {check['name']:<22} ~{check['minutes']:.1f} min  {shown}")
+        print(f"  {check['name']:<22} ~{check['minutes']:.1f} min  [{check['phase']}]  {shown}")
+    print(
+        "Comparisons (tolerances in benchmarks/gpu_check.py TOLERANCE): "
+        + ", ".join(f"{k} {v}" for k, v in TOLERANCE.items())
+    )
+    if gpus < 2:
+        print("Two-process checks that cannot run on one GPU, and why:")
+        for what, why in TWO_PROCESS_ON_ONE_GPU.items():
+            print(f"  {what}: {why}")
+        print(f"  instead: a 2-rank gloo probe on cuda:0 tensors of {', '.join(PROBE_COLLECTIVES)}")
     if args.dry_run:
         return 0
     if not names and not args.tiny:
@@ -315,43 +759,60 @@ def main(argv=None) -> int:
         )
         return 2
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "gpu_check_matrix.json").write_text(json.dumps(matrix, indent=2) + "\n")
-    status = runner.main(
-        [
-            "--matrix",
-            str(output_dir / "gpu_check_matrix.json"),
-            "--output_dir",
-            str(output_dir),
-            "--timeout",
-            str(args.timeout),
-        ]
-    )
-    records = {
-        json.loads(path.read_text())["group"]: json.loads(path.read_text())
-        for path in (output_dir / "runs").glob("*.json")
-    }
-    memory_gib = 80.0  # the planner's per-device estimate does not depend on it (only whether it fits)
-    summary = []
+    timeout = args.timeout or (900 if args.tiny else 240)
+    status = run_phases(plan, output_dir, timeout, jobs, "gpu_check" + ("-tiny" if args.tiny else ""))
+    records = {}
+    for path in (output_dir / "runs").glob("*.json"):
+        record = json.loads(path.read_text())
+        records[record["group"]] = record
+    cuda = bool(names) and not args.tiny
+    launches = []
     for check in plan:
         record = records.get(check["name"], {})
-        row = {
-            "check": check["name"],
-            "status": record.get("status", "missing"),
-            "reason": record.get("reason"),
-            "perf/tokens_per_sec": record.get("perf/tokens_per_sec"),
-            "perf/samples_per_sec": record.get("perf/samples_per_sec"),
-            "perf/mfu": record.get("perf/mfu"),
-            "memory/peak_gib": record.get("memory/peak_gib"),
-            "plan/estimate": planner_estimate(record, memory_gib),
-        }
-        summary.append(row)
-        mfu = f"MFU {row['perf/mfu']:.1%}" if row["perf/mfu"] else "MFU -"
-        print(
-            f"{row['status'].upper():>7} {check['name']:<22} tokens/s {row['perf/tokens_per_sec'] or 0:>10.0f}  {mfu} "
-            f" peak {row['memory/peak_gib']}  planner {row['plan/estimate']}"
+        launches.append(
+            {
+                "check": check["name"],
+                "status": record.get("status", "missing"),
+                "reason": record.get("reason"),
+                # Speed only from the launches that ran alone; the others shared the machine.
+                "measured_alone": check["phase"] == "alone",
+                **{key: record.get(key) for key in ("perf/tokens_per_sec", "perf/samples_per_sec", "perf/mfu")},
+                "memory/peak_gib": record.get("memory/peak_gib"),
+            }
         )
-    (output_dir / "gpu_check.json").write_text(json.dumps({"gpus": names, "checks": summary}, indent=2) + "\n")
-    return 1 if status or any(row["status"] != "ok" for row in summary) else 0
+        mfu = f"MFU {record['perf/mfu']:.1%}" if record.get("perf/mfu") else "MFU -"
+        alone = "" if check["phase"] == "alone" else " (shared machine)"
+        print(
+            f"{launches[-1]['status'].upper():>7} {check['name']:<22} "
+            f"tokens/s {record.get('perf/tokens_per_sec') or 0:>10.0f}"
+            f"{alone}  {mfu}  peak {record.get('memory/peak_gib')}"
+        )
+    verdicts = judge(plan, records, output_dir, cuda)
+    if gpus < 2:
+        probe = two_rank_probe("cuda:0" if cuda else "cpu")
+        broken = "error" in probe
+        line = "; ".join(f"{op} {probe.get(op)}" for op in PROBE_COLLECTIVES) if not broken else probe["error"]
+        verdicts.append(
+            {
+                "comparison": f"two ranks on one {'GPU' if cuda else 'CPU'} over gloo",
+                # The probe reports which collectives work; it fails only when it could not run at all.
+                "status": "fail" if broken else "info",
+                "line": line,
+                "tolerance": None,
+                "probe": probe,
+                "cannot_run_on_one_gpu": TWO_PROCESS_ON_ONE_GPU,
+            }
+        )
+    for row in verdicts:
+        print(f"{row['status'].upper():>7} {row['comparison']}: {row['line']}")
+    (output_dir / "gpu_check.json").write_text(
+        json.dumps({"gpus": names, "tolerances": TOLERANCE, "comparisons": verdicts, "launches": launches}, indent=2)
+        + "\n"
+    )
+    failed = (
+        status or any(row["status"] != "ok" for row in launches) or any(row["status"] == "fail" for row in verdicts)
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

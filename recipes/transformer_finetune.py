@@ -632,6 +632,7 @@ def main():
     )
     logged_loss = torch.zeros((), device=accelerator.device)  # sum of step losses since the last log
     logged_steps, last_logged_loss = 0, None
+    loss_curve = []  # each logged train/loss: the mean over the last --logging_steps steps
     real_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     padded_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     for epoch in range(starting_epoch, num_train_epochs):
@@ -673,6 +674,7 @@ def main():
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 # Sync point: reduce() and .item() wait for every process.
                 last_logged_loss = accelerator.reduce(logged_loss, reduction="mean").item() / logged_steps
+                loss_curve.append(last_logged_loss)
                 logged_loss.zero_()
                 logged_steps = 0
                 progress_bar.set_postfix({"train/loss": f"{last_logged_loss:.4f}"})
@@ -783,6 +785,9 @@ def main():
         "model/trainable_parameters": sum(p.numel() for p in unwrapped.parameters() if p.requires_grad),
         "model/total_parameters": sum(p.numel() for p in unwrapped.parameters()),
         "train/loss": last_logged_loss,
+        "train/loss_curve": loss_curve,
+        # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).
+        "train/grad_scale": accelerator.scaler.get_scale() if accelerator.scaler is not None else None,
         **results_eval,
         **perf,
         "config": run_config,

@@ -138,31 +138,128 @@ def test_regression_gate(bench, tmp_path):
 
 
 def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
-    """The prepared GPU check plans its launches on any machine (CI has no GPU): under 8 minutes on one GPU, the
-    two-GPU checks added for two, every command a real launch of a recipe with a config that exists."""
+    """The prepared GPU check plans its launches on any machine (CI has no GPU): under 7 minutes on one GPU, the
+    two-GPU checks added for two, every command a real launch of a recipe with a config that exists, and on one GPU the
+    two-process checks it cannot run, with why."""
     one = cli("gpu_check.py", "--dry_run", "--gpus", "1", timeout=120)
     assert one.returncode == 0, one.stdout + one.stderr
-    minutes = float(one.stdout.split("checks, about ")[1].split(" minutes")[0])
-    assert minutes < 8
-    names = [line.split()[0] for line in one.stdout.splitlines()[1:] if line.startswith("  ")]
-    assert names == [
+    minutes = float(one.stdout.split("launches, about ")[1].split(" minutes")[0])
+    assert minutes < 7
+    launches = [line for line in one.stdout.splitlines()[1:] if line.startswith("  ") and " min  [" in line]
+    assert [line.split()[0] for line in launches] == [
+        "finetune-fp32",
         "finetune-bf16",
         "finetune-fp16",
         "finetune-device_map",
-        "lm-single",
+        "lm-base",
         "lm-fsdp-1process",
         "lm-device_map",
-        "lm-base",
-        "llm-lora-bf16",
-        "llm-qlora-bf16",
         "linear_toy",
+        "llm-lora-bf16",
+        "llm-lora-bf16-no_gc",
+        "llm-qlora-bf16",
+        "lm-single",
     ]
-    for line in one.stdout.splitlines()[1:]:
+    for line in launches:
         config = line.split("--config_file ")[1].split()[0]
         script = next(part for part in line.split() if part.startswith("recipes/"))
         assert (REPO / config).is_file() and (REPO / script).is_file(), line
     assert "--mixed_precision fp16" in one.stdout and "--num_processes 1" in one.stdout
+    assert "cannot run on one GPU" in one.stdout and "Duplicate GPU" in one.stdout
     two = cli("gpu_check.py", "--dry_run", "--gpus", "2", timeout=120)
     assert two.returncode == 0 and {"lm-ddp", "lm-fsdp", "lm-pipeline-1f1b-m4", "finetune-ddp"} <= set(
         two.stdout.split()
     )
+    assert "cannot run on one GPU" not in two.stdout
+
+
+def test_gpu_check_only_pulls_in_the_references_its_comparisons_need():
+    import gpu_check
+
+    def names(*words):
+        return {check["name"] for check in gpu_check.select(gpu_check.checks(1, False), list(words))}
+
+    assert names("fp16") == {"finetune-fp16", "finetune-fp32"}
+    assert names("lm-device_map") == {"lm-device_map", "lm-base"}
+    assert names("llm-lora-bf16") == {"llm-lora-bf16", "llm-lora-bf16-no_gc", "lm-base"}
+    assert names("llm-qlora") == {"llm-qlora-bf16", "lm-base"}
+
+
+def fabricated_run(root: Path, name: str, **results) -> dict:
+    """A record and results.json as the runner leaves them, with made-up numbers."""
+    folder = root / "work" / name
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"config": {}, **results}))
+    peak = results.pop("peak", None)
+    return {
+        "status": "ok",
+        "run_id": name,
+        "results_file": f"work/{name}/results.json",
+        "memory/peak_gib": {"cuda:0": peak},
+    }
+
+
+def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):
+    """Each comparison of gpu_check.py, fed fabricated runs: one inside its tolerance passes, one beyond it fails and
+    says the numbers (remove a comparison and its run goes unjudged: this test fails)."""
+    import gpu_check
+
+    plan = [
+        check
+        for check in gpu_check.checks(1, False)
+        if check["name"] not in ("llm-qlora-bf16",) and check["recipe"] != "train_lm"
+    ]
+    plan += [{"name": "lm-base", "recipe": "-"}, {"name": "lm-fsdp-1process", "recipe": "-"}]
+    plan += [{"name": "lm-device_map", "recipe": "-"}]
+    reference = [2.0, 1.5, 1.0]
+    runs = {
+        "finetune-fp32": dict(**{"train/loss_curve": reference}),
+        "finetune-bf16": {"train/loss_curve": [2.02, 1.52, 1.01]},  # within 0.05 + 10 %
+        "finetune-fp16": {"train/loss_curve": [2.0, 1.5, 1.4], "train/grad_scale": 1.0},  # 0.4 off; scaler off
+        "finetune-device_map": {"train/loss_curve": [2.0, float("nan"), 1.0]},
+        "lm-base": {"train/loss_curve": [7.0, 6.5]},
+        "lm-fsdp-1process": {"train/loss_curve": [7.0, 6.5001]},  # 1.5e-5 relative: inside 1e-3
+        "lm-device_map": {"train/loss_curve": [7.0, 6.52]},  # 3e-3 relative: beyond
+        "llm-lora-bf16": {"peak": 1.0},
+        "llm-lora-bf16-no_gc": {"peak": 1.05},  # checkpointing saved 5 % only
+        "linear_toy": {"eval/max_abs_weight_error": 0.5},
+    }
+    records = {name: fabricated_run(tmp_path, name, **results) for name, results in runs.items()}
+    verdicts = {row["comparison"]: row for row in gpu_check.judge(plan, records, tmp_path, cuda=True)}
+    status = {name: row["status"] for name, row in verdicts.items()}
+    assert status == {
+        "finetune bf16 = fp32": "pass",
+        "finetune fp16 = fp32": "fail",
+        "fp16 GradScaler scales": "fail",
+        "finetune device_map = single": "fail",
+        "lm FSDP2 in 1 process = single": "pass",
+        "lm device_map split = single": "fail",
+        "gradient checkpointing saves memory": "fail",
+        "linear_toy = its true line": "fail",
+    }
+    assert "0.4 at point 2 (1.4 vs 1)" in verdicts["finetune fp16 = fp32"]["line"]
+    assert "scale 1.0" in verdicts["fp16 GradScaler scales"]["line"]
+    assert "inf at point 1" in verdicts["finetune device_map = single"]["line"]
+    assert "6.52 vs 6.5" in verdicts["lm device_map split = single"]["line"]
+    assert "+4.8% saved" in verdicts["gradient checkpointing saves memory"]["line"]
+    assert verdicts["lm device_map split = single"]["tolerance"] == gpu_check.TOLERANCE["lm-fp32"]
+
+    # The planner: within 15 % passes; 20 % under says so, and the 4-bit facts of a base that stayed 16-bit fail.
+    assert gpu_check.compare_planner("p", 10.0, 11.0, 0.15)["status"] == "pass"
+    missed = gpu_check.compare_planner("p", 10.0, 8.0, 0.15)
+    assert missed["status"] == "fail" and "-20.0%" in missed["line"] and "8.000 GiB" in missed["line"]
+    facts = dict(linear4bit=0, params4bit=0, quantizable_linear=84, params4bit_bytes=0, bf16_bytes_of_same=0)
+    assert gpu_check.compare_4bit("q", facts, 0.3)["status"] == "fail"
+    packed = dict(facts, linear4bit=84, params4bit=84, params4bit_bytes=25, bf16_bytes_of_same=100)
+    assert gpu_check.compare_4bit("q", packed, 0.3)["status"] == "pass"
+    assert gpu_check.compare_4bit("q", dict(packed, params4bit_bytes=50), 0.3)["status"] == "fail"
+    some = gpu_check.compare_4bit("q", dict(packed, linear4bit=80, params4bit=80), 0.3)  # 4 layers left in 16 bits
+    assert some["status"] == "fail" and "80 Linear4bit modules" in some["line"] and "84 quantizable" in some["line"]
+
+
+def test_gpu_check_two_rank_probe_runs_on_the_cpu():
+    """The one-GPU probe of the collectives DDP and FSDP2 need, as two gloo ranks on one device: here the CPU."""
+    import gpu_check
+
+    probe = gpu_check.two_rank_probe("cpu", timeout=240)
+    assert probe == {"device": "cpu", "backend": "gloo", **{op: "ok" for op in gpu_check.PROBE_COLLECTIVES}}
