@@ -807,7 +807,7 @@ def main():
                     for name, parameter in model.named_parameters()
                     if not parameter.requires_grad
                 }
-            ),
+            )
         }
     if lora and parallelism.name != "fsdp":
         # Checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model): save_state hands its
