@@ -888,17 +888,16 @@ def main():
     )
     loading = {}
     if low_ram:
-        # What low-RAM loading gave each process, for results.json: whether it read the checkpoint, and the sum of
-        # every frozen weight's local shard (tests compare them with the checkpoint's slices). A collective.
+        # What low-RAM loading gave each process, for results.json: the sum of every frozen weight's local shard
+        # (tests compare them with the checkpoint's slices). A collective.
         loading = {
-            "loading/read_checkpoint": per_rank(accelerator.is_main_process or bool(args.load_in_4bit)),
             "loading/shard_sums": per_rank(
                 {
                     name: float((parameter.to_local() if hasattr(parameter, "to_local") else parameter).double().sum())
                     for name, parameter in model.named_parameters()
                     if not parameter.requires_grad
                 }
-            ),
+            )
         }
     if lora:
         # Checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model); loaded non-strictly.

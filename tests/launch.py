@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
 RECIPES = REPO / "recipes"
 RUN_MARKER = "TWO_GPU_RECIPES_TEST_RUN"
+OBSERVER = Path(__file__).resolve().parent / "observer"
 
 
 @dataclass
@@ -196,6 +197,28 @@ def launch_ok(config, script, *args, **kwargs) -> Run:
 
 def read_results(output_dir: str | Path) -> dict:
     return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+def observer_env(folder: Path) -> dict:
+    """The environment that makes every process of a launch load ``tests/observer/sitecustomize.py``, which writes what
+    the process did (weights files opened, activation bytes saved per backward, 4-bit calls) in ``folder`` at exit."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "OBSERVE_DIR": str(folder),
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), os.environ.get("PYTHONPATH")))),
+    }
+
+
+def observed(folder: Path, script: str) -> dict[str, dict]:
+    """``rank0``, ``rank1``, ... -> what the observer saw in the process of that rank that ran ``script``."""
+    seen = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        process = json.loads(path.read_text())
+        if Path(process["script"]).name == Path(script).name:
+            rank = f"rank{process['rank']}"
+            assert rank not in seen, f"two processes of {rank} ran {script} in {folder}"
+            seen[rank] = process
+    return seen
 
 
 @dataclass

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch_all, read_results, visible_gpus
+from launch import REPO, Job, launch_all, observed, observer_env, read_results, visible_gpus
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -241,12 +241,22 @@ def runs(base, tmp_path_factory):
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
+    # What these runs really did, seen by tests/observer (no extra launch): the weights files each process opened
+    # (low-RAM loading), the activation bytes autograd saved per backward (gradient checkpointing), the calls into
+    # bitsandbytes' 4-bit kernels (QLoRA).
+    for name in ("offload", "fsdp", "full", "2x4", "qlora", "qlora_fsdp"):
+        jobs[name].env = observer_env(root / "observed" / name)
     # Every run on the kind of device the 2-process runs get, so that the exact comparisons compare like with like.
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
     out = {}
     for name, run in finished.items():
         assert run.returncode == 0, f"{name}: {run}"
-        out[name] = {"dir": root / name, "results": read_results(root / name), "log": run.output}
+        out[name] = {
+            "dir": root / name,
+            "results": read_results(root / name),
+            "log": run.output,
+            "observed": observed(root / "observed" / name, RECIPE),
+        }
     return out
 
 
@@ -297,26 +307,37 @@ def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
     np.testing.assert_allclose(split["train/loss_curve"], reference, rtol=1e-5)
 
 
-def test_lora_with_cpu_offload_and_low_ram_loading_trains_like_one_process(runs, base):
-    """Offload: every parameter FSDP2 holds is offloaded, AdamW's state lives on the CPU. Low-RAM loading: only
-    rank 0 read the checkpoint, and every rank's shard of every frozen weight sums to its slice of the checkpoint
-    (FSDP2 shards dim 0 in torch.chunk pieces): rank 1 received rank 0's weights, not random or empty ones."""
-    from safetensors.torch import load_file
-
+def test_lora_with_cpu_offload_trains_like_one_process(runs):
+    """Offload: every parameter FSDP2 holds is offloaded, AdamW's state lives on the CPU, and the steps are one
+    process's."""
     offload = runs["offload"]["results"]
     assert offload["parallelism"] == "fsdp"
     for facts in offload["fsdp/sharding"].values():
         assert facts["offloaded_parameters"] == facts["parameters"] and facts["optimizer_state_devices"] == ["cpu"]
-    assert offload["loading/read_checkpoint"] == {"rank0": True, "rank1": False}
+    np.testing.assert_allclose(offload["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"], rtol=1e-5)
+    assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
+
+
+def test_low_ram_loading_reads_the_checkpoint_in_rank_0_only_and_hands_its_weights_to_rank_1(runs, base):
+    """Under the offload config (fsdp_cpu_ram_efficient_loading) rank 1 never opened the base's model.safetensors (the
+    observer saw every weights file each process opened; rank 1 built the model on the meta device), rank 0 did; under
+    fsdp_2gpu.yaml (no low-RAM loading) both did, so the observer sees rank 1's reads. Every rank's shard of every
+    frozen weight sums to its slice of the checkpoint (FSDP2 shards dim 0 in torch.chunk pieces): rank 1 received
+    rank 0's weights, not random or empty ones."""
+    checkpoint_file = str((base / "model.safetensors").resolve())
+    low_ram = {rank: process["opened"] for rank, process in runs["offload"]["observed"].items()}
+    assert set(low_ram) == {"rank0", "rank1"}
+    assert checkpoint_file in low_ram["rank0"] and checkpoint_file not in low_ram["rank1"], low_ram
+    plain = {rank: process["opened"] for rank, process in runs["fsdp"]["observed"].items()}
+    assert set(plain) == {"rank0", "rank1"} and all(checkpoint_file in opened for opened in plain.values()), plain
     checkpoint = load_file(base / "model.safetensors")
+    offload = runs["offload"]["results"]
     for rank, sums in offload["loading/shard_sums"].items():
         assert len(sums) == len(checkpoint), sorted(sums)
         for name, value in sums.items():
             weight = checkpoint[name.removeprefix("base_model.model.").replace(".base_layer", "")]
             expected = float(torch.chunk(weight, 2, dim=0)[int(rank.removeprefix("rank"))].double().sum())
             assert value == pytest.approx(expected, rel=1e-6, abs=1e-9), (rank, name)
-    np.testing.assert_allclose(offload["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"], rtol=1e-5)
-    assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
 
 
 def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs, base, tmp_path, monkeypatch):
@@ -351,14 +372,35 @@ def test_evaluation_counts_every_answer_token_of_every_validation_sample_once(ru
     assert one["eval/perplexity"] == pytest.approx(np.exp(one["eval/loss"]))
 
 
-def test_qlora_trains_a_4bit_base_and_merges_into_a_full_precision_copy(runs):
+def went_through_4bit_weights(process: dict, linear_layers: int, steps: int) -> None:
+    """What the observer saw in one QLoRA process: every forward of a 4-bit linear layer called bitsandbytes' 4-bit
+    matmul, its backward dequantized the 4-bit weights, and every weight the matmul used is stored in half a byte per
+    weight it stands for (4 bits)."""
+    calls = process["bitsandbytes"]
+    assert calls.get("matmul_4bit", 0) >= steps * linear_layers, calls
+    assert calls.get("dequantize_4bit", 0) > 0, calls
+    assert process["four_bit_bytes_per_weight"] and set(process["four_bit_bytes_per_weight"].values()) == {0.5}
+
+
+def test_qlora_trains_a_4bit_base_and_merges_into_a_full_precision_copy(runs, base):
     from transformers import AutoModelForCausalLM
 
-    results = runs["qlora"]["results"]
-    assert results["method"] == "qlora" and results["train/loss"] == results["train/loss"]
-    assert (
-        results["model/total_parameters"] == runs["1x8"]["results"]["model/total_parameters"]
-    )  # 4-bit counted as parameters
+    results, lora = runs["qlora"]["results"], runs["1x8"]["results"]
+    assert results["train/loss"] == results["train/loss"]
+    assert results["model/total_parameters"] == lora["model/total_parameters"]  # 4-bit counted as parameters
+    # The base's 28 linear weights (7 per block) were quantized at loading and used in 4 bits in each of the 2 steps.
+    checkpoint = load_file(base / "model.safetensors")
+    linear = {name: weight.numel() for name, weight in checkpoint.items() if name.endswith("proj.weight")}
+    process = runs["qlora"]["observed"]["rank0"]
+    assert process["bitsandbytes"].get("quantize_4bit", 0) >= len(linear) == 28, process["bitsandbytes"]
+    went_through_4bit_weights(process, len(linear), steps=2)
+    # Parameter bytes as stored, against the fp32 LoRA run on the same base (the same adapter, the same float32
+    # embeddings, norms and head): each of the n linear weights takes 4 bytes there and half a byte here (NF4 codes
+    # packed two per byte into float32 storage), so the difference is exactly 3.5 n bytes.
+    numel = sum(linear.values())
+    stored = {name: runs[name]["results"]["memory/model_state_bytes"]["rank0"] for name in ("1x8", "qlora")}
+    difference = stored["1x8"]["parameters"] - stored["qlora"]["parameters"]
+    assert difference == 3.5 * numel, (difference, numel)
     merged = AutoModelForCausalLM.from_pretrained(runs["qlora"]["dir"] / "merged")
     assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
 
@@ -367,7 +409,10 @@ def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
     one, fsdp = runs["qlora"]["results"], runs["qlora_fsdp"]["results"]
     assert (fsdp["parallelism"], fsdp["distributed_type"], fsdp["global_batch_size"]) == ("fsdp", "FSDP", 8)
     np.testing.assert_allclose(fsdp["train/loss_curve"], one["train/loss_curve"], rtol=1e-5)
+    observed_ranks = runs["qlora_fsdp"]["observed"]
+    assert set(observed_ranks) == {"rank0", "rank1"}
     for rank, facts in fsdp["fsdp/sharding"].items():
+        went_through_4bit_weights(observed_ranks[rank], linear_layers=28, steps=2)
         assert (
             facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
         )
@@ -436,8 +481,22 @@ def test_formats_are_detected_and_tokens_counted_separately(runs):
     assert "tokenizer: no pad token, using the end-of-sequence token" in runs["1x8"]["log"]
     for results in (packed, text, runs["1x8"]["results"]):
         assert results["perf/tokens_per_sec"] > results["perf/answer_tokens_per_sec"] > 0
-    full = runs["full"]["results"]
-    assert full["config"]["gradient_checkpointing"] and full["config"]["group_by_length"]
+    assert runs["full"]["results"]["config"]["group_by_length"]
+
+
+def test_gradient_checkpointing_saves_fewer_activation_bytes_per_token_in_a_full_fine_tune(runs):
+    """The full fine-tune (DDP, micro-batches of 4 padded to their longest, up to 96 tokens) ran with
+    --gradient_checkpointing; the 2x4 run (DDP, the same micro-batch shape, no checkpointing) is its reference. Per
+    backward, the observer counted the bytes autograd kept and the micro-batch's tokens (the largest integer tensor it
+    kept: the token ids of the embedding or the loss). Checkpointed, each decoder block keeps only its input; without,
+    its attention and MLP intermediates too: measured several times fewer bytes per token here."""
+    for rank in ("rank0", "rank1"):
+        per_token = {}
+        for name in ("full", "2x4"):
+            process = runs[name]["observed"][rank]
+            assert process["saved_bytes"] and min(process["saved_index_elements"]) > 0, (name, rank)
+            per_token[name] = [b / t for b, t in zip(process["saved_bytes"], process["saved_index_elements"])]
+        assert max(per_token["full"]) <= 0.5 * min(per_token["2x4"]), (rank, per_token)
 
 
 # ----------------------------------------------------------------------------- in-process: labels, packing

@@ -1,0 +1,151 @@
+"""A test-only observer: what a launched recipe process really did, seen from outside the recipe.
+
+Python imports ``sitecustomize`` at start-up from the first folder of ``sys.path`` that has one, so every process of a
+launch whose environment puts this folder on PYTHONPATH (the launcher, its workers) loads it, with no change to the
+recipes. It does nothing unless OBSERVE_DIR is set; then, at exit, each process that ran a script writes
+``<script>-rank<RANK>-<pid>.json`` into OBSERVE_DIR (``observed`` in tests/launch.py reads them) with:
+
+- ``opened``: every weights file it opened, through ``safetensors.safe_open`` (what transformers' ``from_pretrained``
+  and ``safetensors.torch.load_file`` read with) or ``torch.load``. A process that built its model on the meta device
+  opened none.
+- ``saved_bytes``/``saved_index_elements``: per backward call, the bytes of the distinct storages autograd saved for
+  it (counted by a default ``saved_tensors_hooks`` pair pushed at start-up), and the largest integer tensor among them
+  (the token ids the embedding and the loss keep: a count of the tokens in the micro-batch). Non-reentrant activation
+  checkpointing pushes hooks of its own around each checkpointed block, and only the innermost pair of hooks applies,
+  so what a checkpointed block would have saved never reaches these hooks: the count falls.
+- ``bitsandbytes``: calls into bitsandbytes' 4-bit entry points (``quantize_4bit`` at loading, ``matmul_4bit`` in
+  every forward of a ``Linear4bit``, ``dequantize_4bit`` in its backward), and for each 4-bit weight a forward used,
+  the bytes it is stored in per weight it stands for (0.5: 4 bits).
+
+Patches are applied right after the module they patch is imported (a ``sys.meta_path`` finder), before anything else
+can bind the originals, and cost one Python call per saved tensor, file open or 4-bit call.
+"""
+
+import atexit
+import json
+import os
+import sys
+from importlib.machinery import PathFinder
+
+OBSERVE_DIR = os.environ.get("OBSERVE_DIR")
+record = {
+    "opened": [],
+    "saved_bytes": [],
+    "saved_index_elements": [],
+    "bitsandbytes": {},
+    "four_bit_bytes_per_weight": {},
+}
+_step = {"storages": {}, "index_elements": 0}
+
+
+def _note_open(path) -> None:
+    if isinstance(path, (str, os.PathLike)):
+        record["opened"].append(os.path.realpath(path))
+
+
+def _count(name: str) -> None:
+    record["bitsandbytes"][name] = record["bitsandbytes"].get(name, 0) + 1
+
+
+# ----------------------------------------------------------------------------- the patches
+def patch_safetensors(safetensors) -> None:
+    # safetensors.torch (load_file) and transformers bind `safe_open` after this package is imported: they get this.
+    original = safetensors.safe_open
+
+    def safe_open(filename, *args, **kwargs):
+        _note_open(filename)
+        return original(filename, *args, **kwargs)
+
+    safetensors.safe_open = safe_open
+
+
+def patch_torch(torch) -> None:
+    original_load, original_backward = torch.load, torch.autograd.backward
+
+    def load(f, *args, **kwargs):
+        _note_open(f)
+        return original_load(f, *args, **kwargs)
+
+    def pack(tensor):
+        try:
+            storage = tensor.untyped_storage()
+            key, size = (storage.data_ptr(), tensor.device.type), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage: count its elements
+            key, size = id(tensor), tensor.numel() * tensor.element_size()
+        _step["storages"][key] = max(size, _step["storages"].get(key, 0))
+        if not tensor.is_floating_point() and not tensor.is_complex():
+            _step["index_elements"] = max(_step["index_elements"], tensor.numel())
+        return tensor.detach()  # not the tensor itself: an output saved for its own grad_fn would make a cycle
+
+    def backward(*args, **kwargs):
+        # Everything packed since the last backward call was saved for this one: close the count.
+        record["saved_bytes"].append(sum(_step["storages"].values()))
+        record["saved_index_elements"].append(_step["index_elements"])
+        _step["storages"], _step["index_elements"] = {}, 0
+        return original_backward(*args, **kwargs)
+
+    torch.load = load
+    torch.autograd.backward = backward  # Tensor.backward (and so accelerator.backward) looks it up at each call
+    # A default pair for the whole process (this runs on the main thread, which runs the forwards), never popped.
+    torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor).__enter__()
+
+
+def patch_bitsandbytes(bnb) -> None:
+    # Linear4bit.forward calls bnb.matmul_4bit, Params4bit quantizes with bnb.functional.quantize_4bit and the 4-bit
+    # matmul's backward dequantizes with F.dequantize_4bit (F is bnb.functional): all looked up at each call.
+    functional = bnb.functional
+    original_matmul = bnb.matmul_4bit
+
+    def matmul_4bit(A, B, quant_state, *args, **kwargs):
+        _count("matmul_4bit")
+        weights = 1
+        for size in quant_state.shape:
+            weights *= size
+        record["four_bit_bytes_per_weight"][str(tuple(quant_state.shape))] = B.numel() * B.element_size() / weights
+        return original_matmul(A, B, quant_state, *args, **kwargs)
+
+    bnb.matmul_4bit = matmul_4bit
+    for name in ("quantize_4bit", "dequantize_4bit"):
+        original = getattr(functional, name)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            _count(_name)
+            return _original(*args, **kwargs)
+
+        setattr(functional, name, counted)
+
+
+PATCHES = {"safetensors": patch_safetensors, "torch": patch_torch, "bitsandbytes": patch_bitsandbytes}
+
+
+class PatchAfterImport:
+    """Finds the patched modules with the ordinary path finder and patches each right after it has executed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in PATCHES:
+            return None
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            PATCHES[name](module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def write() -> None:
+    script = sys.argv[0] if sys.argv else ""  # __main__.__file__ is gone by now
+    if not script.endswith(".py"):
+        return
+    name = f"{os.path.basename(script)}-rank{os.environ.get('RANK', '0')}-{os.getpid()}.json"
+    with open(os.path.join(OBSERVE_DIR, name), "w") as file:
+        json.dump({"script": os.path.realpath(script), "rank": int(os.environ.get("RANK", "0")), **record}, file)
+
+
+if OBSERVE_DIR:
+    sys.meta_path.insert(0, PatchAfterImport())
+    atexit.register(write)
