@@ -467,6 +467,92 @@ def qlora_facts(base_dir: Path, adapter_dir: Path) -> dict:
     return facts
 
 
+def weights_dominant_base(folder: Path) -> int:
+    """A Llama whose 4-bit weights outweigh everything else a short QLoRA step holds (8 blocks of hidden 1,024, a
+    vocabulary of ~400), saved in bf16 with a tokenizer in ``folder``; returns the count of its quantizable Linear
+    weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    sys.path.insert(0, str(REPO))
+    from shared.data import stdlib_questions
+    from shared.lm_data import train_bpe_tokenizer
+
+    questions = stdlib_questions()
+    tokenizer = train_bpe_tokenizer((m["content"] for row in questions["train"] for m in row["messages"]), 400)
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    return sum(
+        module.weight.numel()
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name != "lm_head"
+    )
+
+
+def qlora_split_verdict(output_dir: Path, cuda: bool) -> dict:
+    """QLoRA under the device_map split (one GPU: cuda:0 + the CPU; two: both GPUs): no GPU ever holds the whole
+    4-bit model. The recipe quantizes on the CPU and moves each block to its device; loaded onto a GPU first, the
+    whole model sat there before the split. Measured: each GPU's peak against the whole model's 4-bit weights, on a
+    base whose weights dominate (a rank-1 adapter on q_proj, 2 steps of one sample of up to 64 tokens)."""
+    name = "QLoRA split never holds the whole 4-bit model on one GPU"
+    if not cuda:
+        return skipped(name, "on the CPU both parts of the split are host RAM")
+    base = output_dir / "work" / "qlora-split" / "base"
+    linear = weights_dominant_base(base)
+    out = output_dir / "work" / "qlora-split" / "out"
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / "model_sharding_2gpu.yaml"),
+        str(REPO / "recipes" / "llm_finetune.py"),
+        "--model_name_or_path",
+        str(base),
+        "--load_in_4bit",
+        "--lora_r",
+        "1",
+        "--lora_target_modules",
+        "q_proj",
+        "--parallelism",
+        "device_map",
+        "--mixed_precision",
+        "bf16",
+        "--max_train_steps",
+        "2",
+        "--max_train_samples",
+        "16",
+        "--max_length",
+        "64",
+        "--per_device_train_batch_size",
+        "1",
+        "--skip_eval",
+        "--output_dir",
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return verdict(name, False, f"the launch failed: {(done.stderr or done.stdout).strip()[-400:]}", None)
+    results = json.loads((out / "results.json").read_text())
+    whole_gib = linear / 2 / 2**30  # NF4: half a byte per weight
+    peaks = {device: gib for device, gib in results["memory/peak_gib"].items() if device.startswith("cuda")}
+    limit = 0.75 * whole_gib
+    ok = bool(peaks) and max(peaks.values()) <= limit
+    line = f"peaks {peaks} GiB; the whole 4-bit model is {whole_gib:.4f} GiB, allowed <= 0.75 of it ({limit:.4f})"
+    return verdict(name, ok, line, 0.75, peaks=peaks, whole_4bit_gib=whole_gib)
+
+
 # Each collective with its check: rank r contributes a tensor full of (r + 1).
 PROBE_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor")
 
@@ -788,6 +874,8 @@ def main(argv=None) -> int:
             f"{alone}  {mfu}  peak {record.get('memory/peak_gib')}"
         )
     verdicts = judge(plan, records, output_dir, cuda)
+    if not args.only or any(word in "qlora-split" for word in args.only):
+        verdicts.append(qlora_split_verdict(output_dir, cuda))
     if gpus < 2:
         probe = two_rank_probe("cuda:0" if cuda else "cpu")
         broken = "error" in probe
