@@ -206,7 +206,8 @@ def main():
     completed_steps, starting_epoch, batches_to_skip = resume.completed_steps, resume.epoch, resume.batches_to_skip
     first_step = completed_steps
     meter = ThroughputMeter(accelerator, warmup_steps=1)
-    loss_curve = []  # global mean loss of each optimizer step run by this process
+    # The global mean loss of each optimizer step; a resumed run starts from the curve its checkpoint saved.
+    loss_curve = list(resume.history.get("train/loss_curve", []))
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
     for epoch in range(starting_epoch, num_train_epochs):
         model.train()
@@ -237,11 +238,23 @@ def main():
                         f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.5f}"
                     )
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
+                    save_checkpoint(
+                        accelerator,
+                        checkpoints_dir,
+                        completed_steps,
+                        args.checkpoints_total_limit,
+                        history={"train/loss_curve": loss_curve},
+                    )
             if completed_steps >= max_train_steps:
                 break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-            save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
+            save_checkpoint(
+                accelerator,
+                checkpoints_dir,
+                completed_steps,
+                args.checkpoints_total_limit,
+                history={"train/loss_curve": loss_curve},
+            )
         if completed_steps >= max_train_steps:
             break
 

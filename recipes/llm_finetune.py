@@ -940,7 +940,8 @@ def main():
     progress_bar = tqdm(
         total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process, desc="training"
     )
-    loss_curve, logged = [], []
+    # The global loss of each step; a resumed run starts from the curve its checkpoint saved.
+    loss_curve, logged = list(resume.history.get("train/loss_curve", [])), []
     # Data-parallel processes each hold 1/N of the batch; DDP and FSDP average gradients over them, so a process's sum
     # of token losses is scaled by N before the division by the step's global answer-token count.
     data_parallel_size = accelerator.num_processes if data_parallel else 1
@@ -996,12 +997,24 @@ def main():
                 logged = []
             if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                 save_checkpoint(
-                    accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit, layout=layout
+                    accelerator,
+                    checkpoints_dir,
+                    completed_steps,
+                    args.checkpoints_total_limit,
+                    layout=layout,
+                    history={"train/loss_curve": loss_curve},
                 )
             if completed_steps >= max_train_steps:
                 break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-            save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit, layout=layout)
+            save_checkpoint(
+                accelerator,
+                checkpoints_dir,
+                completed_steps,
+                args.checkpoints_total_limit,
+                layout=layout,
+                history={"train/loss_curve": loss_curve},
+            )
         if completed_steps >= max_train_steps:
             break
     progress_bar.close()

@@ -290,6 +290,7 @@ def save_stage_checkpoint(
     lr_scheduler,
     pipeline_split: dict,
     total_limit: int | None = None,
+    history: dict | None = None,
 ) -> Path:
     """``shared.checkpoints.save_checkpoint`` for pipeline stages (same folder, atomic rename, ``progress.json`` last),
     but every process writes its own parts: ``stage_{i}/model.safetensors`` for each stage i it holds, and its
@@ -322,7 +323,13 @@ def save_stage_checkpoint(
         os.replace(folder / PIPELINE_FILE, tmp / PIPELINE_FILE)
 
     return save_checkpoint(
-        accelerator, checkpoints_dir, completed_steps, total_limit, write_state=write_stage, layout="pipeline"
+        accelerator,
+        checkpoints_dir,
+        completed_steps,
+        total_limit,
+        write_state=write_stage,
+        layout="pipeline",
+        history=history,
     )
 
 
@@ -1046,7 +1053,8 @@ def main():
     # New Code (pipeline) #
     meter = ThroughputMeter(accelerator, warmup_steps=args.perf_warmup_steps)
     # End New Code #
-    loss_curve = []  # mean training loss of each optimizer step
+    # The mean training loss of each optimizer step; a resumed run starts from the curve its checkpoint saved.
+    loss_curve = list(resume.history.get("train/loss_curve", []))
     step_loss = torch.zeros((), device=accelerator.device)
     log_every = max(1, max_train_steps // 10)
     # New Code (pipeline) #
@@ -1115,6 +1123,7 @@ def main():
                         lr_scheduler,
                         pipeline_split,
                         args.checkpoints_total_limit,
+                        history={"train/loss_curve": loss_curve},
                     )
                     # End New Code #
             if completed_steps >= max_train_steps:
@@ -1130,6 +1139,7 @@ def main():
                 lr_scheduler,
                 pipeline_split,
                 args.checkpoints_total_limit,
+                history={"train/loss_curve": loss_curve},
             )
             # End New Code #
         if completed_steps >= max_train_steps:

@@ -602,7 +602,8 @@ def main():
     meter = ThroughputMeter(
         accelerator, warmup_steps=args.perf_warmup_steps, devices=sorted(set(split_over), key=str) or None
     )
-    loss_curve = []  # mean training loss of each optimizer step
+    # The mean training loss of each optimizer step; a resumed run starts from the curve its checkpoint saved.
+    loss_curve = list(resume.history.get("train/loss_curve", []))
     step_loss = torch.zeros((), device=accelerator.device)
     log_every = max(1, max_train_steps // 10)
     for epoch in range(starting_epoch, num_train_epochs):
@@ -640,12 +641,24 @@ def main():
                     )
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                     save_checkpoint(
-                        accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit, layout=layout
+                        accelerator,
+                        checkpoints_dir,
+                        completed_steps,
+                        args.checkpoints_total_limit,
+                        layout=layout,
+                        history={"train/loss_curve": loss_curve},
                     )
             if completed_steps >= max_train_steps:
                 break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-            save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit, layout=layout)
+            save_checkpoint(
+                accelerator,
+                checkpoints_dir,
+                completed_steps,
+                args.checkpoints_total_limit,
+                layout=layout,
+                history={"train/loss_curve": loss_curve},
+            )
         if completed_steps >= max_train_steps:
             break
     # Collective: every process calls it. With the training FLOPs per token, MFU on CUDA against the GPU's peak.

@@ -632,7 +632,8 @@ def main():
     )
     logged_loss = torch.zeros((), device=accelerator.device)  # sum of step losses since the last log
     logged_steps, last_logged_loss = 0, None
-    loss_curve = []  # each logged train/loss: the mean over the last --logging_steps steps
+    # Each logged train/loss (the mean over the last --logging_steps steps), from the checkpoint's on a resume.
+    loss_curve = list(resume.history.get("train/loss_curve", []))
     real_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     padded_tokens = torch.zeros((), dtype=torch.long, device=accelerator.device)
     for epoch in range(starting_epoch, num_train_epochs):
@@ -683,11 +684,23 @@ def main():
                     step=completed_steps,
                 )
             if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
+                save_checkpoint(
+                    accelerator,
+                    checkpoints_dir,
+                    completed_steps,
+                    args.checkpoints_total_limit,
+                    history={"train/loss_curve": loss_curve},
+                )
             if completed_steps >= max_train_steps:
                 break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-            save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)
+            save_checkpoint(
+                accelerator,
+                checkpoints_dir,
+                completed_steps,
+                args.checkpoints_total_limit,
+                history={"train/loss_curve": loss_curve},
+            )
         if completed_steps >= max_train_steps:
             break
     progress_bar.close()

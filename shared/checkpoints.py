@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -28,13 +28,15 @@ LAYOUTS = {"replica": "whole model (single, ddp or device_map)", "fsdp": "model 
 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike, completed_steps: int,
-                    total_limit: int | None = None, write_state=None, layout: str = "replica") -> Path:
+                    total_limit: int | None = None, write_state=None, layout: str = "replica",
+                    history: dict | None = None) -> Path:
     """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every RNG) to ``checkpoints_dir/step_N``,
     atomically; keeps the newest ``total_limit``; every process calls it. ``write_state(folder)`` replaces
     ``save_state`` (pipeline stages save their own weights). ``layout`` (``replica``: whole weights, resumable by
     single/ddp/device_map; ``fsdp``: shards; ``pipeline``: stages) goes into progress.json. With ``save_on_each_node``
     (machines without a shared disk) the main process of every machine completes its copy, as ``save_state`` writes
-    one on each."""
+    one on each. ``history`` (JSON: e.g. ``{"train/loss_curve": [...]}``, the same on every process) goes into
+    progress.json and comes back as ``ResumePoint.history``, so a resumed run reports its whole curve."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
@@ -51,7 +53,8 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     # Sync point: every process must have written its part before the folder is declared complete.
     accelerator.wait_for_everyone()
     if writes:
-        progress = {"completed_steps": completed_steps, "layout": layout, "manifest": manifest(tmp)}
+        progress = {"completed_steps": completed_steps, "layout": layout, "history": history or {},
+                    "manifest": manifest(tmp)}
         (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
         if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
             old = checkpoints_dir / f".{final.name}.old"
@@ -195,11 +198,13 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where training picks up: optimizer steps done, the epoch to continue, batches of it to skip."""
+    """Where training picks up: optimizer steps done, the epoch to continue, batches of it to skip, and the history
+    the checkpoint was saved with (``save_checkpoint(history=...)``)."""
 
     completed_steps: int = 0
     epoch: int = 0
     batches_to_skip: int = 0
+    history: dict = field(default_factory=dict)
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per_epoch: int,
@@ -214,8 +219,9 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per
         return ResumePoint()
     (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
     completed_steps = checkpoint_steps(checkpoint)
+    history = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("history", {})
     point = ResumePoint(completed_steps, completed_steps // steps_per_epoch,
-                        (completed_steps % steps_per_epoch) * gradient_accumulation_steps)
+                        (completed_steps % steps_per_epoch) * gradient_accumulation_steps, history)
     accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping "
                       f"{point.batches_to_skip} batches)")
     return point
