@@ -704,6 +704,16 @@ def main():
         if completed_steps >= max_train_steps:
             break
     progress_bar.close()
+    # What training did, before the evaluation's forward passes (FSDP2 leaves the root's parameters unsharded after
+    # a forward without backward: the sharding facts are read while every parameter is a shard).
+    perf = meter.summary()
+    # Exact bytes of parameters + gradients + optimizer state per process (the part FSDP shards).
+    perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
+    if parallelism.name == "fsdp":
+        # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
+        perf["fsdp/sharding"] = per_rank(sharding_facts(model, optimizer))
+    token_counts = accelerator.reduce(torch.stack([real_tokens, padded_tokens]), reduction="sum").tolist()
+    perf["train/padding_fraction"] = 1 - token_counts[0] / max(token_counts[1], 1)
 
     # ------------------------------------------------------------------------------- save
     # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
@@ -773,14 +783,6 @@ def main():
     )
     accelerator.log(results_eval, step=completed_steps)
 
-    perf = meter.summary()
-    # Exact bytes of parameters + gradients + optimizer state per process (the part FSDP shards).
-    perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
-    if parallelism.name == "fsdp":
-        # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
-        perf["fsdp/sharding"] = per_rank(sharding_facts(model, optimizer))
-    token_counts = accelerator.reduce(torch.stack([real_tokens, padded_tokens]), reduction="sum").tolist()
-    perf["train/padding_fraction"] = 1 - token_counts[0] / max(token_counts[1], 1)
     results = {
         "recipe": "transformer_finetune",
         "model": args.model_name_or_path,
