@@ -19,6 +19,9 @@ ratios, each paired within a round (A B A B) and reported as the median over rou
 Plots (``OUTPUT_DIR/plots``, matplotlib Agg): throughput per setup, pipeline speedup against the
 ideal curve, peak memory per device. ``--baseline A --candidate B`` compares the throughput of every
 configuration found in both and exits with 1 when one fell by more than ``--threshold``, so it can gate CI.
+
+Records of a smoke run (``run.py --matrix smoke``: ``purpose`` "smoke") are a plumbing check: the report says so
+once, at its top, and judges none of their ratios against the targets.
 """
 
 from __future__ import annotations
