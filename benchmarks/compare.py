@@ -19,6 +19,9 @@ ratios, each paired within a round (A B A B) and reported as the median over rou
 Plots (``OUTPUT_DIR/plots``, matplotlib Agg): throughput per setup, pipeline speedup against the
 ideal curve, peak memory per device. ``--baseline A --candidate B`` compares the throughput of every
 configuration found in both and exits with 1 when one fell by more than ``--threshold``, so it can gate CI.
+
+Records of a smoke run (``run.py --matrix smoke``: ``purpose`` "smoke") are a plumbing check: the report says so
+once, at its top, and judges none of their ratios against the targets.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ TARGETS = {
     "speedup over the plain loop": (">=", 1.3),  # at equal accuracy: read the accuracy table beside it
     "pipeline speedup m=4": (">=", 1.4),
 }
+# Said once at the top of a report with smoke runs (run.py --matrix smoke: its records say purpose "smoke").
+SMOKE_NOTE = (
+    "a plumbing check (2 steps of tiny models): it shows that the runner, the recipes and this report work end to "
+    "end; its numbers mean nothing about speed or accuracy, and no target is judged on it."
+)
 
 
 # ------------------------------------------------------------------------------ loading
@@ -97,6 +105,20 @@ def load(paths: list[str | Path]) -> list[dict]:
             elif "perf/samples_per_sec" in data and "recipe" in data:
                 plain.append((file, {**plain_record(data, file), "_input": label}))
     return records + [record for file, record in plain if file.resolve() not in referenced]
+
+
+def is_smoke(record: dict) -> bool:
+    """A record of a smoke run: ``purpose`` "smoke", or (records written before that field) the smoke matrix."""
+    return record.get("purpose", "smoke" if record.get("matrix") == "smoke" else None) == "smoke"
+
+
+def smoke_banner(records: list[dict]) -> str | None:
+    """The one line that says the numbers are a plumbing check, when some records come from smoke runs."""
+    smoke = sum(is_smoke(record) for record in records)
+    if not smoke:
+        return None
+    scope = "" if smoke == len(records) else f" ({smoke} of {len(records)} records; their ratios are not judged)"
+    return f"**Smoke run{scope}: {SMOKE_NOTE}**"
 
 
 # ------------------------------------------------------------------------------ aggregation
@@ -258,6 +280,7 @@ def ratios(grouped: dict[tuple, list[dict]]) -> list[dict]:
                 "pooled": pooled,
                 "ideal": None,
                 "max_foreign_cpu_share": max(shares) if shares else None,
+                "smoke": any(is_smoke(run) for run in runs_a + runs_b),
             }
             if kind in ("pipeline speedup", "interleaved vs 1f1b", "zero bubble vs 1f1b"):
                 p, m = runs_b[0]["processes"], runs_b[0].get("num_microbatches")
@@ -366,6 +389,9 @@ def markdown(records: list[dict]) -> str:
     grouped = configurations(records)
     several = len({record["_input"] for record in records}) > 1
     lines = ["# Benchmark results", ""]
+    banner = smoke_banner(records)
+    if banner:
+        lines += [banner, ""]
     machines = machines_text(records)
     if machines:
         lines += ["Machines:", *machines, ""]
@@ -400,13 +426,22 @@ def markdown(records: list[dict]) -> str:
             "",
             "## Accuracy and model state (mean ± sd over rounds)",
             "",
-            "| group | setup | eval/accuracy | train/loss | model state, rank 0 (MB) | trained parameters |",
-            "|" + " --- |" * 6,
+            # input (with several folders) and the seeds tell apart two rows of one setup: two machines, or two
+            # trainings of the same recipe with other seeds.
+            "| "
+            + ("input | " if several else "")
+            + "group | setup | runs (seeds) | eval/accuracy | train/loss | model state, rank 0 (MB) "
+            "| trained parameters |",
+            "|" + " --- |" * (7 + several),
         ]
         for key, runs in quality:
             state, trained = model_state(runs[0]), runs[0].get("model/trainable_parameters")
+            seeds = sorted({run.get("seed") for run in runs if run.get("seed") is not None})
             lines.append(
-                f"| {key[-2]} | {key[-1]} | {spread(runs, 'eval/accuracy', '.4f')} "
+                "| "
+                + (f"{key[0]} | " if several else "")
+                + f"{key[-2]} | {key[-1]} | {len(runs)} ({', '.join(map(str, seeds)) or '-'}) "
+                f"| {spread(runs, 'eval/accuracy', '.4f')} "
                 f"| {spread(runs, 'train/loss', '.4f')} "
                 f"| {fmt(state / 1e6 if state else None, '.2f')} | {fmt(trained, ',')} |"
             )
@@ -421,6 +456,7 @@ def markdown(records: list[dict]) -> str:
             "|" + " --- |" * 11,
         ]
         for row in rows:
+            smoke = row["smoke"]  # a plumbing check: no verdict, nothing in bold
             target = target_of(row)
             met = (
                 ""
@@ -431,20 +467,24 @@ def markdown(records: list[dict]) -> str:
                     else " missed"
                 )
             )
+            verdict = f"{target[0]} {target[1]:g}{met}" if target else ""
+            verdict = "not judged: smoke run" if smoke else verdict
+            ratio = fmt(row["ratio"], ".3f") if smoke else f"**{fmt(row['ratio'], '.3f')}**"
             interval = f" [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]" if row.get("interval") else ""
-            rounds = ", ".join(fmt(v, ".3f") + (" (!)" if beyond(v, row.get("bound")) else "") for v in row["paired"])
+            rounds = ", ".join(
+                fmt(v, ".3f") + (" (!)" if beyond(v, row.get("bound")) and not smoke else "") for v in row["paired"]
+            )
             bound = (row.get("bound") or "") + (
-                " **ABOVE BOUND: a measurement error**" if row.get("above_bound") else ""
+                " **ABOVE BOUND: a measurement error**" if row.get("above_bound") and not smoke else ""
             )
             lines.append(
                 f"| {(row['key'][0] + ': ') if several else ''}{row['group']} | {row['comparison']} | {row['setup']} "
                 f"vs {row['reference']} "
-                f"| **{fmt(row['ratio'], '.3f')}**{interval} "
+                f"| {ratio}{interval} "
                 f"| {rounds or '-'} "  # a single round beyond the bound is marked (!): that round was disturbed
                 f"| {fmt(row['pooled'], '.3f')} | {fmt(row['ideal'], '.2f')} "
                 f"| {fmt(row['ratio'] / row['ideal'] if row['ideal'] and row['ratio'] else None, '.0%')} | {bound} "
-                f"| {(target[0] + ' ' + format(target[1], 'g') + met) if target else ''} | "
-                f"{fmt(row['max_foreign_cpu_share'], '.0%')} |"
+                f"| {verdict} | {fmt(row['max_foreign_cpu_share'], '.0%')} |"
             )
         lines += [
             "",
@@ -483,6 +523,8 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
     grouped = configurations(records)
     written = []
     labels = {key: " / ".join(key) for key in grouped}
+    # A smoke run's plots say so in their titles: a plot travels without the summary beside it.
+    smoke = "\n(smoke run: a plumbing check, the numbers mean nothing)" if smoke_banner(records) else ""
 
     # Throughput per setup: tokens/s for the language models, samples/s otherwise; whiskers span the rounds.
     panels = {}
@@ -512,7 +554,7 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
             axis.set_xlabel(
                 metric.split("/")[1].replace("_per_sec", "/s") + " (median; whiskers: min-max over rounds)"
             )
-        figure.suptitle("Throughput per setup")
+        figure.suptitle("Throughput per setup" + smoke)
         figure.tight_layout()
         written.append(folder / "throughput.png")
         figure.savefig(written[-1], dpi=110)
@@ -537,7 +579,7 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
         axis.axhline(1.0, color="grey", linewidth=0.8)
         axis.set_xlabel("micro-batches m")
         axis.set_ylabel("throughput / naive device_map split")
-        axis.set_title("Pipeline speedup (dots: single rounds)")
+        axis.set_title("Pipeline speedup (dots: single rounds)" + smoke)
         axis.legend(fontsize=8)
         figure.tight_layout()
         written.append(folder / "pipeline_speedup.png")
@@ -561,7 +603,7 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
         axis.set_yticks([row + 0.4 - width / 2 for row in range(len(memory))], list(memory), fontsize=8)
         axis.invert_yaxis()
         axis.set_xlabel("peak memory per device (GiB)")
-        axis.set_title("Peak memory per device")
+        axis.set_title("Peak memory per device" + smoke)
         figure.tight_layout()
         written.append(folder / "memory.png")
         figure.savefig(written[-1], dpi=110)
@@ -591,8 +633,12 @@ def report(paths: list[str | Path], output_dir: str | Path | None) -> str:
 
 def regressions(baseline: list[str], candidate: list[str], threshold: float) -> int:
     """Compare median throughput per configuration; 1 if any fell by more than ``threshold``."""
-    before = {key[-2:]: medians(runs) for key, runs in configurations(load(baseline)).items()}
-    after = {key[-2:]: medians(runs) for key, runs in configurations(load(candidate)).items()}
+    baseline_records, candidate_records = load(baseline), load(candidate)
+    banner = smoke_banner(baseline_records + candidate_records)
+    if banner:
+        print(banner.strip("*") + " This gate then checks its own plumbing only.\n")
+    before = {key[-2:]: medians(runs) for key, runs in configurations(baseline_records).items()}
+    after = {key[-2:]: medians(runs) for key, runs in configurations(candidate_records).items()}
     common = [key for key in before if key in after]
     if not common:
         print(

@@ -4,7 +4,8 @@ One runner call launches the smoke matrix (single, ddp, the raw torchrun + DDP b
 device_map split, a GPipe pipeline) plus a run that cannot start and one whose config file does not
 exist; the tests then read its records, its summary and plots, resume it, and gate a doctored copy
 of its results with compare.py's regression check. No assertion on speed: two steps of a tiny model
-say nothing about it, and the runs overlap (--jobs 2) to keep the test short.
+say nothing about it, and the runs overlap (--jobs 2) to keep the test short. The reports say so
+themselves: a smoke run is marked as a plumbing check, and its ratios are not judged against targets.
 """
 
 import json
@@ -79,6 +80,7 @@ def test_runs_recorded_with_the_schema(bench):
     assert ok["pipeline-gpipe-m2"]["parallelism"] == "pipeline" and ok["pipeline-gpipe-m2"]["num_microbatches"] == 2
     assert ok["device_map"]["config_file"] == "accelerate_configs/model_sharding_2gpu.yaml"
     assert "perf/mfu" not in ok["single"]  # MFU only on CUDA
+    assert {record["purpose"] for record in records.values()} == {"smoke"}  # failed and skipped runs too
 
 
 def test_failed_run_recorded_and_others_go_on(bench):
@@ -101,6 +103,56 @@ def test_summary_table_and_plots(bench):
         assert text in stdout and text in (out / "summary.md").read_text()
     for name in ("throughput.png", "pipeline_speedup.png", "memory.png"):
         assert (out / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def ratio_lines(text: str) -> list[str]:
+    section = text.split("## Ratios")[1].split("\n\n")[1]
+    return [line for line in section.splitlines()[2:] if line.startswith("| ")]
+
+
+def test_smoke_summary_is_a_plumbing_check_that_judges_no_target(bench):
+    """A new user's smoke run reads as what it is: one line at the top says the numbers check the plumbing and mean
+    nothing, and no ratio is judged against its target or shown in bold."""
+    stdout, summary = bench["first"].stdout, (bench["out"] / "summary.md").read_text()
+    assert stdout.startswith("Smoke matrix (") and "checks the plumbing" in stdout.splitlines()[0]
+    for text in (stdout, summary):
+        report = text[text.index("# Benchmark results") :]
+        assert report.count("plumbing check") == 1 and report.index("plumbing check") < report.index("## Runs")
+        assert "mean nothing about speed or accuracy" in report
+        rows = ratio_lines(report)
+        assert len(rows) == 3 and all("not judged: smoke run" in row for row in rows), rows
+        assert not any(word in row for row in rows for word in (" met", "missed", "**", "(!)")), rows
+        assert ">= 0.92" not in report and "<= 1.02" not in report
+
+
+def test_accuracy_table_tells_two_runs_apart(bench, tmp_path):
+    """Two folders with the same setups (two machines, two commits): each accuracy row names its input and the seeds
+    of its runs, so no two rows read alike. The same records without the smoke marking are judged again."""
+    first, second = tmp_path / "machine_a", tmp_path / "machine_b"
+    for folder in (first, second):
+        shutil.copytree(bench["out"] / "runs", folder)
+    for path in second.glob("*.json"):  # the second folder as a measurement, with other seeds
+        record = json.loads(path.read_text())
+        record.pop("purpose")
+        record.update(matrix="cpu", seed=43)
+        path.write_text(json.dumps(record))
+    both = cli("compare.py", first, second, "--output_dir", tmp_path / "report")
+    assert both.returncode == 0, both.stdout + both.stderr
+    table = both.stdout.split("## Accuracy and model state")[1].split("\n\n")[1].splitlines()
+    assert table[0].startswith("| input | group | setup | runs (seeds) |"), table[0]
+    rows = [row for row in table[2:] if row.startswith("| ")]
+    assert len(rows) == 8 and len(set(rows)) == 8, rows
+    assert f"| {first} | lm-tiny-data_parallel | ddp | 1 (42) |" in both.stdout
+    assert f"| {second} | lm-tiny-data_parallel | ddp | 1 (43) |" in both.stdout
+    # The smoke folder's ratios stay unjudged; the measurement folder's are judged (met or missed), in bold.
+    records = len(list(first.glob("*.json")))
+    banner = f"**Smoke run ({records} of {2 * records} records; their ratios are not judged):"
+    assert both.stdout.count(banner) == 1 and both.stdout.count("plumbing check") == 1
+    rows = ratio_lines(both.stdout)
+    assert [row.startswith(f"| {first}: ") for row in rows if "not judged: smoke run" in row] == [True] * 3, rows
+    judged = [row for row in rows if row.startswith(f"| {second}: ")]
+    assert len(judged) == 3 and all("| **" in row for row in judged), judged
+    assert sum(" met |" in row or " missed |" in row for row in judged) == 2, judged  # ddp efficiency and overhead
 
 
 def test_rerun_skips_finished_runs(bench):
