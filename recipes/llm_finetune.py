@@ -441,23 +441,25 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
     if fmt != "messages":
         return
     for number, messages in enumerate(dataset["messages"], start=1):
-        where = f"Row {number} of {source}"
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages
-        ):
-            raise RecipeError(
-                f"{where}: 'messages' must be a list of {{role, content}} objects; got {str(messages)[:200]}."
-            )
-        unknown = sorted({m["role"] for m in messages} - ROLES)
-        if unknown:
-            raise RecipeError(
-                f"{where} has the role(s) {unknown}; the roles are {sorted(ROLES)}: {str(messages)[:200]}"
-            )
-        if not any(m["role"] == "assistant" for m in messages):
-            raise RecipeError(
-                f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the answer as "
-                "{'role': 'assistant', 'content': ...}, or drop the row."
-            )
+        check_conversation(messages, f"Row {number} of {source}")
+
+
+def check_conversation(messages, where: str) -> None:
+    """Refuse a ``messages`` value this recipe cannot learn from, in one paragraph that starts with ``where``."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages
+    ):
+        raise RecipeError(
+            f"{where}: 'messages' must be a list of {{role, content}} objects; got {str(messages)[:200]}."
+        )
+    unknown = sorted({m["role"] for m in messages} - ROLES)
+    if unknown:
+        raise RecipeError(f"{where} has the role(s) {unknown}; the roles are {sorted(ROLES)}: {str(messages)[:200]}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecipeError(
+            f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the answer as "
+            "{'role': 'assistant', 'content': ...}, or drop the row."
+        )
 
 
 def data_format(columns: list[str]) -> str:
@@ -487,20 +489,7 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     pieces: list[tuple[str, bool]] = []  # (text, is_answer)
     if fmt == "messages":
         messages, done = sample["messages"], ""
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages
-        ):
-            raise RecipeError(
-                f"A 'messages' value must be a list of {{role, content}} objects; got {str(messages)[:200]}."
-            )
-        unknown = sorted({m["role"] for m in messages} - ROLES)
-        if unknown:
-            raise RecipeError(
-                f"A conversation has the role(s) {unknown}; the roles are {sorted(ROLES)}. Sample: "
-                f"{str(messages)[:200]}"
-            )
-        if not any(m["role"] == "assistant" for m in messages):
-            raise RecipeError(f"A conversation has no assistant turn, so nothing to learn from: {str(messages)[:200]}")
+        check_conversation(messages, "A conversation")  # (rows of files were checked with their row numbers)
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
