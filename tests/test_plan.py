@@ -596,6 +596,15 @@ def test_the_first_line_says_what_was_assumed_and_help_shows_defaults(capsys):
     assert "(default: 4)" in text and "(default: 1024)" in text and "(default: 2)" in text
 
 
+def test_the_table_names_every_reason_a_setup_does_not_fit_as_the_text_does(capsys):
+    """70B QLoRA on 2 x 24 GB: FSDP2 fails both while loading (36.2 GiB) and while training (29.6 GiB with
+    checkpointing); the table said only 'no (loading)' while the text said 'needs 29.6 GiB'."""
+    code, out, _ = run_main(["--model_size", "70b", "--method", "qlora", "--host_ram_gib", "128"], capsys)
+    row = next(line for line in out.splitlines() if line.startswith("fsdp (each GPU)"))
+    assert code == 0 and row.endswith("no (training 29.6 GiB; loading 36.2 GiB)"), row
+    assert "loading needs 36.2 GiB per GPU" in out
+
+
 def test_the_launch_line_for_a_config_json_names_what_the_recipe_can_load(tmp_path, capsys):
     """Given a config.json, the printed launch line names its folder when the weights lie beside it (the recipe
     cannot load a config.json file: a raw OSError), and otherwise a word to replace, said so under the line."""

@@ -1431,14 +1431,21 @@ def format_table(result: dict) -> str:
                 label = f"{name} {device['device']}"
             elif setup["identical"] and len(setup["devices"]) > 1:
                 label += " (each GPU)"
+            # Every reason it does not fit, with its number: the text below names the same ones.
+            training = device["total_checkpointed"]
+            reasons = [f"training {training / GIB:.1f} GiB"] if training > budget else []
+            if (setup["gpu_load_peak"] or 0) > budget:
+                reasons.append(f"loading {setup['gpu_load_peak'] / GIB:.1f} GiB")
+            if not setup["fits_host"]:
+                reasons.append(f"host RAM {setup['host_ram'] / GIB:.1f} GiB")
             if setup["recipe"] is None:
                 fits = "(no recipe)"
-            elif not setup["fits_host"] or (setup["gpu_load_peak"] or 0) > budget:
-                fits = "no (host RAM)" if not setup["fits_host"] else "no (loading)"
+            elif reasons:
+                fits = "no (" + "; ".join(reasons) + ")"
             elif device["total_checkpointed" if inputs["gradient_checkpointing"] else "total"] <= budget:
                 fits = "yes"
             else:
-                fits = "with ckpt" if device["total_checkpointed"] <= budget else "no"
+                fits = "with ckpt"
             host = f"{setup['host_ram'] / GIB:>9.1f}" if index == 0 else " " * 9
             lines.append(
                 f"{label:<23}"
