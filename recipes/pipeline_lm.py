@@ -1160,17 +1160,8 @@ def main():
     # End New Code #
     perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
 
-    # ------------------------------------------------------------------------- evaluation
-    hang_dump.phase("evaluation")
-    # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
-    loss_sum, num_tokens, num_blocks = (math.nan, 1, 0) if args.skip_eval else evaluate()
-    eval_loss = loss_sum / num_tokens
-    accelerator.print(
-        f"eval/loss {eval_loss:.4f} eval/perplexity {math.exp(eval_loss):.2f} "
-        f"({num_blocks} blocks, {num_tokens} predicted tokens)"
-    )
-
     # ------------------------------------------------------------------------------- save
+    # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
     hang_dump.phase("saving")
     accelerator.wait_for_everyone()
     # New Code (pipeline) #
@@ -1184,6 +1175,16 @@ def main():
     if accelerator.is_main_process:
         final_model.save_pretrained(output_dir)  # config.json + model.safetensors
         tokenizer.save_pretrained(output_dir)
+
+    # ------------------------------------------------------------------------- evaluation
+    hang_dump.phase("evaluation")
+    # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
+    loss_sum, num_tokens, num_blocks = (math.nan, 1, 0) if args.skip_eval else evaluate()
+    eval_loss = loss_sum / num_tokens
+    accelerator.print(
+        f"eval/loss {eval_loss:.4f} eval/perplexity {math.exp(eval_loss):.2f} "
+        f"({num_blocks} blocks, {num_tokens} predicted tokens)"
+    )
     sample = None
     if accelerator.is_main_process and args.sample_tokens > 0:
         # Greedy, so the test can regenerate the same text from the saved folder.
