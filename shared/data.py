@@ -89,6 +89,46 @@ def stdlib_questions(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) 
     return split_by_column(rows)
 
 
+def _name_rows(stdlib: str, cache_key: str, packages: list[str], validation_percent: int):
+    """One question per public function, class and method (its dotted name, read with ``ast``), on one of three
+    rules picked by the name's md5: which package, which kind of definition, or the last part of the name."""
+    root = Path(stdlib)
+    for package in sorted(packages):
+        files = [p for p in (root / package).rglob("*.py") if not TEST_FOLDERS & set(p.relative_to(root).parts)]
+        for path in sorted(files):
+            module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            for top in tree.body:
+                if not isinstance(top, (ast.FunctionDef, ast.ClassDef)) or top.name.startswith("_"):
+                    continue
+                names = [(f"{module}.{top.name}", "class" if isinstance(top, ast.ClassDef) else "function")]
+                names += [(f"{module}.{top.name}.{node.name}", "method") for node in getattr(top, "body", [])
+                          if isinstance(top, ast.ClassDef) and isinstance(node, ast.FunctionDef)
+                          and not node.name.startswith("_")]
+                # Split by top-level definition: a class and its methods share one side.
+                split = "validation" if in_validation_split(f"{module}:{top.name}", validation_percent) else "train"
+                for name, kind in names:
+                    question, answer = [(f"Which package is `{name}` in?", package),
+                                        (f"Is `{name}` a class, a function or a method?", kind),
+                                        (f"What is the last part of `{name}`?", name.rsplit(".", 1)[1]),
+                                        ][int(hashlib.md5(name.encode()).hexdigest(), 16) % 3]
+                    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+                    yield {"messages": messages, "split": split}
+
+
+def stdlib_names(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
+    """Questions with one-word answers about standard-library names, as ``messages`` conversations (``train``/
+    ``validation``, held out by top-level definition): the offline default of ``recipes/llm_finetune.py``, whose
+    answers a small model can learn to get exactly right. Call under ``main_process_first``."""
+    rows = datasets.Dataset.from_generator(_name_rows, gen_kwargs={
+        "stdlib": str(stdlib_root()), "cache_key": f"{platform.python_version()}-v1", "packages": sorted(packages),
+        "validation_percent": validation_percent})
+    return split_by_column(rows)
+
+
 def split_by_column(rows: datasets.Dataset) -> datasets.DatasetDict:
     """``train`` and ``validation`` by the ``split`` column, which goes."""
     return datasets.DatasetDict({split: rows.filter(lambda value, wanted=split: value == wanted, input_columns="split")
