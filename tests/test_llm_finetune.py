@@ -119,6 +119,8 @@ def runs(base, tmp_path_factory):
             "--sample_tokens",
             "6",
             "--merge_and_save",
+            "--exact_match_samples",
+            "4",
         ),
         "2x4": ("ddp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
         "1x4x2": (
@@ -191,6 +193,8 @@ def runs(base, tmp_path_factory):
             "3",
             "--group_by_length",
             "--gradient_checkpointing",
+            "--exact_match_samples",
+            "2",
         ),
         # --max_length beyond the model's 512 positions: cut to 512, said so (not an IndexError mid-run).
         "positions": ("single_gpu.yaml", *data, "--max_length", "600", "--max_train_steps", "1", "--skip_eval"),
@@ -343,6 +347,17 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs
     )
 
 
+def test_exact_match_before_and_after_training_is_in_results_and_the_log(runs):
+    """One process and DDP (the main process generates, the other waits): both numbers, from the answers listed."""
+    for name, count in (("1x8", 4), ("full", 2)):
+        results = runs[name]["results"]
+        scored = results["eval/exact_match_answers"]
+        assert results["eval/exact_match_num_questions"] == len(scored) == count, name
+        assert results["eval/exact_match"] == sum(s["answer"] == s["reference"] for s in scored) / count, name
+        assert 0 <= results["eval/exact_match_before"] <= 1 and 0 < results["eval/exact_match_chance"] <= 1, name
+        assert f"on {count} held-out questions" in runs[name]["log"] and "before training" in runs[name]["log"], name
+
+
 def test_evaluation_counts_every_answer_token_of_every_validation_sample_once(runs):
     """8 validation conversations in batches of 3 over 2 processes: gather_for_metrics drops the repeated ones."""
     one, two = runs["1x8"]["results"], runs["full"]["results"]
@@ -479,6 +494,57 @@ def test_only_answer_tokens_carry_labels(recipe):
     assert text["labels"][0] == -100 and text["labels"][1:] == text["input_ids"][1:]
     cut = module.tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=8)
     assert cut["truncated"] and len(cut["input_ids"]) == 8 and cut["num_answer_tokens"] == 0
+
+
+def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
+    import datasets
+
+    module, tokenizer = recipe
+    pairs = [
+        ("Which package is `json.dumps` in?", "json"),
+        ("Is `json.dumps` a class, a function or a method?", "function"),
+        ("What is the last part of `json.dumps`?", "dumps"),
+    ]
+    rows = datasets.Dataset.from_list(
+        [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
+    )
+    replies = {"in?": " json ", "method?": "method", "last part": "dumps"}
+
+    class Model:  # answers by a fixed table, as generate does: the prompt, then the new tokens
+        def generate(self, ids, max_new_tokens, **kwargs):
+            reply = next(text for key, text in replies.items() if key in tokenizer.decode(ids[0]))
+            new = tokenizer(reply + tokenizer.eos_token, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    score, scored = module.exact_match(Model(), tokenizer, rows, "messages", "cpu")
+    assert [(s["question"], s["reference"], s["answer"]) for s in scored] == [
+        (q, a, reply.strip()) for (q, a), reply in zip(pairs, replies.values())
+    ]
+    assert score == 2 / 3
+
+
+def test_the_offline_default_asks_short_checkable_questions_held_out_by_definition():
+    from shared.data import stdlib_names
+
+    questions, names = stdlib_names(), {}
+    for split in ("train", "validation"):
+        rows = [(row["messages"][0]["content"], row["messages"][1]["content"]) for row in questions[split]]
+        for question, answer in rows:
+            name = question.split("`")[1]
+            assert answer and " " not in answer and len(answer) <= 40, (question, answer)
+            if question.startswith("Which package"):
+                assert answer == name.split(".")[0], question
+            elif question.startswith("What is the last part"):
+                assert answer == name.rsplit(".", 1)[1], question
+            else:
+                assert answer in ("class", "function", "method"), question
+        names[split] = {question.split("`")[1] for question, _ in rows}
+        answers = [answer for _, answer in rows]
+        assert max(map(answers.count, set(answers))) < 0.3 * len(answers), split  # chance stays low
+    assert len(names["validation"]) > 300 and len(names["train"]) > 5 * len(names["validation"])
+    # Held out by top-level definition: no name, nor a method's class, is on both sides.
+    for held_out, trained in ((names["validation"], names["train"]), (names["train"], names["validation"])):
+        assert not {name for name in held_out if name in trained or name.rsplit(".", 1)[0] in trained}
 
 
 def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
