@@ -11,8 +11,9 @@ JSONL/JSON/CSV/Parquet files or a Hub dataset. The LoRA adapter is saved for ``P
 ``--merge_and_save`` the merged model for ``AutoModelForCausalLM.from_pretrained``.
 
 With no arguments it runs offline on something real: the model ``recipes/train_lm.py`` saved in ``outputs/train_lm``
-(or, when there is none, a small one it pretrains first with that recipe, printed), on questions about standard-
-library functions answered by their docstrings.
+(or, when there is none, a small one it pretrains first with that recipe, printed), learning whether standard-
+library names are classes, functions or methods: the exact match of its answers on held-out names, before and after
+training, is in the log (README: 0 % -> 74 % with --max_train_steps 600 --learning_rate 1e-3).
 
 Launch (from the repository root):
     # CPU smoke run, or one GPU:
@@ -948,6 +949,8 @@ def main():
                     accelerator.unwrap_model(model), tokenizer, exact_rows, fmt, accelerator.device
                 )
                 accelerator.print(f"eval: exact match before training {exact_match_before:.1%}")
+    elif args.exact_match_samples > 0 and not args.skip_eval and parallelism.name == "fsdp":
+        accelerator.print("eval: no exact match under FSDP2 (generating needs every process in step); run it with ddp")
     global_batch_size = (
         args.per_device_train_batch_size
         * args.gradient_accumulation_steps

@@ -501,14 +501,14 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
 
     module, tokenizer = recipe
     pairs = [
-        ("Which package is `json.dumps` in?", "json"),
+        ("Is `json.JSONDecoder` a class, a function or a method?", "class"),
         ("Is `json.dumps` a class, a function or a method?", "function"),
-        ("What is the last part of `json.dumps`?", "dumps"),
+        ("Is `json.JSONDecoder.decode` a class, a function or a method?", "method"),
     ]
     rows = datasets.Dataset.from_list(
         [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
     )
-    replies = {"in?": " json ", "method?": "method", "last part": "dumps"}
+    replies = {"JSONDecoder`": " class ", "dumps": "method", "decode": "method"}
 
     class Model:  # answers by a fixed table, as generate does: the prompt, then the new tokens
         def generate(self, ids, max_new_tokens, **kwargs):
@@ -526,25 +526,23 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
 def test_the_offline_default_asks_short_checkable_questions_held_out_by_definition():
     from shared.data import stdlib_names
 
-    questions, names = stdlib_names(), {}
+    questions, asked = stdlib_names(), {}
     for split in ("train", "validation"):
-        rows = [(row["messages"][0]["content"], row["messages"][1]["content"]) for row in questions[split]]
-        for question, answer in rows:
+        answers = []
+        for row in questions[split]:
+            question, answer = (message["content"] for message in row["messages"])
             name = question.split("`")[1]
-            assert answer and " " not in answer and len(answer) <= 40, (question, answer)
-            if question.startswith("Which package"):
-                assert answer == name.split(".")[0], question
-            elif question.startswith("What is the last part"):
-                assert answer == name.rsplit(".", 1)[1], question
-            else:
-                assert answer in ("class", "function", "method"), question
-        names[split] = {question.split("`")[1] for question, _ in rows}
-        answers = [answer for _, answer in rows]
-        assert max(map(answers.count, set(answers))) < 0.3 * len(answers), split  # chance stays low
-    assert len(names["validation"]) > 300 and len(names["train"]) > 5 * len(names["validation"])
-    # Held out by top-level definition: no name, nor a method's class, is on both sides.
-    for held_out, trained in ((names["validation"], names["train"]), (names["train"], names["validation"])):
-        assert not {name for name in held_out if name in trained or name.rsplit(".", 1)[0] in trained}
+            assert question == f"Is `{name}` a class, a function or a method?" and name not in asked, question
+            asked[name] = (answer, split)
+            answers.append(answer)
+        assert set(answers) == {"class", "function", "method"}, split
+        assert max(map(answers.count, set(answers))) < 0.5 * len(answers), split  # chance: under one half
+    # Each method's class is asked too, and on the same side: held out by top-level definition.
+    for name, (answer, split) in asked.items():
+        if answer == "method":
+            assert asked[name.rsplit(".", 1)[0]] == ("class", split), name
+    held_out = sum(split == "validation" for _, split in asked.values())
+    assert 100 < held_out < len(asked) / 5
 
 
 def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
