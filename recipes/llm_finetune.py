@@ -11,8 +11,9 @@ JSONL/JSON/CSV/Parquet files or a Hub dataset. The LoRA adapter is saved for ``P
 ``--merge_and_save`` the merged model for ``AutoModelForCausalLM.from_pretrained``.
 
 With no arguments it runs offline on something real: the model ``recipes/train_lm.py`` saved in ``outputs/train_lm``
-(or, when there is none, a small one it pretrains first with that recipe, printed), on questions about standard-
-library functions answered by their docstrings.
+(or, when there is none, a small one it pretrains first with that recipe, printed), learning whether standard-
+library names are classes, functions or methods: the exact match of its answers on held-out names, before and after
+training, is in the log (README: 0 % -> 74 % with --max_train_steps 600 --learning_rate 1e-3).
 
 Launch (from the repository root):
     # CPU smoke run, or one GPU:
@@ -62,7 +63,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_sc
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from shared.data import stdlib_questions  # noqa: E402
+from shared.data import stdlib_names  # noqa: E402
 from shared.flops import lm_flops_per_token  # noqa: E402
 from shared.fsdp import (  # noqa: E402
     check_offload_fits_host_ram,
@@ -287,6 +288,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="After training, print answers to the first N validation prompts.",
     )
     output.add_argument(
+        "--exact_match_samples",
+        type=int,
+        default=100,
+        help="Score greedy answers to N (shuffled) validation questions by exact match, before and after training "
+        "(0 skips; not under FSDP).",
+    )
+    output.add_argument(
         "--report_to", default=None, help="Trackers to log to: tensorboard, wandb, all, ... (default: none)."
     )
     output.add_argument(
@@ -405,7 +413,7 @@ def load_raw_datasets(args) -> datasets.DatasetDict:
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
     else:
-        return stdlib_questions()
+        return stdlib_names()
     # Every row checked before anything is shuffled or split off, so that a bad row is named by its place in the file.
     for split in ("train", "validation"):
         if split in raw and len(raw[split]):
@@ -574,6 +582,30 @@ def prompt_of(sample: dict, fmt: str, tokenizer) -> str:
             sample["messages"][:first_answer], tokenize=False, add_generation_prompt=True
         )
     return sample["prompt"] if fmt == "prompt_completion" else sample["text"][:64]
+
+
+def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> tuple[float, list[dict]]:
+    """The share of ``rows`` whose greedy answer, stripped, equals the reference answer stripped, and each answer.
+    Generates 2 tokens more than the longest reference has: a longer answer could not match anyway."""
+    scored = []
+    for row in rows:
+        if fmt == "messages":
+            first = next(index for index, message in enumerate(row["messages"]) if message["role"] == "assistant")
+            question = row["messages"][first - 1]["content"] if first else ""
+            reference = row["messages"][first]["content"]
+        else:
+            question, reference = row["prompt"], row["completion"]
+        scored.append({"question": question, "reference": reference.strip()})
+    max_new_tokens = max(len(tokenizer(s["reference"], add_special_tokens=False).input_ids) for s in scored) + 2
+    for row, sample in zip(rows, scored):
+        ids = tokenizer(prompt_of(row, fmt, tokenizer), return_tensors="pt", add_special_tokens=fmt != "messages")
+        ids = ids.input_ids.to(device)
+        with torch.no_grad():
+            generated = model.generate(
+                ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        sample["answer"] = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    return sum(sample["answer"] == sample["reference"] for sample in scored) / len(scored), scored
 
 
 def token_losses(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -891,6 +923,22 @@ def main():
     if lora:
         # Checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model); loaded non-strictly.
         trained_weights_only_in_checkpoints(accelerator)
+    # Exact match of greedy answers to held-out questions, before training (the same function scores the end): on the
+    # main process alone with the unwrapped model (the others wait untimed); not under FSDP2, where every forward pass
+    # needs every process.
+    exact_rows, exact_match_before = None, math.nan
+    if args.exact_match_samples > 0 and not args.skip_eval and fmt != "text" and parallelism.name != "fsdp":
+        shuffled = raw_datasets["validation"].shuffle(seed=args.seed)  # not the first N: those are one package
+        exact_rows = shuffled.select(range(min(args.exact_match_samples, len(shuffled))))
+        with main_process_alone(accelerator):
+            if accelerator.is_main_process:
+                model.eval()
+                exact_match_before, _ = exact_match(
+                    accelerator.unwrap_model(model), tokenizer, exact_rows, fmt, accelerator.device
+                )
+                accelerator.print(f"eval: exact match before training {exact_match_before:.1%}")
+    elif args.exact_match_samples > 0 and not args.skip_eval and parallelism.name == "fsdp":
+        accelerator.print("eval: no exact match under FSDP2 (generating needs every process in step); run it with ddp")
     global_batch_size = (
         args.per_device_train_batch_size
         * args.gradient_accumulation_steps
@@ -1084,6 +1132,24 @@ def main():
             )
             accelerator.print(f"--- prompt:\n{prompt}\n--- answer (greedy):\n{samples[-1]['answer']}")
 
+    exact_match_after, answers, chance = math.nan, [], math.nan
+    if exact_rows is not None:
+        with main_process_alone(accelerator):
+            if accelerator.is_main_process:
+                exact_match_after, answers = exact_match(
+                    accelerator.unwrap_model(model), tokenizer, exact_rows, fmt, accelerator.device
+                )
+                # Chance: always giving the most common reference answer.
+                references = [sample["reference"] for sample in answers]
+                chance = max(map(references.count, references)) / len(references)
+                accelerator.print(
+                    f"eval: exact match {exact_match_before:.1%} before training, {exact_match_after:.1%} after, on "
+                    f"{len(answers)} held-out questions (always the most common answer: {chance:.1%}); e.g."
+                )
+                for sample in answers[:3]:
+                    accelerator.print(
+                        f"  {sample['question']} -> {sample['answer']!r} (expected {sample['reference']!r})"
+                    )
     perf_numbers = {k: v for k, v in perf.items() if isinstance(v, (int, float))}
     results = {
         "recipe": "llm_finetune",
@@ -1112,12 +1178,19 @@ def main():
         "eval/perplexity": math.exp(eval_loss) if eval_tokens else math.nan,
         "eval/num_samples": eval_samples,
         "eval/num_tokens": eval_tokens,
+        "eval/exact_match_before": exact_match_before,
+        "eval/exact_match": exact_match_after,
+        "eval/exact_match_chance": chance,
+        "eval/exact_match_num_questions": len(answers),
+        "eval/exact_match_answers": answers,
         "samples": samples,
         **perf,
         **loading,
         "config": run_config,
     }
-    accelerator.log({**perf_numbers, "eval/loss": eval_loss}, step=completed_steps)
+    accelerator.log(
+        {**perf_numbers, "eval/loss": eval_loss, "eval/exact_match": exact_match_after}, step=completed_steps
+    )
     write_results(accelerator, output_dir, results)
     accelerator.print(f"saved the {'adapter' if lora else 'model'}, tokenizer and results.json to {output_dir}")
     # Sync point: no process tears down its connections while another is still writing (see the other recipes).

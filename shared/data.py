@@ -89,6 +89,47 @@ def stdlib_questions(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) 
     return split_by_column(rows)
 
 
+def _name_rows(stdlib: str, cache_key: str, packages: list[str], validation_percent: int):
+    """Is this dotted name (read with ``ast``) a class, a function or a method? Asked of every public top-level
+    function and class, and of one public method per class (picked by md5), so that methods do not outnumber the
+    rest 4 to 1. The answer follows from the name by Python's naming conventions, which a model can learn."""
+    root = Path(stdlib)
+    for package in sorted(packages):
+        files = [p for p in (root / package).rglob("*.py") if not TEST_FOLDERS & set(p.relative_to(root).parts)]
+        for path in sorted(files):
+            module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            for top in tree.body:
+                if not isinstance(top, (ast.FunctionDef, ast.ClassDef)) or top.name.startswith("_"):
+                    continue
+                name = f"{module}.{top.name}"
+                names = [(name, "class" if isinstance(top, ast.ClassDef) else "function")]
+                methods = [node.name for node in getattr(top, "body", []) if isinstance(top, ast.ClassDef)
+                           and isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+                if methods:
+                    names.append((f"{name}.{methods[int(hashlib.md5(name.encode()).hexdigest(), 16) % len(methods)]}",
+                                  "method"))
+                # Split by top-level definition: a class and its method are on one side.
+                split = "validation" if in_validation_split(f"{module}:{top.name}", validation_percent) else "train"
+                for asked, kind in names:
+                    question = f"Is `{asked}` a class, a function or a method?"
+                    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": kind}]
+                    yield {"messages": messages, "split": split}
+
+
+def stdlib_names(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
+    """Is a standard-library name a class, a function or a method: one-word answers, as ``messages`` conversations
+    (``train``/``validation``, held out by top-level definition), the offline default of ``recipes/llm_finetune.py``.
+    ``datasets`` caches them by ``cache_key``: change its version with the code. Call under ``main_process_first``."""
+    rows = datasets.Dataset.from_generator(_name_rows, gen_kwargs={
+        "stdlib": str(stdlib_root()), "cache_key": f"{platform.python_version()}-v2", "packages": sorted(packages),
+        "validation_percent": validation_percent})
+    return split_by_column(rows)
+
+
 def split_by_column(rows: datasets.Dataset) -> datasets.DatasetDict:
     """``train`` and ``validation`` by the ``split`` column, which goes."""
     return datasets.DatasetDict({split: rows.filter(lambda value, wanted=split: value == wanted, input_columns="split")

@@ -119,6 +119,8 @@ def runs(base, tmp_path_factory):
             "--sample_tokens",
             "6",
             "--merge_and_save",
+            "--exact_match_samples",
+            "4",
         ),
         "2x4": ("ddp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
         "1x4x2": (
@@ -191,6 +193,8 @@ def runs(base, tmp_path_factory):
             "3",
             "--group_by_length",
             "--gradient_checkpointing",
+            "--exact_match_samples",
+            "2",
         ),
         # --max_length beyond the model's 512 positions: cut to 512, said so (not an IndexError mid-run).
         "positions": ("single_gpu.yaml", *data, "--max_length", "600", "--max_train_steps", "1", "--skip_eval"),
@@ -362,6 +366,17 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs
     assert len(results["samples"]) == 2 and all(
         sample["prompt"].endswith("<|assistant|>\n") for sample in results["samples"]
     )
+
+
+def test_exact_match_before_and_after_training_is_in_results_and_the_log(runs):
+    """One process and DDP (the main process generates, the other waits): both numbers, from the answers listed."""
+    for name, count in (("1x8", 4), ("full", 2)):
+        results = runs[name]["results"]
+        scored = results["eval/exact_match_answers"]
+        assert results["eval/exact_match_num_questions"] == len(scored) == count, name
+        assert results["eval/exact_match"] == sum(s["answer"] == s["reference"] for s in scored) / count, name
+        assert 0 <= results["eval/exact_match_before"] <= 1 and 0 < results["eval/exact_match_chance"] <= 1, name
+        assert f"on {count} held-out questions" in runs[name]["log"] and "before training" in runs[name]["log"], name
 
 
 def test_evaluation_counts_every_answer_token_of_every_validation_sample_once(runs):
@@ -539,6 +554,55 @@ def test_only_answer_tokens_carry_labels(recipe):
     assert text["labels"][0] == -100 and text["labels"][1:] == text["input_ids"][1:]
     cut = module.tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=8)
     assert cut["truncated"] and len(cut["input_ids"]) == 8 and cut["num_answer_tokens"] == 0
+
+
+def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
+    import datasets
+
+    module, tokenizer = recipe
+    pairs = [
+        ("Is `json.JSONDecoder` a class, a function or a method?", "class"),
+        ("Is `json.dumps` a class, a function or a method?", "function"),
+        ("Is `json.JSONDecoder.decode` a class, a function or a method?", "method"),
+    ]
+    rows = datasets.Dataset.from_list(
+        [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in pairs]
+    )
+    replies = {"JSONDecoder`": " class ", "dumps": "method", "decode": "method"}
+
+    class Model:  # answers by a fixed table, as generate does: the prompt, then the new tokens
+        def generate(self, ids, max_new_tokens, **kwargs):
+            reply = next(text for key, text in replies.items() if key in tokenizer.decode(ids[0]))
+            new = tokenizer(reply + tokenizer.eos_token, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    score, scored = module.exact_match(Model(), tokenizer, rows, "messages", "cpu")
+    assert [(s["question"], s["reference"], s["answer"]) for s in scored] == [
+        (q, a, reply.strip()) for (q, a), reply in zip(pairs, replies.values())
+    ]
+    assert score == 2 / 3
+
+
+def test_the_offline_default_asks_short_checkable_questions_held_out_by_definition():
+    from shared.data import stdlib_names
+
+    questions, asked = stdlib_names(), {}
+    for split in ("train", "validation"):
+        answers = []
+        for row in questions[split]:
+            question, answer = (message["content"] for message in row["messages"])
+            name = question.split("`")[1]
+            assert question == f"Is `{name}` a class, a function or a method?" and name not in asked, question
+            asked[name] = (answer, split)
+            answers.append(answer)
+        assert set(answers) == {"class", "function", "method"}, split
+        assert max(map(answers.count, set(answers))) < 0.5 * len(answers), split  # chance: under one half
+    # Each method's class is asked too, and on the same side: held out by top-level definition.
+    for name, (answer, split) in asked.items():
+        if answer == "method":
+            assert asked[name.rsplit(".", 1)[0]] == ("class", split), name
+    held_out = sum(split == "validation" for _, split in asked.values())
+    assert 100 < held_out < len(asked) / 5
 
 
 def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
