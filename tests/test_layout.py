@@ -21,7 +21,9 @@ TOOLS = sorted((REPO / "tools").glob("*.py"))
 BEGIN, END = "# New Code (pipeline) #", "# End New Code #"
 # A comment line of pipeline_lm.py that says what is true of a pipeline where train_lm.py's comment is not.
 PIPELINE_COMMENT = "# (pipeline) "
-SHARED_LINE_BUDGET = 1450  # 1,300 until checkpoint manifests, the untimed main-only wait and the LoRA saves
+# 1,300 until checkpoint manifests and history, the untimed main-only wait, the LoRA saves, quiet peers and the
+# offline exact-match questions.
+SHARED_LINE_BUDGET = 1500
 
 
 def lines_of(path: Path) -> list[str]:
