@@ -57,6 +57,9 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             return self.state.device
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    # build_accelerator sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
+    # after the test (every later launch would inherit cuda:0).
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "unset")
     monkeypatch.setattr(shared.runtime, "Accelerator", OneProcessOnAGpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -154,3 +157,10 @@ def test_qlora_split_over_the_gpu_and_the_cpu_never_puts_the_whole_model_on_the_
 
     result = gpu_check.qlora_split_verdict(tmp_path, cuda=True)
     assert result["status"] == "ok", result["line"]
+
+
+def test_the_indexed_device_test_leaves_no_device_override_behind():
+    """Runs after the test above (file order): the launches of every later test inherit this process's environment."""
+    import os
+
+    assert "ACCELERATE_TORCH_DEVICE" not in os.environ
