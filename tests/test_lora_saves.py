@@ -7,9 +7,9 @@ from pathlib import Path
 from launch import launch_ok
 
 
-def test_the_final_lora_save_under_fsdp_gathers_only_the_adapter():
-    run = launch_ok("fsdp_2gpu.yaml", Path(__file__).parent / "scripts" / "fsdp_gather_adapter.py")
-    ranks = [json.loads(line.split("GATHERED ", 1)[1]) for line in run.output.splitlines() if "GATHERED " in line]
+def test_the_final_lora_save_under_fsdp_gathers_only_the_adapter(tmp_path):
+    launch_ok("fsdp_2gpu.yaml", Path(__file__).parent / "scripts" / "fsdp_gather_adapter.py", tmp_path)
+    ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
     assert sorted(facts["rank"] for facts in ranks) == [0, 1]
     for facts in ranks:
         adapter, control = facts["trained_only=True"], facts["trained_only=False"]

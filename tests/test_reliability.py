@@ -242,11 +242,10 @@ def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tm
     project.mkdir()
     shutil.copytree(REPO / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
     source = (REPO / "recipes" / TOY).read_text()
-    save_line = (
-        " " * 20 + "save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit)"
+    save_line = (  # the step's save call, after which the crash is injected
+        '                        history={"train/loss_curve": loss_curve},\n                    )\n'
     )
-    save_line += "\n"
-    assert save_line in source
+    assert source.count(save_line) == 1
     crash = (
         "                    if completed_steps == 10 and accelerator.process_index == 1 and "
         '__import__("os").environ["TORCHELASTIC_RESTART_COUNT"] == "0":\n'

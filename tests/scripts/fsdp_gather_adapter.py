@@ -1,6 +1,8 @@
 """LoRA under FSDP2 (2 processes): what the final save gathers. Counts, per rank, the elements every DTensor
 redistribution to a full replica moved (how torch's state-dict gather works), for shared.fsdp.gathered_state_dict with
-trained_only (the adapter) and, as the control, without (the whole model). Prints one GATHERED line per rank."""
+trained_only (the adapter) and, as the control, without (the whole model). Each rank writes its facts to
+``OUTPUT_DIR/rank<r>.json`` (printed lines of two ranks can run together):
+``python fsdp_gather_adapter.py OUTPUT_DIR``."""
 
 import json
 import sys
@@ -49,6 +51,6 @@ for trained_only in (True, False):
     gathered.clear()
     state_dict = gathered_state_dict(accelerator, model, trained_only=trained_only)
     facts[f"trained_only={trained_only}"] = {"gathered": sum(gathered), "keys": sorted(state_dict)}
-print("GATHERED " + json.dumps(facts))
+Path(sys.argv[1], f"rank{accelerator.process_index}.json").write_text(json.dumps(facts))
 accelerator.wait_for_everyone()
 accelerator.end_training()
