@@ -87,7 +87,7 @@ class HangDump:
             # and a dump of a process that was only waiting for it.
             # sys.__stderr__: torch's own excepthook (around this one) collects sys.stderr to prefix it, and prints
             # nothing of it when this one exits the process.
-            print(f"[rank {self.rank}] stopped: another process ended first, at step {self.completed_steps} "
+            print(f"[rank {self.rank}] stopped: {failed_rank()} ended first, at step {self.completed_steps} "
                   f"({self.current_phase}); its error, if it had one, is above.", file=sys.__stderr__, flush=True)
             sys.stdout.flush()
             # The failed process exits first (its exit is what the launcher reports as the root cause, with its
@@ -119,6 +119,18 @@ class HangDump:
             faulthandler.dump_traceback(file=dump, all_threads=True)
         path.with_suffix(".json").write_text(json.dumps(facts, indent=2) + "\n")
         return path
+
+
+def failed_rank() -> str:
+    """``rank N`` when a RecipeError of rank N ended the run (it leaves its rank in the group's store, see
+    shared.runtime.RecipeError), else ``another process``."""
+    from shared.runtime import FAILED_RANK_KEY
+
+    with contextlib.suppress(Exception):  # no group, no store, or the store went with the failed process
+        store = torch.distributed.distributed_c10d._get_default_store()
+        if store.check([FAILED_RANK_KEY]):
+            return "rank " + store.get(FAILED_RANK_KEY).decode()
+    return "another process"
 
 
 def waiting_in(frames) -> str:

@@ -25,6 +25,10 @@ CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp
               "device_map": "model_sharding_2gpu.yaml", "pipeline": "pipeline_2gpu.yaml"}
 
 
+# The rank whose RecipeError ended the run first, in the process group's store (read by shared.hang_dump).
+FAILED_RANK_KEY = "two_gpu_recipes/failed_rank"
+
+
 class RecipeError(SystemExit):
     """Bad input or setup, reported as one readable paragraph and a non-zero exit (no traceback). A ``SystemExit``:
     ``raise RecipeError("...")`` anywhere prints it to stderr and exits with status 1, no wrapper around ``main()``.
@@ -46,6 +50,11 @@ class RecipeError(SystemExit):
                 Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
                     json.dumps({"message": "error: " + self.message, "timestamp": int(time.time())})
                 )
+        if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # The others, stopped by this process's exit, name it (shared.hang_dump): the key goes to the group's
+            # store, which torchrun's agent holds, so it outlives this process.
+            with contextlib.suppress(Exception):
+                torch.distributed.distributed_c10d._get_default_store().set(FAILED_RANK_KEY, rank)
 
 
 def positive_int(text: str) -> int:

@@ -213,12 +213,13 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
 
 
 def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launcher_ends_with_the_paragraph(tmp_path):
-    """Rank 0 refuses (one paragraph) while rank 1 waits in a barrier. Rank 1 says in one line that another process
-    ended first (no gloo 'Connection closed by peer' traceback), and the launcher's closing box shows rank 0's
-    paragraph as the root cause (it showed 'To enable traceback see: ...')."""
+    """Rank 0 refuses (one paragraph) while rank 1 waits in a barrier. Rank 1 says in one line that rank 0 ended first
+    (no gloo 'Connection closed by peer' traceback), and the launcher's closing box shows rank 0's paragraph as the
+    root cause (it showed 'To enable traceback see: ...')."""
     run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "rank0_refuses.py", tmp_path)
     assert run.returncode != 0
     assert "[rank 0] error: --train_file 'nope.jsonl' does not exist" in run.output
+    assert "[rank 1] stopped: rank 0 ended first, at step 0 (start-up)" in run.output, run.output
     assert "Connection closed by peer" not in run.output and "[rank1]: Traceback" not in run.output, run.output
     box = run.output[run.output.rindex("Root Cause (first observed failure)") :]
     assert "rank      : 0" in box and "error: --train_file 'nope.jsonl' does not exist" in box, box
