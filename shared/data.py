@@ -52,9 +52,9 @@ def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_c
                             yield {"text": docstring, "label": package, "source": source, "split": split}
 
 
-def _question_rows(stdlib: str, cache_key: str, packages: list[str], validation_percent: int):
-    """One conversation per documented public function: its call as the question, its docstring's first paragraph as
-    the answer (``cache_key``: the Python version and this code's version, which ``datasets`` keys its cache on)."""
+def public_definitions(stdlib: str, packages: list[str]):
+    """``(module, node)`` for every public top-level function and class of ``packages`` (test folders aside), read
+    with ``ast``: what the offline question sets ask about."""
     root = Path(stdlib)
     for package in sorted(packages):
         files = [p for p in (root / package).rglob("*.py") if not TEST_FOLDERS & set(p.relative_to(root).parts)]
@@ -64,20 +64,26 @@ def _question_rows(stdlib: str, cache_key: str, packages: list[str], validation_
                 tree = ast.parse(path.read_text(encoding="utf-8"))
             except (SyntaxError, UnicodeDecodeError):
                 continue
-            # Public functions, and public methods of public classes (grouped by class for the split).
             for top in tree.body:
-                if not isinstance(top, (ast.FunctionDef, ast.ClassDef)) or top.name.startswith("_"):
-                    continue
-                methods = [node for node in top.body if isinstance(node, ast.FunctionDef)]
-                for node in [top] if isinstance(top, ast.FunctionDef) else methods:
-                    answer = (ast.get_docstring(node) or "").split("\n\n")[0]
-                    if len(answer) > 40 and not node.name.startswith("_"):
-                        name = f"{module}.{top.name}" + (f".{node.name}" if node is not top else "")
-                        held_out = in_validation_split(f"{module}:{top.name}", validation_percent)
-                        split = "validation" if held_out else "train"
-                        question = f"What does {name}({ast.unparse(node.args)}) do?"
-                        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-                        yield {"messages": messages, "split": split}
+                if isinstance(top, (ast.FunctionDef, ast.ClassDef)) and not top.name.startswith("_"):
+                    yield module, top
+
+
+def _question_rows(stdlib: str, cache_key: str, packages: list[str], validation_percent: int):
+    """One conversation per documented public function: its call as the question, its docstring's first paragraph as
+    the answer (``cache_key``: the Python version and this code's version, which ``datasets`` keys its cache on)."""
+    # Public functions, and public methods of public classes (grouped by class for the split).
+    for module, top in public_definitions(stdlib, packages):
+        methods = [node for node in top.body if isinstance(node, ast.FunctionDef)]
+        for node in [top] if isinstance(top, ast.FunctionDef) else methods:
+            answer = (ast.get_docstring(node) or "").split("\n\n")[0]
+            if len(answer) > 40 and not node.name.startswith("_"):
+                name = f"{module}.{top.name}" + (f".{node.name}" if node is not top else "")
+                held_out = in_validation_split(f"{module}:{top.name}", validation_percent)
+                split = "validation" if held_out else "train"
+                question = f"What does {name}({ast.unparse(node.args)}) do?"
+                messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+                yield {"messages": messages, "split": split}
 
 
 def stdlib_questions(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
@@ -93,31 +99,20 @@ def _name_rows(stdlib: str, cache_key: str, packages: list[str], validation_perc
     """Is this dotted name (read with ``ast``) a class, a function or a method? Asked of every public top-level
     function and class, and of one public method per class (picked by md5), so that methods do not outnumber the
     rest 4 to 1. The answer follows from the name by Python's naming conventions, which a model can learn."""
-    root = Path(stdlib)
-    for package in sorted(packages):
-        files = [p for p in (root / package).rglob("*.py") if not TEST_FOLDERS & set(p.relative_to(root).parts)]
-        for path in sorted(files):
-            module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
-            try:
-                tree = ast.parse(path.read_text(encoding="utf-8"))
-            except (SyntaxError, UnicodeDecodeError):
-                continue
-            for top in tree.body:
-                if not isinstance(top, (ast.FunctionDef, ast.ClassDef)) or top.name.startswith("_"):
-                    continue
-                name = f"{module}.{top.name}"
-                names = [(name, "class" if isinstance(top, ast.ClassDef) else "function")]
-                methods = [node.name for node in getattr(top, "body", []) if isinstance(top, ast.ClassDef)
-                           and isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
-                if methods:
-                    names.append((f"{name}.{methods[int(hashlib.md5(name.encode()).hexdigest(), 16) % len(methods)]}",
-                                  "method"))
-                # Split by top-level definition: a class and its method are on one side.
-                split = "validation" if in_validation_split(f"{module}:{top.name}", validation_percent) else "train"
-                for asked, kind in names:
-                    question = f"Is `{asked}` a class, a function or a method?"
-                    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": kind}]
-                    yield {"messages": messages, "split": split}
+    for module, top in public_definitions(stdlib, packages):
+        name = f"{module}.{top.name}"
+        names = [(name, "class" if isinstance(top, ast.ClassDef) else "function")]
+        methods = [node.name for node in getattr(top, "body", []) if isinstance(top, ast.ClassDef)
+                   and isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+        if methods:
+            names.append((f"{name}.{methods[int(hashlib.md5(name.encode()).hexdigest(), 16) % len(methods)]}",
+                          "method"))
+        # Split by top-level definition: a class and its method are on one side.
+        split = "validation" if in_validation_split(f"{module}:{top.name}", validation_percent) else "train"
+        for asked, kind in names:
+            question = f"Is `{asked}` a class, a function or a method?"
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": kind}]
+            yield {"messages": messages, "split": split}
 
 
 def stdlib_names(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
