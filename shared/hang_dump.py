@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+# The rank whose RecipeError ended the run first, in the process group's store (set by shared.runtime.RecipeError).
+FAILED_RANK_KEY = "two_gpu_recipes/failed_rank"
 # What gloo says when the process at the other end exited (NCCL: the watchdog reports a timeout instead).
 PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
@@ -121,11 +123,30 @@ class HangDump:
         return path
 
 
+# The run's one HangDump, started by ``start`` (shared.runtime.build_accelerator calls it before the process group).
+_current: HangDump | None = None
+
+
+def start(debug_dir: str | os.PathLike, dist_timeout_s: float | None) -> HangDump:
+    """Start this process's hang dumps (once; a second call returns the first one)."""
+    global _current
+    if _current is None:
+        _current = HangDump(debug_dir, dist_timeout_s)
+    return _current
+
+
+def progress(completed_steps: int | None = None, phase: str | None = None) -> None:
+    """Tell the running HangDump (if any) that training made progress, or entered a long phase."""
+    if _current is not None:
+        if completed_steps is not None:
+            _current.step(completed_steps)
+        if phase is not None:
+            _current.phase(phase)
+
+
 def failed_rank() -> str:
     """``rank N`` when a RecipeError of rank N ended the run (it leaves its rank in the group's store, see
     shared.runtime.RecipeError), else ``another process``."""
-    from shared.runtime import FAILED_RANK_KEY
-
     with contextlib.suppress(Exception):  # no group, no store, or the store went with the failed process
         store = torch.distributed.distributed_c10d._get_default_store()
         if store.check([FAILED_RANK_KEY]):

@@ -1,5 +1,10 @@
 """Measuring a run (throughput, step time, MFU, peak memory, model-state bytes) and writing ``results.json``.
 
+A recipe makes three calls into this module, so that its ``main()`` tells the training story and not our bookkeeping:
+``with RunRecord(...) as record:`` around the loop, evaluation and save; ``record.timed(dataloader)`` for the batches;
+``record.step(...)`` after each optimizer step. Its own results go into ``record.results``; leaving the block writes
+``results.json``. (The hang dumps start earlier, in ``shared.runtime.build_accelerator``.)
+
 One metric vocabulary everywhere (logs, trackers, results.json, benchmarks): ``perf/samples_per_sec``,
 ``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it),
 ``perf/data_wait_fraction``, ``perf/mfu``, ``memory/peak_gib`` (per device).
@@ -19,7 +24,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from . import hang_dump
 from .flops import peak_bf16_flops
+from .fsdp import sharding_facts
+from .model_split import execution_devices
+from .runtime import run_facts
 
 GIB = 1024**3
 
@@ -164,3 +173,73 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
                                    for value in state.values() if isinstance(value, torch.Tensor))
     return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state,
             "total": parameters + gradients + optimizer_state}
+
+
+class RunRecord:
+    """What a run records for its ``results.json``, tests and benchmarks: the loss curve, the throughput meter (MFU
+    with ``flops_per_token``), peak memory, model-state bytes, FSDP sharding and device_map hook facts, the resolved
+    ``config`` (printed once here), and the run's own ``results``. Enter it after ``prepare``; leaving the block
+    normally is a collective (every process gathers its numbers) and writes ``output_dir/results.json``."""
+
+    def __init__(self, accelerator: Accelerator, recipe: str, output_dir: str | os.PathLike, config: dict, model,
+                 optimizer=None, max_train_steps: int | None = None, loss_curve: list[float] | None = None,
+                 warmup_steps: int = 2, devices: list[torch.device] | None = None,
+                 flops_per_token: float | None = None):
+        self.accelerator, self.recipe, self.output_dir = accelerator, recipe, Path(output_dir)
+        self.model, self.optimizer, self.max_train_steps = model, optimizer, max_train_steps
+        self.flops_per_token, self.config = flops_per_token, config
+        # A resumed run starts from the curve its checkpoint saved: results hold the whole run's losses.
+        self.loss_curve = list(loss_curve or [])
+        self.resumed_from_step = len(self.loss_curve)
+        self.meter = ThroughputMeter(accelerator, warmup_steps=warmup_steps, devices=devices)
+        self.results: dict = {}
+        accelerator.print("config: " + json.dumps(config, sort_keys=True, default=str))
+
+    def __enter__(self) -> RunRecord:
+        return self
+
+    def timed(self, dataloader):
+        """The batches of ``dataloader``, each one's wait measured (``perf/data_wait_fraction``)."""
+        return self.meter.timed(dataloader)
+
+    def step(self, completed_steps: int, loss: float, samples: int, tokens: int = 0, answer_tokens: int = 0) -> None:
+        """After each optimizer step: its global loss, and the samples/tokens of the whole global batch."""
+        self.loss_curve.append(loss)
+        self.meter.step(samples=samples, tokens=tokens, answer_tokens=answer_tokens)
+        hang_dump.progress(completed_steps)
+        if self.max_train_steps is not None and completed_steps >= self.max_train_steps:
+            # Saving and evaluating take their own time; a hang there still ends at --dist_timeout with a dump.
+            hang_dump.progress(phase="saving and evaluation")
+
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is not None:  # an error: no results.json for a run that did not finish
+            return
+        accelerator, model = self.accelerator, self.model
+        perf = self.meter.summary(flops_per_token=self.flops_per_token)  # a collective
+        perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, self.optimizer))  # a collective
+        if accelerator.is_fsdp2:
+            # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
+            perf["fsdp/sharding"] = per_rank(sharding_facts(model, self.optimizer))  # a collective
+        unwrapped = accelerator.unwrap_model(model)
+        base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        device_map = getattr(base, "hf_device_map", None)
+        facts = {
+            "recipe": self.recipe,
+            **run_facts(accelerator),  # num_processes, distributed_type, distributed/backend, device
+            "mixed_precision": accelerator.mixed_precision,
+            "completed_steps": len(self.loss_curve),
+            "resumed_from_step": self.resumed_from_step,
+            "train/loss": self.loss_curve[-1] if self.loss_curve else None,
+            "train/loss_curve": self.loss_curve,
+            "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
+            # The execution device of the AlignDevicesHook on every planned module: the split really is hooked.
+            "device_map/hooks": execution_devices(base, device_map) if device_map else None,
+        }
+        results = {**facts, **perf, **self.results, "config": self.config}
+        if accelerator.trackers:
+            accelerator.log({key: value for key, value in results.items() if isinstance(value, (int, float))},
+                            step=len(self.loss_curve))
+        write_results(accelerator, self.output_dir, results)
+        # Sync point: no process tears down its connections while another is still writing results (a peer that
+        # exits early can make gloo abort the main process at exit, seen on 127.0.0.1).
+        accelerator.wait_for_everyone()

@@ -21,12 +21,13 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from torch.distributed.fsdp import CPUOffloadPolicy
 
+from . import hang_dump
+from .hang_dump import FAILED_RANK_KEY
+
 CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml",
               "device_map": "model_sharding_2gpu.yaml", "pipeline": "pipeline_2gpu.yaml"}
 
 
-# The rank whose RecipeError ended the run first, in the process group's store (read by shared.hang_dump).
-FAILED_RANK_KEY = "two_gpu_recipes/failed_rank"
 
 
 class RecipeError(SystemExit):
@@ -82,6 +83,25 @@ def steps_or_epoch(text: str) -> int | str:
     return "epoch" if text == "epoch" else positive_int(text)
 
 
+def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every recipe shares for surviving a long run: checkpoints, resume, the collective timeout, and saving
+    on machines without a shared disk (one definition, so their names, defaults and help agree everywhere)."""
+    group = parser.add_argument_group("checkpoints and reliability")
+    group.add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
+                       help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, "
+                       "or 'epoch'.")
+    group.add_argument("--checkpoints_total_limit", type=positive_int, default=None,
+                       help="Keep only the newest N complete checkpoints.")
+    group.add_argument("--resume_from_checkpoint", default=None,
+                       help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; "
+                       "starts fresh if there is none).")
+    group.add_argument("--save_on_each_node", action="store_true",
+                       help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
+    group.add_argument("--dist_timeout", type=positive_float, default=600,
+                       help="Seconds any collective may wait for the other processes before the run fails with an "
+                       "error naming it (hang dumps go to output_dir/debug/).")
+
+
 def check_process_count(accelerator: Accelerator) -> None:
     """Fail loudly if the launcher started N processes (``WORLD_SIZE``) but the Accelerator joined fewer: each would
     train alone on the full data set (the trap above). Stop before any work is wasted."""
@@ -126,7 +146,13 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     """An Accelerator on CUDA when present and on the CPU over gloo otherwise, checked for size. Keyword arguments go
     to ``Accelerator``; ``cpu`` defaults to "no CUDA here" (a 2-process MULTI_GPU config then runs real DDP over gloo).
     ``dist_timeout`` (seconds) bounds every collective: a hung or dead peer fails the others after that long, with an
-    error naming the collective, instead of the backend's default (10 minutes for NCCL, 30 for gloo)."""
+    error naming the collective, instead of the backend's default (10 minutes for NCCL, 30 for gloo).
+
+    With a ``project_config`` it also starts the hang dumps in ``<project_dir>/debug/`` (shared.hang_dump): before the
+    process group, because NCCL reads the flight recorder's settings when the group starts."""
+    project_config = accelerator_kwargs.get("project_config")
+    if project_config is not None and project_config.project_dir:
+        hang_dump.start(Path(project_config.project_dir) / "debug", dist_timeout)
     cpu = accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (a backend given to 1 process makes Accelerate start a group)
         timeout = {"timeout": timedelta(seconds=dist_timeout)} if dist_timeout is not None else {}
