@@ -1,4 +1,4 @@
-"""Every ``accelerate launch`` line we print for users works: the config headers in accelerate_configs/, README.md's
+"""Every ``accelerate launch`` line we print for users works: the config headers in accelerate_configs/, README.md and docs/ pages'
 code blocks, and the recipes' docstrings.
 
 Each line (joined across backslash continuations) is checked in-process, without training: Accelerate's own launch
@@ -124,10 +124,14 @@ def docstring_lines(path: Path) -> list[tuple[int, str]]:
     return list(enumerate(text.splitlines(), first))
 
 
-def readme_code_lines() -> list[tuple[int, str]]:
-    """README.md's lines inside fenced code blocks, with their line numbers."""
+# The README and the pages its details moved to.
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def code_lines(path: Path) -> list[tuple[int, str]]:
+    """A Markdown file's lines inside fenced code blocks, with their line numbers."""
     found, fenced = [], False
-    for number, line in enumerate((REPO / "README.md").read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip().startswith("```"):
             fenced = not fenced
         elif fenced:
@@ -157,7 +161,9 @@ def launch_lines() -> list[tuple[str, str]]:
             if line.startswith("#")
         ]
         found += [(f"accelerate_configs/{path.name}:{number}", line) for number, line in joined(comments)]
-    found += [(f"README.md:{number}", line) for number, line in joined(readme_code_lines())]
+    for path in DOCS:
+        where = path.relative_to(REPO).as_posix()
+        found += [(f"{where}:{number}", line) for number, line in joined(code_lines(path))]
     for path in sorted(RECIPES.glob("*.py")):
         found += [(f"recipes/{path.name}:{number}", line) for number, line in joined(docstring_lines(path))]
     return [(where, command) for where, line in found if (command := command_of(line))]
@@ -279,8 +285,8 @@ def test_every_source_gives_launch_lines():
     sources = {where.split(":")[0] for where, _ in LINES}
     expected = {f"accelerate_configs/{path.name}" for path in CONFIGS.glob("*.yaml")}
     expected |= {f"recipes/{path.name}" for path in RECIPES.glob("*.py")} | {"README.md"}
-    assert sources == expected
-    assert sum(where.startswith("README.md") for where, _ in LINES) >= 20
+    assert expected <= sources <= expected | {path.relative_to(REPO).as_posix() for path in DOCS}
+    assert sum(where.startswith(("README.md", "docs/")) for where, _ in LINES) >= 20
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.py")), ids=lambda path: path.name)
