@@ -17,7 +17,7 @@ import pytest
 from launch import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.py"))
-TOOLS = sorted((REPO / "tools").glob("*.py"))
+TOOLS = sorted(path for path in (REPO / "tools").rglob("*.py") if "__pycache__" not in path.parts)
 BEGIN, END = "# New Code (pipeline) #", "# End New Code #"
 # A comment line of pipeline_lm.py that says what is true of a pipeline where train_lm.py's comment is not.
 PIPELINE_COMMENT = "# (pipeline) "
@@ -124,6 +124,55 @@ def python_files(folder: Path) -> list[Path]:
     """Our Python files under ``folder`` (shared/metrics/ holds vendored evaluate modules, loaded by path)."""
     return sorted(
         path for path in folder.rglob("*.py") if "__pycache__" not in path.parts and "metrics" not in path.parts
+    )
+
+
+# A recipe reads as the training story (STYLE.md): at most this many lines per file and per main(), comments and
+# blank lines included (Accelerate's nlp_example.py is ~210 lines, nanoGPT's train.py 336).
+RECIPE_LINE_LIMIT, MAIN_LINE_LIMIT = 500, 150
+RECIPE_LINE_LIMITS = {"linear_toy.py": 200}
+
+
+def main_lines(path: Path) -> int:
+    """Lines of the recipe's ``main()``, from ``def main`` to its last line."""
+    tree = ast.parse(path.read_text())
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    return main.end_lineno - main.lineno + 1
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
+def test_recipes_fit_their_line_limits(path):
+    limit = RECIPE_LINE_LIMITS.get(path.name, RECIPE_LINE_LIMIT)
+    lines = len(path.read_text().splitlines())
+    assert lines <= limit, f"{path.name} has {lines} lines, over {limit}: move what is not the training story out"
+    assert main_lines(path) <= MAIN_LINE_LIMIT, f"{path.name}'s main() has {main_lines(path)} lines"
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
+def test_instrumentation_is_behind_run_record(path):
+    """The results file, meter, MFU, memory facts and hang dumps are RunRecord's (shared/results.py): a recipe imports
+    nothing else of shared.results or shared.hang_dump, and calls into RunRecord in at most three places (entering
+    it, ``timed`` and ``step``; its own results go into ``record.results``)."""
+    tree = ast.parse(path.read_text())
+    imported = {
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in ("shared.results", "shared.hang_dump")
+        for alias in node.names
+    }
+    assert imported <= {("shared.results", "RunRecord")}, f"{path.name} imports {sorted(imported)}"
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (
+            (isinstance(node.func, ast.Name) and node.func.id == "RunRecord")
+            or (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "record")
+        )
+    ]
+    assert len(calls) <= 3, f"{path.name} calls RunRecord in {len(calls)} places: " + ", ".join(
+        f"line {call.lineno}" for call in calls
     )
 
 
