@@ -4,7 +4,13 @@ leaves a ``.tmp`` folder, which resuming skips). ``progress.json`` also holds a 
 fingerprint (a hash of its size, first and last MiB: a truncated or overwritten file is caught without reading GBs),
 so a checkpoint damaged later (a full disk, a bad copy) is found before loading: ``latest`` skips it for the newest
 intact one and says so, an explicit path to it is refused naming the file. Resuming: ``find_checkpoint`` (every
-process agrees on the folder), then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip)."""
+process agrees on the folder), then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip).
+
+Why not Accelerate's own rotation (``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``): it
+deletes the oldest folder *before* writing the new one, into a folder that is complete as soon as it exists, so a run
+killed mid-save can be left with a half-written newest checkpoint and one fewer good one; it counts folders, damaged
+or not. Here the limit counts complete checkpoints and prunes only after the new one is declared complete, and every
+process agrees on what was kept. ``save_state``/``load_state`` themselves are Accelerate's (all but the pipeline)."""
 
 from __future__ import annotations
 
