@@ -1,5 +1,5 @@
-"""Every ``accelerate launch`` line we print for users works: the config headers in accelerate_configs/, README.md and docs/ pages'
-code blocks, and the recipes' docstrings.
+"""Every ``accelerate launch`` line we print for users works: the config headers in accelerate_configs/, the code
+blocks of README.md and the docs/ pages, and the recipes' docstrings.
 
 Each line (joined across backslash continuations) is checked in-process, without training: Accelerate's own launch
 parser reads it, Accelerate's own loader loads its config, the recipe exists and its own ``parse_args`` accepts the
