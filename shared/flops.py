@@ -25,9 +25,16 @@ def peak_bf16_flops(gpu_name: str) -> float | None:
 
 
 def lm_flops_per_token(hidden_size: int, num_layers: int, vocab_size: int, num_parameters: int,
-                       sequence_length: int) -> float:
+                       sequence_length: int, trained_parameters: int | None = None) -> float:
     """Training FLOPs per token of a decoder LM, 6N + 12 L H S (PaLM, Chowdhery et al. 2022, appendix B): N = the
     parameters less the input embedding (a lookup, no multiply-adds; an untied LM head is a matmul and stays in N), 2
     FLOPs per parameter forward and 4 backward; 12 L H S the attention scores and their weighted sum (QK^T and AV),
-    over the full S x S square as PaLM counts it (not halved for the causal mask)."""
-    return 6 * (num_parameters - vocab_size * hidden_size) + 12 * num_layers * hidden_size * sequence_length
+    over the full S x S square as PaLM counts it (not halved for the causal mask).
+
+    The 4 backward FLOPs are 2 for the gradient of the input and 2 for the gradient of the weight. A frozen weight
+    (LoRA's base) still passes the gradient to its input, but has no weight gradient: with ``trained_parameters`` T
+    (the adapter, embedding-free), 2N + 2N + 2T = 4N + 2T, not 6N (6N would overstate a LoRA run's MFU by ~1.5x).
+    Activation recomputation is not counted (MFU counts the model's FLOPs, not the hardware's)."""
+    matmul_parameters = num_parameters - vocab_size * hidden_size
+    trained = matmul_parameters if trained_parameters is None else trained_parameters
+    return 4 * matmul_parameters + 2 * trained + 12 * num_layers * hidden_size * sequence_length
