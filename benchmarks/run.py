@@ -384,7 +384,7 @@ def gpu_info() -> list[dict]:
 
 
 def machine_info() -> dict:
-    """CPU model, cores, RAM, GPUs. recipes/check_setup.py reads the same /proc files, but importing it
+    """CPU model, cores, RAM, GPUs. tools/check_setup.py reads the same /proc files, but importing it
     would load torch into this long-lived parent process; the runner stays torch-free."""
     cpu_model = platform.processor() or None
     memory_gib, flags = None, []

@@ -6,15 +6,16 @@ import shutil
 
 import pytest
 import torch
-from launch import REPO, RECIPES, Job, launch_all
+from launch import REPO, Job, launch_all
 
 SMALL = ("--sizes_mb", "1", "4", "--iterations", "3", "--warmup", "1")
 # The one sum all-reduce that the checker verifies; the broken-link test corrupts its result.
 CHECKED_CALL = "dist.all_reduce(tensor, op=dist.ReduceOp.SUM)"
+CHECKER = REPO / "tools" / "check_setup.py"  # a diagnostic, not a recipe
 
 
 def load_checker():
-    spec = importlib.util.spec_from_file_location("check_setup", RECIPES / "check_setup.py")
+    spec = importlib.util.spec_from_file_location("check_setup", CHECKER)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -32,7 +33,7 @@ def runs(tmp_path_factory):
     broken_project = root / "broken_project"
     broken_project.mkdir()
     shutil.copytree(REPO / "shared", broken_project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
-    source = (RECIPES / "check_setup.py").read_text()
+    source = CHECKER.read_text()
     assert source.count(CHECKED_CALL) == 1
     (broken_project / "check_setup.py").write_text(
         source.replace(
@@ -40,8 +41,8 @@ def runs(tmp_path_factory):
         )
     )
     specs = {
-        "ddp": ("ddp_2gpu.yaml", RECIPES / "check_setup.py"),
-        "single": ("single_gpu.yaml", RECIPES / "check_setup.py"),
+        "ddp": ("ddp_2gpu.yaml", CHECKER),
+        "single": ("single_gpu.yaml", CHECKER),
         "broken": ("ddp_2gpu.yaml", broken_project / "check_setup.py"),
     }
     jobs = {

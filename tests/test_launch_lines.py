@@ -1,5 +1,6 @@
 """Every ``accelerate launch`` line we print for users works: the config headers in accelerate_configs/, the code
-blocks of README.md and the docs/ pages, and the recipes' docstrings.
+blocks of README.md and the docs/ pages, and the docstrings of the recipes and of the setup checker
+(tools/check_setup.py, the one tool users launch with ``accelerate launch``).
 
 Each line (joined across backslash continuations) is checked in-process, without training: Accelerate's own launch
 parser reads it, Accelerate's own loader loads its config, the recipe exists and its own ``parse_args`` accepts the
@@ -45,6 +46,8 @@ SHELL_VARIABLES = {"$SLURM_NODEID": "0", "$MASTER_ADDR": "127.0.0.1"}
 PLACEHOLDERS = {"...", "chats.jsonl", "train.csv", "dev.csv"}
 # A Hub model: ``org/name``, or a legacy name without an org (bert-base-uncased).
 HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# The scripts a launch line may name: every recipe, and the setup checker (a diagnostic, so it lives in tools/).
+SCRIPTS = sorted(RECIPES.glob("*.py")) + [REPO / "tools" / "check_setup.py"]
 
 # (config, recipe) pairs another test launches, with tiny sizes and local stand-ins: where.
 LAUNCHED_ELSEWHERE = {
@@ -164,8 +167,9 @@ def launch_lines() -> list[tuple[str, str]]:
     for path in DOCS:
         where = path.relative_to(REPO).as_posix()
         found += [(f"{where}:{number}", line) for number, line in joined(code_lines(path))]
-    for path in sorted(RECIPES.glob("*.py")):
-        found += [(f"recipes/{path.name}:{number}", line) for number, line in joined(docstring_lines(path))]
+    for path in SCRIPTS:
+        where = path.relative_to(REPO).as_posix()
+        found += [(f"{where}:{number}", line) for number, line in joined(docstring_lines(path))]
     return [(where, command) for where, line in found if (command := command_of(line))]
 
 
@@ -253,7 +257,7 @@ def check_launch_line(command: str, monkeypatch) -> tuple[str, str]:
     assert config_path.is_file(), f"no config {launch_args.config_file}"
     config = load_config_from_file(str(config_path))
     script = REPO / launch_args.training_script
-    assert script.is_file() and script.parent == RECIPES, f"no recipe {launch_args.training_script}"
+    assert script.is_file() and script in SCRIPTS, f"no recipe or setup checker {launch_args.training_script}"
     stand_ins_needed(launch_args.training_script_args)
 
     module = recipe_module(script)
@@ -270,7 +274,7 @@ def check_launch_line(command: str, monkeypatch) -> tuple[str, str]:
     requested = requested_parallelism(script, args)
     try:
         if requested is not None:
-            module.choose_parallelism(accelerator, requested, f"recipes/{script.name}")
+            module.choose_parallelism(accelerator, requested, script.relative_to(REPO).as_posix())
         if hasattr(module, "check_pipeline_request"):
             mixed_precision = args.mixed_precision or config.mixed_precision
             eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
@@ -284,12 +288,12 @@ def check_launch_line(command: str, monkeypatch) -> tuple[str, str]:
 def test_every_source_gives_launch_lines():
     sources = {where.split(":")[0] for where, _ in LINES}
     expected = {f"accelerate_configs/{path.name}" for path in CONFIGS.glob("*.yaml")}
-    expected |= {f"recipes/{path.name}" for path in RECIPES.glob("*.py")} | {"README.md"}
+    expected |= {path.relative_to(REPO).as_posix() for path in SCRIPTS} | {"README.md"}
     assert expected <= sources <= expected | {path.relative_to(REPO).as_posix() for path in DOCS}
     assert sum(where.startswith(("README.md", "docs/")) for where, _ in LINES) >= 20
 
 
-@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.py")), ids=lambda path: path.name)
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda path: path.name)
 def test_docstrings_keep_their_line_breaks(path):
     """A single ``\\`` at a line's end inside a plain string swallows the newline: ``--help`` and ``help()`` would
     run a continued launch line into the next one. Docstrings write ``\\\\`` (one backslash when read)."""
@@ -376,8 +380,9 @@ def test_every_pair_no_other_test_launches_runs(tmp_path):
         args = launch_args.training_script_args
         assert not stand_ins_needed(args), f"{config} {recipe} {args}: launch this pair in a test with stand-ins"
         assert recipe in TINY, f"no tiny sizes for {recipe}"
+        script = REPO / launch_args.training_script
         jobs[f"{config} {recipe}"] = Job(
-            CONFIGS / config, RECIPES / recipe, (*args, *TINY[recipe], "--output_dir", tmp_path / f"{config}-{recipe}")
+            CONFIGS / config, script, (*args, *TINY[recipe], "--output_dir", tmp_path / f"{config}-{recipe}")
         )
     assert jobs, "every pair is launched elsewhere: this test has nothing left to launch"
     for name, run in launch_all(jobs).items():

@@ -265,7 +265,7 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     from launch import REPO
 
     sys.path.insert(0, str(REPO))
-    from tools.plan import plan, preset_shape
+    from tools.planner import plan, preset_shape
 
     single = runs["single"]["results"]
     shape = preset_shape("tiny", vocab_size=single["config"]["model_config"]["vocab_size"])

@@ -1,8 +1,8 @@
-"""The fit planner (tools/plan.py): the command runs, its parameter counts are those of the real models, its split is
-the recipe's, its bytes per parameter are what torch, Accelerate, PEFT and bitsandbytes keep, its estimates agree with
-published measurements nobody here made, and bad input stops with one line. Fast: no training, models are built on
-the meta device only. (Its model-state estimate against exact tensor bytes of our own runs:
-tests/test_lm_recipes.py.)"""
+"""The fit planner (tools/plan.py, the package tools/planner/): the command runs, its parameter counts are those of
+the real models, its split is the recipe's, its bytes per parameter are what torch, Accelerate, PEFT and bitsandbytes
+keep, its estimates agree with published measurements nobody here made, and bad input stops with one line. Fast: no
+training, models are built on the meta device only. (Its model-state estimate against exact tensor bytes of our own
+runs: tests/test_lm_recipes.py.)"""
 
 import json
 import subprocess
@@ -12,19 +12,12 @@ import pytest
 from launch import REPO
 
 sys.path.insert(0, str(REPO))
-from tools.plan import (  # noqa: E402
-    CONSTANT_BYTES,
-    GIB,
-    MODEL_SIZES,
-    block_activation_bytes,
-    lora_params_per_block,
-    main,
-    plan,
-    precision_profile,
-    preset_shape,
-    shape_from_config,
-    split_blocks,
-)
+from tools.planner.cli import main  # noqa: E402
+from tools.planner.fits import plan  # noqa: E402
+from tools.planner.memory import block_activation_bytes, lora_params_per_block, precision_profile  # noqa: E402
+from tools.planner.setups import split_blocks  # noqa: E402
+from tools.planner.shapes import preset_shape, shape_from_config  # noqa: E402
+from tools.planner.tables import CONSTANT_BYTES, GIB, MODEL_SIZES  # noqa: E402
 
 TWO_24GB = dict(gpus=2, gpu_memory_gib=24, seq_len=1024, micro_batch=4, host_ram_gib=64)
 # The README's table: two 24 GB cards, sequence 1024, micro-batch 1, checkpointing, a 128 GiB host.

@@ -8,11 +8,11 @@ fp32 weights; LoRA: the base in the compute dtype, PEFT's "all-linear" adapter; 
 quantization, prepare_model_for_kbit_training), one forward runs on the CPU (under bf16 autocast for bf16), and every
 tensor autograd saves for backward is counted once by its storage (``torch.autograd.graph.saved_tensors_hooks``),
 parameters excluded. Two depths (2 and 6 blocks) are measured and differenced, so what is left is one block's bytes,
-printed per token per hidden unit (bytes / (s x b x h)) next to ``tools/plan.py``'s ``block_activation_bytes`` (plus,
-under autocast, the 16-bit weight copies that autocast keeps, which the planner counts as temporaries) and the
-checkpointed block's input. On the CPU, dropout keeps its mask in the activations' dtype (CUDA's fused dropout keeps
-1 byte), so compare with ``--lora_dropout 0`` (the default here). The numbers ``tests/test_plan.py`` checks the
-planner against come from this script.
+printed per token per hidden unit (bytes / (s x b x h)) next to the fit planner's ``block_activation_bytes``
+(``tools/planner/memory.py``; plus, under autocast, the 16-bit weight copies that autocast keeps, which the planner
+counts as temporaries) and the checkpointed block's input. On the CPU, dropout keeps its mask in the activations'
+dtype (CUDA's fused dropout keeps 1 byte), so compare with ``--lora_dropout 0`` (the default here). The numbers
+``tests/test_plan.py`` checks the planner against come from this script.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools.plan import block_activation_bytes, precision_profile, shape_from_config  # noqa: E402
+from tools.planner import block_activation_bytes, precision_profile, shape_from_config  # noqa: E402
 
 HIDDEN, MLP, HEADS, VOCAB, SEQ_LEN, BATCH = 256, 688, 8, 1000, 64, 2
 

@@ -19,13 +19,13 @@ compare with a link's one-direction peak. 1 MB = 2**20 bytes; 1 GB/s = 1e9 bytes
 
 Launch (from the repository root):
     # two GPUs, or on a CPU-only machine 2 processes over gloo (same command):
-    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/check_setup.py
+    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml tools/check_setup.py
     # quick CPU smoke run:
-    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/check_setup.py --sizes_mb 1 4 \\
+    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml tools/check_setup.py --sizes_mb 1 4 \\
         --iterations 3
     # one process (devices, versions and links only: an all-reduce needs two processes):
-    accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/check_setup.py
-    accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/check_setup.py
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml tools/check_setup.py
+    accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml tools/check_setup.py
 
 Writes ``output_dir/setup.json`` (everything printed, and the resolved config).
 """
@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import check_cuda_p2p_ib_support
 
-# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it.
+# The helper module: shared/ next to this file (a copy of it) or one folder up (this repository: tools/ beside
+# shared/), first on sys.path so that no installed package named "shared" shadows it.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.results import write_results  # noqa: E402
