@@ -287,11 +287,18 @@ def test_what_fits_on_two_24gb_cards():
         "of host RAM" in full["setups"]["fsdp_offload"]["advice"]
         and "--host_ram_gib" in (full["setups"]["fsdp_offload"]["advice"])
     )
-    big = plan(preset_shape("70b"), **TABLE, method="qlora")
-    offload = big["setups"]["fsdp_offload"]
-    assert offload["gpu_load_peak"] > 24 * GIB > offload["peak"] and not offload["fits"]
-    assert "quantizes the whole model on each GPU" in offload["advice"]
-    assert big["best"] == "device_map"
+    # 70B QLoRA under FSDP2 is loaded one decoder layer at a time (shared/sharded_4bit.py): the load peak is this GPU's
+    # shard of the 4-bit model (none with offload), one layer in 16 bits, and a margin (the quantization constants,
+    # FSDP leaves whole; the largest fp32 unit prepare moves; the 4-bit layer; 1 GiB overhead), never the whole 4-bit
+    # model (36.2 GiB with the whole-model loader). FSDP alone is tight even with checkpointing: offload is chosen.
+    shape = preset_shape("70b")
+    big = plan(shape, **TABLE, method="qlora")
+    layer = shape.block_linear_params
+    for name, shard in (("fsdp", shape.num_layers * layer * 0.5 / 2), ("fsdp_offload", 0)):
+        setup = big["setups"][name]
+        assert setup["fits"] and setup["gpu_load_peak"] < setup["peak"], name
+        assert setup["gpu_load_peak"] <= shard + layer * 2 + 4.5 * GIB, (name, setup["gpu_load_peak"] / GIB)
+    assert big["best"] == "fsdp_offload"
 
 
 def test_a_setup_that_does_not_fit_says_by_how_much_and_what_fits():
@@ -590,12 +597,14 @@ def test_the_first_line_says_what_was_assumed_and_help_shows_defaults(capsys):
 
 
 def test_the_table_names_every_reason_a_setup_does_not_fit_as_the_text_does(capsys):
-    """70B QLoRA on 2 x 24 GB: FSDP2 fails both while loading (36.2 GiB) and while training (29.6 GiB with
-    checkpointing); the table said only 'no (loading)' while the text said 'needs 29.6 GiB'."""
-    code, out, _ = run_main(["--model_size", "70b", "--method", "qlora", "--host_ram_gib", "128"], capsys)
+    """70B QLoRA on 2 x 16 GB: FSDP2 fails both while loading (20.1 GiB: the shard, constants and one layer) and while
+    training (29.6 GiB with checkpointing); the table once said only 'no (loading)' while the text said 'needs 29.6
+    GiB'."""
+    code, out, _ = run_main(["--model_size", "70b", "--method", "qlora", "--host_ram_gib", "128",
+                             "--gpu_memory_gib", "16"], capsys)
     row = next(line for line in out.splitlines() if line.startswith("fsdp (each GPU)"))
-    assert code == 0 and row.endswith("no (training 29.6 GiB; loading 36.2 GiB)"), row
-    assert "loading needs 36.2 GiB per GPU" in out
+    assert code == 0 and row.endswith("no (training 29.6 GiB; loading 20.1 GiB)"), row
+    assert "loading needs 20.1 GiB per GPU" in out
 
 
 def test_the_launch_line_for_a_config_json_names_what_the_recipe_can_load(tmp_path, capsys):
@@ -729,7 +738,8 @@ def readme_rows() -> tuple[list[str], list[str]]:
                     if trains and not setup["fits_host"]
                     else "no"
                 )
-                cells.append(f"{setup['peak'] / GIB:.1f} / {setup['host_ram'] / GIB:.0f}, {verdict}")
+                load = f" (load {setup['gpu_load_peak'] / GIB:.1f})" if setup["gpu_load_peak"] else ""
+                cells.append(f"{setup['peak'] / GIB:.1f}{load} / {setup['host_ram'] / GIB:.0f}, {verdict}")
             best = result["recommendation"]
             choice = (
                 f"{best['setup']}: {best['peak_bytes'] / GIB:.1f} GiB, {best['host_ram_bytes'] / GIB:.0f} GiB host"

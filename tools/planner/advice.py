@@ -25,9 +25,9 @@ def _problems(request: dict, setup: dict) -> list[str]:
         problems.append(f"needs {gib(setup['peak'])} per GPU, {gib(setup['over_by'])} over {gib(budget)}")
     if setup["gpu_load_peak"] is not None and setup["gpu_load_peak"] > budget:
         problems.append(
-            f"loading needs {gib(setup['gpu_load_peak'])} per GPU: recipes/llm_finetune.py quantizes the whole model "
-            f"on each GPU before FSDP shards it (training itself needs {gib(setup['peak'])}: a loader that "
-            "quantizes on the CPU and shards before moving to the GPU would fit)"
+            f"loading needs {gib(setup['gpu_load_peak'])} per GPU: recipes/llm_finetune.py loads one layer at a "
+            f"time and keeps this GPU's shard, but the shards, constants and the layer in flight exceed the card "
+            f"(training itself needs {gib(setup['peak'])})"
         )
     if not setup["fits_host"]:
         problems.append(
@@ -97,8 +97,8 @@ def _more_gpus(shape: ModelShape, request: dict, setups: dict) -> str:
     low, high = request["gpus"] + 1, 1024
     if "fsdp" in setups and (setups["fsdp"]["gpu_load_peak"] or 0) > budget:
         return (
-            f" More GPUs do not help FSDP here: recipes/llm_finetune.py loads the whole 4-bit model onto each GPU "
-            f"({gib(setups['fsdp']['gpu_load_peak'])}) before sharding it."
+            f" Loading needs {gib(setups['fsdp']['gpu_load_peak'])} per GPU under FSDP (this GPU's shards, all the "
+            "quantization constants and one layer in flight); more GPUs shrink the shards only."
         )
     if fsdp_fits_on(high) is None:
         return (

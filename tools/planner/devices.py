@@ -208,10 +208,11 @@ def _bill(label, kind, state, compute, p, terms, moments) -> dict:
 
 
 # ------------------------------------------------------------------------------- the host
-def host_ram(request, p, shape, processes: int, loaders: int, offloaded_per_process: int, split=False) -> dict:
+def host_ram(request, p, shape, processes: int, loaders: int, offloaded_per_process: int, split=False,
+             layer_by_layer=False) -> dict:
     """Host RAM: per process a baseline, the loading copy (``loaders`` processes read the whole checkpoint) and the
     offloaded shard of the model state; the machine needs the sum."""
-    loading, how = _loading_copy(request["method"], p, shape, split)
+    loading, how = _loading_copy(request["method"], p, shape, split, layer_by_layer)
     baseline = int(PROCESS_BASELINE_GIB * GIB)
     per_process = []
     for rank in range(processes):
@@ -234,9 +235,16 @@ def host_ram(request, p, shape, processes: int, loaders: int, offloaded_per_proc
     return {"host_ram": int(machine), "host_ram_per_process": per_process, "host_ram_arithmetic": formula}
 
 
-def _loading_copy(method: str, p: dict, shape: ModelShape, split: bool) -> tuple[float, str]:
+def _loading_copy(method: str, p: dict, shape: ModelShape, split: bool, layer_by_layer: bool = False
+                  ) -> tuple[float, str]:
     """The model as one loading process holds it before ``prepare``: fp32 (full), the compute dtype (LoRA). QLoRA
-    loads onto the GPU, except for a split (device_map), which the recipe quantizes on the CPU before dispatching."""
+    loads onto the GPU, except for a split (device_map), which the recipe quantizes on the CPU before dispatching;
+    under FSDP2 (``layer_by_layer``) its 4-bit layers go to the GPU one at a time, sharded, and each process keeps
+    the parts that are not 4-bit (embeddings, norms, LM head, in fp32) in host RAM until ``prepare`` shards them."""
+    if method == "qlora" and layer_by_layer:
+        rest = shape.num_parameters - shape.num_layers * shape.block_linear_params
+        loading = rest * p["nonquant"]
+        return loading, f"the parts not in 4 bits {millions(rest)} x {p['nonquant']} B = {gib(loading)}"
     if method == "qlora" and split:
         linear = shape.num_layers * shape.block_linear_params
         loading = (

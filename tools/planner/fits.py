@@ -183,7 +183,9 @@ def fits_with(setup: dict, checkpointing: bool) -> bool:
 
 def choose(request: dict, setups: dict):
     """The first setup in order of preference that fits (without checkpointing if any does); a tight DDP fit yields
-    to FSDP when FSDP fits comfortably (both compute on every GPU; FSDP's margin is worth its traffic)."""
+    to FSDP when FSDP fits comfortably (both compute on every GPU; FSDP's margin is worth its traffic), and an FSDP
+    fit that is tight even with checkpointing yields to FSDP + CPU offload when that fits comfortably (measured peaks
+    run up to ~15 % above the estimates: a tight fit is a likely out-of-memory)."""
     for checkpointing in (True,) if request["gradient_checkpointing"] else (False, True):
         fitting = [name for name in order(request, setups) if fits_with(setups[name], checkpointing)]
         if fitting:
@@ -191,6 +193,10 @@ def choose(request: dict, setups: dict):
             tight = {name for name in fitting if setups[name][key] > TIGHT * request["budget"]}
             if fitting[0] == "ddp" and "ddp" in tight and "fsdp" in fitting and "fsdp" not in tight:
                 return "fsdp", checkpointing
+            # FSDP tight even with checkpointing: offloading is slower, but checkpointing would not make room.
+            fsdp_tight = setups.get("fsdp", {}).get("peak_checkpointed", 0) > TIGHT * request["budget"]
+            if fitting[0] == "fsdp" and fsdp_tight and "fsdp_offload" in fitting and "fsdp_offload" not in tight:
+                return "fsdp_offload", checkpointing
             return fitting[0], checkpointing
     return None
 
@@ -265,6 +271,9 @@ def _why(name: str, key: str, checkpointing: bool, request: dict, setups: dict) 
     )
     if request["cpu_offload"]:
         return reason
+    if fits_with(setups["fsdp"], checkpointing):
+        return (f"FSDP fits, but tightly ({gib(setups['fsdp'][key])} of {memory} per GPU; measured peaks run up to "
+                "~15 % above these estimates). " + reason)
     return f"Nothing fits without offload ({setups['fsdp'].get('advice', 'FSDP does not fit')}). " + reason
 
 

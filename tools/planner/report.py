@@ -135,5 +135,7 @@ def _arithmetic(name: str, setup: dict, checkpointing: bool) -> list[str]:
         + ", ".join(f"{phase.replace('_', ' ')} {gib(value)}" for phase, value in phases.items())
         + f" = {gib(device[total_key])}"
     )
+    if setup.get("gpu_load_arithmetic"):
+        lines.append(f"  loading peak (QLoRA one layer at a time, before training): {setup['gpu_load_arithmetic']}")
     lines.append(f"  host RAM: {setup['host_ram_arithmetic']}")
     return lines

@@ -22,6 +22,7 @@ from tools.planner.memory import (
     quantization_constant_bytes,
 )
 from tools.planner.shapes import ModelShape
+from tools.planner.tables import NF4_BYTES, gib
 
 
 def estimate(shape: ModelShape, request: dict, only: str | None = None) -> dict:
@@ -88,8 +89,11 @@ def _sharded(name, shape, request, p, everything) -> dict:
         state = model_state_bytes(request["method"], p, shard["params"], shard["linear"], shard["adapter"])
         offloaded = int(sum(value for value, _ in state.values()))
     # fsdp_2gpu.yaml: every process reads the checkpoint; fsdp_offload_2gpu.yaml: only the main process does.
-    loaders = gpus if kind == "fsdp" else 1
-    return {"devices": devices, "identical": True, **host_ram(request, p, shape, gpus, loaders, offloaded)}
+    # QLoRA: only the main process reads, but every process holds the parts that are not 4-bit until prepare.
+    qlora = request["method"] == "qlora"
+    loaders = gpus if kind == "fsdp" or qlora else 1
+    return {"devices": devices, "identical": True,
+            **host_ram(request, p, shape, gpus, loaders, offloaded, layer_by_layer=qlora)}
 
 
 def _split(name, counts, shape, request, p, per_block_lora) -> dict:
@@ -147,7 +151,7 @@ def _summarize(name: str, setup: dict, shape: ModelShape, request: dict) -> None
     setup["peak_checkpointed"] = max(device["total_checkpointed"] for device in setup["devices"])
     setup["gradient_checkpointing"] = bool(request["gradient_checkpointing"])
     setup["peak"] = setup["peak_checkpointed" if request["gradient_checkpointing"] else "peak_without_checkpointing"]
-    setup["gpu_load_peak"] = gpu_load_peak(shape, request, name)
+    setup["gpu_load_peak"], setup["gpu_load_arithmetic"] = gpu_load_peak(shape, request, name)
     loads = setup["gpu_load_peak"] is None or setup["gpu_load_peak"] <= budget
     setup["fits_host"] = setup["host_ram"] <= host_budget
     setup["fits_gpu"] = setup["peak"] <= budget and loads
@@ -160,17 +164,27 @@ def _summarize(name: str, setup: dict, shape: ModelShape, request: dict) -> None
     setup["recipe"] = recipe_for(shape, request["method"], name)
 
 
-def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> int | None:
-    """QLoRA under FSDP2: recipes/llm_finetune.py loads the model onto each GPU (device_map={"": device}) and
-    quantizes it there before FSDP shards it, so every GPU briefly holds the whole 4-bit model (with fp32
-    non-quantized parts and the fp32 adapter, prepare_model_for_kbit_training and PEFT run before prepare())."""
+def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | None, str | None]:
+    """QLoRA under FSDP2: recipes/llm_finetune.py builds the 4-bit model empty and loads it one decoder layer at a time
+    (shared/sharded_4bit.py): each layer is read in 16 bits onto the GPU, quantized there and sharded before the next
+    one. The GPU's peak while loading: its shard of every 4-bit layer and of the adapter (none under offload: they go
+    to host RAM), all the quantization constants (FSDP does not shard them), one layer in 16 and in 4 bits, and the
+    overhead; then ``prepare`` moves the rest (embeddings, final norm + LM head, in fp32) one unit at a time, sharding
+    each: the larger of that unit and the layer in flight counts."""
     if request["method"] != "qlora" or name not in ("fsdp", "fsdp_offload"):
-        return None
+        return None, None
     p = precision_profile("qlora", request["mixed_precision"], False, request["profile"])
-    linear = shape.num_layers * shape.block_linear_params
+    gpus, layer = request["gpus"], shape.block_linear_params
+    linear = shape.num_layers * layer
     adapter = shape.num_layers * lora_params_per_block(shape, request["lora_r"], request["lora_targets"])
-    weights = model_state_bytes("qlora", p, shape.num_parameters, linear, adapter)["parameters"][0]
-    return int(weights + quantization_constant_bytes(linear, p) + request["overhead"])
+    shards = 0 if name == "fsdp_offload" else (linear * NF4_BYTES + adapter * p["master"]) / gpus
+    in_flight = max(layer * (p["compute"] + NF4_BYTES), max(shape.embedding_params, shape.head_params) * p["nonquant"])
+    constants = quantization_constant_bytes(linear, p)
+    peak = int(shards + constants + in_flight + request["overhead"])
+    where = f"4-bit layers and adapter / {gpus}" + (", offloaded: none" if not shards else "")
+    return peak, (f"shards {gib(shards)} ({where}) + constants {gib(constants)} + in flight {gib(in_flight)} (the "
+                  "larger of one layer in 16 + 4 bits and the largest other unit in fp32) + overhead "
+                  f"{gib(request['overhead'])} = {gib(peak)}")
 
 
 def recipe_for(shape: ModelShape, method: str, name: str) -> str | None:
