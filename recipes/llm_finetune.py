@@ -92,7 +92,6 @@ from shared.sft_data import (  # noqa: E402
     check_batches,
     collate,
     load_raw_datasets,
-    pack,
     tokenize_datasets,
 )
 from shared.sft_eval import exact_match_before, exact_match_results, generate_samples  # noqa: E402
@@ -114,8 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation "
                       "samples.")
-    data.add_argument("--packing", action="store_true", help="Pack samples into rows of --max_length tokens; each "
-                      "keeps its own positions and attends only to itself.")
+    data.add_argument("--packing", action="store_true", help="Each batch as one row without padding (transformers' "
+                      "DataCollatorWithFlattening): each sample keeps its positions and attends only to itself, the "
+                      "same losses (a block-diagonal mask: fastest with flash attention).")
     data.add_argument("--group_by_length", action="store_true",
                       help="Batch samples of similar length together (less padding).")
     model = parser.add_argument_group("model")
@@ -203,9 +203,9 @@ def token_losses(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
-    """The training loader (shuffled, or in batches of similar length; with --packing of packed rows), refused if it
-    cannot give every data-parallel process a batch, and the evaluation loader (padded batches, in order)."""
-    train_dataset = pack(train_dataset, args.max_length) if args.packing else train_dataset
+    """The training loader (shuffled, or in batches of similar length; with --packing each batch one row without
+    padding), refused if it cannot give every data-parallel process a batch, and the evaluation loader (padded
+    batches, in order)."""
     sampler = None
     if args.group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
@@ -213,7 +213,8 @@ def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
     train_dataloader = DataLoader(train_dataset, args.per_device_train_batch_size, shuffle=sampler is None,
                                   sampler=sampler, generator=torch.Generator().manual_seed(args.seed),
-                                  collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id))
+                                  collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id,
+                                                     packing=args.packing))
     check_batches(train_dataloader, data_parallel_size)
     eval_dataloader = DataLoader(eval_dataset, args.per_device_eval_batch_size or args.per_device_train_batch_size,
                                  collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id))

@@ -1,6 +1,6 @@
 """Chat data for supervised fine-tuning (``recipes/llm_finetune.py``): the TRL formats (``messages``,
 ``prompt``/``completion``, ``text``) read from files or the Hub and checked row by row, the tokenizer's pad token and
-chat template, token ids with labels on the answers only, packing, and padded batches.
+chat template, token ids with labels on the answers only, and batches (padded, or flattened for ``--packing``).
 
 Not TRL's data helpers (TRL is not a dependency): its assistant-only loss needs a chat template with ``{% generation
 %}`` markers, which few models' templates have; ``tokenize_sample`` finds the answer tokens of any template that
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import datasets
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 from .data import stdlib_names
 from .runtime import RecipeError
@@ -224,38 +224,27 @@ def tokenize_datasets(accelerator, raw_datasets: datasets.DatasetDict, fmt: str,
     return kept["train"], kept["validation"], counts
 
 
-def pack(dataset: datasets.Dataset, max_length: int) -> datasets.Dataset:
-    """First-fit packing into rows of at most ``max_length`` tokens. ``position_ids`` restart at 0 with every sample:
-    transformers then builds a block-diagonal causal mask (each sample attends only to itself, exactly as unpacked)."""
-    rows, row = [], {"input_ids": [], "labels": [], "position_ids": []}
-    for sample in dataset:
-        if row["input_ids"] and len(row["input_ids"]) + len(sample["input_ids"]) > max_length:
-            rows.append(row)
-            row = {"input_ids": [], "labels": [], "position_ids": []}
-        row["input_ids"] += sample["input_ids"]
-        row["labels"] += sample["labels"]
-        row["position_ids"] += list(range(len(sample["input_ids"])))
-    rows.append(row)
-    return datasets.Dataset.from_list(rows)
-
-
-def collate(samples: list[dict], pad_token_id: int) -> dict:
-    """Right-pad a batch: input ids with the pad token, labels with -100; an attention mask, or (packed rows) position
-    ids, which restart for the padding too, so it is a sequence of its own. ``num_tokens``: the real tokens per row."""
+def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> dict:
+    """A batch, with ``num_tokens``: the real (not padding) tokens per row. Right-padded (input ids with the pad
+    token, labels with -100) with an attention mask; or with ``packing`` one row without padding, transformers'
+    ``DataCollatorWithFlattening``: position ids restart at 0 with every sample, from which transformers builds a
+    block-diagonal causal mask (each sample attends only to itself: the same losses as the padded batch of the same
+    samples; its -100 on each sample's first label is already there, see ``tokenize_sample``). It replaced a
+    first-fit packing of the whole data set into rows of ``max_length``, which changed how many samples a step holds.
+    The price: attention without flash attention's packed kernels computes the whole row's mask, not each sample's."""
+    if packing:
+        batch = DataCollatorWithFlattening()(samples, return_tensors="pt")
+        return {**batch, "num_tokens": torch.tensor([batch["input_ids"].shape[1]])}
     length = max(len(sample["input_ids"]) for sample in samples)
     batch = {"input_ids": torch.full((len(samples), length), pad_token_id),
              "labels": torch.full((len(samples), length), -100),
+             "attention_mask": torch.zeros((len(samples), length), dtype=torch.long),
              "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
-    packed = "position_ids" in samples[0]
-    batch["position_ids" if packed else "attention_mask"] = torch.zeros((len(samples), length), dtype=torch.long)
     for row, sample in enumerate(samples):
         size = len(sample["input_ids"])
         batch["input_ids"][row, :size] = torch.tensor(sample["input_ids"])
         batch["labels"][row, :size] = torch.tensor(sample["labels"])
-        if packed:
-            batch["position_ids"][row] = torch.tensor(sample["position_ids"] + list(range(length - size)))
-        else:
-            batch["attention_mask"][row, :size] = 1
+        batch["attention_mask"][row, :size] = 1
     return batch
 
 

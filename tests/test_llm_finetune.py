@@ -612,10 +612,12 @@ def test_the_offline_default_asks_short_checkable_questions_held_out_by_definiti
 
 
 def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
-    """Position ids restart per sample: transformers then masks attention block-diagonally; packing changes no loss."""
+    """--packing flattens a batch into one row (transformers' DataCollatorWithFlattening) whose position ids restart
+    with every sample: transformers then masks attention block-diagonally, so packing changes no loss: the packed
+    row's is the sum of what each sample has alone, and the padded batch's."""
     from transformers import AutoModelForCausalLM
 
-    from shared.sft_data import collate, pack, tokenize_sample
+    from shared.sft_data import collate, tokenize_sample
 
     module, tokenizer = recipe
     model = AutoModelForCausalLM.from_pretrained(base).eval()
@@ -629,12 +631,14 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
         for i in range(1, 4)
     ]
     alone = sum(module.token_losses(model, collate([sample], tokenizer.pad_token_id))[0] for sample in samples)
-    import datasets
-
-    packed = pack(datasets.Dataset.from_list(samples), max_length=256)
-    assert len(packed) == 1
-    together = module.token_losses(model, collate([packed[0]], tokenizer.pad_token_id))[0]
+    packed = collate(samples, tokenizer.pad_token_id, packing=True)
+    lengths = [len(sample["input_ids"]) for sample in samples]
+    assert packed["input_ids"].shape == (1, sum(lengths)) and packed["num_tokens"].tolist() == [sum(lengths)]
+    assert packed["position_ids"][0].tolist() == [i for length in lengths for i in range(length)]
+    together = module.token_losses(model, packed)[0]
     assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+    padded = module.token_losses(model, collate(samples, tokenizer.pad_token_id))[0]
+    assert together.item() == pytest.approx(padded.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize(
