@@ -372,7 +372,7 @@ def main():
                 # Sync points (.item()): the global loss (the same for 1 or 2 processes) and tokens, padding aside.
                 real_tokens = accelerator.reduce(sum(batch["num_tokens"].sum() for batch in micro_batches), "sum")
                 record.step(completed_steps, (accelerator.reduce(step_loss, "sum") / step_tokens).item(),
-                            samples=sum(len(batch["input_ids"]) for batch in micro_batches) * data_parallel_size,
+                            samples=sum(len(batch["num_tokens"]) for batch in micro_batches) * data_parallel_size,
                             tokens=int(real_tokens.item()), answer_tokens=int(step_tokens.item()))
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     since_last_log = completed_steps % args.logging_steps or args.logging_steps

@@ -225,7 +225,7 @@ def tokenize_datasets(accelerator, raw_datasets: datasets.DatasetDict, fmt: str,
 
 
 def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> dict:
-    """A batch, with ``num_tokens``: the real (not padding) tokens per row. Right-padded (input ids with the pad
+    """A batch, with ``num_tokens``: the real (not padding) tokens of each sample. Right-padded (input ids with the pad
     token, labels with -100) with an attention mask; or with ``packing`` one row without padding, transformers'
     ``DataCollatorWithFlattening``: position ids restart at 0 with every sample, from which transformers builds a
     block-diagonal causal mask (each sample attends only to itself: the same losses as the padded batch of the same
@@ -234,7 +234,7 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     The price: attention without flash attention's packed kernels computes the whole row's mask, not each sample's."""
     if packing:
         batch = DataCollatorWithFlattening()(samples, return_tensors="pt")
-        return {**batch, "num_tokens": torch.tensor([batch["input_ids"].shape[1]])}
+        return {**batch, "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
     length = max(len(sample["input_ids"]) for sample in samples)
     batch = {"input_ids": torch.full((len(samples), length), pad_token_id),
              "labels": torch.full((len(samples), length), -100),

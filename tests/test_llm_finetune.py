@@ -633,7 +633,7 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
     alone = sum(module.token_losses(model, collate([sample], tokenizer.pad_token_id))[0] for sample in samples)
     packed = collate(samples, tokenizer.pad_token_id, packing=True)
     lengths = [len(sample["input_ids"]) for sample in samples]
-    assert packed["input_ids"].shape == (1, sum(lengths)) and packed["num_tokens"].tolist() == [sum(lengths)]
+    assert packed["input_ids"].shape == (1, sum(lengths)) and packed["num_tokens"].tolist() == lengths
     assert packed["position_ids"][0].tolist() == [i for length in lengths for i in range(length)]
     together = module.token_losses(model, packed)[0]
     assert together.item() == pytest.approx(alone.item(), rel=1e-5)
