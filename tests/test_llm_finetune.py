@@ -525,13 +525,17 @@ def recipe(base):
     spec.loader.exec_module(module)
     from transformers import AutoTokenizer
 
+    from shared.sft_data import DEFAULT_CHAT_TEMPLATE
+
     tokenizer = AutoTokenizer.from_pretrained(base)
-    tokenizer.pad_token, tokenizer.chat_template = tokenizer.eos_token, module.DEFAULT_CHAT_TEMPLATE
+    tokenizer.pad_token, tokenizer.chat_template = tokenizer.eos_token, DEFAULT_CHAT_TEMPLATE
     return module, tokenizer
 
 
 def test_only_answer_tokens_carry_labels(recipe):
-    module, tokenizer = recipe
+    from shared.sft_data import tokenize_sample
+
+    _, tokenizer = recipe
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 + 2?"},
@@ -539,27 +543,29 @@ def test_only_answer_tokens_carry_labels(recipe):
         {"role": "user", "content": "And 3 + 3?"},
         {"role": "assistant", "content": "6."},
     ]
-    sample = module.tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=512)
+    sample = tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=512)
     answers = tokenizer.decode([token for token, label in zip(sample["input_ids"], sample["labels"]) if label != -100])
     assert answers == "4." + tokenizer.eos_token + "\n6." + tokenizer.eos_token + "\n"
     assert tokenizer.decode(sample["input_ids"]) == tokenizer.apply_chat_template(messages, tokenize=False)
-    pair = module.tokenize_sample(
+    pair = tokenize_sample(
         {"prompt": "Q: 2 + 2?", "completion": " 4."}, "prompt_completion", tokenizer, max_length=512
     )
     assert (
         tokenizer.decode([t for t, label in zip(pair["input_ids"], pair["labels"]) if label != -100])
         == " 4." + tokenizer.eos_token
     )
-    text = module.tokenize_sample({"text": "def f(): pass"}, "text", tokenizer, max_length=512)
+    text = tokenize_sample({"text": "def f(): pass"}, "text", tokenizer, max_length=512)
     assert text["labels"][0] == -100 and text["labels"][1:] == text["input_ids"][1:]
-    cut = module.tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=8)
+    cut = tokenize_sample({"messages": messages}, "messages", tokenizer, max_length=8)
     assert cut["truncated"] and len(cut["input_ids"]) == 8 and cut["num_answer_tokens"] == 0
 
 
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
     import datasets
 
-    module, tokenizer = recipe
+    from shared.sft_eval import exact_match
+
+    _, tokenizer = recipe
     pairs = [
         ("Is `json.JSONDecoder` a class, a function or a method?", "class"),
         ("Is `json.dumps` a class, a function or a method?", "function"),
@@ -576,7 +582,7 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
             new = tokenizer(reply + tokenizer.eos_token, add_special_tokens=False, return_tensors="pt").input_ids
             return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
 
-    score, scored = module.exact_match(Model(), tokenizer, rows, "messages", "cpu")
+    score, scored = exact_match(Model(), tokenizer, rows, "messages", "cpu")
     assert [(s["question"], s["reference"], s["answer"]) for s in scored] == [
         (q, a, reply.strip()) for (q, a), reply in zip(pairs, replies.values())
     ]
@@ -606,13 +612,17 @@ def test_the_offline_default_asks_short_checkable_questions_held_out_by_definiti
 
 
 def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
-    """Position ids restart per sample: transformers then masks attention block-diagonally; packing changes no loss."""
+    """--packing flattens a batch into one row (transformers' DataCollatorWithFlattening) whose position ids restart
+    with every sample: transformers then masks attention block-diagonally, so packing changes no loss: the packed
+    row's is the sum of what each sample has alone, and the padded batch's."""
     from transformers import AutoModelForCausalLM
+
+    from shared.sft_data import collate, tokenize_sample
 
     module, tokenizer = recipe
     model = AutoModelForCausalLM.from_pretrained(base).eval()
     samples = [
-        module.tokenize_sample(
+        tokenize_sample(
             {"prompt": f"Q{i}: what is {i} + {i}?", "completion": f" {2 * i}, since {i} doubled"},
             "prompt_completion",
             tokenizer,
@@ -620,13 +630,15 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
         )
         for i in range(1, 4)
     ]
-    alone = sum(module.token_losses(model, module.collate([sample], tokenizer.pad_token_id))[0] for sample in samples)
-    import datasets
-
-    packed = module.pack(datasets.Dataset.from_list(samples), max_length=256)
-    assert len(packed) == 1
-    together = module.token_losses(model, module.collate([packed[0]], tokenizer.pad_token_id))[0]
+    alone = sum(module.token_losses(model, collate([sample], tokenizer.pad_token_id))[0] for sample in samples)
+    packed = collate(samples, tokenizer.pad_token_id, packing=True)
+    lengths = [len(sample["input_ids"]) for sample in samples]
+    assert packed["input_ids"].shape == (1, sum(lengths)) and packed["num_tokens"].tolist() == lengths
+    assert packed["position_ids"][0].tolist() == [i for length in lengths for i in range(length)]
+    together = module.token_losses(model, packed)[0]
     assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+    padded = module.token_losses(model, collate(samples, tokenizer.pad_token_id))[0]
+    assert together.item() == pytest.approx(padded.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -643,22 +655,20 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
 )
 def test_bad_rows_are_refused_with_the_sample(recipe, rows, message):
     from shared.runtime import RecipeError
+    from shared.sft_data import data_format, tokenize_sample
 
-    module, tokenizer = recipe
+    _, tokenizer = recipe
     with pytest.raises(RecipeError) as refused:
-        fmt = module.data_format(list(rows[0]))
-        module.tokenize_sample(rows[0], fmt, tokenizer, 64)
+        tokenize_sample(rows[0], data_format(list(rows[0])), tokenizer, 64)
     assert message in refused.value.message
 
 
-def test_data_errors_name_the_file_the_row_and_the_fix(recipe, base, tmp_path):
+def test_data_errors_name_the_file_the_row_and_the_fix(base, tmp_path):
     """What datasets reports as 'DatasetGenerationCastError' or 'DatasetGenerationError' (the row only in a log line
     above), and a conversation without an answer, each get one paragraph naming the file, the row or the columns."""
-    from argparse import Namespace
-
     from shared.runtime import RecipeError
+    from shared.sft_data import load_raw_datasets
 
-    module, _ = recipe
     chats = (base / "chats.jsonl").read_text().splitlines()
     files = {
         "pairs.jsonl": '{"prompt": "Q?", "completion": " A."}\n',
@@ -669,15 +679,8 @@ def test_data_errors_name_the_file_the_row_and_the_fix(recipe, base, tmp_path):
         (tmp_path / name).write_text(text)
 
     def refusal(train, validation=None) -> str:
-        args = Namespace(
-            train_file=str(train),
-            validation_file=validation and str(validation),
-            dataset_name=None,
-            validation_split_percentage=5,
-            seed=0,
-        )
         with pytest.raises(RecipeError) as refused:
-            module.load_raw_datasets(args)
+            load_raw_datasets(train_file=str(train), validation_file=validation and str(validation))
         return refused.value.message
 
     columns = refusal(base / "chats.jsonl", tmp_path / "pairs.jsonl")

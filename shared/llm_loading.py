@@ -1,0 +1,206 @@
+"""The base model of ``recipes/llm_finetune.py``: the offline default (pretrained by ``recipes/train_lm.py`` when
+there is none), its config checked, loading it (16/32-bit or 4-bit NF4, onto one device, split over two, or on the
+meta device for FSDP2's low host-RAM loading), the adapter merged into a fresh copy of it, and what low-RAM loading
+handed each process. ``load_base_model`` is the one place that loads the weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .fsdp import trained_weights_only_in_checkpoints
+from .model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
+from .results import per_rank
+from .runtime import RecipeError, main_process_alone
+
+# Encoder-only architectures that AutoModelForCausalLM would load anyway (BertLMHeadModel ...), but are not causal LMs.
+ENCODER_ONLY = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "mpnet",
+                "camembert", "modernbert"}
+
+
+def default_base_model(accelerator, output_dir: Path, recipes_dir: Path) -> str:
+    """``outputs/train_lm`` (what ``recipes/train_lm.py`` saves by default) if it holds a model; otherwise a small one
+    pretrained here first with that recipe, on one process (the others wait), in ``output_dir/base_model``."""
+    for candidate in (Path("outputs/train_lm"), output_dir / "base_model"):
+        if (candidate / "config.json").is_file() and (candidate / "tokenizer.json").is_file():
+            return str(candidate)
+    recipe = recipes_dir / "train_lm.py"
+    if not recipe.is_file():
+        raise RecipeError("No --model_name_or_path given and no pretrained model in outputs/train_lm. Pass a local "
+                          "folder or Hub name of a causal LM (the pretraining fallback needs recipes/train_lm.py "
+                          "beside llm_finetune.py).")
+    target = output_dir / "base_model"
+    # Minutes of pretraining on the main process: the others wait untimed (a barrier bounded by --dist_timeout would
+    # kill the run while it is only slow).
+    with main_process_alone(accelerator):
+        if accelerator.is_main_process:
+            command = [sys.executable, str(recipe), "--model_size", "small", "--max_train_steps", "150",
+                       "--corpus_max_mb", "3", "--per_device_train_batch_size", "8", "--block_size", "256",
+                       "--sample_tokens", "0", "--output_dir", str(target)]
+            accelerator.print("no base model yet: pretraining one first (a 1-process run, a few minutes on a CPU): "
+                              + " ".join(command))
+            # A plain 1-process run: none of this launch's distributed settings may reach it.
+            launch = ("RANK", "LOCAL_", "WORLD_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_", "ACCELERATE_")
+            env = {key: value for key, value in os.environ.items() if not key.startswith(launch)}
+            done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if done.returncode != 0:
+                raise RecipeError("Pretraining the default base model failed: "
+                                  f"{done.stdout.strip().splitlines()[-1][:300]}")
+    return str(target)
+
+
+def causal_lm_config(accelerator, name_or_path: str, max_length: int, load_in_4bit: bool = False,
+                     trust_remote_code: bool = False) -> tuple[object, int]:
+    """The model's config and the ``max_length`` it allows, checked before any data work: a model that is not a causal
+    LM, or ``load_in_4bit`` without bitsandbytes or on another device than CUDA or the CPU, is refused; a
+    ``max_length`` beyond the model's positions is cut to them (said so)."""
+    if load_in_4bit:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise RecipeError("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt "
+                              "(bitsandbytes==0.50.2).") from None
+        if accelerator.device.type not in ("cuda", "cpu"):
+            raise RecipeError(f"--load_in_4bit runs on CUDA GPUs and the CPU here, not on {accelerator.device.type}.")
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise RecipeError(f"Could not load model {name_or_path!r}: {str(error).splitlines()[0][:300]} Pass a local "
+                          "folder with config.json and weights, or a Hub name when online.") from None
+    if config.model_type in ENCODER_ONLY or getattr(config, "is_encoder_decoder", False):
+        raise RecipeError(
+            f"{name_or_path!r} is a {config.model_type} model, not a causal (decoder-only) LM, so it cannot generate "
+            "answers. Use a decoder such as Llama, Qwen, Mistral, Gemma or GPT-2; to classify text, use "
+            "recipes/transformer_finetune.py.")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions and max_length > positions:
+        # Longer rows would index past the position embeddings (an IndexError mid-run) or past what the model learned.
+        accelerator.print(f"--max_length {max_length} is more than the {positions} positions of {name_or_path}: "
+                          f"samples are cut to {positions} tokens")
+        max_length = positions
+    return config, max_length
+
+
+def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True, load_in_4bit: bool = False,
+                    devices: list[torch.device] | None = None, max_length: int = 512,
+                    trust_remote_code: bool = False) -> torch.nn.Module:
+    """The base model on this process's device, or split over ``devices`` (a device_map, one process) when given.
+    ``frozen`` (LoRA): in the compute dtype (a 7B base in bf16 is 13.5 GB instead of 27; the adapter stays float32,
+    PEFT upcasts it); with ``load_in_4bit`` in 4-bit NF4 with double quantization (QLoRA, bitsandbytes), prepared for
+    training an adapter. Not ``frozen`` (a full fine-tune): float32 master weights, for mixed-precision autocast.
+
+    Low host-RAM loading (FSDP2 with the config's ``fsdp_cpu_ram_efficient_loading``): only the main process reads
+    the checkpoint; the others build the model's shape with no memory behind it (parameters on the meta device,
+    buffers real), and ``accelerator.prepare()`` hands every process its shard of the main process's weights. Without
+    it each of N processes holds the whole model in host RAM at once: 2 x 140 GB for a 70B model in bf16."""
+    compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    dtype = compute_dtype if frozen else torch.float32
+    if low_ram_loading(accelerator) and not accelerator.is_main_process and not load_in_4bit:
+        with init_empty_weights():
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    quantization = load_device = None
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        # The storage dtype is the compute dtype, so that FSDP2 sees one dtype in every parameter it flattens and
+        # shards.
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+        # Quantized where it is loaded. One device: there. A split: on the CPU (a layer at a time, in host RAM), then
+        # dispatch_on_devices moves each block to its own device, so that no GPU ever holds more than its share
+        # (loaded onto a GPU, the whole 4-bit model would sit there before being split: 35 GB for a 70B model).
+        load_device = {"": "cpu"} if devices else {"": str(accelerator.device)}
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
+                                                 quantization_config=quantization, device_map=load_device,
+                                                 trust_remote_code=trust_remote_code)
+    if devices:
+        # One dispatcher for every recipe that splits (shared/model_split.py), before LoRA: the adapter's weights are
+        # then created on the device of the layer they adapt, inside its block's hook.
+        block_list = find_block_list(model, set(model._no_split_modules))
+        plan = plan_device_map(model, len(devices), last_cost=lm_head_cost_in_blocks(model, block_list, max_length))
+        model, _ = dispatch_on_devices(model, plan, devices)
+    if load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        # Casts the remaining 16-bit weights (norms, embeddings) to float32 for stable training of the adapter. Not
+        # its gradient checkpointing: the recipe turns that on itself, by transformers' current name.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return model
+
+
+def lora_model(accelerator, model: torch.nn.Module, lora_config, name_or_path: str) -> torch.nn.Module:
+    """``get_peft_model(model, lora_config)``, refusing target modules that match nothing in one sentence that names
+    the flag, with ``adapter_config.json`` naming a local base by its absolute path (so that the adapter loads from any
+    folder of this machine: a relative path, read from elsewhere, is taken for a Hub name). From here on
+    ``save_state`` checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model): load them
+    with ``load_state(strict=False)`` (set up here, before ``prepare``: it acts at the first ``save_state``)."""
+    from peft import get_peft_model
+
+    if lora_config.target_modules == {"all-linear"}:  # a one-word flag list: PEFT takes this one as a string
+        lora_config.target_modules = "all-linear"
+    try:
+        model = get_peft_model(model, lora_config)
+    except ValueError as error:
+        targets = lora_config.target_modules
+        raise RecipeError(
+            f"--lora_target_modules {targets if isinstance(targets, str) else ' '.join(sorted(targets))} matches no "
+            f"module of the model ({str(error).splitlines()[0][:200]}). Use 'all-linear' or names such as q_proj "
+            "v_proj.") from None
+    if Path(name_or_path).is_dir():
+        model.peft_config["default"].base_model_name_or_path = str(Path(name_or_path).resolve())
+    trained_weights_only_in_checkpoints(accelerator)
+    return model
+
+
+def low_ram_loading(accelerator) -> bool:
+    """True under FSDP2 when the launch config asks for low host-RAM loading (``fsdp_cpu_ram_efficient_loading``)."""
+    return accelerator.is_fsdp2 and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"
+
+
+def loaded_shard_sums(accelerator, model: torch.nn.Module) -> dict:
+    """With low host-RAM loading, what it gave each process, for results.json: the sum of every frozen weight's local
+    shard (tests compare them with the checkpoint's slices); else nothing. A collective: call it on every process,
+    after ``prepare``."""
+    if not low_ram_loading(accelerator):
+        return {}
+    local = {name: float((parameter.to_local() if hasattr(parameter, "to_local") else parameter).double().sum())
+             for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    return {"loading/shard_sums": per_rank(local)}
+
+
+def parameter_counts(accelerator, model: torch.nn.Module, name_or_path: str) -> tuple[int, int]:
+    """Trained and total parameters (PEFT counts each 4-bit weight as the parameters it stands for), printed with the
+    base weights' dtype."""
+    if hasattr(model, "get_nb_trainable_parameters"):  # a PeftModel
+        trainable, total = model.get_nb_trainable_parameters()
+        base = model.get_base_model()
+    else:
+        trainable = total = sum(parameter.numel() for parameter in model.parameters())
+        base = model
+    weights = "4-bit NF4" if getattr(base, "is_loaded_in_4bit", False) else str(base.dtype)
+    accelerator.print(f"model: {name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trained "
+                      f"({trainable / total:.2%}); weights in {weights}")
+    return trainable, total
+
+
+def save_merged(accelerator, name_or_path: str, adapter_dir: Path, tokenizer, trust_remote_code: bool = False) -> None:
+    """The base with the adapter merged in, to ``adapter_dir/merged`` for ``AutoModelForCausalLM.from_pretrained``:
+    into a fresh copy of the base in the compute dtype (bf16, or float32; a 4-bit base cannot take the merged weights
+    exactly, and fp16 could overflow). On the main process alone (minutes for a 13B model): the others wait untimed,
+    not in a barrier bounded by --dist_timeout. Every process calls it."""
+    with main_process_alone(accelerator):
+        if accelerator.is_main_process:
+            from peft import PeftModel
+
+            dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+            base = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
+            merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+            merged.save_pretrained(adapter_dir / "merged")
+            tokenizer.save_pretrained(adapter_dir / "merged")
+            accelerator.print(f"merged the adapter into the base model: {adapter_dir / 'merged'}")

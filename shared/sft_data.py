@@ -1,0 +1,268 @@
+"""Chat data for supervised fine-tuning (``recipes/llm_finetune.py``): the TRL formats (``messages``,
+``prompt``/``completion``, ``text``) read from files or the Hub and checked row by row, the tokenizer's pad token and
+chat template, token ids with labels on the answers only, and batches (padded, or flattened for ``--packing``).
+
+Not TRL's data helpers (TRL is not a dependency): its assistant-only loss needs a chat template with ``{% generation
+%}`` markers, which few models' templates have; ``tokenize_sample`` finds the answer tokens of any template that
+renders a conversation as a prefix of its continuation (and refuses one that does not), with one labelling rule for
+the three formats, and refuses bad rows by their place in the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import AutoTokenizer, DataCollatorWithFlattening
+
+from .data import stdlib_names
+from .runtime import RecipeError
+
+DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+ROLES = {"system", "user", "assistant"}
+# For tokenizers without a chat template: every message is "<|role|>\n" + content + the end-of-sequence token, and the
+# generation prompt is "<|assistant|>\n" (the tags are plain text, not new tokens, so the vocabulary stays as it is).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}{% "
+    "endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def chat_tokenizer(accelerator, name_or_path: str, trust_remote_code: bool = False):
+    """The model's tokenizer, with a pad token and a chat template (the recipe's default) when it has none."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss; any id will do
+        accelerator.print(f"tokenizer: no pad token, using the end-of-sequence token {tokenizer.eos_token!r}")
+    if tokenizer.chat_template is None:
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+        accelerator.print("tokenizer: no chat template, using the recipe's default (<|role|> lines ending in the EOS "
+                          "token)")
+    return tokenizer
+
+
+def load_raw_datasets(train_file: str | None = None, validation_file: str | None = None,
+                      dataset_name: str | None = None, dataset_config_name: str | None = None,
+                      validation_split_percentage: float = 5, seed: int = 0, max_train_samples: int | None = None,
+                      max_eval_samples: int | None = None) -> tuple[datasets.DatasetDict, str]:
+    """``train`` and ``validation`` from the user's files, a Hub dataset, or the offline default (``stdlib_names``),
+    every row checked, and their format (``data_format``); ``validation_split_percentage`` of train is held out when
+    there is no validation split. At most ``max_train_samples`` / ``max_eval_samples`` of each (shuffled). Call it
+    under ``main_process_first``."""
+    if train_file:
+        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+        for split, file in files.items():
+            if not Path(file).is_file():
+                raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
+            if Path(file).stat().st_size == 0:
+                raise RecipeError(f"--{split}_file {file!r} is empty: it needs at least one sample.")
+        suffixes = {Path(file).suffix.lower() for file in files.values()}
+        if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
+            raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got "
+                              f"{sorted(files.values())}.")
+        builder = DATA_FILE_BUILDERS[suffixes.pop()]
+        raw = {}
+        for split, file in files.items():  # one at a time, so that an error can name the file
+            try:
+                raw[split] = datasets.load_dataset(builder, data_files={split: file}, split=split)
+            except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
+                raise RecipeError(f"Could not read --{split}_file {file!r}: {unreadable(file, error)}") from None
+        if "validation" in raw and set(raw["validation"].column_names) != set(raw["train"].column_names):
+            raise RecipeError(
+                f"--train_file {files['train']!r} has the columns {raw['train'].column_names} but --validation_file "
+                f"{files['validation']!r} has {raw['validation'].column_names}: both must be in one format (messages, "
+                "prompt + completion, or text).")
+    elif dataset_name:
+        try:
+            raw = datasets.load_dataset(dataset_name, dataset_config_name)
+        except Exception as error:  # offline, unknown name, or a bad configuration: all end here
+            raise RecipeError(f"Could not load the Hub dataset {dataset_name!r} ({type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:300]}). Without internet, pass --train_file.") from None
+        if "validation" not in raw and "test" in raw:
+            raw["validation"] = raw["test"]
+    else:
+        raw = stdlib_names()
+    # Every row checked before anything is shuffled or split off, so that a bad row is named by its place in the file.
+    for split in ("train", "validation") if train_file or dataset_name else ():
+        if split in raw and len(raw[split]):
+            given = train_file if split == "train" else validation_file
+            source = f"--{split}_file {given!r}" if given else f"the {split} split of {dataset_name}"
+            check_rows(raw[split], data_format(raw["train"].column_names), source)
+    if "validation" not in raw:
+        raw = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
+        raw["validation"] = raw.pop("test")
+    limits = {"train": max_train_samples, "validation": max_eval_samples}
+    for split in ("train", "validation"):
+        if len(raw[split]) == 0:
+            raise RecipeError(f"The {split} split is empty: it needs at least one sample.")
+        if limits[split]:
+            raw[split] = raw[split].shuffle(seed=seed).select(range(min(limits[split], len(raw[split]))))
+    raw = datasets.DatasetDict({"train": raw["train"], "validation": raw["validation"]})
+    return raw, data_format(raw["train"].column_names)
+
+
+def unreadable(file: str, error: Exception) -> str:
+    """Why a data file could not be read: for JSON Lines, the first line that is not a JSON object (datasets names
+    only its own error; the line is in a log message above it)."""
+    if Path(file).suffix.lower() == ".jsonl":
+        with open(file, encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as bad:
+                    return f"line {number} is not valid JSON ({bad.msg} at column {bad.colno}): {line.strip()[:120]!r}"
+                if not isinstance(row, dict):
+                    return f"line {number} is a JSON {type(row).__name__}, not an object of columns: {line[:120]!r}"
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+
+
+def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
+    """Refuse, naming the row, a conversation that tokenize_sample could not learn from (rows count from 1, as lines
+    of a JSON Lines file do)."""
+    if fmt == "messages":
+        for number, messages in enumerate(dataset["messages"], start=1):
+            check_conversation(messages, f"Row {number} of {source}")
+
+
+def check_conversation(messages, where: str) -> None:
+    """Refuse a ``messages`` value this recipe cannot learn from, in one paragraph that starts with ``where``."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                 for m in messages):
+        raise RecipeError(f"{where}: 'messages' must be a list of {{role, content}} objects; got "
+                          f"{str(messages)[:200]}.")
+    unknown = sorted({m["role"] for m in messages} - ROLES)
+    if unknown:
+        raise RecipeError(f"{where} has the role(s) {unknown}; the roles are {sorted(ROLES)}: {str(messages)[:200]}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RecipeError(f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the "
+                          "answer as {'role': 'assistant', 'content': ...}, or drop the row.")
+
+
+def data_format(columns: list[str]) -> str:
+    """``messages``, ``prompt_completion`` or ``text``: the TRL formats, in that order of preference."""
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "prompt_completion"
+    if "text" in columns:
+        return "text"
+    raise RecipeError(
+        f"The data has none of the formats this recipe reads: a 'messages' column (a list of {{role, content}}), "
+        f"'prompt' and 'completion' columns, or a 'text' column. Columns found: {columns}.")
+
+
+def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
+    """``input_ids`` and ``labels`` (-100 everywhere but on answer tokens) of one sample, truncated to ``max_length``.
+
+    Conversations are rendered with the chat template one turn at a time: the text up to an assistant turn (with the
+    generation prompt) is prompt, the rest of that turn is answer, and each piece is tokenized on its own, so which
+    tokens are answers is exact (a template that does not render a conversation as a prefix of its continuation is
+    refused). The first token of a sample never has a label: nothing inside the sample predicts it (this also keeps
+    packed samples from predicting each other).
+    """
+    pieces: list[tuple[str, bool]] = []  # (text, is_answer)
+    if fmt == "messages":
+        messages, done = sample["messages"], ""
+        check_conversation(messages, "A conversation")  # (rows of files were checked with their row numbers)
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+            full = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+            if not (prompt.startswith(done) and full.startswith(prompt)):
+                raise RecipeError("The chat template does not render a conversation as a prefix of its continuation, "
+                                  "so the answer tokens cannot be found exactly; use a template that does (most do).")
+            pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            done = full
+        ids, labels = [], []
+        for text, is_answer in pieces:
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            labels += piece if is_answer else [-100] * len(piece)
+    else:
+        prompt = sample["prompt"] if fmt == "prompt_completion" else ""
+        answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
+        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
+        answer_ids = tokenizer(answer, add_special_tokens=not prompt)["input_ids"] + [tokenizer.eos_token_id]
+        ids, labels = prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
+    labels[0:1] = [-100]
+    truncated = len(ids) > max_length
+    prompt_tokens = next((index for index, label in enumerate(labels) if label != -100), len(labels))
+    ids, labels = ids[:max_length], labels[:max_length]
+    # prompt_tokens: before the first answer token, untruncated (what --max_length must exceed).
+    return {"input_ids": ids, "labels": labels, "num_answer_tokens": sum(label != -100 for label in labels),
+            "truncated": truncated, "prompt_tokens": prompt_tokens}
+
+
+def tokenize_datasets(accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer,
+                      max_length: int) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
+    """The training and validation sets as ``input_ids`` + ``labels``, and per split the samples, how many were
+    truncated and how many dropped because ``max_length`` cut off every answer token (refused when that leaves none).
+    Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
+    tokenized = raw_datasets.map(lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length),
+                                 remove_columns=raw_datasets["train"].column_names, desc="tokenizing")
+    counts, kept = {}, {}
+    for split in ("train", "validation"):
+        # Samples whose answers were cut off entirely have nothing to learn: dropped, and counted.
+        kept[split] = tokenized[split].filter(lambda sample: sample["num_answer_tokens"] > 0)
+        counts[split] = {"samples": len(tokenized[split]), "truncated": sum(tokenized[split]["truncated"]),
+                         "dropped_without_answer": len(tokenized[split]) - len(kept[split])}
+        if len(kept[split]) == 0:
+            prompts = sorted(tokenized[split]["prompt_tokens"])
+            median = prompts[len(prompts) // 2]
+            raise RecipeError(
+                f"--max_length {max_length} is shorter than the prompt of every {split} sample, so no answer token is "
+                f"left to learn from. The shortest prompt has {prompts[0]} tokens and the median one {median}: use "
+                f"--max_length {median + 64} or more to keep most samples with answers of up to 64 tokens.")
+        kept[split] = kept[split].remove_columns(["truncated", "prompt_tokens", "num_answer_tokens"])
+    accelerator.print(f"data: format {fmt}; " + "; ".join(
+        f"{split} {c['samples']} samples ({c['truncated']} truncated to {max_length} tokens, "
+        f"{c['dropped_without_answer']} dropped: no answer token left)" for split, c in counts.items()))
+    return kept["train"], kept["validation"], counts
+
+
+def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> dict:
+    """A batch, with ``num_tokens``: the real (not padding) tokens of each sample. Right-padded (input ids with the pad
+    token, labels with -100) with an attention mask; or with ``packing`` one row without padding, transformers'
+    ``DataCollatorWithFlattening``: position ids restart at 0 with every sample, from which transformers builds a
+    block-diagonal causal mask (each sample attends only to itself: the same losses as the padded batch of the same
+    samples; its -100 on each sample's first label is already there, see ``tokenize_sample``). It replaced a
+    first-fit packing of the whole data set into rows of ``max_length``, which changed how many samples a step holds.
+    The price: attention without flash attention's packed kernels computes the whole row's mask, not each sample's."""
+    if packing:
+        batch = DataCollatorWithFlattening()(samples, return_tensors="pt")
+        return {**batch, "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
+    length = max(len(sample["input_ids"]) for sample in samples)
+    batch = {"input_ids": torch.full((len(samples), length), pad_token_id),
+             "labels": torch.full((len(samples), length), -100),
+             "attention_mask": torch.zeros((len(samples), length), dtype=torch.long),
+             "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
+    for row, sample in enumerate(samples):
+        size = len(sample["input_ids"])
+        batch["input_ids"][row, :size] = torch.tensor(sample["input_ids"])
+        batch["labels"][row, :size] = torch.tensor(sample["labels"])
+        batch["attention_mask"][row, :size] = 1
+    return batch
+
+
+def check_batches(train_dataloader, data_parallel_size: int) -> None:
+    """Refuse a training set too small to give every data-parallel process a batch."""
+    samples, batches, size = len(train_dataloader.dataset), len(train_dataloader), train_dataloader.batch_size
+    if batches < data_parallel_size:
+        raise RecipeError(f"{samples} training samples make {batches} batch(es) of {size}, fewer than the "
+                          f"{data_parallel_size} processes: some would get none. Lower --per_device_train_batch_size "
+                          "or add data.")
+
+
+def prompt_of(sample: dict, fmt: str, tokenizer) -> str:
+    """What the model is asked: the conversation up to its first answer (with the generation prompt), the prompt, or
+    the first 64 characters of a text."""
+    if fmt == "messages":
+        first_answer = next(index for index, message in enumerate(sample["messages"])
+                            if message["role"] == "assistant")
+        return tokenizer.apply_chat_template(sample["messages"][:first_answer], tokenize=False,
+                                             add_generation_prompt=True)
+    return sample["prompt"] if fmt == "prompt_completion" else sample["text"][:64]

@@ -1,0 +1,105 @@
+"""Greedy answers of a fine-tuned causal LM (``recipes/llm_finetune.py``): their exact match with the reference
+answers of held-out questions, before and after training, and a few sample answers to print. Generation runs on the
+main process alone with the unwrapped model (the others wait untimed); not under FSDP2, where every forward pass
+needs every process."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import torch
+
+from .runtime import main_process_alone
+from .sft_data import prompt_of
+
+
+def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> tuple[float, list[dict]]:
+    """The share of ``rows`` whose greedy answer, stripped, equals the reference answer stripped, and each answer.
+    Generates 2 tokens more than the longest reference has: a longer answer could not match anyway."""
+    scored = []
+    for row in rows:
+        if fmt == "messages":
+            first = next(index for index, message in enumerate(row["messages"]) if message["role"] == "assistant")
+            question = row["messages"][first - 1]["content"] if first else ""
+            reference = row["messages"][first]["content"]
+        else:
+            question, reference = row["prompt"], row["completion"]
+        scored.append({"question": question, "reference": reference.strip()})
+    max_new_tokens = max(len(tokenizer(s["reference"], add_special_tokens=False).input_ids) for s in scored) + 2
+    for row, sample in zip(rows, scored):
+        ids = tokenizer(prompt_of(row, fmt, tokenizer), return_tensors="pt", add_special_tokens=fmt != "messages")
+        ids = ids.input_ids.to(device)
+        with torch.no_grad():
+            generated = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)
+        sample["answer"] = tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return sum(sample["answer"] == sample["reference"] for sample in scored) / len(scored), scored
+
+
+def exact_match_rows(accelerator, validation: datasets.Dataset, count: int, fmt: str, fsdp: bool,
+                     seed: int = 0) -> datasets.Dataset | None:
+    """``count`` shuffled validation questions to score (not the first ones: those ask about one package), or None:
+    ``count`` 0, plain text (no question to answer), or FSDP2 (said so)."""
+    if count <= 0 or fmt == "text":
+        return None
+    if fsdp:
+        accelerator.print("eval: no exact match under FSDP2 (generating needs every process in step); run it with ddp")
+        return None
+    return validation.shuffle(seed=seed).select(range(min(count, len(validation))))
+
+
+def main_process_exact_match(accelerator, model, tokenizer, rows, fmt: str) -> tuple[float, list[dict]]:
+    """``exact_match`` of ``rows`` on the main process alone (NaN and no answers elsewhere, or without rows)."""
+    score, answers = math.nan, []
+    if rows is not None:
+        with main_process_alone(accelerator):
+            if accelerator.is_main_process:
+                model.eval()
+                score, answers = exact_match(accelerator.unwrap_model(model), tokenizer, rows, fmt, accelerator.device)
+    return score, answers
+
+
+def exact_match_before(accelerator, model, tokenizer, validation: datasets.Dataset, fmt: str, count: int,
+                       fsdp: bool, seed: int = 0) -> tuple[datasets.Dataset | None, float]:
+    """The questions ``exact_match_results`` scores after training (``exact_match_rows``), and the exact match before
+    training (printed; NaN without questions)."""
+    rows = exact_match_rows(accelerator, validation, count, fmt, fsdp, seed)
+    score, _ = main_process_exact_match(accelerator, model, tokenizer, rows, fmt)
+    if rows is not None:
+        accelerator.print(f"eval: exact match before training {score:.1%}")
+    return rows, score
+
+
+def exact_match_results(accelerator, model, tokenizer, rows, fmt: str, before: float) -> dict:
+    """The ``eval/exact_match*`` entries of results.json after training, with the chance level (always giving the
+    most common reference answer) and the answers; printed with a few examples."""
+    score, answers = main_process_exact_match(accelerator, model, tokenizer, rows, fmt)
+    chance = math.nan
+    if answers:
+        references = [sample["reference"] for sample in answers]
+        chance = max(map(references.count, references)) / len(references)
+        accelerator.print(f"eval: exact match {before:.1%} before training, {score:.1%} after, on {len(answers)} "
+                          f"held-out questions (always the most common answer: {chance:.1%}); e.g.")
+        for sample in answers[:3]:
+            accelerator.print(f"  {sample['question']} -> {sample['answer']!r} (expected {sample['reference']!r})")
+    return {"eval/exact_match_before": before, "eval/exact_match": score, "eval/exact_match_chance": chance,
+            "eval/exact_match_num_questions": len(answers), "eval/exact_match_answers": answers}
+
+
+def generate_samples(accelerator, model, tokenizer, rows: datasets.Dataset, fmt: str, count: int,
+                     max_new_tokens: int) -> list[dict]:
+    """Greedy answers to the first ``count`` of ``rows`` on the main process (printed; none elsewhere)."""
+    samples = []
+    if count and accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        for row in rows.select(range(min(count, len(rows)))):
+            prompt = prompt_of(row, fmt, tokenizer)
+            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=fmt != "messages").input_ids
+            with torch.no_grad():
+                answer = unwrapped.generate(ids.to(accelerator.device), max_new_tokens=max_new_tokens, do_sample=False,
+                                            pad_token_id=tokenizer.pad_token_id)
+            samples.append({"prompt": prompt,
+                            "answer": tokenizer.decode(answer[0, ids.shape[1]:], skip_special_tokens=True)})
+            accelerator.print(f"--- prompt:\n{prompt}\n--- answer (greedy):\n{samples[-1]['answer']}")
+    return samples
