@@ -230,6 +230,8 @@ class RunRecord:
             perf["fsdp/sharding"] = per_rank(sharding_facts(model, self.optimizer))  # a collective
         unwrapped = accelerator.unwrap_model(model)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
+        # The map's names are relative to the model it was set on: the PEFT wrapper when the split came after LoRA.
+        base = unwrapped if "hf_device_map" in vars(unwrapped) else base
         device_map = getattr(base, "hf_device_map", None)
         facts = {
             "recipe": self.recipe,
