@@ -145,7 +145,7 @@ def main():
                     optimizer.zero_grad()
                 if not accelerator.sync_gradients:
                     continue
-                completed_steps += 1
+                completed_steps += 1  # (this bookkeeping ends every recipe's step, on purpose: each loop reads whole)
                 # Sync point: reduce() and .item() wait for every process (cheap here; big models log every N steps).
                 record.step(completed_steps, accelerator.reduce(step_loss, "mean").item(), samples=global_batch_size)
                 step_loss.zero_()
