@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import torch
 from torch.utils.data import Sampler
+from transformers.trainer_pt_utils import get_length_grouped_indices
 
 
 class LengthGroupedShuffledSampler(Sampler[int]):
     """Yields indices in batch-aligned runs of similar length (``batch_size`` equal to the DataLoader's; under DDP
-    Accelerate hands whole batches to processes, so they stay similar). Per epoch (seed + epoch: every process and a
-    resumed run agree; Accelerate's loader calls ``set_epoch``): shuffle, cut into mega-batches of
-    ``mega_batch_batches`` batches, sort each by length, cut into batches, shuffle the batches, the short one last."""
+    Accelerate hands whole batches to processes, so they stay similar). The grouping is transformers' (the Trainer's
+    ``group_by_length``): shuffle, cut into mega-batches of ``mega_batch_batches`` batches, sort each by length. Not
+    its ``LengthGroupedSampler``: that yields each mega-batch longest batch first, and has no ``set_epoch`` (its order
+    follows the global RNG: a resumed run would not see the batches of an uninterrupted one). Here each epoch is
+    seeded with seed + epoch (Accelerate's loader calls ``set_epoch``), and full batches are shuffled, short last."""
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, mega_batch_batches: int = 50):
         self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
-        self.mega_batch_size = batch_size * mega_batch_batches
+        self.mega_batch_batches = mega_batch_batches
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -25,11 +28,9 @@ class LengthGroupedShuffledSampler(Sampler[int]):
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.lengths), generator=generator).tolist()
-        batches = []
-        for start in range(0, len(order), self.mega_batch_size):
-            mega_batch = sorted(order[start:start + self.mega_batch_size], key=lambda i: -self.lengths[i])
-            batches += [mega_batch[i:i + self.batch_size] for i in range(0, len(mega_batch), self.batch_size)]
+        order = get_length_grouped_indices(self.lengths, self.batch_size, self.mega_batch_batches, generator)
+        # Mega-batches hold whole batches, so only the last batch of all can be short.
+        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         full = [batch for batch in batches if len(batch) == self.batch_size]
         short = [batch for batch in batches if len(batch) < self.batch_size]
         full = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]

