@@ -73,6 +73,7 @@ from shared.fsdp import (  # noqa: E402
     wrap_at_blocks,
 )
 from shared.hang_dump import HangDump  # noqa: E402
+from shared.sharded_4bit import empty_4bit_model, load_4bit_sharded  # noqa: E402
 from shared.model_split import (  # noqa: E402
     dispatch_on_devices,
     execution_devices,
@@ -813,7 +814,11 @@ def main():
     # of N processes holds the whole model in host RAM at once: 2 x 140 GB for a 70B model in bf16.
     ram_efficient = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"  # set by the config
     low_ram = ram_efficient and parallelism.name == "fsdp"
-    if low_ram and not accelerator.is_main_process and not args.load_in_4bit:
+    # QLoRA under FSDP2: built empty here, loaded one layer at a time and sharded after LoRA (shared/sharded_4bit.py).
+    frugal_4bit = args.load_in_4bit and parallelism.name == "fsdp"
+    if frugal_4bit:
+        model = empty_4bit_model(config, quantization, load_dtype, trust_remote_code=args.trust_remote_code)
+    elif low_ram and not accelerator.is_main_process and not args.load_in_4bit:
         with init_empty_weights():
             model = AutoModelForCausalLM.from_config(
                 config, dtype=load_dtype, trust_remote_code=args.trust_remote_code
@@ -873,6 +878,8 @@ def main():
         trainable, total = model.get_nb_trainable_parameters()  # counts 4-bit weights as the parameters they stand for
     else:
         trainable = total = total_before
+    if frugal_4bit:
+        load_4bit_sharded(accelerator, model, args.model_name_or_path, load_dtype)
     accelerator.print(
         f"model: {args.model_name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trained "
         f"({trainable / total:.2%}); weights in {load_dtype if not args.load_in_4bit else '4-bit NF4'}"
