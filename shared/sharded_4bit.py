@@ -20,6 +20,8 @@ Host RAM per process: one 16-bit tensor being read or received, plus the adapter
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -97,6 +99,14 @@ def read_or_receive(accelerator: Accelerator, files: dict[str, Path], key: str, 
     return tensor
 
 
+def give_back_freed_host_memory() -> None:
+    """Return the host memory freed so far to the OS (glibc's ``malloc_trim``). Without it the peak grows with every
+    layer: glibc raises its threshold for serving large blocks from its own heap after each large free, and the freed
+    layers stay in that heap (measured on a 1.1B model: +1.2 GiB per process over 22 layers, +0.2 GiB with it)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str, dtype: torch.dtype) -> None:
     """Load the weights of an ``empty_4bit_model`` (LoRA applied or not) one decoder layer at a time, each layer
     quantized on this process's device and sharded by FSDP2 before the next is read; then the rest, whole. Call it
@@ -137,6 +147,7 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str, 
         load(block, f"{block_list}.{index}.")
         if accelerator.is_fsdp2:
             fully_shard(block, **shard_kwargs)  # keeps this process's 1/N; the full layer is freed
+        give_back_freed_host_memory()
     for name, module in base.named_children():  # everything outside the decoder layers, whole
         if not any(True for _ in module.named_parameters()):
             continue
