@@ -18,9 +18,12 @@ LOSS_COST_PER_VOCAB_ENTRY = 180.0
 
 
 def find_block_list(model: nn.Module, block_classes: set[str]) -> str:
-    """Name of the ``ModuleList`` that holds the Transformer blocks (e.g. ``bert.encoder.layer``)."""
+    """Name of the ``ModuleList`` that holds the Transformer blocks (e.g. ``bert.encoder.layer``); blocks FSDP2 has
+    sharded already (class ``FSDPLlamaDecoderLayer``, a subclass) count as their own class."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and module and all(type(m).__name__ in block_classes for m in module):
+        if isinstance(module, nn.ModuleList) and module and all(
+            block_classes & {cls.__name__ for cls in type(m).__mro__} for m in module
+        ):
             return name
     raise ValueError(f"no ModuleList of {sorted(block_classes)} found in {type(model).__name__}")
 

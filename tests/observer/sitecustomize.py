@@ -16,6 +16,8 @@ recipes. It does nothing unless OBSERVE_DIR is set; then, at exit, each process 
 - ``bitsandbytes``: calls into bitsandbytes' 4-bit entry points (``quantize_4bit`` at loading, ``matmul_4bit`` in
   every forward of a ``Linear4bit``, ``dequantize_4bit`` in its backward), and for each 4-bit weight a forward used,
   the bytes it is stored in per weight it stands for (0.5: 4 bits).
+- ``loading_events``: in order, each ``quantize_4bit`` (``["quantize", weights]``) and each FSDP2 ``fully_shard``
+  (``["shard", module class]``) call: how much of the model a process quantized before sharding it.
 
 Patches are applied right after the module they patch is imported (a ``sys.meta_path`` finder), before anything else
 can bind the originals, and cost one Python call per saved tensor, file open or 4-bit call.
@@ -34,6 +36,7 @@ record = {
     "saved_index_elements": [],
     "bitsandbytes": {},
     "four_bit_bytes_per_weight": {},
+    "loading_events": [],
 }
 _step = {"storages": {}, "index_elements": 0}
 
@@ -110,12 +113,26 @@ def patch_bitsandbytes(bnb) -> None:
 
         def counted(*args, _name=name, _original=original, **kwargs):
             _count(_name)
+            if _name == "quantize_4bit":
+                record["loading_events"].append(["quantize", args[0].numel()])
             return _original(*args, **kwargs)
 
         setattr(functional, name, counted)
 
 
-PATCHES = {"safetensors": patch_safetensors, "torch": patch_torch, "bitsandbytes": patch_bitsandbytes}
+def patch_fsdp(fsdp) -> None:
+    # Accelerate and shared/ bind fully_shard from torch.distributed.fsdp after it is imported: they get this.
+    original = fsdp.fully_shard
+
+    def fully_shard(module, *args, **kwargs):
+        record["loading_events"].append(["shard", type(module).__name__ if not isinstance(module, list) else "list"])
+        return original(module, *args, **kwargs)
+
+    fsdp.fully_shard = fully_shard
+
+
+PATCHES = {"safetensors": patch_safetensors, "torch": patch_torch, "bitsandbytes": patch_bitsandbytes,
+           "torch.distributed.fsdp": patch_fsdp}
 
 
 class PatchAfterImport:

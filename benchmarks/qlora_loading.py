@@ -1,0 +1,214 @@
+"""QLoRA under FSDP2, loaded within each card: the memory that loading adds per process, for the layer-by-layer loader
+(``shared/sharded_4bit.py``, what ``recipes/llm_finetune.py`` uses under an FSDP config) beside the whole-model loader
+it replaced (``from_pretrained`` quantizing the whole model where it loads it), under ``fsdp_2gpu.yaml`` and
+``fsdp_offload_2gpu.yaml``, in 2 processes, on a Llama-shaped model made here (1.1B parameters, TinyLlama's shape, bf16
+safetensors, random weights). Then the recipe itself, QLoRA in 1 process and in 2 under each FSDP config: the losses
+and the adapters must be equal.
+
+    python benchmarks/qlora_loading.py --output_dir benchmarks/results/cpu-qlora-loading       # ~15 min on 2 cores
+    python benchmarks/qlora_loading.py --preset tiny --output_dir /tmp/qlora-loading           # a 1-minute rehearsal
+
+What is counted, per process: on CUDA, ``torch.cuda.max_memory_allocated`` from the start of loading to the end of
+``accelerator.prepare`` (the device's tensors); on the CPU, where the "device" is host RAM, the growth of the process's
+peak resident set size (``ru_maxrss``) over the same span: every tensor (4-bit shards, the layer being read, the
+adapter, the embeddings) plus, on the main process, the pages of the safetensors file it maps while reading. Beside
+them: the model's size in 4 bits (its 4-bit weights at 0.5 B each, the rest in the load dtype) and in 16 bits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PRESETS = {
+    # TinyLlama-1.1B's shape: 1,100M parameters.
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+CONFIGS = ("fsdp_2gpu.yaml", "fsdp_offload_2gpu.yaml")
+GIB = 2**30
+
+
+def make_model(folder: Path, preset: str) -> dict:
+    """A Llama-shaped model with random bf16 weights, a small BPE tokenizer and a few texts, saved in ``folder``."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shared.data import stdlib_questions
+    from shared.lm_data import train_bpe_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    questions = stdlib_questions()["train"].select(range(64))
+    texts = [row["messages"][-2]["content"] + " " + row["messages"][-1]["content"] for row in questions]
+    tokenizer = train_bpe_tokenizer(iter(texts), vocab_size=400)  # the model's vocabulary may be larger
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(**PRESETS[preset], tie_word_embeddings=False, max_position_embeddings=2048,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    datasets.Dataset.from_list([{"text": text} for text in texts]).to_parquet(str(folder / "texts.parquet"))
+    linear = sum(m.weight.numel() for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and n != "lm_head")
+    total = sum(p.numel() for p in model.parameters())
+    return {"parameters": total, "four_bit_weights": linear,
+            "bytes_16bit": 2 * total, "bytes_4bit": linear // 2 + 2 * (total - linear)}
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
+
+
+def worker(args) -> None:
+    """One process of a launch: load the QLoRA model the way ``--loader`` says, prepare it, write what it took."""
+    import torch
+    from accelerate.utils import ProjectConfiguration
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    from shared.fsdp import wrap_at_blocks
+    from shared.model_split import find_block_list
+    from shared.runtime import build_accelerator
+    from shared.sharded_4bit import empty_4bit_model, load_4bit_sharded
+
+    accelerator = build_accelerator(mixed_precision="bf16", project_config=ProjectConfiguration(
+        project_dir=str(args.output_dir)))
+    torch.set_num_threads(1)
+    dtype = torch.bfloat16
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    config = AutoConfig.from_pretrained(args.model)
+    cuda = accelerator.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
+    device_before = torch.cuda.memory_allocated(accelerator.device) if cuda else 0
+    rss_before, start = peak_rss(), time.perf_counter()
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    if args.loader == "layer_by_layer":
+        model = empty_4bit_model(config, quantization, dtype)
+        model = get_peft_model(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False), lora)
+        load_4bit_sharded(accelerator, model, args.model, dtype)
+    else:  # what the recipe did before: the whole model quantized on this process's device, then sharded
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, quantization_config=quantization,
+                                                     device_map={"": str(accelerator.device)})
+        model = get_peft_model(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False), lora)
+    wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
+    model = accelerator.prepare(model)
+    seconds = time.perf_counter() - start
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                for p in model.parameters())
+    facts = {"rank": accelerator.process_index, "loader": args.loader, "device": str(accelerator.device),
+             "load_seconds": seconds, "held_bytes": local,
+             "peak_growth_bytes": (torch.cuda.max_memory_allocated(accelerator.device) - device_before) if cuda
+             else peak_rss() - rss_before,
+             "counted": "cuda max_memory_allocated" if cuda else "host peak RSS (ru_maxrss)"}
+    (args.output_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(facts))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def launch(config: str, argv: list[str], processes: int = 2, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = ["accelerate", "launch", "--config_file", str(REPO / "accelerate_configs" / config),
+               "--num_processes", str(processes), *argv]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def recipe_run(model: Path, config: str, processes: int, output_dir: Path, batch: int) -> dict:
+    """The recipe, QLoRA, fp32 compute (bf16 is 10x slower on CPUs without bf16 instructions), 2 steps."""
+    argv = [str(REPO / "recipes" / "llm_finetune.py"), "--model_name_or_path", str(model), "--train_file",
+            str(model / "texts.parquet"), "--load_in_4bit", "--max_train_steps", "2", "--lora_dropout", "0",
+            "--adam_epsilon", "1e-4", "--max_length", "32", "--skip_eval", "--per_device_train_batch_size", str(batch),
+            "--output_dir", str(output_dir)]
+    run = launch(config, argv, processes)
+    if run.returncode:
+        raise SystemExit(f"{config} x {processes} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    return json.loads((output_dir / "results.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output_dir", type=Path, required=True, help="Where the record and summary go.")
+    parser.add_argument("--preset", choices=list(PRESETS), default="1b", help="The model's shape.")
+    parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)  # (worker)
+    parser.add_argument("--loader", choices=["layer_by_layer", "whole_model"], help=argparse.SUPPRESS)  # (worker)
+    parser.add_argument("--keep_model", action="store_true", help="Keep the model made in output_dir/model.")
+    args = parser.parse_args()
+    if args.loader:
+        return worker(args)
+
+    import torch
+    from safetensors.torch import load_file
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    model = args.output_dir / "model"
+    sizes = make_model(model, args.preset)
+    print(f"model: {sizes['parameters'] / 1e9:.2f}B parameters, {sizes['bytes_16bit'] / GIB:.2f} GiB in 16 bits, "
+          f"{sizes['bytes_4bit'] / GIB:.2f} GiB in 4 bits", flush=True)
+    loading = {}
+    for config in CONFIGS:
+        for loader in ("layer_by_layer", "whole_model"):
+            folder = args.output_dir / "loading" / f"{config.removesuffix('.yaml')}-{loader}"
+            folder.mkdir(parents=True, exist_ok=True)
+            run = launch(config, [__file__, "--output_dir", str(folder), "--model", str(model), "--loader", loader])
+            if run.returncode:
+                raise SystemExit(f"{config} {loader} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+            ranks = [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(2)]
+            loading[f"{config}/{loader}"] = ranks
+            shown = [f"rank {r['rank']} +{r['peak_growth_bytes'] / GIB:.2f} GiB ({r['load_seconds']:.0f} s)"
+                     for r in ranks]
+            print(f"{config} {loader}: " + ", ".join(shown), flush=True)
+    runs = {"single": recipe_run(model, "single_gpu.yaml", 1, args.output_dir / "recipe-single", batch=2)}
+    adapters = {"single": load_file(args.output_dir / "recipe-single" / "adapter_model.safetensors")}
+    for config in CONFIGS:
+        name = config.removesuffix(".yaml")
+        runs[name] = recipe_run(model, config, 2, args.output_dir / f"recipe-{name}", batch=1)
+        adapters[name] = load_file(args.output_dir / f"recipe-{name}" / "adapter_model.safetensors")
+    equal = {}
+    for name in runs:
+        if name != "single":
+            difference = max(float((adapters[name][key] - value).abs().max() / value.abs().max().clamp_min(1e-12))
+                             for key, value in adapters["single"].items())
+            losses = [abs(a - b) / abs(b) for a, b in zip(runs[name]["train/loss_curve"],
+                                                          runs["single"]["train/loss_curve"])]
+            equal[name] = {"adapter_max_relative_difference": difference, "loss_max_relative_difference": max(losses),
+                           "losses": runs[name]["train/loss_curve"]}
+    record = {"benchmark": "qlora_loading", "preset": args.preset, "model": sizes, "loading": loading,
+              "recipe_losses_single": runs["single"]["train/loss_curve"], "recipe_equal_to_one_process": equal,
+              "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                          "cpu_flags": [flag for flag in Path("/proc/cpuinfo").read_text().split()
+                                        if flag.startswith(("avx", "amx"))] if Path("/proc/cpuinfo").exists() else []}}
+    (args.output_dir / "qlora_loading.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = ["| config | loader | rank 0 | rank 1 | held after prepare (rank 0) |", "| --- | --- | --- | --- | --- |"]
+    for key, ranks in loading.items():
+        config, loader = key.split("/")
+        lines.append(f"| {config} | {loader} | +{ranks[0]['peak_growth_bytes'] / GIB:.2f} GiB | "
+                     f"+{ranks[1]['peak_growth_bytes'] / GIB:.2f} GiB | {ranks[0]['held_bytes'] / GIB:.2f} GiB |")
+    summary = (f"# QLoRA loading under FSDP2: {sizes['parameters'] / 1e9:.2f}B parameters, "
+               f"{sizes['bytes_16bit'] / GIB:.2f} GiB in 16 bits, {sizes['bytes_4bit'] / GIB:.2f} GiB in 4 bits\n\n"
+               f"Peak memory that loading adds per process ({loading[next(iter(loading))][0]['counted']}):\n\n"
+               + "\n".join(lines) + "\n\nThe recipe, 2 processes against 1: "
+               + "; ".join(f"{name}: losses within {facts['loss_max_relative_difference']:.1e}, adapter within "
+                           f"{facts['adapter_max_relative_difference']:.1e}" for name, facts in equal.items()) + "\n")
+    (args.output_dir / "summary.md").write_text(summary)
+    print(summary)
+    if not args.keep_model:
+        for path in model.iterdir():
+            path.unlink()
+        model.rmdir()
+
+
+if __name__ == "__main__":
+    main()
