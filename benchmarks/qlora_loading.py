@@ -100,7 +100,7 @@ def worker(args) -> None:
     if args.loader == "layer_by_layer":
         model = empty_4bit_model(config, quantization, dtype)
         model = get_peft_model(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False), lora)
-        load_4bit_sharded(accelerator, model, args.model, dtype)
+        load_4bit_sharded(accelerator, model, str(args.model))
     else:  # what the recipe did before: the whole model quantized on this process's device, then sharded
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, quantization_config=quantization,
                                                      device_map={"": str(accelerator.device)})

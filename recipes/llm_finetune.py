@@ -87,6 +87,7 @@ from shared.runtime import (  # noqa: E402
     prepare_output_dir,
 )
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
+from shared.sharded_4bit import load_4bit_sharded  # noqa: E402
 from shared.sft_data import (  # noqa: E402
     chat_tokenizer,
     check_batches,
@@ -302,6 +303,8 @@ def main():
                                  target_modules=args.lora_target_modules, task_type="CAUSAL_LM")
         model = lora_model(accelerator, model, lora_config, args.model_name_or_path)  # get_peft_model, and more
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
+    if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
+        load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
 
     # ------------------------------------------------------------------ optimizer and scheduler
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -338,7 +341,7 @@ def main():
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
     flops_per_token = lm_flops_per_token(config.hidden_size, config.num_hidden_layers, config.vocab_size, total,
-                                         args.max_length)
+                                         args.max_length, trainable if lora else None)  # LoRA: no frozen weight grads
     with RunRecord(accelerator, "llm_finetune", output_dir, run_config, model, optimizer, max_train_steps,
                    resume.history.get("train/loss_curve"), args.perf_warmup_steps,
                    devices=sorted(set(split_over), key=str) or None, flops_per_token=flops_per_token) as record:

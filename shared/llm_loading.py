@@ -18,6 +18,7 @@ from .fsdp import trained_weights_only_in_checkpoints
 from .model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
 from .results import per_rank
 from .runtime import RecipeError, main_process_alone
+from .sharded_4bit import empty_4bit_model
 
 # Encoder-only architectures that AutoModelForCausalLM would load anyway (BertLMHeadModel ...), but are not causal LMs.
 ENCODER_ONLY = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "mpnet",
@@ -106,6 +107,7 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
             return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     quantization = load_device = None
     if load_in_4bit:
+        from peft import prepare_model_for_kbit_training
         from transformers import BitsAndBytesConfig
 
         # The storage dtype is the compute dtype, so that FSDP2 sees one dtype in every parameter it flattens and
@@ -116,6 +118,11 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
         # dispatch_on_devices moves each block to its own device, so that no GPU ever holds more than its share
         # (loaded onto a GPU, the whole 4-bit model would sit there before being split: 35 GB for a 70B model).
         load_device = {"": "cpu"} if devices else {"": str(accelerator.device)}
+        if accelerator.is_fsdp2:
+            # Under FSDP2 not even one GPU's worth: built empty, its weights come in one decoder layer at a time,
+            # each sharded before the next (shared/sharded_4bit.py), once LoRA is in place.
+            model = empty_4bit_model(config, quantization, dtype, trust_remote_code)
+            return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
                                                  quantization_config=quantization, device_map=load_device,
                                                  trust_remote_code=trust_remote_code)
@@ -126,8 +133,6 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
         plan = plan_device_map(model, len(devices), last_cost=lm_head_cost_in_blocks(model, block_list, max_length))
         model, _ = dispatch_on_devices(model, plan, devices)
     if load_in_4bit:
-        from peft import prepare_model_for_kbit_training
-
         # Casts the remaining 16-bit weights (norms, embeddings) to float32 for stable training of the adapter. Not
         # its gradient checkpointing: the recipe turns that on itself, by transformers' current name.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

@@ -107,13 +107,14 @@ def give_back_freed_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str, dtype: torch.dtype) -> None:
+def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) -> None:
     """Load the weights of an ``empty_4bit_model`` (LoRA applied or not) one decoder layer at a time, each layer
     quantized on this process's device and sharded by FSDP2 before the next is read; then the rest, whole. Call it
     on every process after LoRA and before ``accelerator.prepare``, which shards the rest and skips the layers."""
     import bitsandbytes as bnb
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    dtype = base.hf_quantizer.quantization_config.bnb_4bit_compute_dtype  # what from_pretrained would load in
     block_list = find_block_list(base, set(base._no_split_modules))  # e.g. model.layers
     files = checkpoint_files(model_name_or_path) if accelerator.is_main_process else {}
     plugin = accelerator.state.fsdp_plugin

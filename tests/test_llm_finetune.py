@@ -434,6 +434,24 @@ def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
         assert (
             fsdp["memory/model_state_bytes"][rank]["total"] <= 0.55 * one["memory/model_state_bytes"]["rank0"]["total"]
         )
+    assert max_relative_difference(adapter(runs["qlora_fsdp"]), adapter(runs["qlora"])) <= 1e-5
+
+
+def test_qlora_under_fsdp_is_loaded_one_layer_at_a_time(runs, base):
+    """The layer-by-layer loader (shared/sharded_4bit.py): no process quantizes more than one decoder layer's weights
+    before FSDP2 shards them (the whole-model loader quantized all 28 linear layers of the 4 blocks first), and only
+    the main process opens the checkpoint (the others receive each tensor). The observer records, in order, every
+    quantize_4bit and fully_shard call of each process."""
+    observed_ranks = runs["qlora_fsdp"]["observed"]
+    layer = 4 * 64 * 64 + 3 * 64 * 128  # q, k, v, o (64 x 64) and gate, up, down (64 x 128): one block's weights
+    for rank, process in observed_ranks.items():
+        unsharded, most = 0, 0
+        for event, value in process["loading_events"]:
+            unsharded = unsharded + value if event == "quantize" else 0
+            most = max(most, unsharded)
+        assert 0 < most <= layer, (rank, most, process["loading_events"][:12])
+    weights = str((base / "model.safetensors").resolve())
+    assert weights in observed_ranks["rank0"]["opened"] and weights not in observed_ranks["rank1"]["opened"]
 
 
 def test_full_fine_tune_saves_the_whole_model(runs, base):
