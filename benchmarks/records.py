@@ -21,6 +21,7 @@ COPIED = (
     "perf/step_time_p90_s",
     "perf/data_wait_fraction",
     "memory/peak_gib",
+    "memory/load_peak_gib",
     "memory/host_peak_gib",
     "memory/model_state_bytes",
     "train/padding_fraction",

@@ -192,6 +192,12 @@ class RunRecord:
         self.loss_curve = list(loss_curve or [])
         self.resumed_from_step = len(self.loss_curve)
         self.meter = ThroughputMeter(accelerator, warmup_steps=warmup_steps, devices=devices)
+        # Loading and prepare are done: their peak per device, apart from training's. On CUDA the peak counter starts
+        # again here, so memory/peak_gib is training's own; on the CPU (peak RSS) training's can only add to it.
+        self.load_peak = peak_memory_gib(self.meter.devices)
+        for device in self.meter.devices:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
         self.results: dict = {}
         accelerator.print("config: " + json.dumps(config, sort_keys=True, default=str))
 
@@ -228,6 +234,10 @@ class RunRecord:
         if accelerator.is_fsdp2:
             # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
             perf["fsdp/sharding"] = per_rank(sharding_facts(model, self.optimizer))  # a collective
+        several = accelerator.num_processes > 1
+        perf["memory/load_peak_gib"] = {(f"rank{rank}/" if several else "") + device: round(gib, 4)  # a collective
+                                        for rank, peaks in enumerate(gather_object([self.load_peak]))
+                                        for device, gib in peaks.items()}
         unwrapped = accelerator.unwrap_model(model)
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         # The map's names are relative to the model it was set on: the PEFT wrapper when the split came after LoRA.
