@@ -294,7 +294,7 @@ def main():
     # ------------------------------------------------------------------------------ model
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     model = load_base_model(accelerator, args.model_name_or_path, config, lora, args.load_in_4bit, split_over,
-                            args.max_length, args.trust_remote_code)
+                            args.max_length, args.trust_remote_code, args.merge_and_save and lora)
     if args.gradient_checkpointing:
         # Non-reentrant: works with DDP and LoRA (a frozen base gives the reentrant version inputs without grad).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

@@ -14,7 +14,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .fsdp import trained_weights_only_in_checkpoints
+from .fsdp import available_host_ram, trained_weights_only_in_checkpoints
 from .model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
 from .results import per_rank
 from .runtime import RecipeError, main_process_alone
@@ -90,7 +90,7 @@ def causal_lm_config(accelerator, name_or_path: str, max_length: int, load_in_4b
 
 def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True, load_in_4bit: bool = False,
                     devices: list[torch.device] | None = None, max_length: int = 512,
-                    trust_remote_code: bool = False) -> torch.nn.Module:
+                    trust_remote_code: bool = False, merge_and_save: bool = False) -> torch.nn.Module:
     """The base model on this process's device, or split over ``devices`` (a device_map, one process) when given.
     ``frozen`` (LoRA): in the compute dtype (a 7B base in bf16 is 13.5 GB instead of 27; the adapter stays float32,
     PEFT upcasts it); with ``load_in_4bit`` in 4-bit NF4 with double quantization (QLoRA, bitsandbytes), prepared for
@@ -102,6 +102,8 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
     it each of N processes holds the whole model in host RAM at once: 2 x 140 GB for a 70B model in bf16."""
     compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     dtype = compute_dtype if frozen else torch.float32
+    if merge_and_save:
+        check_merge_fits_host_ram(accelerator, config, name_or_path, trust_remote_code)
     if low_ram_loading(accelerator) and not accelerator.is_main_process and not load_in_4bit:
         with init_empty_weights():
             return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -192,6 +194,26 @@ def parameter_counts(accelerator, model: torch.nn.Module, name_or_path: str) -> 
     accelerator.print(f"model: {name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trained "
                       f"({trainable / total:.2%}); weights in {weights}")
     return trainable, total
+
+
+def check_merge_fits_host_ram(accelerator, config, name_or_path: str, trust_remote_code: bool = False) -> None:
+    """``--merge_and_save`` loads the whole base in bf16 (or fp32) on the main process, after training: refuse before
+    training when this machine's free host RAM cannot hold it (+10 % for the adapter and saving), with the command
+    that merges on a machine that can (a 70B base needs ~140 GB). Every process decides; all raise together."""
+    with init_empty_weights():  # the parameter count, from the config: no weights read
+        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+            config, trust_remote_code=trust_remote_code).parameters())
+    dtype_name = "bfloat16" if accelerator.mixed_precision == "bf16" else "float32"
+    needed = int(count * (2 if dtype_name == "bfloat16" else 4) * 1.1)
+    available, source = available_host_ram()
+    if needed > available:
+        raise RecipeError(
+            f"--merge_and_save loads the whole base ({count / 1e9:.1f}B parameters in {dtype_name}) on the main "
+            f"process after training: {needed / 2**30:.1f} GiB of host RAM, but only {available / 2**30:.1f} GiB is "
+            f"free ({source}). Train without --merge_and_save (the adapter is saved either way), then merge where the "
+            "RAM is (OUTPUT_DIR: your --output_dir): python -c \"from peft import AutoPeftModelForCausalLM; "
+            f"AutoPeftModelForCausalLM.from_pretrained('OUTPUT_DIR', dtype='{dtype_name}').merge_and_unload()"
+            ".save_pretrained('OUTPUT_DIR/merged')\"")
 
 
 def save_merged(accelerator, name_or_path: str, adapter_dir: Path, tokenizer, trust_remote_code: bool = False) -> None:

@@ -746,6 +746,13 @@ def refusals(base, tmp_path_factory):
         (*model, *data, "--full_finetune", "--output_dir", root / "offload"),
         env={"RECIPES_HOST_RAM_GIB": str(2**-20)},
     )
+    # --merge_and_save on a machine said to have 1 KiB free: refused before training, with the offline command.
+    jobs["merge_host_ram"] = Job(
+        "single_gpu.yaml",
+        RECIPE,
+        (*model, *data, "--merge_and_save", "--output_dir", root / "merge"),
+        env={"RECIPES_HOST_RAM_GIB": str(2**-20)},
+    )
     finished = launch_all(jobs)
     messages = {name: " ".join(run.output.split()) for name, run in finished.items()}
     for name, run in finished.items():
@@ -768,9 +775,13 @@ def refusals(base, tmp_path_factory):
         ("batch", "3 training samples make 1 batch(es) of 4, fewer than the 2 processes"),
         ("no_bitsandbytes", "--load_in_4bit needs bitsandbytes"),
         ("offload_host_ram", "FSDP2 with CPU offload keeps the parameters, gradients and AdamW state in host RAM"),
+        ("merge_host_ram", "--merge_and_save loads the whole base"),
     ],
 )
 def test_bad_input_gets_one_clear_error(refusals, case, message):
     assert message in refusals[case]
     if case == "offload_host_ram":
         assert "is free (RECIPES_HOST_RAM_GIB)" in refusals[case] and "tools/plan.py --cpu_offload" in refusals[case]
+    if case == "merge_host_ram":
+        assert "AutoPeftModelForCausalLM.from_pretrained('OUTPUT_DIR'" in refusals[case]
+        assert "train/loss" not in refusals[case]  # refused before training
