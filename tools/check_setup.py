@@ -54,7 +54,13 @@ from accelerate.utils import check_cuda_p2p_ib_support
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.results import write_results  # noqa: E402
-from shared.runtime import RecipeError, build_accelerator, positive_int, prepare_output_dir  # noqa: E402
+from shared.runtime import (  # noqa: E402
+    RecipeError,
+    build_accelerator,
+    positive_float,
+    positive_int,
+    prepare_output_dir,
+)
 
 MB = 2**20  # nccl-tests labels sizes in powers of two ...
 GB = 1e9  # ... and bandwidth in powers of ten.
@@ -116,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--dist_timeout",
-        type=float,
+        type=positive_float,
         default=300,
         help="Seconds any collective may wait for the other processes before the run fails: a hung link ends with an "
         "error.",
