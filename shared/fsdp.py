@@ -32,7 +32,7 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
 def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:
     """LoRA: ``save_state`` checkpoints hold the trained weights (the adapter), not the frozen base (13.5 GB for a
     7B model in bf16, at every save, and every rank's share of it under FSDP); ``load_state(strict=False)`` puts them
-    back. Call once after ``prepare``.
+    back. Call once, before or after ``prepare`` (it acts at the first ``save_state``).
 
     Under FSDP2 Accelerate writes the model with ``save_fsdp_model``/``load_fsdp_model``, which take
     ``adapter_only=True`` (PEFT's adapter state dict, still sharded: nothing is gathered, each rank writes its shard of
