@@ -215,6 +215,14 @@ class RunRecord:
         if kind is not None:  # an error: no results.json for a run that did not finish
             return
         accelerator, model = self.accelerator, self.model
+        if accelerator.is_fsdp2:
+            # FSDP2 leaves the root's parameters unsharded after a forward without backward (an evaluation in the
+            # block): resharded, the facts below describe the sharded state that training held.
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         perf = self.meter.summary(flops_per_token=self.flops_per_token)  # a collective
         perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, self.optimizer))  # a collective
         if accelerator.is_fsdp2:
