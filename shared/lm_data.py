@@ -1,5 +1,5 @@
 """Text for the language-model recipes: the offline default corpus, a byte-level BPE tokenizer trained on it, and
-packing token streams into fixed-length blocks.
+packing token streams into fixed-length blocks; ``lm_datasets`` does all three for a recipe.
 
 The default corpus is the Python standard library's own source (``*.py``; tests, codec tables and site-packages left
 out): about 12 MB of real text every machine with Python has, split into train and validation *by file*.
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import NamedTuple
 
-from datasets import DatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, load_dataset
 
 from .data import TEST_FOLDERS, stdlib_root
+from .runtime import RecipeError
 
 # Not ordinary source: test suites (generated data, fixtures), codec tables (walls of hex), whatever pip installed.
 EXCLUDED_STDLIB_FOLDERS = {"site-packages", "dist-packages", "encodings"} | TEST_FOLDERS
@@ -131,3 +133,83 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int,
     packed = tokenized.map(pack, batched=True, batch_size=1000, remove_columns=["num_tokens"],
                            desc=f"packing into blocks of {block_size}")
     return packed, {split: sum(tokenized[split]["num_tokens"]) for split in tokenized}
+
+
+class LMData(NamedTuple):
+    train_dataset: Dataset
+    eval_dataset: Dataset
+    tokenizer: object
+    facts: dict  # data/* entries of results.json: the corpus, blocks per split, tokens per split before packing
+
+
+def load_tokenizer(accelerator, train_texts, vocab_size: int, output_dir: Path, checkpoint: Path | None,
+                   model_name_or_path: str | None):
+    """The run's tokenizer: a resumed run's own (saved in its output folder, ``checkpoint.parents[1]``), a pretrained
+    model's (its embeddings were trained for it), or else a byte-level BPE the main process trains on ``train_texts``
+    and saves to ``output_dir``, where the other processes load it (call under ``main_process_first``). Without a pad
+    token, the end-of-text token pads."""
+    from transformers import AutoTokenizer
+
+    run_folder = checkpoint.parents[1] if checkpoint is not None else None  # run_folder/checkpoints/step_N
+    if run_folder is not None and (run_folder / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(run_folder)
+    elif model_name_or_path:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        except (OSError, ValueError) as error:
+            raise RecipeError(f"--model_name_or_path {model_name_or_path} has no loadable tokenizer ({error}); a "
+                              "pretrained model needs the tokenizer it was trained with.") from None
+    elif accelerator.is_main_process:
+        tokenizer = train_bpe_tokenizer((row["text"] for row in train_texts), vocab_size=vocab_size)
+        tokenizer.save_pretrained(output_dir)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def lm_datasets(accelerator, args, output_dir: Path, checkpoint: Path | None, data_parallel_size: int) -> LMData:
+    """The training and validation blocks (``input_ids`` tensors of ``--block_size`` tokens), the tokenizer and the
+    data facts, from the LM recipes' flags: the text (``--dataset_name``/``--dataset_config_name``, ``--train_file``/
+    ``--validation_file``, or the default corpus, ``--corpus_max_mb``, ``--validation_split_percentage``), the
+    tokenizer (``load_tokenizer``: ``--model_name_or_path``'s, a resumed run's, or one of ``--vocab_size`` trained
+    here), packed (``tokenize_and_pack``), then the first ``--max_train_samples``/``--max_eval_samples`` blocks. The
+    main process works first (it reads, trains the tokenizer and tokenizes; datasets caches the results, the others
+    then hit the cache). Refuses text that cannot be read, a split shorter than one block, and a training set shorter
+    than one optimizer step (``--per_device_train_batch_size`` x ``--gradient_accumulation_steps`` x
+    ``data_parallel_size`` blocks)."""
+    with accelerator.main_process_first():
+        try:
+            raw, corpus, documents = load_text_corpus(
+                dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
+                train_file=args.train_file, validation_file=args.validation_file,
+                validation_split_percentage=args.validation_split_percentage, corpus_max_mb=args.corpus_max_mb)
+        except (OSError, ValueError, ConnectionError) as error:
+            raise RecipeError(f"Could not load the training text: {error}") from None
+        tokenizer = load_tokenizer(accelerator, raw["train"], args.vocab_size, output_dir, checkpoint,
+                                   args.model_name_or_path)
+        packed, token_counts = tokenize_and_pack(raw, tokenizer, args.block_size, documents)
+    for split in ("train", "validation"):
+        if len(packed[split]) == 0:
+            raise RecipeError(f"The {split} text has {token_counts[split]} tokens, fewer than one block of "
+                              f"--block_size {args.block_size}. Use more text or a smaller --block_size.")
+    train_dataset, eval_dataset = packed["train"], packed["validation"]
+    if args.max_train_samples:
+        train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
+    if args.max_eval_samples:
+        eval_dataset = eval_dataset.select(range(min(args.max_eval_samples, len(eval_dataset))))
+    train_dataset.set_format("torch", columns=["input_ids"])
+    eval_dataset.set_format("torch", columns=["input_ids"])
+    batches_needed = data_parallel_size * args.gradient_accumulation_steps  # batches of one optimizer step
+    if len(train_dataset) // args.per_device_train_batch_size < batches_needed:  # whole batches only (drop_last)
+        raise RecipeError(
+            f"One optimizer step needs {batches_needed * args.per_device_train_batch_size} blocks of "
+            f"{args.block_size} tokens but the training set has {len(train_dataset)} ({token_counts['train']} "
+            "tokens). Use more text, a smaller --block_size, --per_device_train_batch_size or "
+            "--gradient_accumulation_steps.")
+    accelerator.print(f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
+                      f"{args.block_size} tokens, vocabulary {len(tokenizer)}")
+    facts = {"data/corpus": corpus, "data/train_blocks": len(train_dataset),
+             "data/validation_blocks": len(eval_dataset), "data/tokens": token_counts}
+    return LMData(train_dataset, eval_dataset, tokenizer, facts)
