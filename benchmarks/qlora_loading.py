@@ -68,6 +68,15 @@ def make_model(folder: Path, preset: str) -> dict:
             "bytes_16bit": 2 * total, "bytes_4bit": linear // 2 + 2 * (total - linear)}
 
 
+def machine(torch_version: str) -> dict:
+    """The CPU's model name and vector flags (what CPU speeds depend on), and torch's version."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    flags = sorted({flag for flag in info.split() if flag.startswith(("avx", "amx"))})
+    return {"cpu": names[0] if names else platform.processor() or platform.machine(), "cores": len(names) or None,
+            "cpu_flags": flags, "torch": torch_version}
+
+
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if platform.system() == "Darwin" else 1024)
 
@@ -187,9 +196,7 @@ def main() -> None:
                            "losses": runs[name]["train/loss_curve"]}
     record = {"benchmark": "qlora_loading", "preset": args.preset, "model": sizes, "loading": loading,
               "recipe_losses_single": runs["single"]["train/loss_curve"], "recipe_equal_to_one_process": equal,
-              "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-                          "cpu_flags": [flag for flag in Path("/proc/cpuinfo").read_text().split()
-                                        if flag.startswith(("avx", "amx"))] if Path("/proc/cpuinfo").exists() else []}}
+              "machine": machine(torch.__version__)}
     (args.output_dir / "qlora_loading.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = ["| config | loader | rank 0 | rank 1 | held after prepare (rank 0) |", "| --- | --- | --- | --- | --- |"]
     for key, ranks in loading.items():

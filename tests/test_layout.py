@@ -22,8 +22,10 @@ BEGIN, END = "# New Code (pipeline) #", "# End New Code #"
 # A comment line of pipeline_lm.py that says what is true of a pipeline where train_lm.py's comment is not.
 PIPELINE_COMMENT = "# (pipeline) "
 # 1,300 until checkpoint manifests and history, the untimed main-only wait, the LoRA saves, quiet peers and the
-# offline exact-match questions.
-SHARED_LINE_BUDGET = 1500
+# offline exact-match questions; 1,500 until the recipes handed what is not their training story to shared/ (results,
+# SFT data and evaluation, LLM loading, the LM model/eval, the pipeline machinery, classification data) and QLoRA got
+# its layer-by-layer loader: 3,286 lines then, in 20 modules of one job each.
+SHARED_LINE_BUDGET = 3400
 
 
 def lines_of(path: Path) -> list[str]:
@@ -345,7 +347,7 @@ def flags():
             for option in action.option_strings
             if option.startswith("--")
         }
-        for path in RECIPES + TOOLS
+        for path in RECIPES + sorted((REPO / "tools").glob("*.py"))  # the scripts users run (a package's are inside)
     }
 
 
