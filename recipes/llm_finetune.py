@@ -57,7 +57,7 @@ from peft import LoraConfig  # noqa: E402
 from transformers import get_scheduler  # noqa: E402
 
 # The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it.
+# so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402

@@ -66,8 +66,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler  # noqa: E402
 
 # The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it. (The same three lines in every recipe, deliberately: a
-# recipe copied with shared/ finds it with no PYTHONPATH.)
+# so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
