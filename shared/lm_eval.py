@@ -24,7 +24,8 @@ def evaluate_lm(accelerator, model, eval_dataloader) -> dict:
     """Validation loss and perplexity over the whole validation set, each block once, in every mode.
 
     Per-block sums go through ``gather_for_metrics``, which drops the samples the sharded loader repeats to give every
-    process a full last batch, so each block counts exactly once."""
+    process a full last batch, so each block counts exactly once. (Not ``evaluate``'s perplexity metric: it loads a
+    model of its own by name and runs it on one device; this is the trained, prepared model's loss.)"""
     model.eval()
     loss_sum, num_tokens, num_blocks = 0.0, 0, 0
     for batch in eval_dataloader:

@@ -378,10 +378,12 @@ def resumed(runs, tmp_path_factory):
 
 
 def test_resumed_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
-    """Pipeline stages save and load their own state (weights, optimizer, scheduler, RNG)."""
+    """Pipeline stages save and load their own state (weights, optimizer, scheduler) through the hooks of
+    accelerator.save_state/load_state, which add every process's RNG states."""
     uninterrupted = runs["1f1b"]
     checkpoint = uninterrupted["dir"] / "checkpoints" / "step_000002"
-    assert {path.name for path in checkpoint.iterdir()} >= {"stage_0", "stage_1", "progress.json", "pipeline.json"}
+    stage_files = {"stage_0", "stage_1", "progress.json", "pipeline.json"}
+    assert {path.name for path in checkpoint.iterdir()} >= stage_files | {"random_states_0.pkl", "random_states_1.pkl"}
     assert resumed["1f1b"]["results"]["train/loss_curve"] == pytest.approx(
         uninterrupted["results"]["train/loss_curve"],
         rel=1e-6,  # the whole curve: steps 1-2 from the checkpoint
