@@ -62,7 +62,7 @@ FINETUNE = [
     "32",
     "--perf_warmup_steps",
     "5",
-    "--logging_steps",  # the loss curve the comparisons read: one mean per 5 steps (a sync each)
+    "--logging_steps",  # a log line per 5 steps; the curve the comparisons read holds every step's global loss
     "5",
 ]
 
