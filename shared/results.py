@@ -103,7 +103,7 @@ class ThroughputMeter:
         self._waiting = 0.0
         self._last = now
 
-    def summary(self, flops_per_token: float | None = None) -> dict:
+    def summary(self, flops_per_token: float | None = None, peaks: dict[str, float] | None = None) -> dict:
         """The perf/* and memory/* entries of results.json. With ``flops_per_token`` (training FLOPs per token, see
         ``shared.flops``) on CUDA also ``perf/mfu``: achieved FLOP/s over the peak of every GPU the run uses."""
         measured = sum(self.step_times)
@@ -127,7 +127,7 @@ class ThroughputMeter:
                 used = self.accelerator.num_processes * len(gpus)
                 summary["perf/mfu"] = summary["perf/tokens_per_sec"] * flops_per_token / (peak * used)
         # gather_object is a collective: every process must call summary().
-        per_rank = gather_object([peak_memory_gib(self.devices)])
+        per_rank = gather_object([peaks or peak_memory_gib(self.devices)])  # (``peaks``: taken earlier)
         several = self.accelerator.num_processes > 1
         # Host RAM too (peak RSS, per process), on GPUs as well: loading and CPU offload live there.
         host = gather_object([peak_memory_gib([torch.device("cpu")])["cpu"]])
@@ -198,6 +198,7 @@ class RunRecord:
         for device in self.meter.devices:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+        self.train_peaks: dict | None = None  # set at the last step
         self.results: dict = {}
         accelerator.print("config: " + json.dumps(config, sort_keys=True, default=str))
 
@@ -216,6 +217,8 @@ class RunRecord:
         if self.max_train_steps is not None and completed_steps >= self.max_train_steps:
             # Saving and evaluating take their own time; a hang there still ends at --dist_timeout with a dump.
             hang_dump.progress(phase="saving and evaluation")
+            # memory/peak_gib is training's: taken now, before the save (a gathered state dict) and the evaluation.
+            self.train_peaks = peak_memory_gib(self.meter.devices)
 
     def __exit__(self, kind, error, trace) -> None:
         if kind is not None:  # an error: no results.json for a run that did not finish
@@ -229,7 +232,7 @@ class RunRecord:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-        perf = self.meter.summary(flops_per_token=self.flops_per_token)  # a collective
+        perf = self.meter.summary(self.flops_per_token, self.train_peaks)  # a collective
         perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, self.optimizer))  # a collective
         if accelerator.is_fsdp2:
             # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
