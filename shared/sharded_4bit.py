@@ -32,6 +32,7 @@ from accelerate.utils import set_module_tensor_to_device
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .model_split import find_block_list
+from .results import peak_memory_gib
 from .runtime import RecipeError
 
 
@@ -161,3 +162,9 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
             load(module, f"{name}.")
     if tied is not None:  # the LM head is the embedding matrix: tied again to the loaded one
         base.tie_weights()
+    # What this process holds now (its 4-bit shards, on the device or, offloaded, in host RAM; the parts not in 4 bits
+    # whole until prepare shards them), and its host RAM peak so far: said once, by the main process.
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
+    peak = peak_memory_gib([torch.device("cpu")])["cpu"]
+    accelerator.print(f"QLoRA loaded one layer at a time ({len(blocks)} layers): this process holds "
+                      f"{held / 2**30:.2f} GiB of weights; host RAM peak so far {peak:.2f} GiB per process")
