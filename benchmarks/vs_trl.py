@@ -1,6 +1,8 @@
 """recipes/llm_finetune.py against TRL's SFTTrainer, measured side by side: same model, data, LoRA, schedule and loss.
 
     python benchmarks/vs_trl.py --output_dir benchmarks/results/cpu-vs-trl          # CPU, ~10 min on 2 cores
+    python benchmarks/vs_trl.py --preset cpu-tiny --output_dir outputs/vs_trl_tiny  # the tests' tiny Llama: the loops
+    python benchmarks/vs_trl.py --config_file ddp_2gpu.yaml --output_dir outputs/vs_trl_ddp   # 2 processes, DDP
     python benchmarks/vs_trl.py --preset gpu-1b --output_dir outputs/vs_trl_gpu     # one GPU (refused without CUDA)
     python benchmarks/vs_trl.py --dry_run --output_dir outputs/vs_trl               # print the plan, run nothing
 
@@ -20,10 +22,14 @@ they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both 
 - Throughput: real tokens (padding excluded) and samples per second over the same optimizer steps, the first
   ``--perf_warmup_steps`` left out: the recipe's ``perf/*`` from its results.json; TRL's from a TrainerCallback that
   times each optimizer step end to end (``on_step_end`` to ``on_step_end``) and the batches each step trained on.
+  On a CPU also per second of the process's own CPU time (``time.process_time``, rank 0), which other processes on a
+  shared machine do not inflate: TRL's callback reads that clock too, and the recipe runs through
+  ``clocked_recipe()``, unchanged and with its own command line, plus that clock at each optimizer step.
 - Validation loss over the answer tokens of the same file, summed over tokens and divided by their count (the recipe's
   ``eval/loss``; for TRL the same sum through its own fused LM head). TRL's own ``eval_loss`` (a mean of per-batch
   means) is recorded beside it.
 - Adapters: the saved LoRA weights of both, compared tensor by tensor.
+- Where a step goes: the runs' first step taken apart in this process (``step_breakdown``).
 
 Ratios are recipe / TRL per round, reported as the median with a 95 % bootstrap interval over the rounds
 (``compare.bootstrap_interval``). Writes ``OUTPUT_DIR/vs_trl.json`` and ``OUTPUT_DIR/summary.md``; the runs' folders go
@@ -78,6 +84,7 @@ PRESETS = {
         "num_warmup_steps": 2,
         "mixed_precision": "no",
         "threads_per_process": 1,
+        "cpu_clock": True,
     },
     # The tests' tiny Llama (0.1M parameters, a 400-token vocabulary): a step is mostly the loop's own cost, which is
     # what this shape measures.
@@ -101,6 +108,7 @@ PRESETS = {
         "num_warmup_steps": 2,
         "mixed_precision": "no",
         "threads_per_process": 1,
+        "cpu_clock": True,
     },
     # Llama-3.2-1B's shape (1.24B parameters, 128,256-row embedding and LM head; the tokenizer uses the first 8,192
     # rows), bf16, rows of 2,048 packed tokens. The chat data hold ~60k tokens, so the 30 steps run several epochs.
@@ -124,6 +132,7 @@ PRESETS = {
         "num_warmup_steps": 3,
         "mixed_precision": "bf16",
         "threads_per_process": None,
+        "cpu_clock": False,  # a GPU step's time is the GPU's: wall clock only
     },
 }
 SHARED_DEFAULTS = {
@@ -226,6 +235,8 @@ def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation
     s = settings
     return [
         *launcher(s),
+        # On a CPU, through clocked_recipe(): the same recipe and flags, plus a CPU clock per step.
+        *([str(Path(__file__).resolve()), "--clocked_recipe"] if s["cpu_clock"] else []),
         str(RECIPE),
         "--model_name_or_path",
         str(model_dir),
@@ -277,6 +288,31 @@ def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation
         "--output_dir",
         str(out),
     ]
+
+
+def clocked_recipe(argv: list[str]) -> None:
+    """A on a CPU: the recipe, run unchanged with its own command line (through runpy, as ``stage_timers.py`` runs
+    pipeline_lm.py), with one addition: each optimizer step's CPU time of this process (``time.process_time``) is
+    recorded beside the wall clock of its ``ThroughputMeter``, in ``OUTPUT_DIR/cpu_clock_rank{R}.json``. On a machine
+    that other processes share, a step's wall time counts the time they held the core; its CPU time does not."""
+    import runpy
+
+    from shared import results
+
+    steps, last = [], [time.process_time()]
+    measure = results.ThroughputMeter.step
+
+    def step(self, samples: int, tokens: int = 0, answer_tokens: int = 0) -> None:
+        measure(self, samples, tokens, answer_tokens)
+        now = time.process_time()
+        steps.append({"cpu_s": now - last[0], "samples": samples, "tokens": tokens})
+        last[0] = now
+
+    results.ThroughputMeter.step = step
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+    out = Path(argv[argv.index("--output_dir") + 1])
+    (out / f"cpu_clock_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(steps) + "\n")
 
 
 def trl_command(settings_file: Path, settings: dict, out: Path, check_labels: bool) -> list[str]:
@@ -363,6 +399,9 @@ def trl_worker(args) -> None:
         gradient_checkpointing=s["gradient_checkpointing"],  # TRL's default is True, the recipe's False
         bf16=bf16,
         fp16=False,
+        # Without CUDA: the CPU, and with 2 processes DDP over gloo (Trainer needs telling; the recipe's
+        # build_accelerator does the same with Accelerator(cpu=True)).
+        use_cpu=not torch.cuda.is_available(),
         seed=s["seed"],
         logging_steps=s["logging_steps"],
         save_strategy="no",
@@ -382,7 +421,7 @@ def trl_worker(args) -> None:
         trained on, skipping the first ``warmup`` steps: the recipe's ThroughputMeter, as a callback."""
 
         def __init__(self, warmup: int):
-            self.warmup, self.seen, self.step_times, self.logs = warmup, 0, [], []
+            self.warmup, self.seen, self.step_times, self.cpu_times, self.logs = warmup, 0, [], [], []
             self.samples = self.tokens = 0
             self.pending_samples, self.pending_tokens = 0, torch.zeros((), dtype=torch.long)
 
@@ -397,18 +436,20 @@ def trl_worker(args) -> None:
             self.pending_tokens = self.pending_tokens.to(tokens.device) + tokens  # no sync until the step ends
 
         def on_train_begin(self, *_, **__):
-            self.last = time.perf_counter()
+            self.last, self.last_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *_, **__):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the clock stops when the GPU has finished the step
-            now = time.perf_counter()
+            now, now_cpu = time.perf_counter(), time.process_time()
             self.seen += 1
             if self.seen > self.warmup:
                 self.step_times.append(now - self.last)
+                self.cpu_times.append(now_cpu - self.last_cpu)
                 self.samples += self.pending_samples
                 self.tokens += int(self.pending_tokens.item())
-            self.pending_samples, self.pending_tokens, self.last = 0, torch.zeros((), dtype=torch.long), now
+            self.pending_samples, self.pending_tokens = 0, torch.zeros((), dtype=torch.long)
+            self.last, self.last_cpu = now, now_cpu
 
         def on_log(self, _args, state, _control, logs=None, **__):
             if logs and "loss" in logs:
@@ -452,6 +493,10 @@ def trl_worker(args) -> None:
         "perf/step_time_p90_s": percentile(meter.step_times, 90),
         "perf/samples_per_sec": samples / measured,
         "perf/tokens_per_sec": tokens / measured,
+        # This process's CPU time over the same steps (rank 0's, like the clock): see clocked_recipe().
+        "perf/cpu_s": sum(meter.cpu_times),
+        "perf/samples_per_cpu_s": samples / sum(meter.cpu_times),
+        "perf/tokens_per_cpu_s": tokens / sum(meter.cpu_times),
         "memory/peak_gib": {
             (f"rank{rank}/" if several else "") + device: round(gib, 4)
             for rank, peak in enumerate(peaks)
@@ -598,6 +643,8 @@ def step_breakdown(settings: dict, repeats: int = 5) -> dict:
         "forward+backward: decoder alone (no LM head, no loss)": decoder_only,
         "clip + AdamW step (both)": optimizer_step,
     }
+    # CPU: this process's CPU time (other processes' use of the cores does not count); a GPU: the wall clock.
+    clock = time.process_time if device.type == "cpu" else time.perf_counter
     times = {name: [] for name in parts}
     for _ in range(repeats + 1):  # the first pass warms up
         for name, part in parts.items():
@@ -605,11 +652,11 @@ def step_breakdown(settings: dict, repeats: int = 5) -> dict:
                 model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = clock()
             part()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     real = sum(int(batch["num_tokens"].sum()) for batch in batches)
     computed = sum(batch["input_ids"].numel() for batch in batches)
     return {
@@ -618,6 +665,7 @@ def step_breakdown(settings: dict, repeats: int = 5) -> dict:
         "padding_fraction": 1 - real / computed,
         "answer_tokens": answer_tokens,
         "median_s": {name: statistics.median(values[1:]) for name, values in times.items()},
+        "clock": "process CPU time" if device.type == "cpu" else "wall clock",
         "repeats": repeats,
         "threads": torch.get_num_threads(),
     }
@@ -646,15 +694,53 @@ def adapter_difference(a: Path, b: Path) -> dict:
     }
 
 
-def ratio_row(name: str, values: list[float], pooled: float | None) -> dict:
-    interval = bootstrap_interval(values)
-    return {
-        "ratio": name,
-        "median": statistics.median(values),
-        "interval": interval,
-        "rounds": values,
-        "pooled": pooled,
-    }
+# (label, key): what is compared, recipe / TRL, in every round. Per CPU-second: only where cpu_clock is on; per sample:
+# not with packing, where the recipe counts its packed rows and TRL the conversations in them.
+COMPARED = (
+    ("tokens/s", "perf/tokens_per_sec"),
+    ("samples/s", "perf/samples_per_sec"),
+    ("tokens per CPU-second", "perf/tokens_per_cpu_s"),
+    ("samples per CPU-second", "perf/samples_per_cpu_s"),
+    ("validation loss", "eval/loss"),
+    ("peak memory", "memory/peak_gib"),
+)
+
+
+def compared(settings: dict) -> list[tuple[str, str]]:
+    return [
+        (label, key)
+        for label, key in COMPARED
+        if (settings["cpu_clock"] or "cpu_s" not in key) and not (settings["packing"] and "samples" in key)
+    ]
+
+
+def value_of(side: dict, key: str) -> float:
+    """A number of one side; peak memory: the sum over the devices (or processes) it lists."""
+    value = side[key]
+    return sum(value.values()) if isinstance(value, dict) else value
+
+
+def summarize(rounds: list[dict], settings: dict) -> list[dict]:
+    """Each ratio, recipe / TRL: the median over rounds of the paired ratios, its 95 % bootstrap interval, and the
+    ratio of the two sides' medians over all their runs ("pooled")."""
+    rows = []
+    for label, key in compared(settings):
+        paired = [value_of(r["recipe"], key) / value_of(r["trl"], key) for r in rounds]
+        pooled = statistics.median(value_of(r["recipe"], key) for r in rounds) / statistics.median(
+            value_of(r["trl"], key) for r in rounds
+        )
+        interval = bootstrap_interval(paired)
+        rows.append(
+            {
+                "ratio": f"{label}, recipe / TRL",
+                "key": key,
+                "median": statistics.median(paired),
+                "interval": interval,
+                "rounds": paired,
+                "pooled": pooled,
+            }
+        )
+    return rows
 
 
 def window_means(curve: list[float], every: int) -> list[float]:
@@ -662,34 +748,24 @@ def window_means(curve: list[float], every: int) -> list[float]:
     return [statistics.fmean(curve[start : start + every]) for start in range(0, len(curve) - every + 1, every)]
 
 
-def summarize(rounds: list[dict]) -> dict:
-    def median_of(side: str, key: str) -> float:
-        return statistics.median(r[side][key] for r in rounds)
-
-    ratios = [
-        ratio_row(
-            "tokens/s, recipe / TRL",
-            [r["ratios"]["tokens_per_sec"] for r in rounds],
-            median_of("recipe", "perf/tokens_per_sec") / median_of("trl", "perf/tokens_per_sec"),
-        ),
-        ratio_row(
-            "samples/s, recipe / TRL",
-            [r["ratios"]["samples_per_sec"] for r in rounds],
-            median_of("recipe", "perf/samples_per_sec") / median_of("trl", "perf/samples_per_sec"),
-        ),
-        ratio_row(
-            "validation loss, recipe / TRL",
-            [r["ratios"]["eval_loss"] for r in rounds],
-            median_of("recipe", "eval/loss") / median_of("trl", "eval/loss"),
-        ),
-    ]
-    return {"ratios": ratios}
+def recipe_cpu_clock(out: Path, warmup: int) -> dict:
+    """The recipe's throughput per CPU-second over its measured steps, from clocked_recipe()'s record."""
+    steps = json.loads((out / "cpu_clock_rank0.json").read_text())[warmup:]
+    cpu = sum(step["cpu_s"] for step in steps)
+    return {
+        "perf/cpu_s": cpu,
+        "perf/samples_per_cpu_s": sum(step["samples"] for step in steps) / cpu,
+        "perf/tokens_per_cpu_s": sum(step["tokens"] for step in steps) / cpu,
+    }
 
 
 def side_summary(results: dict, kind: str) -> dict:
     keys = (
         "perf/tokens_per_sec",
         "perf/samples_per_sec",
+        "perf/tokens_per_cpu_s",
+        "perf/samples_per_cpu_s",
+        "perf/cpu_s",
         "perf/step_time_s",
         "perf/step_time_p90_s",
         "perf/measured_steps",
@@ -753,23 +829,29 @@ def markdown(report: dict) -> str:
         "| ratio | median of rounds | 95 % interval | per round | pooled medians |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for row in report["summary"]["ratios"]:
+    for row in report["summary"]:
         lines.append(
             f"| {row['ratio']} | **{row['median']:.3f}** | {fmt_interval(row)} | "
             f"{', '.join(f'{value:.3f}' for value in row['rounds'])} | {row['pooled']:.3f} |"
         )
     lines += [
         "",
-        "| round | side | tokens/s | samples/s | step p50 (s) | eval loss | peak memory (GiB) | wall (s) "
-        "| other CPU load |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Per second: the wall clock (the recipe's own `perf/*`, TRL's callback). Per CPU-second: the process's own "
+        "CPU time over the same steps (rank 0). Other CPU load: the share of all cores that other processes used "
+        "during a launch; where it is high, the wall-clock ratios say how the cores were shared out, and the "
+        "per-CPU-second ratios compare the two loops.",
+        "",
+        "| round | side | tokens/s | samples/s | tokens per CPU-s | step p50 (s) | eval loss | peak memory (GiB) "
+        "| wall (s) | other CPU load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rounds:
         for side in ("recipe", "trl"):
             v = r[side]
+            cpu = f"{v['perf/tokens_per_cpu_s']:.0f}" if v.get("perf/tokens_per_cpu_s") else "-"
             lines.append(
                 f"| {r['round']} | {side} | {v['perf/tokens_per_sec']:.0f} | {v['perf/samples_per_sec']:.2f} | "
-                f"{v['perf/step_time_s']:.3f} | {v['eval/loss']:.5f} | "
+                f"{cpu} | {v['perf/step_time_s']:.3f} | {v['eval/loss']:.5f} | "
                 f"{', '.join(f'{d} {g:.2f}' for d, g in v['memory/peak_gib'].items())} | {v['bench/wall_s']:.0f} | "
                 f"{v.get('bench/foreign_share', 0):.0%} |"
             )
@@ -797,8 +879,8 @@ def markdown(report: dict) -> str:
     if breakdown:
         lines += [
             "",
-            f"The runs' first step taken apart (in one process, {breakdown['threads']} thread(s), median of "
-            f"{breakdown['repeats']} alternating passes): micro-batches "
+            f"The runs' first step taken apart (in one process, {breakdown['threads']} thread(s), "
+            f"{breakdown['clock']}, median of {breakdown['repeats']} alternating passes): micro-batches "
             f"{', '.join(' x '.join(map(str, shape)) for shape in breakdown['micro_batch_shapes'])} tokens, "
             f"{breakdown['real_tokens']} real ({breakdown['padding_fraction']:.0%} padding), "
             f"{breakdown['answer_tokens']} answer tokens:",
@@ -811,6 +893,10 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--clocked_recipe"]:  # A's wrapper: the rest is the recipe's own command line
+        clocked_recipe(argv[1:])
+        return 0
     args = parse_args(argv)
     if args.trl_worker:
         trl_worker(args)
@@ -846,22 +932,14 @@ def main(argv=None) -> int:
             "results.json",
         )
         b = launch(trl_command(settings_file, settings, trl_out, index == 0), trl_out, settings, "trl_results.json")
-        rounds.append(
-            {
-                "round": index,
-                "recipe": side_summary(a, "recipe"),
-                "trl": side_summary(b, "trl"),
-                "ratios": {
-                    "tokens_per_sec": a["perf/tokens_per_sec"] / b["perf/tokens_per_sec"],
-                    "samples_per_sec": a["perf/samples_per_sec"] / b["perf/samples_per_sec"],
-                    "eval_loss": a["eval/loss"] / b["eval/loss"],
-                },
-            }
-        )
+        if settings["cpu_clock"]:
+            a.update(recipe_cpu_clock(recipe_out, settings["perf_warmup_steps"]))
+        rounds.append({"round": index, "recipe": side_summary(a, "recipe"), "trl": side_summary(b, "trl")})
         print(
-            f"round {index}: recipe {a['perf/tokens_per_sec']:.0f} tokens/s, TRL {b['perf/tokens_per_sec']:.0f} "
-            f"tokens/s ({rounds[-1]['ratios']['tokens_per_sec']:.3f}x); eval loss {a['eval/loss']:.5f} vs "
-            f"{b['eval/loss']:.5f}",
+            f"round {index}: "
+            + "; ".join(
+                f"{label} {value_of(a, key):.4g} vs {value_of(b, key):.4g}" for label, key in compared(settings)
+            ),
             flush=True,
         )
     every = settings["logging_steps"]
@@ -880,11 +958,11 @@ def main(argv=None) -> int:
     breakdown = step_breakdown(settings, args.breakdown_repeats) if args.breakdown_repeats > 0 else None
     report = {
         "benchmark": "vs_trl",
-        "command": "python benchmarks/vs_trl.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python benchmarks/vs_trl.py " + " ".join(argv),
         "settings": {key: value for key, value in settings.items() if not key.endswith(("_dir", "_file"))}
         | {"config_file": settings["config_file"]},
         "rounds": rounds,
-        "summary": summarize(rounds),
+        "summary": summarize(rounds, settings),
         "checks": checks,
         "step_breakdown": breakdown,
         "machine": machine_info(),
