@@ -172,7 +172,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--settings", help=argparse.SUPPRESS)  # the worker's settings.json
     parser.add_argument("--check_labels", action="store_true", help=argparse.SUPPRESS)  # the worker, first round
     parser.add_argument(
-        "--breakdown_repeats", type=int, default=5, help="Passes of the in-process step breakdown (0 skips it)."
+        "--breakdown_repeats", type=int, default=3, help="Passes of the in-process step breakdown (0 skips it)."
+    )
+    parser.add_argument(
+        "--breakdown_steps", type=int, default=4, help="Measured steps the breakdown takes apart (the first ones)."
     )
     return parser.parse_args(argv)
 
@@ -422,6 +425,7 @@ def trl_worker(args) -> None:
 
         def __init__(self, warmup: int):
             self.warmup, self.seen, self.step_times, self.cpu_times, self.logs = warmup, 0, [], [], []
+            self.every_step_cpu = []  # warm-up steps too: the step breakdown compares single steps
             self.samples = self.tokens = 0
             self.pending_samples, self.pending_tokens = 0, torch.zeros((), dtype=torch.long)
 
@@ -443,6 +447,7 @@ def trl_worker(args) -> None:
                 torch.cuda.synchronize()  # the clock stops when the GPU has finished the step
             now, now_cpu = time.perf_counter(), time.process_time()
             self.seen += 1
+            self.every_step_cpu.append(now_cpu - self.last_cpu)
             if self.seen > self.warmup:
                 self.step_times.append(now - self.last)
                 self.cpu_times.append(now_cpu - self.last_cpu)
@@ -495,6 +500,7 @@ def trl_worker(args) -> None:
         "perf/tokens_per_sec": tokens / measured,
         # This process's CPU time over the same steps (rank 0's, like the clock): see clocked_recipe().
         "perf/cpu_s": sum(meter.cpu_times),
+        "perf/cpu_step_s": meter.every_step_cpu,
         "perf/samples_per_cpu_s": samples / sum(meter.cpu_times),
         "perf/tokens_per_cpu_s": tokens / sum(meter.cpu_times),
         "memory/peak_gib": {
@@ -556,14 +562,15 @@ def token_weighted_eval_loss(trainer) -> tuple[float, int]:
 
 
 # ------------------------------------------------------------------------------------------ where a step goes
-def step_breakdown(settings: dict, repeats: int = 5) -> dict:
-    """The first optimizer step of the runs (its ``gradient_accumulation_steps`` micro-batches: the sampler's first
-    permutation of the training file), taken apart in this process (one device, the runs' thread count), each part
-    timed ``repeats`` times, the parts alternating, medians: collating the micro-batches (the recipe's ``collate`` vs
-    TRL's ``DataCollatorForLanguageModeling``); forward + backward with the loss on the answer tokens (the recipe's
+def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
+    """Optimizer steps ``steps`` (0-based) of the runs taken apart in this process, on the batches the runs trained on
+    (the sampler's permutation of the training file; unpacked), one device, the runs' thread count, each part timed
+    ``repeats`` times per step, the parts alternating: collating (the recipe's ``collate`` vs TRL's
+    ``DataCollatorForLanguageModeling``); forward + backward with the loss on the answer tokens (the recipe's
     ``token_losses``: full logits, then cross-entropy; TRL's fused LM head, with the entropy and top-1 outputs
     SFTTrainer asks for, and with the log-probabilities alone); the decoder alone (no LM head, no loss), which both
-    share; and clipping + the AdamW step, which both share. A run's step time minus these is its loop's own cost."""
+    share; clipping + the AdamW step, which both share. Per part: the mean over the steps of its median. What a run's
+    step costs beyond these is its loop's own work (summarize_breakdown)."""
     import importlib.util
 
     import torch
@@ -584,15 +591,32 @@ def step_breakdown(settings: dict, repeats: int = 5) -> dict:
     # The recipe's and Trainer's sampler (Accelerate's seedable sampler): torch.randperm seeded with the seed.
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(settings["seed"])).tolist()
     size, micro = settings["per_device_train_batch_size"], settings["gradient_accumulation_steps"]
-    groups = [
-        [recipe.tokenize_sample(rows[i], "messages", tokenizer, settings["max_length"]) for i in order[j : j + size]]
-        for j in range(0, size * micro, size)
-    ]
-    trl_groups = [[{"input_ids": s["input_ids"], "labels": s["labels"]} for s in group] for group in groups]
+    if (max(steps) + 1) * size * micro > len(rows):
+        raise SystemExit(f"--breakdown_steps reach past the first epoch ({len(rows)} samples): use fewer")
     trl_collator = DataCollatorForLanguageModeling(pad_token_id=pad)
-    batches = [{k: v.to(device) for k, v in recipe.collate(group, pad).items()} for group in groups]
-    trl_batches = [{k: v.to(device) for k, v in trl_collator(group).items()} for group in trl_groups]
-    answer_tokens = sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in batches)
+    work = []  # per step: its micro-batches, both ways, and its answer-token count
+    for step in steps:
+        first = step * size * micro
+        groups = [
+            [
+                recipe.tokenize_sample(rows[i], "messages", tokenizer, settings["max_length"])
+                for i in order[j : j + size]
+            ]
+            for j in range(first, first + size * micro, size)
+        ]
+        trl_groups = [[{"input_ids": s["input_ids"], "labels": s["labels"]} for s in group] for group in groups]
+        batches = [{k: v.to(device) for k, v in recipe.collate(group, pad).items()} for group in groups]
+        trl_batches = [{k: v.to(device) for k, v in trl_collator(group).items()} for group in trl_groups]
+        answers = sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in batches)
+        work.append(
+            {
+                "groups": groups,
+                "trl_groups": trl_groups,
+                "batches": batches,
+                "trl_batches": trl_batches,
+                "answers": answers,
+            }
+        )
     dtype = torch.bfloat16 if settings["mixed_precision"] == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(settings["model_dir"], dtype=dtype).to(device)
     lora = LoraConfig(
@@ -606,37 +630,37 @@ def step_breakdown(settings: dict, repeats: int = 5) -> dict:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings["learning_rate"])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
-    def recipe_step():
-        for batch in batches:
+    def recipe_step(w):
+        for batch in w["batches"]:
             with autocast:
                 loss_sum, _ = recipe.token_losses(model, batch)
-            (loss_sum / answer_tokens).backward()
+            (loss_sum / w["answers"]).backward()
 
     def trl_step(outputs: tuple[str, ...]):
-        def step():
+        def step(w):
             add_fused_lm_head(model.get_base_model(), outputs=outputs)
-            for batch in trl_batches:
+            for batch in w["trl_batches"]:
                 with autocast:
                     result = model(**batch, fused_lm_head=True, use_cache=False)
-                (-result.log_probs.sum() / answer_tokens).backward()
+                (-result.log_probs.sum() / w["answers"]).backward()
 
         return step
 
-    def decoder_only():
-        for batch in batches:
+    def decoder_only(w):
+        for batch in w["batches"]:
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_tokens")}
             with autocast:
                 hidden = model.get_base_model().model(**inputs, use_cache=False).last_hidden_state
             hidden.float().sum().backward()
 
-    def optimizer_step():
+    def optimizer_step(_):
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
         optimizer.step()
         optimizer.zero_grad()
 
     parts = {
-        "collate: recipe": lambda: [recipe.collate(group, pad) for group in groups],
-        "collate: TRL": lambda: [trl_collator(group) for group in trl_groups],
+        "collate: recipe": lambda w: [recipe.collate(group, pad) for group in w["groups"]],
+        "collate: TRL": lambda w: [trl_collator(group) for group in w["trl_groups"]],
         "forward+backward: recipe (full logits + cross-entropy)": recipe_step,
         "forward+backward: TRL (fused LM head + entropy, top-1)": trl_step(("log_probs", "entropy", "is_top1")),
         "forward+backward: TRL (fused LM head, log-probs only)": trl_step(("log_probs",)),
@@ -645,30 +669,57 @@ def step_breakdown(settings: dict, repeats: int = 5) -> dict:
     }
     # CPU: this process's CPU time (other processes' use of the cores does not count); a GPU: the wall clock.
     clock = time.process_time if device.type == "cpu" else time.perf_counter
-    times = {name: [] for name in parts}
+    times = {name: [[] for _ in steps] for name in parts}
     for _ in range(repeats + 1):  # the first pass warms up
-        for name, part in parts.items():
-            if name != "clip + AdamW step (both)":  # it steps on the gradients the part before left
-                model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = clock()
-            part()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[name].append(clock() - start)
+        for index, w in enumerate(work):
+            for name, part in parts.items():
+                if name != "clip + AdamW step (both)":  # it steps on the gradients the part before left
+                    model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = clock()
+                part(w)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[name][index].append(clock() - start)
+    batches = [batch for w in work for batch in w["batches"]]
     real = sum(int(batch["num_tokens"].sum()) for batch in batches)
-    computed = sum(batch["input_ids"].numel() for batch in batches)
     return {
+        "steps": [step + 1 for step in steps],  # 1-based, as the runs count them
         "micro_batch_shapes": [list(batch["input_ids"].shape) for batch in batches],
-        "real_tokens": real,
-        "padding_fraction": 1 - real / computed,
-        "answer_tokens": answer_tokens,
-        "median_s": {name: statistics.median(values[1:]) for name, values in times.items()},
+        "real_tokens_per_step": real / len(steps),
+        "padding_fraction": 1 - real / sum(batch["input_ids"].numel() for batch in batches),
+        "answer_tokens_per_step": sum(w["answers"] for w in work) / len(steps),
+        "per_step_s": {
+            name: statistics.fmean(statistics.median(values[1:]) for values in per_step)
+            for name, per_step in times.items()
+        },
         "clock": "process CPU time" if device.type == "cpu" else "wall clock",
         "repeats": repeats,
         "threads": torch.get_num_threads(),
     }
+
+
+def summarize_breakdown(breakdown: dict, rounds: list[dict], settings: dict) -> dict | None:
+    """Each side's step as the runs measured it (the median over rounds of its CPU time on the breakdown's steps,
+    averaged over them) against the sum of its parts in the breakdown; the rest is the loop's own work (Trainer's
+    bookkeeping and metrics, or the recipe's). Only where both are on one clock and the same batches: CPU, unpacked."""
+    if not settings["cpu_clock"] or settings["packing"]:
+        return None
+    parts = breakdown["per_step_s"]
+    shared = parts["clip + AdamW step (both)"]
+    computed = {
+        "recipe": parts["collate: recipe"] + parts["forward+backward: recipe (full logits + cross-entropy)"] + shared,
+        "trl": parts["collate: TRL"] + parts["forward+backward: TRL (fused LM head + entropy, top-1)"] + shared,
+    }
+    steps = [step - 1 for step in breakdown["steps"]]
+    sides = {}
+    for side, parts_sum in computed.items():
+        measured = statistics.fmean(
+            statistics.median(r[side]["perf/cpu_step_s"][step] for r in rounds) for step in steps
+        )
+        sides[side] = {"measured_step_cpu_s": measured, "parts_s": parts_sum, "loop_s": measured - parts_sum}
+    return sides
 
 
 # ------------------------------------------------------------------------------------------ the comparison
@@ -750,10 +801,12 @@ def window_means(curve: list[float], every: int) -> list[float]:
 
 def recipe_cpu_clock(out: Path, warmup: int) -> dict:
     """The recipe's throughput per CPU-second over its measured steps, from clocked_recipe()'s record."""
-    steps = json.loads((out / "cpu_clock_rank0.json").read_text())[warmup:]
+    every = json.loads((out / "cpu_clock_rank0.json").read_text())
+    steps = every[warmup:]
     cpu = sum(step["cpu_s"] for step in steps)
     return {
         "perf/cpu_s": cpu,
+        "perf/cpu_step_s": [step["cpu_s"] for step in every],
         "perf/samples_per_cpu_s": sum(step["samples"] for step in steps) / cpu,
         "perf/tokens_per_cpu_s": sum(step["tokens"] for step in steps) / cpu,
     }
@@ -766,6 +819,7 @@ def side_summary(results: dict, kind: str) -> dict:
         "perf/tokens_per_cpu_s",
         "perf/samples_per_cpu_s",
         "perf/cpu_s",
+        "perf/cpu_step_s",
         "perf/step_time_s",
         "perf/step_time_p90_s",
         "perf/measured_steps",
@@ -877,18 +931,27 @@ def markdown(report: dict) -> str:
     ]
     breakdown = report["step_breakdown"]
     if breakdown:
+        shapes = ", ".join(" x ".join(map(str, shape)) for shape in breakdown["micro_batch_shapes"])
         lines += [
             "",
-            f"The runs' first step taken apart (in one process, {breakdown['threads']} thread(s), "
-            f"{breakdown['clock']}, median of {breakdown['repeats']} alternating passes): micro-batches "
-            f"{', '.join(' x '.join(map(str, shape)) for shape in breakdown['micro_batch_shapes'])} tokens, "
-            f"{breakdown['real_tokens']} real ({breakdown['padding_fraction']:.0%} padding), "
-            f"{breakdown['answer_tokens']} answer tokens:",
+            f"Steps {breakdown['steps'][0]}-{breakdown['steps'][-1]} of the runs taken apart (in one process, "
+            f"{breakdown['threads']} thread(s), {breakdown['clock']}, median of {breakdown['repeats']} alternating "
+            f"passes, mean per step): micro-batches {shapes} tokens; per step {breakdown['real_tokens_per_step']:.0f} "
+            f"real tokens ({breakdown['padding_fraction']:.0%} of the computed positions are padding), "
+            f"{breakdown['answer_tokens_per_step']:.0f} answer tokens.",
             "",
-            "| part | seconds |",
+            "| part | seconds per step |",
             "| --- | --- |",
-            *(f"| {name} | {seconds:.4f} |" for name, seconds in breakdown["median_s"].items()),
+            *(f"| {name} | {seconds:.4f} |" for name, seconds in breakdown["per_step_s"].items()),
         ]
+        if breakdown["sides"]:
+            lines += [
+                "",
+                "| side | step in the runs (CPU s) | its parts above | the loop's own work |",
+                "| --- | --- | --- | --- |",
+            ]
+            for side, v in breakdown["sides"].items():
+                lines.append(f"| {side} | {v['measured_step_cpu_s']:.4f} | {v['parts_s']:.4f} | {v['loop_s']:+.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -955,7 +1018,12 @@ def main(argv=None) -> int:
             "trl": [round(loss, 5) for _, loss in rounds[0]["trl"]["train/loss_log"]],
         },
     }
-    breakdown = step_breakdown(settings, args.breakdown_repeats) if args.breakdown_repeats > 0 else None
+    breakdown = None
+    if args.breakdown_repeats > 0:
+        first = settings["perf_warmup_steps"]
+        steps = list(range(first, min(first + args.breakdown_steps, settings["max_train_steps"])))
+        breakdown = step_breakdown(settings, steps, args.breakdown_repeats)
+        breakdown["sides"] = summarize_breakdown(breakdown, rounds, settings)
     report = {
         "benchmark": "vs_trl",
         "command": "python benchmarks/vs_trl.py " + " ".join(argv),
