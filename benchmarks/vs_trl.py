@@ -703,9 +703,10 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
 def summarize_breakdown(breakdown: dict, rounds: list[dict], settings: dict) -> dict | None:
     """Each side's step as the runs measured it (the median over rounds of its CPU time on the breakdown's steps,
     averaged over them) against the sum of its parts in the breakdown; the rest is the loop's own work (Trainer's
-    bookkeeping and metrics, or the recipe's). Only where both are on one clock and the same batches: CPU, unpacked."""
-    if not settings["cpu_clock"] or settings["packing"]:
-        return None
+    bookkeeping and metrics, or the recipe's). Only where both are on one clock and the same batches: CPU, unpacked,
+    one process."""
+    if not settings["cpu_clock"] or settings["packing"] or any(r["recipe"]["num_processes"] > 1 for r in rounds):
+        return None  # (with several processes each holds part of a step's batches)
     parts = breakdown["per_step_s"]
     shared = parts["clip + AdamW step (both)"]
     computed = {
@@ -820,6 +821,7 @@ def side_summary(results: dict, kind: str) -> dict:
         "perf/samples_per_cpu_s",
         "perf/cpu_s",
         "perf/cpu_step_s",
+        "num_processes",
         "perf/step_time_s",
         "perf/step_time_p90_s",
         "perf/measured_steps",
