@@ -33,7 +33,8 @@ they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both 
 
 Ratios are recipe / TRL per round, reported as the median with a 95 % bootstrap interval over the rounds
 (``compare.bootstrap_interval``). Writes ``OUTPUT_DIR/vs_trl.json`` and ``OUTPUT_DIR/summary.md``; the runs' folders go
-to ``OUTPUT_DIR/work/`` (git-ignored). Never part of the test command.
+to ``--work_dir`` (default ``outputs/vs_trl_work/<OUTPUT_DIR>``, git-ignored), with the model and data files, reused
+by the next run of the same shape. Never part of the test command.
 """
 
 import argparse
@@ -152,7 +153,10 @@ SHARED_DEFAULTS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", required=True, help="Where vs_trl.json, summary.md and work/ go.")
+    parser.add_argument("--output_dir", required=True, help="Where vs_trl.json and summary.md go.")
+    parser.add_argument(
+        "--work_dir", help="The runs' folders, the model and the data (default: outputs/vs_trl_work/<output_dir>)."
+    )
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), default="cpu", help="Model shape and batch (see PRESETS)."
     )
@@ -968,12 +972,15 @@ def main(argv=None) -> int:
         return 0
     settings = resolve_settings(args)
     output_dir = Path(args.output_dir).resolve()
-    work = output_dir / "work"
+    # Outside the results folder (committed records hold only vs_trl.json and summary.md); outputs/ is git-ignored.
+    relative = output_dir.relative_to(REPO) if output_dir.is_relative_to(REPO) else Path(output_dir.name)
+    work = Path(args.work_dir).resolve() if args.work_dir else REPO / "outputs" / "vs_trl_work" / relative
     if settings["mixed_precision"] == "bf16" and not args.dry_run:
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit(f"--preset {args.preset} is a GPU shape in bf16; this machine has no CUDA GPU.")
+    output_dir.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"  # placeholder for the dry run
     train_file, validation_file = work / "chats.jsonl", work / "chats_validation.jsonl"
