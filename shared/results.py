@@ -221,9 +221,12 @@ class RunRecord:
             self.train_peaks = peak_memory_gib(self.meter.devices)
 
     def __exit__(self, kind, error, trace) -> None:
+        # Let go of the model and optimizer on the way out: the recipe's teardown (free_memory, end_training) must
+        # leave no reference to a DDP wrapper, whose reducer can deadlock at exit once the process group is gone.
+        model, optimizer, self.model, self.optimizer = self.model, self.optimizer, None, None
         if kind is not None:  # an error: no results.json for a run that did not finish
             return
-        accelerator, model = self.accelerator, self.model
+        accelerator = self.accelerator
         if accelerator.is_fsdp2:
             # FSDP2 leaves the root's parameters unsharded after a forward without backward (an evaluation in the
             # block): resharded, the facts below describe the sharded state that training held.
@@ -233,10 +236,10 @@ class RunRecord:
                 if isinstance(module, FSDPModule):
                     module.reshard()
         perf = self.meter.summary(self.flops_per_token, self.train_peaks)  # a collective
-        perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, self.optimizer))  # a collective
+        perf["memory/model_state_bytes"] = per_rank(model_state_bytes(model, optimizer))  # a collective
         if accelerator.is_fsdp2:
             # Proof of sharding, per process: DTensor parameters, elements held vs the whole model's, FSDP modules.
-            perf["fsdp/sharding"] = per_rank(sharding_facts(model, self.optimizer))  # a collective
+            perf["fsdp/sharding"] = per_rank(sharding_facts(model, optimizer))  # a collective
         several = accelerator.num_processes > 1
         perf["memory/load_peak_gib"] = {(f"rank{rank}/" if several else "") + device: round(gib, 4)  # a collective
                                         for rank, peaks in enumerate(gather_object([self.load_peak]))
