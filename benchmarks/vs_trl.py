@@ -237,6 +237,13 @@ def build_inputs(work: Path, settings: dict) -> tuple[Path, Path, Path]:
     return model_dir, train_file, validation_file
 
 
+# The settings passed to the recipe as flags of the same name (the booleans are added only when on).
+RECIPE_FLAGS = ("max_length", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                "per_device_train_batch_size", "gradient_accumulation_steps", "max_train_steps", "learning_rate",
+                "weight_decay", "adam_epsilon", "lr_scheduler_type", "num_warmup_steps", "max_grad_norm",
+                "mixed_precision", "seed", "logging_steps", "perf_warmup_steps")
+
+
 def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation_file: Path, out: Path) -> list[str]:
     """A: the recipe's own command line, every setting that TRL also gets."""
     s = settings
@@ -251,44 +258,10 @@ def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation
         str(train_file),
         "--validation_file",
         str(validation_file),
-        "--max_length",
-        str(s["max_length"]),
+        # Every setting TRL also gets, under the recipe's flag of the same name.
+        *[word for key in RECIPE_FLAGS for word in (f"--{key}", str(s[key]))],
         *(["--packing"] if s["packing"] else []),
-        "--lora_r",
-        str(s["lora_r"]),
-        "--lora_alpha",
-        str(s["lora_alpha"]),
-        "--lora_dropout",
-        str(s["lora_dropout"]),
-        "--lora_target_modules",
-        s["lora_target_modules"],
         *(["--gradient_checkpointing"] if s["gradient_checkpointing"] else []),
-        "--per_device_train_batch_size",
-        str(s["per_device_train_batch_size"]),
-        "--gradient_accumulation_steps",
-        str(s["gradient_accumulation_steps"]),
-        "--max_train_steps",
-        str(s["max_train_steps"]),
-        "--learning_rate",
-        str(s["learning_rate"]),
-        "--weight_decay",
-        str(s["weight_decay"]),
-        "--adam_epsilon",
-        str(s["adam_epsilon"]),
-        "--lr_scheduler_type",
-        s["lr_scheduler_type"],
-        "--num_warmup_steps",
-        str(s["num_warmup_steps"]),
-        "--max_grad_norm",
-        str(s["max_grad_norm"]),
-        "--mixed_precision",
-        s["mixed_precision"],
-        "--seed",
-        str(s["seed"]),
-        "--logging_steps",
-        str(s["logging_steps"]),
-        "--perf_warmup_steps",
-        str(s["perf_warmup_steps"]),
         # Generation-based scoring has no TRL counterpart: off (it runs after training, outside the timing anyway).
         "--exact_match_samples",
         "0",
