@@ -234,7 +234,8 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     The price: attention without flash attention's packed kernels computes the whole row's mask, not each sample's."""
     if packing:
         batch = DataCollatorWithFlattening()(samples, return_tensors="pt")
-        return {**batch, "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
+        batch = {**batch, "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
+        return {**batch, **scored_positions(batch["labels"])}
     length = max(len(sample["input_ids"]) for sample in samples)
     batch = {"input_ids": torch.full((len(samples), length), pad_token_id),
              "labels": torch.full((len(samples), length), -100),
@@ -245,7 +246,20 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
         batch["input_ids"][row, :size] = torch.tensor(sample["input_ids"])
         batch["labels"][row, :size] = torch.tensor(sample["labels"])
         batch["attention_mask"][row, :size] = 1
-    return batch
+    return {**batch, **scored_positions(batch["labels"])}
+
+
+def scored_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The positions whose next token is scored (an answer token: label != -100), for ``logits_to_keep``, and their
+    targets: ``loss_positions`` (rows, K) and ``loss_targets`` (rows, K), K the most any row has; a shorter row is
+    filled with position 0 and target -100 (ignored). Found here on the CPU, while the loader prepares the batch: on
+    the GPU, finding them (``nonzero``, a boolean mask) would wait for the device in every step."""
+    scored = labels[:, 1:] != -100  # position t predicts token t + 1
+    count = max(int(scored.sum(dim=1).max()), 1) if labels.numel() else 1
+    # A stable sort puts each row's scored positions first, in order; the rest are the fillers.
+    order = torch.sort((~scored).to(torch.uint8), dim=1, stable=True).indices[:, :count]
+    targets = labels[:, 1:].gather(1, order)  # -100 wherever the position is not scored
+    return {"loss_positions": torch.where(targets != -100, order, 0), "loss_targets": targets}
 
 
 def check_batches(train_dataloader, data_parallel_size: int) -> None:

@@ -659,6 +659,82 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
     assert together.item() == pytest.approx(padded.item(), rel=1e-5)
 
 
+def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
+    """token_losses computes logits only at the answer positions (logits_to_keep) and the fp32 cross-entropy a chunk at
+    a time (checkpointed): the same losses and gradients as full logits then one cross-entropy, in a padded batch
+    whose rows hold different numbers of answer tokens, in chunks smaller than the batch, on the device_map path too.
+    And it saves less for backward: autograd keeps no fp32 logits or softmax of the whole batch."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.sft_data import collate, tokenize_sample
+
+    module, tokenizer = recipe
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    samples = [
+        tokenize_sample(
+            {"prompt": f"Q{i}: what is {i} times {i}? " * i, "completion": f" {i * i}" + ", I think" * (3 - i)},
+            "prompt_completion",
+            tokenizer,
+            64,
+        )
+        for i in range(1, 4)
+    ]
+    batch = collate(samples, tokenizer.pad_token_id)
+    answers = (batch["labels"][:, 1:] != -100).sum(dim=1)
+    assert len(set(answers.tolist())) == 3  # rows with different counts: the fillers are exercised
+
+    def plain():
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
+        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:], reduction="none")
+        return losses.sum(), losses.sum(dim=1)
+
+    vocab = model.config.vocab_size
+
+    def run(loss_fn):
+        model.zero_grad()
+        saved = []  # bytes of each tensor of vocabulary width that autograd keeps for backward (not the LM head)
+
+        def pack(tensor):
+            head = tensor.untyped_storage().data_ptr() == model.lm_head.weight.untyped_storage().data_ptr()
+            saved.append(tensor.numel() * tensor.element_size() if vocab in tensor.shape and not head else 0)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            total, per_sample = loss_fn()
+        total.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return total.detach(), per_sample.detach(), grads, sum(saved)
+
+    reference = run(plain)
+    for name, loss_fn in [
+        ("answer logits, chunks of 4", lambda: module.token_losses(model, batch, chunk_tokens=4)),
+        ("one chunk", lambda: module.token_losses(model, batch)),
+    ]:
+        total, per_sample, grads, saved = run(loss_fn)
+        assert total.item() == pytest.approx(reference[0].item(), rel=1e-6), name
+        torch.testing.assert_close(per_sample, reference[1], rtol=1e-6, atol=1e-6, msg=name)
+        # fp32 sums in another order: a relative error of the whole gradient, not of each of its 215k elements
+        assert (grads - reference[2]).norm() / reference[2].norm() < 1e-5, name
+    # The plain loss keeps the fp32 softmax of every position for backward; the checkpointed chunks keep only their
+    # inputs, views of the answer positions' logits (the LM head's output, there anyway): each chunk's softmax is
+    # recomputed in backward, one chunk at a time.
+    assert reference[3] >= batch["labels"][:, 1:].numel() * vocab * 4
+    head_outputs = []
+    hook = model.lm_head.register_forward_hook(lambda module_, inputs, output: head_outputs.append(output.shape))
+    answer_saved = run(lambda: module.token_losses(model, batch, chunk_tokens=4))[3]
+    hook.remove()
+    answer_logits_bytes = 3 * int(answers.max()) * vocab * 4
+    assert answer_saved <= answer_logits_bytes, (answer_saved, answer_logits_bytes)
+    # The LM head ran on the answer positions only: as many per row as the row with the most answer tokens.
+    assert head_outputs == [(3, int(answers.max()), vocab)] and answers.max() < batch["input_ids"].shape[1] - 1
+    # A model split over devices takes the full logits and picks the answer positions from them: equal too.
+    model.hf_device_map = {"model": "cpu", "lm_head": "meta"}  # two devices named: the split's path (all on CPU here)
+    total, per_sample, grads, _ = run(lambda: module.token_losses(model, batch, chunk_tokens=4))
+    assert (grads - reference[2]).norm() / reference[2].norm() < 1e-5
+    assert total.item() == pytest.approx(reference[0].item(), rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "rows, message",
     [
