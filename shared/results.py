@@ -57,7 +57,13 @@ def percentile(values: list[float], q: int) -> float | None:
 class ThroughputMeter:
     """Times optimizer steps and counts samples/tokens, skipping the first ``warmup_steps``: ``step(samples, tokens)``
     after each optimizer step with the *global* counts, then ``summary()`` on every process (a collective). Batches
-    drawn through ``timed(dataloader)`` also measure each step's wait for its data (``perf/data_wait_fraction``)."""
+    drawn through ``timed(dataloader)`` also measure each step's wait for its data (``perf/data_wait_fraction``).
+
+    CUDA runs behind the host: a step's clock can only stop after a sync, and a sync in every step would keep the host
+    from queueing the next step while the GPU finishes this one. So the clock reads in windows: ``sync()`` waits for
+    the devices and gives each step of the window since the last one the window's mean time. It syncs at the end of
+    the warm-up and whenever asked (``RunRecord`` asks every ``sync_every`` steps, at the last step and when the loss
+    curve is read). Token counts may be device tensors: they are read at the sync too."""
 
     def __init__(self, accelerator: Accelerator, warmup_steps: int = 1, devices: list[torch.device] | None = None):
         self.accelerator, self.warmup_steps, self.devices = accelerator, warmup_steps, devices or [accelerator.device]
@@ -66,6 +72,7 @@ class ThroughputMeter:
         self.data_wait_times: list[float] = []  # per measured step: seconds spent in next(dataloader)
         self._waiting = 0.0  # data wait since the last step()
         self._data_timed = False  # set by timed(): without it the data wait is unknown, not 0
+        self._window: list[tuple] = []  # the steps since the last sync: (samples, tokens, answer tokens, data wait)
         self._last = time.perf_counter()
 
     def timed(self, dataloader):
@@ -83,29 +90,37 @@ class ThroughputMeter:
                 self._waiting += time.perf_counter() - start
             yield batch
 
-    def _synchronize(self) -> None:
-        # Sync point: CUDA kernels run asynchronously; without this the clock would stop before the GPU finished the
-        # step.
-        for device in self.devices:
+    def step(self, samples: int, tokens=0, answer_tokens=0, sync: bool = True) -> None:
+        """``answer_tokens``: the tokens a fine-tune learns from (its loss is on them), beside all ``tokens``.
+        ``sync=False``: leave the clock running (the window goes on) unless the warm-up ends here."""
+        self.steps_seen += 1
+        self._window.append((samples, tokens, answer_tokens, self._waiting))
+        self._waiting = 0.0
+        if sync or self.steps_seen == self.warmup_steps:
+            self.sync()
+
+    def sync(self) -> None:
+        """Close the window: wait for the devices, then share its time out among its steps."""
+        if not self._window:
+            return
+        for device in self.devices:  # Sync point: the clock stops when the GPU has finished the queued steps
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-
-    def step(self, samples: int, tokens: int = 0, answer_tokens: int = 0) -> None:
-        """``answer_tokens``: the tokens a fine-tune learns from (its loss is on them), beside all ``tokens``."""
-        self._synchronize()
         now = time.perf_counter()
-        self.steps_seen += 1
-        if self.steps_seen > self.warmup_steps:
-            self.step_times.append(now - self._last)
-            self.data_wait_times.append(self._waiting)
-            self.samples, self.tokens = self.samples + samples, self.tokens + tokens
-            self.answer_tokens += answer_tokens
-        self._waiting = 0.0
-        self._last = now
+        seconds = (now - self._last) / len(self._window)
+        first = self.steps_seen - len(self._window) + 1
+        for number, (samples, tokens, answer_tokens, waited) in enumerate(self._window, first):
+            if number > self.warmup_steps:
+                self.step_times.append(seconds)
+                self.data_wait_times.append(waited)
+                self.samples, self.tokens = self.samples + samples, self.tokens + int(tokens)
+                self.answer_tokens += int(answer_tokens)
+        self._window, self._last = [], now
 
     def summary(self, flops_per_token: float | None = None, peaks: dict[str, float] | None = None) -> dict:
         """The perf/* and memory/* entries of results.json. With ``flops_per_token`` (training FLOPs per token, see
         ``shared.flops``) on CUDA also ``perf/mfu``: achieved FLOP/s over the peak of every GPU the run uses."""
+        self.sync()
         measured = sum(self.step_times)
         summary = {
             "perf/measured_steps": len(self.step_times),
@@ -184,13 +199,13 @@ class RunRecord:
     def __init__(self, accelerator: Accelerator, recipe: str, output_dir: str | os.PathLike, config: dict, model,
                  optimizer=None, max_train_steps: int | None = None, loss_curve: list[float] | None = None,
                  warmup_steps: int = 2, devices: list[torch.device] | None = None,
-                 flops_per_token: float | None = None):
+                 flops_per_token: float | None = None, sync_every: int = 10):
         self.accelerator, self.recipe, self.output_dir = accelerator, recipe, Path(output_dir)
         self.model, self.optimizer, self.max_train_steps = model, optimizer, max_train_steps
         self.flops_per_token, self.config = flops_per_token, config
         # A resumed run starts from the curve its checkpoint saved: results hold the whole run's losses.
-        self.loss_curve = list(loss_curve or [])
-        self.resumed_from_step = len(self.loss_curve)
+        self._curve, self._unread, self.sync_every = list(loss_curve or []), [], sync_every
+        self.resumed_from_step = len(self._curve)
         self.meter = ThroughputMeter(accelerator, warmup_steps=warmup_steps, devices=devices)
         # Loading and prepare are done: their peak per device, apart from training's. On CUDA the peak counter starts
         # again here, so memory/peak_gib is training's own; on the CPU (peak RSS) training's can only add to it.
@@ -209,16 +224,33 @@ class RunRecord:
         """The batches of ``dataloader``, each one's wait measured (``perf/data_wait_fraction``)."""
         return self.meter.timed(dataloader)
 
-    def step(self, completed_steps: int, loss: float, samples: int, tokens: int = 0, answer_tokens: int = 0) -> None:
-        """After each optimizer step: its global loss, and the samples/tokens of the whole global batch."""
-        self.loss_curve.append(loss)
-        self.meter.step(samples=samples, tokens=tokens, answer_tokens=answer_tokens)
+    def step(self, completed_steps: int, loss, samples: int, tokens=0, answer_tokens=0) -> None:
+        """After each optimizer step: its global loss, and the samples/tokens of the whole global batch. The loss and
+        the token counts may be tensors still on the device: they are read (a sync point) every ``sync_every`` steps,
+        at the last step, and when the recipe reads ``loss_curve`` (to log it), not in every step."""
+        self._unread.append(loss)
+        last = self.max_train_steps is not None and completed_steps >= self.max_train_steps
+        self.meter.step(samples, tokens, answer_tokens, sync=False)
+        if last or len(self._unread) >= self.sync_every:
+            self.read()
         hang_dump.progress(completed_steps)
-        if self.max_train_steps is not None and completed_steps >= self.max_train_steps:
+        if last:
             # Saving and evaluating take their own time; a hang there still ends at --dist_timeout with a dump.
             hang_dump.progress(phase="saving and evaluation")
             # memory/peak_gib is training's: taken now, before the save (a gathered state dict) and the evaluation.
             self.train_peaks = peak_memory_gib(self.meter.devices)
+
+    @property
+    def loss_curve(self) -> list[float]:
+        """Every optimizer step's global loss so far (reading it is a sync point: the device finishes the steps)."""
+        self.read()
+        return self._curve
+
+    def read(self) -> None:
+        """Sync point: wait for the queued steps (the clock's window closes) and read their losses."""
+        self.meter.sync()
+        self._curve.extend(float(loss) for loss in self._unread)
+        self._unread.clear()
 
     def __exit__(self, kind, error, trace) -> None:
         # Let go of the model and optimizer on the way out: the recipe's teardown (free_memory, end_training) must
