@@ -1,8 +1,9 @@
 """The raw baseline: ``recipes/train_lm.py``'s ddp mode written in plain PyTorch, no Accelerate.
 
 Same model (the recipe's presets, Llama architecture, untied head), same data (the offline corpus,
-the same BPE tokenizer, packed blocks), same batch per process, same AdamW groups and betas, cosine
-schedule, gradient clipping and per-step loss all-reduce (a sync point the recipe has too), so that
+the same BPE tokenizer, packed blocks), same batch per process, same fused AdamW, groups and betas, cosine
+schedule, gradient clipping and per-step loss all-reduce (read every step, as most hand-written loops do: a sync
+point; the recipe reads its losses every 10 steps), so that
 ``overhead = recipe step time / raw step time`` measures what Accelerate's wrappers cost per step.
 Launched with torchrun (``benchmarks/run.py`` does this):
 
@@ -131,7 +132,8 @@ def main():
     model = AutoModelForCausalLM.from_config(model_config).to(device)
     num_parameters = sum(parameter.numel() for parameter in model.parameters())
     model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
+    groups = optimizer_groups(model, args.weight_decay)
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=True)  # as the recipe
     lr_scheduler = get_scheduler(
         "cosine", optimizer=optimizer, num_warmup_steps=0, num_training_steps=args.max_train_steps
     )

@@ -544,10 +544,10 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
     (the sampler's permutation of the training file; unpacked), one device, the runs' thread count, each part timed
     ``repeats`` times per step, the parts alternating: collating (the recipe's ``collate`` vs TRL's
     ``DataCollatorForLanguageModeling``); forward + backward with the loss on the answer tokens (the recipe's
-    ``token_losses``: full logits, then cross-entropy; TRL's fused LM head, with the entropy and top-1 outputs
-    SFTTrainer asks for, and with the log-probabilities alone); the decoder alone (no LM head, no loss), which both
-    share; clipping + the AdamW step, which both share. Per part: the mean over the steps of its median. What a run's
-    step costs beyond these is its loop's own work (summarize_breakdown)."""
+    ``token_losses``: logits at the answer positions only, chunked fp32 cross-entropy; TRL's fused LM head, with the
+    entropy and top-1 outputs SFTTrainer asks for, and with the log-probabilities alone); the decoder alone (no LM
+    head, no loss), which both share; clipping + the AdamW step, which both share. Per part: the mean over the steps
+    of its median. What a run's step costs beyond these is its loop's own work (summarize_breakdown)."""
     import importlib.util
 
     import torch
@@ -604,7 +604,8 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
         task_type="CAUSAL_LM",
     )
     model = get_peft_model(model, lora)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings["learning_rate"])
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=settings["learning_rate"], fused=True)  # TRL: adamw_torch_fused
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
     def recipe_step(w):
@@ -638,7 +639,7 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
     parts = {
         "collate: recipe": lambda w: [recipe.collate(group, pad) for group in w["groups"]],
         "collate: TRL": lambda w: [trl_collator(group) for group in w["trl_groups"]],
-        "forward+backward: recipe (full logits + cross-entropy)": recipe_step,
+        "forward+backward: recipe (answer logits + chunked cross-entropy)": recipe_step,
         "forward+backward: TRL (fused LM head + entropy, top-1)": trl_step(("log_probs", "entropy", "is_top1")),
         "forward+backward: TRL (fused LM head, log-probs only)": trl_step(("log_probs",)),
         "forward+backward: decoder alone (no LM head, no loss)": decoder_only,
@@ -687,7 +688,9 @@ def summarize_breakdown(breakdown: dict, rounds: list[dict], settings: dict) -> 
     parts = breakdown["per_step_s"]
     shared = parts["clip + AdamW step (both)"]
     computed = {
-        "recipe": parts["collate: recipe"] + parts["forward+backward: recipe (full logits + cross-entropy)"] + shared,
+        "recipe": parts["collate: recipe"]
+        + parts["forward+backward: recipe (answer logits + chunked cross-entropy)"]
+        + shared,
         "trl": parts["collate: TRL"] + parts["forward+backward: TRL (fused LM head + entropy, top-1)"] + shared,
     }
     steps = [step - 1 for step in breakdown["steps"]]

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -191,16 +192,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def token_losses(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token loss over the answer tokens of ``batch``, and per sample, from the logits: the labels move to
-    the logits' device (the last one of a device_map split). ``use_cache=False``: a cache would turn the packed
-    block-diagonal mask off."""
-    inputs = {key: value for key, value in batch.items() if key not in ("labels", "num_tokens")}
-    logits = model(**inputs, use_cache=False).logits
-    targets = batch["labels"][:, 1:].to(logits.device)
-    losses = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=-100,
-                                               reduction="none")
+def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss over the answer tokens of ``batch``, and per sample. Two savings, each equal to the plain
+    loss (full logits, then cross-entropy; tests/test_llm_finetune.py checks losses and gradients):
+
+    - logits only where a loss is taken: transformers' ``logits_to_keep`` with the answer positions the collate
+      function found (``shared.sft_data.scored_positions``), so the LM head skips every prompt and padding position;
+    - the cross-entropy in fp32, ``chunk_tokens`` positions at a time, each chunk recomputed in backward
+      (checkpointed): the fp32 copy of the logits and the softmax that backward needs exist for one chunk at a time,
+      not for the batch (with a 128k vocabulary, 4,096 answer tokens would hold 4 GiB of them).
+
+    A model split over devices keeps the full logits and picks the positions from them: Accelerate's hooks would move
+    the positions to the first device, and the hidden states end on the last. ``use_cache=False``: a cache would turn
+    the packed block-diagonal mask off."""
+    inputs = {key: value for key, value in batch.items()
+              if key not in ("labels", "num_tokens", "loss_positions", "loss_targets")}
+    positions, device_map = batch["loss_positions"], getattr(model, "hf_device_map", None) or {}
+    if len(set(map(str, device_map.values()))) < 2:  # one device (a 4-bit load has {"": device}), DDP or FSDP2
+        logits = model(**inputs, use_cache=False, logits_to_keep=positions).logits  # (rows, K, vocabulary)
+    else:
+        logits = model(**inputs, use_cache=False).logits
+        logits = torch.take_along_dim(logits, positions.to(logits.device)[..., None], dim=1)
+    targets = batch["loss_targets"].to(logits.device).flatten()
+    logits = logits.flatten(0, 1)
+    losses = torch.cat([checkpoint(fp32_cross_entropy, chunk, target, use_reentrant=False)
+                        for chunk, target in zip(logits.split(chunk_tokens), targets.split(chunk_tokens))])
+    losses = losses.view(positions.shape)
     return losses.sum(), losses.sum(dim=1)
+
+
+def fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position loss, in fp32 whatever the logits' dtype (bf16 rounding in the softmax would bias the loss)."""
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
 
 
 def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
@@ -212,13 +235,15 @@ def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         sampler = LengthGroupedShuffledSampler(lengths, args.per_device_train_batch_size, args.seed)
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
+    # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
+    pinned = torch.cuda.is_available()
     train_dataloader = DataLoader(train_dataset, args.per_device_train_batch_size, shuffle=sampler is None,
                                   sampler=sampler, generator=torch.Generator().manual_seed(args.seed),
                                   collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id,
-                                                     packing=args.packing))
+                                                     packing=args.packing), pin_memory=pinned)
     check_batches(train_dataloader, data_parallel_size)
     eval_dataloader = DataLoader(eval_dataset, args.per_device_eval_batch_size or args.per_device_train_batch_size,
-                                 collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id))
+                                 collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id), pin_memory=pinned)
     return train_dataloader, eval_dataloader
 
 
@@ -308,7 +333,7 @@ def main():
 
     # ------------------------------------------------------------------ optimizer and scheduler
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, eps=args.adam_epsilon)
+                                  weight_decay=args.weight_decay, eps=args.adam_epsilon, fused=True)  # 1 kernel
     # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short).
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
@@ -372,11 +397,11 @@ def main():
                 optimizer.zero_grad()
                 completed_steps += 1
                 progress_bar.update(1)
-                # Sync points (.item()): the global loss (the same for 1 or 2 processes) and tokens, padding aside.
+                # The global loss and tokens (padding aside) stay on the device: only the log below reads (syncs).
                 real_tokens = accelerator.reduce(sum(batch["num_tokens"].sum() for batch in micro_batches), "sum")
-                record.step(completed_steps, (accelerator.reduce(step_loss, "sum") / step_tokens).item(),
+                record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens,
                             samples=sum(len(batch["num_tokens"]) for batch in micro_batches) * data_parallel_size,
-                            tokens=int(real_tokens.item()), answer_tokens=int(step_tokens.item()))
+                            tokens=real_tokens, answer_tokens=step_tokens)
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     since_last_log = completed_steps % args.logging_steps or args.logging_steps
                     loss, lr = statistics.fmean(record.loss_curve[-since_last_log:]), lr_scheduler.get_last_lr()[0]

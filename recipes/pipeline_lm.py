@@ -228,27 +228,25 @@ def main():
     output_dir, checkpoints_dir = prepare_output_dir(args.output_dir), Path(args.output_dir) / "checkpoints"
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
-    num_processes = accelerator.num_processes
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
     # New Code (pipeline) #
     parallelism = choose_parallelism(accelerator, "pipeline", "recipes/pipeline_lm.py")  # refuses 1 process, FSDP
-    layout = "pipeline"  # of checkpoints: each process saves its own stages
+    layout, num_processes = "pipeline", accelerator.num_processes  # checkpoints: each process saves its own stages
     stages_per_process = check_pipeline_request(args, num_processes, eval_batch_size, accelerator.mixed_precision)
     stages_of_processes = stage_layout(args.pipeline_schedule, num_processes, stages_per_process)  # [[0, 2], [1, 3]]
     num_stages, stage_indices = num_processes * stages_per_process, stages_of_processes[accelerator.process_index]
-    # End New Code #
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    data_parallel_size = num_processes if parallelism.name in ("ddp", "fsdp") else 1  # processes that split a batch
-    # New Code (pipeline) #
+    data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
     model_config = lm_config(args, num_stages, parallelism.name, partial(check_pipeline_model, stages_of_processes))
     # End New Code #
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
 
     # ------------------------------------------------------------------------------- data
     data = lm_datasets(accelerator, args, output_dir, checkpoint, data_parallel_size)  # text, tokenizer, blocks
-    # drop_last: every batch has the same shape (pipeline stages need it), so both LM recipes see the same batches.
-    train_dataloader = DataLoader(data.train_dataset, args.per_device_train_batch_size, shuffle=True, drop_last=True)
-    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size)
+    # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
+    pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
+    train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
+    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned)
 
     # ------------------------------------------------------------------------------ model
     model = build_lm(args.model_name_or_path, model_config, data.tokenizer, args.seed)  # pretrained, or new weights
@@ -262,7 +260,8 @@ def main():
     # End New Code #
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
+    groups = optimizer_groups(model, args.weight_decay)  # weight decay on matrices only
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=True)  # fused: 1 kernel
     # (pipeline) Every process sees every batch (the loader is not sharded); accumulate() also steps on an epoch's end.
     steps_per_epoch = math.ceil(len(train_dataloader) // data_parallel_size / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
@@ -301,9 +300,10 @@ def main():
         # New Code (pipeline) #
         record.results |= pipeline.facts(stages_of_processes, split.stage_costs)  # the schedule, m, the ideal bubble
         # End New Code #
-        history = {"train/loss_curve": record.loss_curve}  # saved with each checkpoint: a resumed run's whole curve
+        # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
         save_checkpoint_at = lambda step: save_checkpoint(
-            accelerator, checkpoints_dir, step, args.checkpoints_total_limit, layout=layout, history=history
+            accelerator, checkpoints_dir, step, args.checkpoints_total_limit, layout=layout,
+            history={"train/loss_curve": record.loss_curve},
         )
         completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
         for epoch in range(resume.epoch, num_train_epochs):
@@ -328,11 +328,12 @@ def main():
                         optimizer.zero_grad()
                 if accelerator.sync_gradients:
                     completed_steps += 1
-                    # (pipeline) Sync point (.item()): only the process with the last stage has the loss, the others 0.
-                    loss = accelerator.reduce(step_loss, reduction="sum").item() / data_parallel_size
+                    # (pipeline) The sum: only the process with the last stage has the loss, the others 0.
+                    loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
                     step_loss.zero_()
                     record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
                     if completed_steps % max(1, max_train_steps // 10) == 0 or completed_steps == max_train_steps:
+                        loss = record.loss_curve[-1]  # Sync point: reading the curve waits for the device
                         accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                     if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                         save_checkpoint_at(completed_steps)

@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import ProjectConfiguration, set_seed
 from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs
+from accelerate.utils import TorchDynamoPlugin
 from torch.utils.data import DataLoader
 
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
@@ -69,7 +70,6 @@ from shared.model_split import plan_lm_split  # noqa: E402
 from shared.model_split import dispatch_on_devices, split_devices  # noqa: E402  (the device_map split)
 from shared.results import RunRecord  # noqa: E402
 from shared.runtime import (  # noqa: E402
-    RecipeError,
     add_reliability_flags,
     build_accelerator,
     choose_parallelism,
@@ -191,7 +191,8 @@ def main():
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        dynamo_backend="inductor" if args.compile else None,  # --compile: prepare() wraps the model in torch.compile
+        # --compile: prepare() compiles each decoder block (regional: the first block's compile serves all the others).
+        dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if args.compile else None,
         # A seedable sampler with a fixed seed shuffles alike in every mode and process count: batch-for-batch runs.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # Not its checkpoint naming + total_limit: shared/checkpoints.py saves atomically and every process agrees.
@@ -202,24 +203,22 @@ def main():
     output_dir, checkpoints_dir = prepare_output_dir(args.output_dir), Path(args.output_dir) / "checkpoints"
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
-    num_processes = accelerator.num_processes
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
-    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/train_lm.py")  # refuses what cannot run
+    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/train_lm.py", compile=args.compile)
     layout = "fsdp" if parallelism.name == "fsdp" else "replica"  # of checkpoints: FSDP shards, or whole weights
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    if args.compile and parallelism.name == "device_map":
-        raise RecipeError("--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map.")
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     num_stages = len(split_over) or 1
-    data_parallel_size = num_processes if parallelism.name in ("ddp", "fsdp") else 1  # processes that split a batch
+    data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
     model_config = lm_config(args, num_stages, parallelism.name)  # the model's shape: bad sizes fail before any data
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
 
     # ------------------------------------------------------------------------------- data
     data = lm_datasets(accelerator, args, output_dir, checkpoint, data_parallel_size)  # text, tokenizer, blocks
-    # drop_last: every batch has the same shape (pipeline stages need it), so both LM recipes see the same batches.
-    train_dataloader = DataLoader(data.train_dataset, args.per_device_train_batch_size, shuffle=True, drop_last=True)
-    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size)
+    # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
+    pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
+    train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
+    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned)
 
     # ------------------------------------------------------------------------------ model
     model = build_lm(args.model_name_or_path, model_config, data.tokenizer, args.seed)  # pretrained, or new weights
@@ -231,7 +230,8 @@ def main():
         model, _ = dispatch_on_devices(model, split.plan, split_over)
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
+    groups = optimizer_groups(model, args.weight_decay)  # weight decay on matrices only
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=True)  # fused: 1 kernel
     # A data-parallel process sees every data_parallel_size-th batch; accumulate() also steps on an epoch's short end.
     steps_per_epoch = math.ceil(len(train_dataloader) // data_parallel_size / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
@@ -271,9 +271,10 @@ def main():
         record.results |= {"parallelism": parallelism.name, **split.facts(), **data.facts, **before}
         record.results |= {"parallelism_requested": args.parallelism, "device_map_devices": list(map(str, split_over))}
         record.results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step}
-        history = {"train/loss_curve": record.loss_curve}  # saved with each checkpoint: a resumed run's whole curve
+        # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
         save_checkpoint_at = lambda step: save_checkpoint(
-            accelerator, checkpoints_dir, step, args.checkpoints_total_limit, layout=layout, history=history
+            accelerator, checkpoints_dir, step, args.checkpoints_total_limit, layout=layout,
+            history={"train/loss_curve": record.loss_curve},
         )
         completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
         for epoch in range(resume.epoch, num_train_epochs):
@@ -295,11 +296,12 @@ def main():
                         optimizer.zero_grad()
                 if accelerator.sync_gradients:
                     completed_steps += 1
-                    # Sync point (.item()): the mean over the data-parallel processes' losses.
-                    loss = accelerator.reduce(step_loss, reduction="sum").item() / data_parallel_size
+                    # The mean over the data-parallel processes' losses, left on the device: no sync in the step.
+                    loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
                     step_loss.zero_()
                     record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
                     if completed_steps % max(1, max_train_steps // 10) == 0 or completed_steps == max_train_steps:
+                        loss = record.loss_curve[-1]  # Sync point: reading the curve waits for the device
                         accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                     if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                         save_checkpoint_at(completed_steps)

@@ -182,13 +182,13 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
     sampler = LengthGroupedShuffledSampler(lengths, batch_size, args.seed) if args.group_by_length else None
     # Their own generators: a DataLoader without one draws a seed from the global RNG each time it starts iterating,
     # which would shift the dropout masks of a resumed run.
-    generator = torch.Generator().manual_seed(args.seed)
-    train_dataloader = DataLoader(
-        train_dataset, batch_size, shuffle=sampler is None, sampler=sampler, collate_fn=collator, generator=generator
-    )
+    # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
+    generator, pinned = torch.Generator().manual_seed(args.seed), accelerator.device.type == "cuda"
+    train_dataloader = DataLoader(train_dataset, batch_size, shuffle=sampler is None, sampler=sampler,
+                                  collate_fn=collator, generator=generator, pin_memory=pinned)
     generator = torch.Generator().manual_seed(args.seed)
     eval_dataloader = DataLoader(
-        eval_dataset, args.per_device_eval_batch_size, collate_fn=collator, generator=generator
+        eval_dataset, args.per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
     )
     if len(train_dataloader) < accelerator.num_processes:
         raise RecipeError(
@@ -315,7 +315,7 @@ def main():
         {"params": [p for n, p in trained if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(parameter_groups, lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(parameter_groups, lr=args.learning_rate, fused=True)  # the update in one kernel
     # Optimizer steps per epoch after sharding: each process sees 1/num_processes of the batches.
     batches_per_process = math.ceil(len(train_dataloader) / accelerator.num_processes)
     steps_per_epoch = math.ceil(batches_per_process / args.gradient_accumulation_steps)
@@ -348,7 +348,7 @@ def main():
         accelerator, "transformer_finetune", output_dir, run_config, model, optimizer, max_train_steps, curve, **meter
     ) as record:
         checkpoints_dir, limit = output_dir / "checkpoints", args.checkpoints_total_limit
-        history = {"train/loss_curve": record.loss_curve}  # the list record.step appends to: always the curve so far
+        history = lambda: {"train/loss_curve": record.loss_curve}  # read at each save (waits for the device)
         step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
         token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
         for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -376,8 +376,8 @@ def main():
                 if not accelerator.sync_gradients:
                     continue
                 completed_steps += 1  # (this bookkeeping ends every recipe's step, on purpose: each loop reads whole)
-                # Sync point: reduce() and .item() wait for every process (the meter waits for the device anyway).
-                record.step(completed_steps, accelerator.reduce(step_loss, "mean").item(), samples=global_batch_size)
+                # The global mean loss stays on the device: only the log below reads it (a sync point).
+                record.step(completed_steps, accelerator.reduce(step_loss, "mean"), samples=global_batch_size)
                 step_loss.zero_()
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     logs = {"train/loss": fmean(record.loss_curve[-args.logging_steps :])}  # since the last log
@@ -385,11 +385,11 @@ def main():
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {logs['train/loss']:.4f}")
                     accelerator.log(logs, step=completed_steps)
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, limit, history=history)
+                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, limit, history=history())
                 if completed_steps >= max_train_steps:
                     break
             if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-                save_checkpoint(accelerator, checkpoints_dir, completed_steps, limit, history=history)
+                save_checkpoint(accelerator, checkpoints_dir, completed_steps, limit, history=history())
 
         # --------------------------------------------------------------------------- save
         # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.

@@ -160,6 +160,11 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
         handlers.append(InitProcessGroupKwargs(backend=distributed_backend(cpu), **timeout))
         accelerator_kwargs["kwargs_handlers"] = handlers
     join_restarted_elastic_group(cpu=cpu, dist_timeout=dist_timeout)
+    if not cpu and accelerator_kwargs.get("dataloader_config") is not None:
+        # A prepared loader then copies each batch to the GPU with non_blocking=True. From the pinned memory the
+        # recipes' loaders use on a GPU, the copy is queued behind the running step; from pageable memory CUDA would
+        # first wait for the GPU to finish everything queued: a sync point in every step.
+        accelerator_kwargs["dataloader_config"].non_blocking = True
     if not cpu and torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # One process: Accelerate's device would be torch.device("cuda"), with no index (several processes get
         # cuda:<local rank>). torch.cuda.set_device refuses it, and results would name the GPU "cuda" here and "cuda:0"
@@ -228,11 +233,12 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
 Parallelism = namedtuple("Parallelism", "name reason")
 
 
-def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str) -> Parallelism:
+def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, compile: bool = False) -> Parallelism:
     """The parallelism ``--parallelism`` (``auto``: what the launch config implies) and the launch give, or a
     one-paragraph error for a combination that cannot work. ``auto``: an FSDP config gives ``fsdp``; 2+ processes
     ``ddp``; one process that sees 2+ GPUs ``device_map`` (Accelerate refuses to train a device_map model in a
-    distributed mode: ``model_sharding_2gpu.yaml`` is a 1-process ``'NO'`` config); otherwise ``single``."""
+    distributed mode: ``model_sharding_2gpu.yaml`` is a 1-process ``'NO'`` config); otherwise ``single``.
+    ``compile``: --compile was asked for, which needs a model that ``prepare()`` wraps whole (not a device_map)."""
     processes = accelerator.num_processes
     fsdp = accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config()
     gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
@@ -256,6 +262,9 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str) ->
                           "process "
                           f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only "
                           "machine too).")
+    if compile and requested == "device_map":
+        raise RecipeError("--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map: "
+                          "leave --compile out, or launch another way.")
     if requested in ("ddp", "pipeline") and processes < 2:
         what = ("A pipeline runs one stage per process" if requested == "pipeline"
                 else "--parallelism ddp needs 2 or more processes")
