@@ -5,6 +5,7 @@
     python benchmarks/gpu_check.py --only finetune lm-single  # a subset (names contain one of the words), with the
                                                               # reference runs its comparisons need
     python benchmarks/gpu_check.py --tiny                     # the same script at test sizes in fp32, on any machine
+    python benchmarks/gpu_check.py --perf                     # the performance plan instead (~8 minutes, below)
 
 A launch that exits 0 proves nothing, so every check is a comparison with a reference from the same run, and fails
 with its numbers when it is off (the tolerances and why are at ``TOLERANCE``):
@@ -19,6 +20,11 @@ with its numbers when it is off (the tolerances and why are at ``TOLERANCE``):
 - the linear toy against the line its data came from; every LM run's peak against the fit planner's estimate;
 - two ranks on one GPU over gloo: which of the collectives DDP and FSDP2 need work on CUDA tensors (NCCL refuses two
   ranks on one device, so the recipes' two-process paths need two GPUs; ``TWO_PROCESS_ON_ONE_GPU`` says which).
+
+``--perf`` measures the performance issue's figures instead, each launch alone, judged against ``TARGETS`` (a miss
+is reported "below target", not failed): the LM's MFU (350m, bf16, --compile) and --compile against eager; FSDP2 in one
+process against the same run without it; the fine-tune's recommended flags against its plain padded loop; the LLM
+recipe against TRL's SFTTrainer (``benchmarks/vs_trl.py --preset gpu-1b``: TRL must be carried, see ``run_vs_trl``).
 
 The comparison runs go two or three at a time (they read losses and per-process peaks, not speed); the 350m bf16 speed
 check (tokens/s, MFU) runs alone at the end. Every launch goes through ``benchmarks/run.py`` (the records and summary
@@ -48,6 +54,19 @@ import run as runner  # noqa: E402  (the matrix runner: launches, records, summa
 # the previous run's timings (H200: fine-tune 0.026 s/step, LM 350m bf16 8x1024 0.117 s/step, LLM LoRA 0.28 s/step,
 # the 125m split over cuda:0 + CPU 7.1 s/step at 4x512 in bf16; fp32 at 4x256 is about a quarter of that work).
 MINUTES = {"linear_toy": 0.3, "finetune": 0.7, "lm-ref": 0.6, "lm-device_map": 0.8, "lm-speed": 0.8, "llm": 0.8}
+# --perf (not measured yet: estimates): --compile adds the inductor compile of one decoder block, its backward and the
+# rest of the model (regional: ~1 min with 16 CPU cores); vs_trl.py at its gpu-1b preset builds and saves a 1.2B
+# model once, then runs the recipe and TRL twice each, 20 steps (2 x 2 launches of ~50 s: start-up, ~0.5 s a step).
+MINUTES |= {"lm-compile": 1.6, "vs_trl": 3.5}
+# The performance issue's targets, judged by the --perf plan. Missing one is a finding ("below target"), not a broken
+# code path: it does not fail the check.
+TARGETS = {
+    "lm-mfu": 0.45,  # single-GPU bf16 MFU of the LM with --compile (nanochat: 48 % on an H100)
+    "fsdp-1process": 0.95,  # FSDP2 in one process against the same run without it (tokens/s)
+    "finetune-vs-plain": 1.3,  # the fine-tune's recommended flags against its plain padded loop (samples/s)
+    "llm-vs-trl": 1.3,  # recipes/llm_finetune.py against TRL's SFTTrainer (tokens/s)
+    "llm-vs-trl-loss": 1.02,  # ... at a validation loss no worse than this times TRL's
+}
 QLORA_VERIFY_MINUTES = 0.4  # two loads of the 125m base and four forward passes, in this process
 PARALLEL_JOBS = 3  # comparison launches at once: start-up is CPU work and the card has room for three small runs
 # The comparison shape of the LM: small enough that the split's CPU half takes well under a second per step.
@@ -277,6 +296,36 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
                 for i, arg in enumerate(args)
             ]
     return plan
+
+
+def perf_checks(tiny: bool) -> list[dict]:
+    """The --perf plan: the performance issue's speed runs, each alone on the GPU. The LM (350m, bf16, 8 x 1,024)
+    without and with --compile (MFU), under FSDP2 in one process (against the same run without it); the fine-tune's
+    plain padded loop (every text padded to --max_length, random batches: what most examples run) against its
+    recommended --group_by_length, both in bf16. The LLM recipe against TRL runs after them (``run_vs_trl``)."""
+    size, shape = "350m", SPEED_SHAPE
+    bf16 = ["--mixed_precision", "bf16"]
+    if tiny:
+        size, shape, bf16 = "tiny", dict(SPEED_SHAPE, steps=4, warmup=1, block=64, vocab=512, corpus_mb=0.3), []
+    plain = runner.finetune_runs(["single+fixed"], steps=40, warmup=5, max_train_samples=2048)[0]
+    fast = runner.finetune_runs(["single+group_by_length"], steps=40, warmup=5, max_train_samples=2048)[0]
+    finetunes = [
+        {**plain, "name": "finetune-plain", "args": plain["args"] + FINETUNE[4:6] + bf16},  # same precision
+        {**fast, "name": "finetune-recommended", "args": fast["args"] + FINETUNE[4:6] + bf16},
+    ]
+    if tiny:
+        finetunes = [{**run, "args": run["args"] + ["--max_train_steps", "4", "--perf_warmup_steps", "1",
+                                                    "--max_train_samples", "64", "--max_length", "64"]}
+                     for run in finetunes]
+    plan = [
+        lm("lm-single", "single:single+bf16", size, shape, *bf16, minutes=MINUTES["lm-speed"]),
+        lm("lm-single-compile", "single:single+bf16+compile", size, shape, *bf16, "--compile",
+           minutes=MINUTES["lm-compile"]),
+        lm("lm-fsdp-1process-speed", "fsdp:fsdp-1process+bf16", size, shape, *bf16,
+           launch_args=("--num_processes", "1"), minutes=MINUTES["lm-speed"]),
+        *({**run, "minutes": MINUTES["finetune"], "needs": []} for run in finetunes),
+    ]
+    return [{**check, "phase": "alone"} for check in plan]
 
 
 def select(plan: list[dict], words: list[str]) -> list[dict]:
@@ -714,6 +763,90 @@ def judge(plan: list[dict], records: dict, output_dir: Path, cuda: bool) -> list
     return verdicts
 
 
+def target(name: str, value: float | None, floor: float, line: str, **numbers) -> dict:
+    """A performance target: "pass" at or above ``floor``, else "below target" (reported; not a failed check)."""
+    ok = value is not None and math.isfinite(value) and value >= floor
+    status = "pass" if ok else "below target" if value is not None else "fail"
+    return {"comparison": name, "status": status, "line": line, "tolerance": floor, "value": value, **numbers}
+
+
+def speed_ratio(name: str, candidate: dict | None, reference: dict | None, key: str, floor: float) -> dict:
+    """candidate / reference of a throughput ``key`` (higher is better), with the spread of their step times: the
+    ratio of the p90 step times beside the median's (one run each: no rounds to bootstrap here)."""
+    if not candidate or not reference or not candidate.get(key) or not reference.get(key):
+        return target(name, None, floor, f"a run is missing or has no {key}")
+    ratio = candidate[key] / reference[key]
+    p90 = reference.get("perf/step_time_p90_s"), candidate.get("perf/step_time_p90_s")
+    spread = p90[0] / p90[1] if all(p90) else None
+    line = f"{ratio:.3f}x {key} ({candidate[key]:.4g} vs {reference[key]:.4g}); p90 step times give {spread:.3f}x"
+    return target(name, ratio, floor, line + f" (target >= {floor}x)", p90_ratio=spread)
+
+
+def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None) -> list[dict]:
+    """The --perf plan's verdicts against ``TARGETS``: MFU, FSDP2 in one process, the fine-tune against its plain
+    loop, the LLM recipe against TRL (``vs_trl``: vs_trl.py's JSON, or None when it did not run)."""
+
+    def results(name: str) -> dict | None:
+        record = records.get(name, {})
+        return json.loads((output_dir / record["results_file"]).read_text()) if record.get("status") == "ok" else None
+
+    compiled, eager = results("lm-single-compile"), results("lm-single")
+    mfu = (compiled or {}).get("perf/mfu")
+    verdicts = []
+    if cuda:
+        line = f"MFU {mfu if mfu is None else f'{mfu:.1%}'} (350m, bf16, 8 x 1,024, --compile; eager: "
+        line += f"{(eager or {}).get('perf/mfu') or 0:.1%}); target >= {TARGETS['lm-mfu']:.0%}"
+        verdicts.append(target("LM MFU, one GPU", mfu, TARGETS["lm-mfu"], line))
+    else:
+        verdicts.append(skipped("LM MFU, one GPU", "MFU needs a GPU's peak FLOP/s"))
+    verdicts.append(speed_ratio("LM --compile / eager", compiled, eager, "perf/tokens_per_sec", 1.0))
+    verdicts.append(speed_ratio("LM FSDP2 in 1 process / single", results("lm-fsdp-1process-speed"), eager,
+                                "perf/tokens_per_sec", TARGETS["fsdp-1process"]))
+    verdicts.append(speed_ratio("fine-tune recommended flags / plain loop", results("finetune-recommended"),
+                                results("finetune-plain"), "perf/samples_per_sec", TARGETS["finetune-vs-plain"]))
+    if vs_trl is None:
+        verdicts.append(target("LLM recipe / TRL SFTTrainer", None, TARGETS["llm-vs-trl"], "vs_trl.py did not run"))
+    elif "error" in vs_trl:
+        verdicts.append(skipped("LLM recipe / TRL SFTTrainer", vs_trl["error"]))
+    else:
+        ratios = {row["key"]: row for row in vs_trl["summary"]}
+        speed, loss = ratios.get("perf/tokens_per_sec", {}), ratios.get("eval/loss", {})
+        ok_loss = loss.get("median") is not None and loss["median"] <= TARGETS["llm-vs-trl-loss"]
+        line = (f"{speed.get('median') or 0:.3f}x tokens/s [{speed.get('interval')}] at validation loss "
+                f"{loss.get('median') or 0:.4f}x TRL's (targets >= {TARGETS['llm-vs-trl']}x, loss <= "
+                f"{TARGETS['llm-vs-trl-loss']}x)")
+        row = target("LLM recipe / TRL SFTTrainer", speed.get("median"), TARGETS["llm-vs-trl"], line,
+                     interval=speed.get("interval"), loss_ratio=loss.get("median"))
+        if row["status"] == "pass" and not ok_loss:  # faster at a worse loss does not count
+            row["status"] = "below target"
+        verdicts.append(row)
+    return verdicts
+
+
+def run_vs_trl(output_dir: Path, tiny: bool, timeout: float) -> dict:
+    """benchmarks/vs_trl.py at its GPU preset (a 1B Llama shape, 2,048-token packed rows, bf16), 2 rounds A B A B of
+    20 steps; at its tests' tiny preset with --tiny. TRL is not on the GPU machine's image: carry it (bash
+    ../shared/device/bundle.sh trl==1.16.0)."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return {"error": "TRL is not installed here (bundle it: bash ../shared/device/bundle.sh trl==1.16.0)"}
+    out = output_dir / "vs_trl"
+    command = [sys.executable, str(REPO / "benchmarks" / "vs_trl.py"), "--output_dir", str(out), "--repeats", "2",
+               "--breakdown_repeats", "0", "--work_dir", str(output_dir / "work" / "vs_trl")]
+    command += ["--preset", "cpu-tiny", "--max_train_steps", "4", "--perf_warmup_steps", "1"] if tiny else [
+        "--preset", "gpu-1b", "--max_train_steps", "20"]
+    print("  " + " ".join(command).replace(str(REPO) + "/", ""), flush=True)
+    try:
+        done = subprocess.run(command, cwd=REPO, timeout=timeout, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return {"error": f"vs_trl.py ran past {timeout:.0f} s"}
+    (output_dir / "vs_trl.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0 or not (out / "vs_trl.json").is_file():
+        return {"error": f"vs_trl.py exited {done.returncode}: {(done.stderr or done.stdout)[-300:]}"}
+    return json.loads((out / "vs_trl.json").read_text())
+
+
 def qlora_verdicts(records: dict, output_dir: Path) -> list[dict]:
     names = ("QLoRA base is 4-bit", "QLoRA adapter reloads")
     record = records.get("llm-qlora-bf16", {})
@@ -755,6 +888,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gpus", type=int, default=None, help="Plan for this many GPUs (default: the ones nvidia-smi lists)."
     )
     parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="The performance plan instead (perf_checks and vs_trl.py, each alone): MFU, FSDP2 in 1 process, the "
+        "fine-tune against its plain loop, the LLM recipe against TRL; judged against TARGETS.",
+    )
+    parser.add_argument(
         "--tiny",
         action="store_true",
         help="The same launches at test sizes in fp32: a rehearsal of the script itself, also on a CPU-only machine.",
@@ -781,6 +920,8 @@ def estimated_minutes(plan: list[dict], jobs: int) -> float:
             total += max(max(minutes), 1.25 * sum(minutes) / jobs)
     if any(check["name"] == "llm-qlora-bf16" for check in plan):
         total += QLORA_VERIFY_MINUTES
+    if any(check["name"] == "lm-single-compile" for check in plan):  # the --perf plan: vs_trl.py after the launches
+        total += MINUTES["vs_trl"]
     return total + 0.2  # the probe and the planner's estimates
 
 
@@ -815,9 +956,10 @@ def main(argv=None) -> int:
     names = gpu_names()
     gpus = args.gpus if args.gpus is not None else max(1, len(names))
     label = re.sub(r"[^A-Za-z0-9]+", "-", names[0]).strip("-").lower() if names else "no-gpu"
-    output_dir = Path(args.output_dir or REPO / "benchmarks" / "results" / (label + ("-tiny" if args.tiny else "")))
+    suffix = ("-perf" if args.perf else "") + ("-tiny" if args.tiny else "")
+    output_dir = Path(args.output_dir or REPO / "benchmarks" / "results" / (label + suffix))
     output_dir = output_dir.resolve()
-    plan = checks(gpus, args.tiny, output_dir)
+    plan = perf_checks(args.tiny) if args.perf else checks(gpus, args.tiny, output_dir)
     if args.only:
         plan = select(plan, args.only)
     jobs = 1 if args.tiny else PARALLEL_JOBS  # the rehearsal runs on small shared machines: one launch at a time
@@ -834,7 +976,10 @@ def main(argv=None) -> int:
         "Comparisons (tolerances in benchmarks/gpu_check.py TOLERANCE): "
         + ", ".join(f"{k} {v}" for k, v in TOLERANCE.items())
     )
-    if gpus < 2:
+    if args.perf:
+        print("Then benchmarks/vs_trl.py --preset gpu-1b --repeats 2 --max_train_steps 20 (--tiny: cpu-tiny), about "
+              f"{MINUTES['vs_trl']:.0f} minutes. Targets: " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()))
+    elif gpus < 2:
         print("Two-process checks that cannot run on one GPU, and why:")
         for what, why in TWO_PROCESS_ON_ONE_GPU.items():
             print(f"  {what}: {why}")
@@ -877,10 +1022,13 @@ def main(argv=None) -> int:
             f"tokens/s {record.get('perf/tokens_per_sec') or 0:>10.0f}"
             f"{alone}  {mfu}  peak {record.get('memory/peak_gib')}"
         )
-    verdicts = judge(plan, records, output_dir, cuda)
-    if not args.only or any(word in "qlora-split" for word in args.only):
+    verdicts = judge(plan, records, output_dir, cuda)  # (in the --perf plan: the planner against each LM peak)
+    if args.perf:
+        vs_trl = run_vs_trl(output_dir, args.tiny, timeout=2 * timeout) if not args.only else None
+        verdicts += judge_perf(records, output_dir, cuda, vs_trl)
+    elif not args.only or any(word in "qlora-split" for word in args.only):
         verdicts.append(qlora_split_verdict(output_dir, cuda))
-    if gpus < 2:
+    if gpus < 2 and not args.perf:
         probe = two_rank_probe("cuda:0" if cuda else "cpu")
         broken = "error" in probe
         line = "; ".join(f"{op} {probe.get(op)}" for op in PROBE_COLLECTIVES) if not broken else probe["error"]

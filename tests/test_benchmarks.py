@@ -225,6 +225,64 @@ def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
     assert "cannot run on one GPU" not in two.stdout
 
 
+def test_gpu_check_perf_plan_measures_the_performance_targets():
+    """--perf plans the performance issue's runs, each alone, in one device call (under 9 minutes): the LM eager and
+    with --compile, FSDP2 in one process at the same shape, the fine-tune's plain padded loop and its recommended flags
+    in the same precision, then vs_trl.py at the GPU preset."""
+    perf = cli("gpu_check.py", "--perf", "--dry_run", "--gpus", "1", timeout=120)
+    assert perf.returncode == 0, perf.stdout + perf.stderr
+    assert float(perf.stdout.split("launches, about ")[1].split(" minutes")[0]) < 9
+    launches = {line.split()[0]: line for line in perf.stdout.splitlines() if " min  [alone]" in line}
+    assert list(launches) == [
+        "lm-single",
+        "lm-single-compile",
+        "lm-fsdp-1process-speed",
+        "finetune-plain",
+        "finetune-recommended",
+    ]
+    assert "--compile" in launches["lm-single-compile"] and "--compile" not in launches["lm-single"]
+    shape = launches["lm-single"].split("train_lm.py")[1].split("--output_dir")[0]
+    assert shape.replace("--parallelism single", "--parallelism fsdp") in launches["lm-fsdp-1process-speed"]
+    assert "fsdp_2gpu.yaml --num_processes 1" in launches["lm-fsdp-1process-speed"]
+    assert "--pad_to_max_length" in launches["finetune-plain"]
+    assert "--group_by_length" not in launches["finetune-plain"]
+    assert "--group_by_length" in launches["finetune-recommended"]
+    assert all("--mixed_precision bf16" in line for line in launches.values())
+    assert "vs_trl.py --preset gpu-1b" in perf.stdout
+
+
+def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
+    """The --perf verdicts on fabricated runs: a target met passes, one missed says "below target" with its numbers
+    (a finding, not a failed check), a missing run fails; the LLM recipe must also match TRL's validation loss."""
+    import gpu_check
+
+    runs = {
+        "lm-single": {"perf/tokens_per_sec": 1000.0, "perf/mfu": 0.30, "perf/step_time_p90_s": 1.1},
+        "lm-single-compile": {"perf/tokens_per_sec": 1500.0, "perf/mfu": 0.46, "perf/step_time_p90_s": 0.7},
+        "lm-fsdp-1process-speed": {"perf/tokens_per_sec": 900.0, "perf/step_time_p90_s": 1.2},
+        "finetune-recommended": {"perf/samples_per_sec": 140.0, "perf/step_time_p90_s": 0.2},
+    }
+    records = {name: fabricated_run(tmp_path, name, **results) for name, results in runs.items()}
+    vs_trl = {"summary": [{"key": "perf/tokens_per_sec", "median": 1.4, "interval": [1.3, 1.5]},
+                          {"key": "eval/loss", "median": 1.05}]}
+    verdicts = {row["comparison"]: row for row in gpu_check.judge_perf(records, tmp_path, True, vs_trl)}
+    status = {name: row["status"] for name, row in verdicts.items()}
+    assert status == {
+        "LM MFU, one GPU": "pass",
+        "LM --compile / eager": "pass",
+        "LM FSDP2 in 1 process / single": "below target",
+        "fine-tune recommended flags / plain loop": "fail",  # the plain run is missing
+        "LLM recipe / TRL SFTTrainer": "below target",  # 1.4x faster, but at 1.05x TRL's validation loss
+    }
+    assert "46.0%" in verdicts["LM MFU, one GPU"]["line"]
+    assert "0.900x" in verdicts["LM FSDP2 in 1 process / single"]["line"]
+    assert "1.0500x TRL's" in verdicts["LLM recipe / TRL SFTTrainer"]["line"]
+    vs_trl["summary"][1]["median"] = 1.0
+    assert gpu_check.judge_perf(records, tmp_path, True, vs_trl)[-1]["status"] == "pass"
+    skipped = gpu_check.judge_perf(records, tmp_path, True, {"error": "TRL is not installed here"})[-1]
+    assert skipped["status"] == "skipped" and "TRL" in skipped["line"]
+
+
 def test_gpu_check_only_pulls_in_the_references_its_comparisons_need():
     import gpu_check
 
