@@ -282,10 +282,10 @@ def clocked_recipe(argv: list[str]) -> None:
     steps, last = [], [time.process_time()]
     measure = results.ThroughputMeter.step
 
-    def step(self, samples: int, tokens: int = 0, answer_tokens: int = 0) -> None:
-        measure(self, samples, tokens, answer_tokens)
-        now = time.process_time()
-        steps.append({"cpu_s": now - last[0], "samples": samples, "tokens": tokens})
+    def step(self, samples: int, tokens=0, answer_tokens=0, **kwargs) -> None:
+        measure(self, samples, tokens, answer_tokens, **kwargs)
+        now = time.process_time()  # (a CPU run: reading the token count here waits for nothing)
+        steps.append({"cpu_s": now - last[0], "samples": samples, "tokens": int(tokens)})
         last[0] = now
 
     results.ThroughputMeter.step = step
@@ -375,7 +375,7 @@ def trl_worker(args) -> None:
         weight_decay=s["weight_decay"],
         adam_epsilon=s["adam_epsilon"],
         max_grad_norm=s["max_grad_norm"],
-        optim="adamw_torch",  # the recipe's torch.optim.AdamW (TRL's default is the fused variant)
+        optim="adamw_torch_fused",  # the recipe's torch.optim.AdamW(fused=True), and TRL's default
         gradient_checkpointing=s["gradient_checkpointing"],  # TRL's default is True, the recipe's False
         bf16=bf16,
         fp16=False,
@@ -505,16 +505,13 @@ def trl_worker(args) -> None:
 def check_labels(trainer, tokenizer, raw: dict, s: dict) -> dict:
     """Whether TRL's tokens and labels equal the recipe's ``tokenize_sample`` for every sample (the validation set
     always; the training set when it is not packed, since packing regroups it)."""
-    import importlib.util
+    from shared.sft_data import tokenize_sample  # what the recipe tokenizes with
 
-    spec = importlib.util.spec_from_file_location("llm_finetune", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
     checked, differing = 0, []
     pairs = [("validation", trainer.eval_dataset)] + ([] if s["packing"] else [("train", trainer.train_dataset)])
     for split, prepared in pairs:
         for index, (row, ours) in enumerate(zip(raw[split], prepared)):
-            theirs = recipe.tokenize_sample(row, "messages", tokenizer, s["max_length"])
+            theirs = tokenize_sample(row, "messages", tokenizer, s["max_length"])
             checked += 1
             if theirs["input_ids"] != ours["input_ids"] or theirs["labels"] != ours["labels"]:
                 differing.append(f"{split}[{index}]")
@@ -556,6 +553,8 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
     from trl.trainer.utils import add_fused_lm_head
 
+    from shared.sft_data import tokenize_sample  # what the recipe tokenizes with
+
     spec = importlib.util.spec_from_file_location("llm_finetune", RECIPE)
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
@@ -576,7 +575,7 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
         first = step * size * micro
         groups = [
             [
-                recipe.tokenize_sample(rows[i], "messages", tokenizer, settings["max_length"])
+                tokenize_sample(rows[i], "messages", tokenizer, settings["max_length"])
                 for i in order[j : j + size]
             ]
             for j in range(first, first + size * micro, size)
