@@ -106,6 +106,9 @@ TOLERANCE = {
     # 125m base with the dequantized weights in fp32; bitsandbytes' CPU 4-bit kernel computes at about bf16 precision
     # and brings it to 0.35-0.44 there. An adapter that did not load (delta 0) gives 1.0, another adapter more.
     "adapter-reload": 0.6,
+    # --compile against eager, same run otherwise: inductor fuses ops and rounds each fused kernel once (in bf16 here),
+    # which moves the loss by ~1e-3 over 30 steps; a compiled graph that computes something else moves it by far more.
+    "compile": dict(rtol=0.02, atol=0.01),
     # The planner's estimate of a peak against the measured one (the issue's bar).
     "planner": 0.15,
     # The toy fits y = w.x + b from noisy samples; its test asserts 0.1.
@@ -778,7 +781,8 @@ def speed_ratio(name: str, candidate: dict | None, reference: dict | None, key: 
     ratio = candidate[key] / reference[key]
     p90 = reference.get("perf/step_time_p90_s"), candidate.get("perf/step_time_p90_s")
     spread = p90[0] / p90[1] if all(p90) else None
-    line = f"{ratio:.3f}x {key} ({candidate[key]:.4g} vs {reference[key]:.4g}); p90 step times give {spread:.3f}x"
+    line = f"{ratio:.3f}x {key} ({candidate[key]:.4g} vs {reference[key]:.4g})"
+    line += f"; p90 step times give {spread:.3f}x" if spread else ""
     return target(name, ratio, floor, line + f" (target >= {floor}x)", p90_ratio=spread)
 
 
@@ -800,6 +804,9 @@ def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None)
     else:
         verdicts.append(skipped("LM MFU, one GPU", "MFU needs a GPU's peak FLOP/s"))
     verdicts.append(speed_ratio("LM --compile / eager", compiled, eager, "perf/tokens_per_sec", 1.0))
+    if compiled and eager:  # the same training: inductor's fused kernels round differently, nothing more
+        verdicts.append(compare_curves("LM --compile = eager", compiled.get("train/loss_curve"),
+                                       eager.get("train/loss_curve"), **TOLERANCE["compile"]))
     verdicts.append(speed_ratio("LM FSDP2 in 1 process / single", results("lm-fsdp-1process-speed"), eager,
                                 "perf/tokens_per_sec", TARGETS["fsdp-1process"]))
     verdicts.append(speed_ratio("fine-tune recommended flags / plain loop", results("finetune-recommended"),

@@ -257,8 +257,10 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     import gpu_check
 
     runs = {
-        "lm-single": {"perf/tokens_per_sec": 1000.0, "perf/mfu": 0.30, "perf/step_time_p90_s": 1.1},
-        "lm-single-compile": {"perf/tokens_per_sec": 1500.0, "perf/mfu": 0.46, "perf/step_time_p90_s": 0.7},
+        "lm-single": {"perf/tokens_per_sec": 1000.0, "perf/mfu": 0.30, "perf/step_time_p90_s": 1.1,
+                      "train/loss_curve": [7.0, 6.51]},
+        "lm-single-compile": {"perf/tokens_per_sec": 1500.0, "perf/mfu": 0.46, "perf/step_time_p90_s": 0.7,
+                              "train/loss_curve": [7.0, 6.5]},
         "lm-fsdp-1process-speed": {"perf/tokens_per_sec": 900.0, "perf/step_time_p90_s": 1.2},
         "finetune-recommended": {"perf/samples_per_sec": 140.0, "perf/step_time_p90_s": 0.2},
     }
@@ -270,6 +272,7 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     assert status == {
         "LM MFU, one GPU": "pass",
         "LM --compile / eager": "pass",
+        "LM --compile = eager": "pass",
         "LM FSDP2 in 1 process / single": "below target",
         "fine-tune recommended flags / plain loop": "fail",  # the plain run is missing
         "LLM recipe / TRL SFTTrainer": "below target",  # 1.4x faster, but at 1.05x TRL's validation loss
@@ -277,6 +280,10 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     assert "46.0%" in verdicts["LM MFU, one GPU"]["line"]
     assert "0.900x" in verdicts["LM FSDP2 in 1 process / single"]["line"]
     assert "1.0500x TRL's" in verdicts["LLM recipe / TRL SFTTrainer"]["line"]
+    (tmp_path / "work" / "lm-single-compile" / "results.json").write_text(
+        json.dumps({"perf/tokens_per_sec": 1500.0, "train/loss_curve": [7.0, 5.0]}))  # a compile that trains otherwise
+    rows = {row["comparison"]: row for row in gpu_check.judge_perf(records, tmp_path, True, vs_trl)}
+    assert rows["LM --compile = eager"]["status"] == "fail" and "5 vs 6.51" in rows["LM --compile = eager"]["line"]
     vs_trl["summary"][1]["median"] = 1.0
     assert gpu_check.judge_perf(records, tmp_path, True, vs_trl)[-1]["status"] == "pass"
     skipped = gpu_check.judge_perf(records, tmp_path, True, {"error": "TRL is not installed here"})[-1]
