@@ -225,13 +225,21 @@ def tokenize_datasets(accelerator, raw_datasets: datasets.DatasetDict, fmt: str,
 
 
 def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> dict:
-    """A batch, with ``num_tokens``: the real (not padding) tokens of each sample. Right-padded (input ids with the pad
-    token, labels with -100) with an attention mask; or with ``packing`` one row without padding, transformers'
-    ``DataCollatorWithFlattening``: position ids restart at 0 with every sample, from which transformers builds a
-    block-diagonal causal mask (each sample attends only to itself: the same losses as the padded batch of the same
-    samples; its -100 on each sample's first label is already there, see ``tokenize_sample``). It replaced a
-    first-fit packing of the whole data set into rows of ``max_length``, which changed how many samples a step holds.
-    The price: attention without flash attention's packed kernels computes the whole row's mask, not each sample's."""
+    """A batch, with ``num_tokens``: the real (not padding) tokens of each sample. Right-padded: input ids with the pad
+    token, labels with -100, and no attention mask. A causal model's real tokens attend only to earlier positions,
+    and the padding is after them, so a mask would change nothing they compute (the padding's own outputs are never
+    scored). Without one, transformers gives SDPA ``is_causal`` (its fastest kernels, no mask tensor) and skips its
+    check that the mask holds no padding, which reads the mask back from the GPU: a sync point in every forward.
+    (The position ids count from 0 in every row either way.) The test of ``token_losses`` compares with the masked
+    loss.
+
+    With ``packing``: one row without padding, transformers' ``DataCollatorWithFlattening``: position ids restart at 0
+    with every sample, from which transformers builds a block-diagonal causal mask (each sample attends only to
+    itself: the same losses as the padded batch of the same samples; its -100 on each sample's first label is already
+    there, see ``tokenize_sample``). It replaced a first-fit packing of the whole data set into rows of
+    ``max_length``, which changed how many samples a step holds. The price: attention without flash attention's packed
+    kernels computes the whole row's mask, not each sample's, and transformers finds the samples' bounds in the
+    position ids with one read from the device per forward."""
     if packing:
         batch = DataCollatorWithFlattening()(samples, return_tensors="pt")
         batch = {**batch, "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
@@ -239,13 +247,11 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     length = max(len(sample["input_ids"]) for sample in samples)
     batch = {"input_ids": torch.full((len(samples), length), pad_token_id),
              "labels": torch.full((len(samples), length), -100),
-             "attention_mask": torch.zeros((len(samples), length), dtype=torch.long),
              "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
     for row, sample in enumerate(samples):
         size = len(sample["input_ids"])
         batch["input_ids"][row, :size] = torch.tensor(sample["input_ids"])
         batch["labels"][row, :size] = torch.tensor(sample["labels"])
-        batch["attention_mask"][row, :size] = 1
     return {**batch, **scored_positions(batch["labels"])}
 
 

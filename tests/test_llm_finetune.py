@@ -661,9 +661,10 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
 
 def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     """token_losses computes logits only at the answer positions (logits_to_keep) and the fp32 cross-entropy a chunk at
-    a time (checkpointed): the same losses and gradients as full logits then one cross-entropy, in a padded batch
-    whose rows hold different numbers of answer tokens, in chunks smaller than the batch, on the device_map path too.
-    And it saves less for backward: autograd keeps no fp32 logits or softmax of the whole batch."""
+    a time (checkpointed), on right-padded rows without an attention mask: the same losses and gradients as full
+    logits of the masked batch then one cross-entropy, in a batch whose rows hold different numbers of answer tokens
+    and of padding, in chunks smaller than the batch, on the device_map path too. And it saves less for backward:
+    autograd keeps no fp32 logits or softmax of the whole batch."""
     from transformers import AutoModelForCausalLM
 
     from shared.sft_data import collate, tokenize_sample
@@ -683,9 +684,10 @@ def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     answers = (batch["labels"][:, 1:] != -100).sum(dim=1)
     assert len(set(answers.tolist())) == 3  # rows with different counts: the fillers are exercised
 
-    def plain():
-        inputs = {key: batch[key] for key in ("input_ids", "attention_mask")}
-        logits = model(**inputs, use_cache=False).logits[:, :-1].float()
+    def plain():  # with the attention mask over the padding, which the recipe's batches leave out
+        mask = torch.arange(batch["input_ids"].shape[1]) < batch["num_tokens"][:, None]
+        logits = model(input_ids=batch["input_ids"], attention_mask=mask.long(), use_cache=False).logits
+        logits = logits[:, :-1].float()
         losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:], reduction="none")
         return losses.sum(), losses.sum(dim=1)
 

@@ -1,0 +1,127 @@
+"""Profile a recipe's training steps: where a step's time goes (``torch.profiler``), and where it waits for the device.
+
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml benchmarks/profile_step.py \\
+        recipes/llm_finetune.py --max_train_steps 13 --perf_warmup_steps 2 --output_dir outputs/profiled
+    python benchmarks/profile_step.py --summarize outputs/profiled     # the summary again, from the saved files
+
+Runs the recipe unchanged, with its own command line (through runpy, as ``stage_timers.py`` does), and profiles the
+``PROFILED_STEPS`` optimizer steps after its ``--perf_warmup_steps``: ``RunRecord.step``, which every recipe calls
+once per optimizer step, marks them. Each process writes to the recipe's output folder:
+
+- ``profile_rank{R}.txt``: the operators by their own CPU time (and CUDA time on a GPU), over the profiled steps;
+- ``profile_rank{R}.json``: per step, the host reads of a tensor's value (``aten::_local_scalar_dense``: ``.item()``,
+  ``float(t)``, ``int(t)``, ``bool(t)``, ``.tolist()``) and the operators whose output size depends on the data
+  (``nonzero``, boolean-mask indexing), each with the Python lines that asked for it. On a GPU each is a sync point,
+  where the host waits for the device to finish everything queued, unless the tensor lives on the host: reads inside
+  the data loader (collating, before the copy to the device) are counted apart (``host_reads``), and reads that
+  C++ makes internally (the fused AdamW's step counters on a CPU) are not seen.
+
+On a CPU every op runs on the host, so a read costs nothing here; the counts say what a GPU would wait for.
+"""
+
+import collections
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+PROFILED_STEPS = 10  # RunRecord reads the losses every 10 steps: one whole window
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2")  # aten op names
+
+
+class SyncReads(TorchDispatchMode):
+    """Records every sync-point operator with the Python lines that called it (outside torch), per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[collections.Counter] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.steps and func.__name__.split(".")[0] in SYNC_OPS:
+            frames = [frame for frame in traceback.extract_stack()[:-1] if "/torch/" not in frame.filename
+                      or "/torch/utils/data/" in frame.filename]
+            innermost = frames[::-1][:3]
+            where = " <- ".join(f"{Path(frame.filename).name}:{frame.lineno} {frame.name}" for frame in innermost)
+            if any("/torch/utils/data/" in frame.filename for frame in frames):
+                where = "host (data loader): " + where
+            self.steps[-1][where] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def summarize(steps: list[collections.Counter], step_times: list[float], averages) -> dict:
+    device = [sum(n for where, n in step.items() if not where.startswith("host")) for step in steps]
+    sources = collections.Counter()
+    for step in steps:
+        sources.update(step)
+    total = sum(event.self_cpu_time_total for event in averages) or 1.0
+    top = sorted(averages, key=lambda event: event.self_cpu_time_total, reverse=True)[:12]
+    return {
+        "profiled_steps": len(steps),
+        "step_time_s": step_times,
+        "device_reads_each_step": device,
+        "steps_with_a_device_read": sum(1 for count in device if count),
+        "host_reads_each_step": [sum(n for where, n in step.items() if where.startswith("host")) for step in steps],
+        "reads_by_source": dict(sources.most_common(15)),
+        "top_ops_self_cpu_share": {event.key: round(event.self_cpu_time_total / total, 4) for event in top},
+    }
+
+
+def profiled_recipe(argv: list[str]) -> None:
+    sys.path.insert(0, str(REPO))
+    from shared import results
+
+    out = Path(argv[argv.index("--output_dir") + 1]) if "--output_dir" in argv else Path(".")
+    warmup = int(argv[argv.index("--perf_warmup_steps") + 1]) if "--perf_warmup_steps" in argv else 2
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    # Steps 1..warmup run unprofiled (start-up, first-call costs); the next PROFILED_STEPS are recorded.
+    prof = profile(activities=activities, schedule=schedule(wait=warmup, warmup=0, active=PROFILED_STEPS, repeat=1))
+    reads, step_times, last = SyncReads(), [], [time.perf_counter()]
+    original = results.RunRecord.step
+
+    def step(self, completed_steps, *args, **kwargs):
+        original(self, completed_steps, *args, **kwargs)  # (inside the step it marks: its reads count)
+        now = time.perf_counter()
+        if warmup < completed_steps <= warmup + PROFILED_STEPS:
+            step_times.append(round(now - last[0], 6))
+        last[0] = now
+        prof.step()  # one optimizer step ends here
+        if completed_steps == warmup:
+            reads.__enter__()
+        if warmup <= completed_steps < warmup + PROFILED_STEPS:
+            reads.steps.append(collections.Counter())
+        elif completed_steps == warmup + PROFILED_STEPS:
+            reads.__exit__(None, None, None)
+
+    results.RunRecord.step = step
+    sys.argv = argv
+    prof.start()
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        prof.stop()
+    rank = os.environ.get("RANK", "0")
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    (out / f"profile_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
+    summary = summarize(reads.steps, step_times, prof.key_averages())
+    (out / f"profile_rank{rank}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if rank == "0":
+        print(f"profile: {summary['steps_with_a_device_read']} of {summary['profiled_steps']} optimizer steps read "
+              f"a device value (reads per step {summary['device_reads_each_step']}); see {out}/profile_rank{rank}.*")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--summarize":
+        for path in sorted(Path(sys.argv[2]).glob("profile_rank*.json")):
+            print(path.name, json.dumps(json.loads(path.read_text()), indent=2))
+    elif len(sys.argv) < 2 or not sys.argv[1].endswith(".py"):
+        sys.exit(__doc__)
+    else:
+        profiled_recipe(sys.argv[1:])
