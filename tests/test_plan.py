@@ -192,7 +192,7 @@ def test_bf16_is_counted_as_torch_and_accelerate_keep_it():
     for setups in (bf16, fp32):
         device = setups["single"]["devices"][0]
         assert (device["parameters"], device["gradients"], device["optimizer"]) == (4 * n, 4 * n, 8 * n)
-        assert device["optimizer_step"] == 4 * n  # foreach AdamW's sqrt(v) temporary, while the gradients exist
+        assert device["optimizer_step"] == 0  # the recipes' fused AdamW updates in place: no temporary
     matmul = shape.num_layers * shape.block_linear_params + shape.lm_head_params
     tokens, h, f = 4 * 1024, shape.hidden_size, shape.intermediate_size
 
@@ -523,7 +523,7 @@ def test_accelerate_estimate_memory_formula_side_by_side():
     shape = preset_shape("7b")
     single = plan(shape, **TABLE, mixed_precision="bf16")["setups"]["single"]["devices"][0]
     assert single["model_state"] == 16 * shape.num_parameters  # the LM head included: 131M parameters more
-    assert single["total_checkpointed"] > 16 * shape.num_parameters * 1.2  # + AdamW's temporary, activations
+    assert single["total_checkpointed"] > 16 * shape.num_parameters * 1.1  # + activations, the LM head's logits
 
 
 # ------------------------------------------------------------------------------- input

@@ -37,11 +37,10 @@ def device_estimate(label, kind, state, compute, shape, request, p, buckets=Fals
     terms["activations_checkpointed"] = activations["term_checkpointed"]
     temporaries = _temporaries(kind, shape, request, p, compute)
     terms["temporaries"] = temporaries["term"]
-    step = 0 if kind == "offload" else trained * p["adam"] / 2  # foreach AdamW: one more state-sized tensor
-    terms["optimizer_step"] = (
-        step,
-        f"foreach AdamW's temporary {millions(trained)} x {p['adam'] // 2} B = {gib(step)}",
-    )
+    # The recipes' AdamW is fused (fused=True): it updates weights and state in place, one kernel per device, and
+    # allocates no state-sized temporary (the foreach one allocated one more copy of the state, 4 B per weight).
+    step = 0
+    terms["optimizer_step"] = (step, "fused AdamW: updates in place, no temporary = 0.00 GiB")
     terms["overhead"] = (request["overhead"], f"CUDA context, NCCL, fragmentation = {gib(request['overhead'])}")
     return _bill(label, kind, state, compute, p, terms, _moments(activations, temporaries, step))
 
