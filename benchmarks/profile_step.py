@@ -111,6 +111,10 @@ def profiled_recipe(argv: list[str]) -> None:
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     (out / f"profile_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
     summary = summarize(reads.steps, step_times, prof.key_averages())
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from run import library_versions, machine_info  # (CPU model and flags, GPUs, versions: as every record)
+
+    summary |= {"command": argv, "machine": machine_info(), "versions": library_versions()}
     (out / f"profile_rank{rank}.json").write_text(json.dumps(summary, indent=2) + "\n")
     if rank == "0":
         print(f"profile: {summary['steps_with_a_device_read']} of {summary['profiled_steps']} optimizer steps read "

@@ -20,8 +20,14 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
     """Make FSDP shard ``model`` one block at a time: the class of the ``block_list`` ModuleList's blocks, found at run
     time, so one config serves every model (None when not under FSDP or the config names its own). Not the default
     (every ``_no_split_modules`` class): for BERT-like models that holds the embeddings too, which Accelerate then
-    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``."""
+    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``.
+
+    In one process (FSDP2's code path on one GPU) it also keeps each gathered block from its forward to its backward
+    (``reshard_after_forward=False``, as ZeRO-2 does): with a single shard, resharding frees only the gathered copy,
+    and costs a second all-gather of every block in backward."""
     plugin = accelerator.state.fsdp_plugin
+    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
+        plugin.reshard_after_forward = False
     if accelerator.distributed_type != DistributedType.FSDP or plugin.transformer_cls_names_to_wrap:
         return None
     block_class = type(model.get_submodule(block_list)[0]).__name__
