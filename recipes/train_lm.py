@@ -283,9 +283,9 @@ def main():
             skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
             active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
             for batch in record.timed(active_dataloader):  # timed: measures the wait for each batch
-                # accumulate(): a step every gradient_accumulation_steps batches or at the loader's end; no sync before
+                # accumulate(): a step per N batches. use_cache=False: no KV cache (memory; --compile: graph per layer)
                 with accelerator.accumulate(model):
-                    loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+                    loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
                     step_loss += loss.detach().float() / args.gradient_accumulation_steps
                     accelerator.backward(loss)  # divides by gradient_accumulation_steps
                     if accelerator.sync_gradients:

@@ -31,7 +31,7 @@ def evaluate_lm(accelerator, model, eval_dataloader) -> dict:
     for batch in eval_dataloader:
         input_ids = batch["input_ids"]
         with torch.no_grad():
-            logits = model(input_ids=input_ids).logits
+            logits = model(input_ids=input_ids, use_cache=False).logits  # no KV cache: nothing generates here
         # Same loss as the model's own (shifted, float32), kept per block so blocks can be counted.
         per_block = torch.nn.functional.cross_entropy(
             logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:].to(logits.device), reduction="none").sum(dim=1)

@@ -152,6 +152,16 @@ class ThroughputMeter:
         return summary
 
 
+def compiled_modules(model) -> int:
+    """How many modules of ``model`` run compiled: ``torch.compile`` wrappers (Accelerate's regional compilation wraps
+    each decoder block, the whole-model one the model) and modules compiled in place (``module.compile()``, its
+    regional compilation under FSDP2). 0 without ``--compile``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return sum(isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+               for module in model.modules())
+
+
 def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict,
                   filename: str = "results.json") -> Path:
     """Write ``output_dir/results.json`` (or ``filename``) from the main process, atomically (tmp file + rename):
@@ -292,6 +302,7 @@ class RunRecord:
             "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
             # The execution device of the AlignDevicesHook on every planned module: the split really is hooked.
             "device_map/hooks": execution_devices(base, device_map) if device_map else None,
+            "compile/compiled_modules": compiled_modules(model),
         }
         results = {**facts, **perf, **self.results, "config": self.config}
         if accelerator.trackers:

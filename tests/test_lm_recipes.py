@@ -94,6 +94,9 @@ def runs(tmp_path_factory):
             "--checkpointing_steps",
             "2",
         ),
+        # --compile: Accelerate's regional compilation (inductor). No evaluation or sample: their other shapes would
+        # compile again, and the curve is what this run is compared on.
+        "compile": ("single_gpu.yaml", TRAIN, "--compile", "--skip_eval", "--sample_tokens", "0"),
         # --eval_before_training: evaluation, then training, through the zbv schedules (see zbv_eval_schedule).
         "zbv": (
             "pipeline_2gpu.yaml",
@@ -183,6 +186,17 @@ def test_several_stages_per_process_are_laid_out_as_the_schedule_needs(runs):
         assert sum(results["pipeline/process_cost_share"]) == pytest.approx(1.0), schedule
     for schedule in ("gpipe", "1f1b"):
         assert runs[schedule]["results"]["pipeline/stages_of_processes"] == [[0], [1]], schedule
+
+
+def test_compile_compiles_each_block_and_trains_like_eager(runs):
+    """--compile (regional: each decoder block wrapped by torch.compile, the first block's graph reused by the others)
+    trains the same model: the loss curve of the eager run within fp32 rounding of inductor's fused kernels. Without
+    it (or with the flag ignored) no module runs compiled; with a KV cache in the step each block would compile its
+    own graph and past 8 fall back to eager (hence use_cache=False in the recipe's forward)."""
+    compiled, eager = runs["compile"]["results"], runs["single"]["results"]
+    assert compiled["compile/compiled_modules"] >= 4 and eager["compile/compiled_modules"] == 0  # the tiny's 4 blocks
+    assert relative_difference(compiled["train/loss_curve"], eager["train/loss_curve"]) < 1e-5
+    assert "recompile_limit" not in runs["compile"]["log"]
 
 
 def test_ddp_trains_like_one_process_with_the_same_global_batch(runs):
