@@ -13,6 +13,7 @@ One metric vocabulary everywhere (logs, trackers, results.json, benchmarks): ``p
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import platform
 import resource
@@ -238,7 +239,10 @@ class RunRecord:
         """After each optimizer step: its global loss, and the samples/tokens of the whole global batch. The loss and
         the token counts may be tensors still on the device: they are read (a sync point) every ``sync_every`` steps,
         at the last step, and when the recipe reads ``loss_curve`` (to log it), not in every step."""
-        self._unread.append(loss)
+        if isinstance(loss, numbers.Number) and not self._unread:  # read by the recipe already (its sync is done)
+            self._curve.append(float(loss))
+        else:  # a tensor, perhaps still on the device
+            self._unread.append(loss)
         last = self.max_train_steps is not None and completed_steps >= self.max_train_steps
         self.meter.step(samples, tokens, answer_tokens, sync=False)
         if last or len(self._unread) >= self.sync_every:

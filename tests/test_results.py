@@ -59,7 +59,11 @@ def test_losses_are_read_in_windows_not_in_every_step(record):
 
 
 def test_plain_floats_still_work(record):
+    """A recipe that reads its loss itself (linear_toy: .item()) passes a number: it is in the curve at once, also in
+    the list the recipe took from ``record.loss_curve`` before the loop (it prints its last entry every step)."""
+    curve = record.loss_curve
     for step in range(1, 26):
         record.step(step, 1.0 / step, samples=2, tokens=20)
+        assert curve[-1] == 1.0 / step and len(curve) == step
     assert record.loss_curve == pytest.approx([1.0 / step for step in range(1, 26)])
     assert record.meter.tokens == 23 * 20
