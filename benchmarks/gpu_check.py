@@ -775,24 +775,30 @@ def target(name: str, value: float | None, floor: float, line: str, **numbers) -
 
 def speed_ratio(name: str, candidate: dict | None, reference: dict | None, key: str, floor: float) -> dict:
     """candidate / reference of a throughput ``key`` (higher is better), with the spread of their step times: the
-    ratio of the p90 step times beside the median's (one run each: no rounds to bootstrap here)."""
+    ratio of the p90 step times (of RunRecord's windows of 10 steps) beside the median's (one run each: no rounds to
+    bootstrap here)."""
     if not candidate or not reference or not candidate.get(key) or not reference.get(key):
         return target(name, None, floor, f"a run is missing or has no {key}")
     ratio = candidate[key] / reference[key]
     p90 = reference.get("perf/step_time_p90_s"), candidate.get("perf/step_time_p90_s")
     spread = p90[0] / p90[1] if all(p90) else None
     line = f"{ratio:.3f}x {key} ({candidate[key]:.4g} vs {reference[key]:.4g})"
-    line += f"; p90 step times give {spread:.3f}x" if spread else ""
+    line += f"; the p90 of the step-time windows gives {spread:.3f}x" if spread else ""
     return target(name, ratio, floor, line + f" (target >= {floor}x)", p90_ratio=spread)
 
 
 def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None) -> list[dict]:
     """The --perf plan's verdicts against ``TARGETS``: MFU, FSDP2 in one process, the fine-tune against its plain
-    loop, the LLM recipe against TRL (``vs_trl``: vs_trl.py's JSON, or None when it did not run)."""
+    loop, the LLM recipe against TRL (``vs_trl``: vs_trl.py's JSON, ``{"error": ...}``, or None when it was left out).
+    A comparison whose runs ``--only`` left out is skipped, not failed."""
 
     def results(name: str) -> dict | None:
         record = records.get(name, {})
         return json.loads((output_dir / record["results_file"]).read_text()) if record.get("status") == "ok" else None
+
+    def planned(row: dict, *runs: str) -> dict:
+        missing = [run for run in runs if run not in records]
+        return skipped(row["comparison"], f"not in this plan (--only): {', '.join(missing)}") if missing else row
 
     compiled, eager = results("lm-single-compile"), results("lm-single")
     mfu = (compiled or {}).get("perf/mfu")
@@ -800,19 +806,22 @@ def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None)
     if cuda:
         line = f"MFU {mfu if mfu is None else f'{mfu:.1%}'} (350m, bf16, 8 x 1,024, --compile; eager: "
         line += f"{(eager or {}).get('perf/mfu') or 0:.1%}); target >= {TARGETS['lm-mfu']:.0%}"
-        verdicts.append(target("LM MFU, one GPU", mfu, TARGETS["lm-mfu"], line))
+        verdicts.append(planned(target("LM MFU, one GPU", mfu, TARGETS["lm-mfu"], line), "lm-single-compile"))
     else:
         verdicts.append(skipped("LM MFU, one GPU", "MFU needs a GPU's peak FLOP/s"))
-    verdicts.append(speed_ratio("LM --compile / eager", compiled, eager, "perf/tokens_per_sec", 1.0))
+    pair = ("lm-single-compile", "lm-single")
+    verdicts.append(planned(speed_ratio("LM --compile / eager", compiled, eager, "perf/tokens_per_sec", 1.0), *pair))
     if compiled and eager:  # the same training: inductor's fused kernels round differently, nothing more
         verdicts.append(compare_curves("LM --compile = eager", compiled.get("train/loss_curve"),
                                        eager.get("train/loss_curve"), **TOLERANCE["compile"]))
-    verdicts.append(speed_ratio("LM FSDP2 in 1 process / single", results("lm-fsdp-1process-speed"), eager,
-                                "perf/tokens_per_sec", TARGETS["fsdp-1process"]))
-    verdicts.append(speed_ratio("fine-tune recommended flags / plain loop", results("finetune-recommended"),
-                                results("finetune-plain"), "perf/samples_per_sec", TARGETS["finetune-vs-plain"]))
+    fsdp = speed_ratio("LM FSDP2 in 1 process / single", results("lm-fsdp-1process-speed"), eager,
+                       "perf/tokens_per_sec", TARGETS["fsdp-1process"])
+    verdicts.append(planned(fsdp, "lm-fsdp-1process-speed", "lm-single"))
+    finetune = speed_ratio("fine-tune recommended flags / plain loop", results("finetune-recommended"),
+                           results("finetune-plain"), "perf/samples_per_sec", TARGETS["finetune-vs-plain"])
+    verdicts.append(planned(finetune, "finetune-recommended", "finetune-plain"))
     if vs_trl is None:
-        verdicts.append(target("LLM recipe / TRL SFTTrainer", None, TARGETS["llm-vs-trl"], "vs_trl.py did not run"))
+        verdicts.append(skipped("LLM recipe / TRL SFTTrainer", "vs_trl.py not in this plan (--only)"))
     elif "error" in vs_trl:
         verdicts.append(skipped("LLM recipe / TRL SFTTrainer", vs_trl["error"]))
     else:

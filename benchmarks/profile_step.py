@@ -95,10 +95,12 @@ def profiled_recipe(argv: list[str]) -> None:
         prof.step()  # one optimizer step ends here
         if completed_steps == warmup:
             reads.__enter__()
+            reads.active = True
         if warmup <= completed_steps < warmup + PROFILED_STEPS:
             reads.steps.append(collections.Counter())
         elif completed_steps == warmup + PROFILED_STEPS:
             reads.__exit__(None, None, None)
+            reads.active = False
 
     results.RunRecord.step = step
     sys.argv = argv
@@ -107,6 +109,8 @@ def profiled_recipe(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
     finally:
         prof.stop()
+        if getattr(reads, "active", False):  # the run ended inside the profiled steps
+            reads.__exit__(None, None, None)
     rank = os.environ.get("RANK", "0")
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     (out / f"profile_rank{rank}.txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")

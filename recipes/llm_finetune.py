@@ -82,6 +82,7 @@ from shared.results import RunRecord  # noqa: E402
 from shared.runtime import (  # noqa: E402
     add_reliability_flags,
     build_accelerator,
+    fused_adamw,
     choose_parallelism,
     positive_float,
     positive_int,
@@ -199,19 +200,19 @@ def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Te
     - logits only where a loss is taken: transformers' ``logits_to_keep`` with the answer positions the collate
       function found (``shared.sft_data.scored_positions``), so the LM head skips every prompt and padding position;
     - the cross-entropy in fp32, ``chunk_tokens`` positions at a time, each chunk recomputed in backward
-      (checkpointed): the fp32 copy of the logits and the softmax that backward needs exist for one chunk at a time,
-      not for the batch (with a 128k vocabulary, 4,096 answer tokens would hold 4 GiB of them).
+      (checkpointed): the softmax that backward needs exists for one chunk at a time, not for the batch (with a 128k
+      vocabulary, 4,096 answer tokens would hold 2 GiB of it). The logits themselves are fp32 under mixed precision
+      (Accelerate converts a prepared model's outputs to fp32), bf16 or fp32 as the model computes them otherwise.
 
-    A model split over devices keeps the full logits and picks the positions from them: Accelerate's hooks would move
-    the positions to the first device, and the hidden states end on the last. ``use_cache=False``: a cache would turn
-    the packed block-diagonal mask off."""
+    Full logits, the positions then picked from them: a model split over devices (Accelerate's hooks would move the
+    positions to the first device, and the hidden states end on the last), and a model that ignores
+    ``logits_to_keep`` (checked by the shape). ``use_cache=False``: a cache would turn the packed mask off."""
     inputs = {key: value for key, value in batch.items()
               if key not in ("labels", "num_tokens", "loss_positions", "loss_targets")}
     positions, device_map = batch["loss_positions"], getattr(model, "hf_device_map", None) or {}
-    if len(set(map(str, device_map.values()))) < 2:  # one device (a 4-bit load has {"": device}), DDP or FSDP2
-        logits = model(**inputs, use_cache=False, logits_to_keep=positions).logits  # (rows, K, vocabulary)
-    else:
-        logits = model(**inputs, use_cache=False).logits
+    split = len(set(map(str, device_map.values()))) > 1  # (a 4-bit load on one device has {"": device})
+    logits = model(**inputs, use_cache=False, **({} if split else {"logits_to_keep": positions})).logits
+    if logits.shape[:2] != positions.shape:  # every position's logits (rows, length, vocabulary): pick the answers'
         logits = torch.take_along_dim(logits, positions.to(logits.device)[..., None], dim=1)
     targets = batch["loss_targets"].to(logits.device).flatten()
     logits = logits.flatten(0, 1)
@@ -332,8 +333,8 @@ def main():
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, eps=args.adam_epsilon, fused=True)  # 1 kernel
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=fused_adamw(accelerator),
+                                  lr=args.learning_rate, weight_decay=args.weight_decay, eps=args.adam_epsilon)
     # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short).
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch

@@ -101,6 +101,7 @@ from shared.results import RunRecord  # noqa: E402
 from shared.runtime import (  # noqa: E402
     add_reliability_flags,
     build_accelerator,
+    fused_adamw,
     choose_parallelism,
     positive_float,
     positive_int,
@@ -260,8 +261,8 @@ def main():
     # End New Code #
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    groups = optimizer_groups(model, args.weight_decay)  # weight decay on matrices only
-    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=True)  # fused: 1 kernel
+    groups = optimizer_groups(model, args.weight_decay)  # weight decay on matrices only; fused: one kernel
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused_adamw(accelerator))
     # (pipeline) Every process sees every batch (the loader is not sharded); accumulate() also steps on an epoch's end.
     steps_per_epoch = math.ceil(len(train_dataloader) // data_parallel_size / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch

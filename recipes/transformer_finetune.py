@@ -61,7 +61,7 @@ from shared.model_split import dispatch_on_devices, find_block_list, parameter_b
 from shared.model_split import split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
-from shared.runtime import main_process_alone, positive_float, positive_int, prepare_output_dir
+from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir
 from shared.sampling import LengthGroupedShuffledSampler
 
 # The metric modules evaluate loads offline ship in shared/metrics/, wherever the shared/ found above lies.
@@ -315,7 +315,7 @@ def main():
         {"params": [p for n, p in trained if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(parameter_groups, lr=args.learning_rate, fused=True)  # the update in one kernel
+    optimizer = torch.optim.AdamW(parameter_groups, lr=args.learning_rate, fused=fused_adamw(accelerator))
     # Optimizer steps per epoch after sharding: each process sees 1/num_processes of the batches.
     batches_per_process = math.ceil(len(train_dataloader) / accelerator.num_processes)
     steps_per_epoch = math.ceil(batches_per_process / args.gradient_accumulation_steps)

@@ -20,19 +20,26 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
     """Make FSDP shard ``model`` one block at a time: the class of the ``block_list`` ModuleList's blocks, found at run
     time, so one config serves every model (None when not under FSDP or the config names its own). Not the default
     (every ``_no_split_modules`` class): for BERT-like models that holds the embeddings too, which Accelerate then
-    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``.
-
-    In one process (FSDP2's code path on one GPU) it also keeps each gathered block from its forward to its backward
-    (``reshard_after_forward=False``, as ZeRO-2 does): with a single shard, resharding frees only the gathered copy,
-    and costs a second all-gather of every block in backward."""
+    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``. In one process it also
+    keeps each gathered block from its forward to its backward (``keep_gathered_in_one_process``)."""
     plugin = accelerator.state.fsdp_plugin
-    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
-        plugin.reshard_after_forward = False
+    keep_gathered_in_one_process(accelerator)
     if accelerator.distributed_type != DistributedType.FSDP or plugin.transformer_cls_names_to_wrap:
         return None
     block_class = type(model.get_submodule(block_list)[0]).__name__
     accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = [block_class]
     return block_class
+
+
+def keep_gathered_in_one_process(accelerator: Accelerator) -> None:
+    """FSDP2 in one process without offload: ``reshard_after_forward=False`` (ZeRO-2's choice), each block's gathered
+    copy kept from its forward to its backward. With one shard, resharding frees only that copy (the compute-dtype
+    weights: half the fp32 model's bytes in bf16) and costs a second all-gather of every block in backward. Under
+    CPU offload the copies would be the whole model on the GPU: left as configured. Call before any ``fully_shard``."""
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
+        if not isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+            plugin.reshard_after_forward = False
 
 
 def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:

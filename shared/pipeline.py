@@ -307,9 +307,11 @@ def zbv_eval_schedule(stage_modules: nn.ModuleList, stage_indices: list[int], nu
 
 def unsharded(dataloaders, device: torch.device, seed: int) -> list:
     """The ``dataloaders`` with Accelerate's seedable sampler and device placement, but not sharded: every stage works
-    on every batch. (``accelerator.prepare`` would shard them, as for data parallelism.)"""
+    on every batch. (``accelerator.prepare`` would shard them, as for data parallelism.) Non-blocking copies on a GPU,
+    from the pinned loaders the recipe builds there."""
     return [prepare_data_loader(dataloader, device=device, num_processes=1, process_index=0, put_on_device=True,
-                                use_seedable_sampler=True, data_seed=seed) for dataloader in dataloaders]
+                                use_seedable_sampler=True, data_seed=seed, non_blocking=device.type == "cuda")
+            for dataloader in dataloaders]
 
 
 def clip_grad_norm_across_stages(parameters, max_norm: float, device: torch.device) -> torch.Tensor:

@@ -6,8 +6,9 @@ A recipe makes three calls into this module, so that its ``main()`` tells the tr
 ``results.json``. (The hang dumps start earlier, in ``shared.runtime.build_accelerator``.)
 
 One metric vocabulary everywhere (logs, trackers, results.json, benchmarks): ``perf/samples_per_sec``,
-``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it),
-``perf/data_wait_fraction``, ``perf/mfu``, ``memory/peak_gib`` (per device).
+``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it; each step timed as the
+mean of its window of at most 10, see ``ThroughputMeter``), ``perf/data_wait_fraction``, ``perf/mfu``,
+``memory/peak_gib`` (per device).
 """
 
 from __future__ import annotations

@@ -233,6 +233,13 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
 Parallelism = namedtuple("Parallelism", "name reason")
 
 
+def fused_adamw(accelerator: Accelerator) -> bool:
+    """AdamW fused (one kernel updates a device's parameters; transformers' and TRL's default) except with fp16's
+    GradScaler: there torch's fused step copies the scale to CPU parameters without waiting (a split over cuda:0 +
+    CPU, offload), and Accelerate cannot tell a skipped step (the schedule would advance on it)."""
+    return accelerator.mixed_precision != "fp16"
+
+
 def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, compile: bool = False) -> Parallelism:
     """The parallelism ``--parallelism`` (``auto``: what the launch config implies) and the launch give, or a
     one-paragraph error for a combination that cannot work. ``auto``: an FSDP config gives ``fsdp``; 2+ processes

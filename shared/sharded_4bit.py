@@ -31,6 +31,7 @@ from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from .fsdp import keep_gathered_in_one_process
 from .model_split import find_block_list
 from .results import peak_memory_gib
 from .runtime import RecipeError
@@ -119,6 +120,7 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     block_list = find_block_list(base, set(base._no_split_modules))  # e.g. model.layers
     files = checkpoint_files(model_name_or_path) if accelerator.is_main_process else {}
     plugin = accelerator.state.fsdp_plugin
+    keep_gathered_in_one_process(accelerator)  # as wrap_at_blocks will for the rest of the model
     # The arguments Accelerate's own FSDP2 preparation gives every unit (accelerate.utils.fsdp_utils).
     shard_kwargs = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
                     "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}

@@ -265,6 +265,7 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
         "finetune-recommended": {"perf/samples_per_sec": 140.0, "perf/step_time_p90_s": 0.2},
     }
     records = {name: fabricated_run(tmp_path, name, **results) for name, results in runs.items()}
+    records["finetune-plain"] = {"status": "failed", "reason": "exit code 1"}
     vs_trl = {"summary": [{"key": "perf/tokens_per_sec", "median": 1.4, "interval": [1.3, 1.5]},
                           {"key": "eval/loss", "median": 1.05}]}
     verdicts = {row["comparison"]: row for row in gpu_check.judge_perf(records, tmp_path, True, vs_trl)}
@@ -274,7 +275,7 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
         "LM --compile / eager": "pass",
         "LM --compile = eager": "pass",
         "LM FSDP2 in 1 process / single": "below target",
-        "fine-tune recommended flags / plain loop": "fail",  # the plain run is missing
+        "fine-tune recommended flags / plain loop": "fail",  # the plain run failed
         "LLM recipe / TRL SFTTrainer": "below target",  # 1.4x faster, but at 1.05x TRL's validation loss
     }
     assert "46.0%" in verdicts["LM MFU, one GPU"]["line"]
@@ -288,6 +289,11 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     assert gpu_check.judge_perf(records, tmp_path, True, vs_trl)[-1]["status"] == "pass"
     skipped = gpu_check.judge_perf(records, tmp_path, True, {"error": "TRL is not installed here"})[-1]
     assert skipped["status"] == "skipped" and "TRL" in skipped["line"]
+    # --only left runs out: their comparisons are skipped, not failed (the check's exit code stays 0)
+    del records["lm-fsdp-1process-speed"], records["finetune-plain"]
+    rows = {row["comparison"]: row["status"] for row in gpu_check.judge_perf(records, tmp_path, True, None)}
+    assert rows["LM FSDP2 in 1 process / single"] == rows["fine-tune recommended flags / plain loop"] == "skipped"
+    assert rows["LLM recipe / TRL SFTTrainer"] == "skipped" and rows["LM --compile / eager"] == "pass"
 
 
 def test_gpu_check_only_pulls_in_the_references_its_comparisons_need():

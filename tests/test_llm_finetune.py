@@ -730,6 +730,13 @@ def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     assert answer_saved <= answer_logits_bytes, (answer_saved, answer_logits_bytes)
     # The LM head ran on the answer positions only: as many per row as the row with the most answer tokens.
     assert head_outputs == [(3, int(answers.max()), vocab)] and answers.max() < batch["input_ids"].shape[1] - 1
+    # A model that ignores logits_to_keep returns every position's logits: picked by their positions, equal too.
+    forward = model.forward
+    model.forward = lambda *args, logits_to_keep=None, **kwargs: forward(*args, **kwargs)
+    total, per_sample, grads, _ = run(lambda: module.token_losses(model, batch, chunk_tokens=4))
+    assert total.item() == pytest.approx(reference[0].item(), rel=1e-6)
+    assert (grads - reference[2]).norm() / reference[2].norm() < 1e-5
+    model.forward = forward
     # A model split over devices takes the full logits and picks the answer positions from them: equal too.
     model.hf_device_map = {"model": "cpu", "lm_head": "meta"}  # two devices named: the split's path (all on CPU here)
     total, per_sample, grads, _ = run(lambda: module.token_losses(model, batch, chunk_tokens=4))
