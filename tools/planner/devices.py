@@ -37,10 +37,11 @@ def device_estimate(label, kind, state, compute, shape, request, p, buckets=Fals
     terms["activations_checkpointed"] = activations["term_checkpointed"]
     temporaries = _temporaries(kind, shape, request, p, compute)
     terms["temporaries"] = temporaries["term"]
-    # The recipes' AdamW is fused (fused=True): it updates weights and state in place, one kernel per device, and
-    # allocates no state-sized temporary (the foreach one allocated one more copy of the state, 4 B per weight).
-    step = 0
-    terms["optimizer_step"] = (step, "fused AdamW: updates in place, no temporary = 0.00 GiB")
+    # The recipes' AdamW is fused: it updates weights and state in place, with no state-sized temporary. With fp16's
+    # GradScaler they use the foreach one (shared.runtime.fused_adamw), which allocates one more copy of the state.
+    step = trained * p["adam"] / 2 if request["mixed_precision"] == "fp16" and kind != "offload" else 0
+    what = "foreach AdamW's temporary (fp16)" if step else "fused AdamW: in place, no temporary"
+    terms["optimizer_step"] = (step, f"{what} {millions(trained)} x {p['adam'] // 2 if step else 0} B = {gib(step)}")
     terms["overhead"] = (request["overhead"], f"CUDA context, NCCL, fragmentation = {gib(request['overhead'])}")
     return _bill(label, kind, state, compute, p, terms, _moments(activations, temporaries, step))
 

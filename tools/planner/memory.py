@@ -50,8 +50,8 @@ the GPU holds, A = LoRA parameters, Q = parameters of the blocks' linear layers,
   FSDP2 the gathered weights are already 16-bit, no copy. QLoRA dequantizes one weight at a time to the compute
   dtype (the largest linear layer). The backward pass's gradients in flight through one block (3 f m + 2 h r per
   token). The optimizer step: the recipes' AdamW is fused (``fused=True``), which updates in place and allocates
-  nothing state-sized (torch's foreach AdamW, the default on CUDA, would add one more copy of the trained weights'
-  state, 4 B each, while the gradients still exist).
+  nothing state-sized; with fp16 they use torch's foreach AdamW, which adds one more copy of the trained weights'
+  state (4 B each) while the gradients still exist.
 - The peak is model state + buffers + overhead + the largest of three moments: the start of backward (everything
   stored, the LM head's and loss's tensors, autocast's copies), a block's backward (its recomputation, the
   gradients in flight, the dequantized weight; the head's tensors are gone) and the optimizer step (activations
