@@ -32,10 +32,9 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
 
 
 def keep_gathered_in_one_process(accelerator: Accelerator) -> None:
-    """FSDP2 in one process without offload: ``reshard_after_forward=False`` (ZeRO-2's choice), each block's gathered
-    copy kept from its forward to its backward. With one shard, resharding frees only that copy (the compute-dtype
-    weights: half the fp32 model's bytes in bf16) and costs a second all-gather of every block in backward. Under
-    CPU offload the copies would be the whole model on the GPU: left as configured. Call before any ``fully_shard``."""
+    """FSDP2 in one process without offload: ``reshard_after_forward=False`` (ZeRO-2's), each block's gathered copy
+    kept to its backward. With one shard resharding frees only that copy (the compute-dtype weights) and costs a
+    second all-gather in backward; under CPU offload the copies would put the whole model on the GPU. Call early."""
     plugin = accelerator.state.fsdp_plugin
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
         if not isinstance(plugin.cpu_offload, CPUOffloadPolicy):

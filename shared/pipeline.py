@@ -306,9 +306,8 @@ def zbv_eval_schedule(stage_modules: nn.ModuleList, stage_indices: list[int], nu
 
 
 def unsharded(dataloaders, device: torch.device, seed: int) -> list:
-    """The ``dataloaders`` with Accelerate's seedable sampler and device placement, but not sharded: every stage works
-    on every batch. (``accelerator.prepare`` would shard them, as for data parallelism.) Non-blocking copies on a GPU,
-    from the pinned loaders the recipe builds there."""
+    """The ``dataloaders`` with Accelerate's seedable sampler and device placement (non-blocking on a GPU: the loaders
+    are pinned there), not sharded: every stage works on every batch (``accelerator.prepare`` would shard them)."""
     return [prepare_data_loader(dataloader, device=device, num_processes=1, process_index=0, put_on_device=True,
                                 use_seedable_sampler=True, data_seed=seed, non_blocking=device.type == "cuda")
             for dataloader in dataloaders]
