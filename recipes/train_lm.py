@@ -72,8 +72,8 @@ from shared.results import RunRecord  # noqa: E402
 from shared.runtime import (  # noqa: E402
     add_reliability_flags,
     build_accelerator,
-    fused_adamw,
     choose_parallelism,
+    fused_adamw,
     positive_float,
     positive_int,
     prepare_output_dir,
