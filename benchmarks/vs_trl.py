@@ -62,6 +62,20 @@ CHAT_TEMPLATE = (
     "{{ message['content'] + eos_token + '\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+# The run of both CPU presets: the same batches, schedule and clock; only the model's shape differs.
+CPU_RUN = {
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 2,
+    "max_length": 256,
+    "packing": False,
+    "max_train_steps": 24,
+    "perf_warmup_steps": 4,
+    "learning_rate": 1e-3,
+    "num_warmup_steps": 2,
+    "mixed_precision": "no",
+    "threads_per_process": 1,
+    "cpu_clock": True,
+}
 PRESETS = {
     # Big enough that a step is mostly compute (4.2M parameters, a 4096-token vocabulary), small enough for 3 pairs
     # in ~10 minutes on one core per run. fp32, as every CPU record here (bf16 is emulated without avx512_bf16/AMX).
@@ -75,17 +89,7 @@ PRESETS = {
             "vocab_size": 4096,
         },
         "tokenizer_vocab_size": 4096,
-        "per_device_train_batch_size": 8,
-        "gradient_accumulation_steps": 2,
-        "max_length": 256,
-        "packing": False,
-        "max_train_steps": 24,
-        "perf_warmup_steps": 4,
-        "learning_rate": 1e-3,
-        "num_warmup_steps": 2,
-        "mixed_precision": "no",
-        "threads_per_process": 1,
-        "cpu_clock": True,
+        **CPU_RUN,
     },
     # The tests' tiny Llama (0.1M parameters, a 400-token vocabulary): a step is mostly the loop's own cost, which is
     # what this shape measures.
@@ -99,17 +103,7 @@ PRESETS = {
             "vocab_size": 400,
         },
         "tokenizer_vocab_size": 400,
-        "per_device_train_batch_size": 8,
-        "gradient_accumulation_steps": 2,
-        "max_length": 256,
-        "packing": False,
-        "max_train_steps": 24,
-        "perf_warmup_steps": 4,
-        "learning_rate": 1e-3,
-        "num_warmup_steps": 2,
-        "mixed_precision": "no",
-        "threads_per_process": 1,
-        "cpu_clock": True,
+        **CPU_RUN,
     },
     # Llama-3.2-1B's shape (1.24B parameters, 128,256-row embedding and LM head; the tokenizer uses the first 8,192
     # rows), bf16, rows of 2,048 packed tokens. The chat data hold ~60k tokens, so the 30 steps run several epochs.
