@@ -574,13 +574,13 @@ def test_reads_a_config_json_file(tmp_path, capsys):
 
 
 def test_the_first_line_says_what_was_assumed_and_help_shows_defaults(capsys):
-    """Unasked, the planner assumes a micro-batch, a sequence length, this machine's host RAM...: each changes the
+    """Unasked, the planner assumes a micro-batch, a sequence length, a typical host's RAM...: each changes the
     answer (8B LoRA on two 24 GB cards: 'single GPU only', with DDP 'no (host RAM)' on a 24 GiB laptop), so its first
     line names the ones it assumed, and --help shows every default."""
     code, out, _ = run_main(["--model_size", "7b", "--method", "lora", "--micro_batch", "1"], capsys)
     first = out.splitlines()[0]
     assert code == 0 and first.startswith("assumed, not given")
-    assert "--seq_len 1024" in first and "--gpus 2" in first and "(this machine's)" in first
+    assert "--seq_len 1024" in first and "--gpus 2" in first and "--host_ram_gib 96 (twice the GPUs' memory" in first
     assert "--micro_batch" not in first and "--method" not in first  # given
     code, out, _ = run_main(["--model_size", "7b", "--host_ram_gib", "64", "--json"], capsys)
     assert json.loads(out)["assumed"] == {
@@ -783,3 +783,58 @@ def test_every_launch_line_of_the_readme_table_is_one_the_gpu_check_runs():
 
 if __name__ == "__main__":
     print("\n".join(line for part in readme_rows() for line in part))
+
+
+def _write_config(folder, **fields) -> str:
+    """A Hub model's config.json, written here (the planner reads only the config; no Hub in the tests)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"tie_word_embeddings": False, "rms_norm_eps": 1e-5, **fields}))
+    return str(folder)
+
+
+def test_checkpointing_is_weighed_when_not_given(tmp_path, capsys):
+    """Qwen2.5-14B QLoRA on 2 x 24 GB, micro-batch 1, 64 GiB host, without --gradient_checkpointing: without
+    checkpointing only the device_map split fits (one GPU computes at a time); with it DDP fits on both GPUs. The
+    recommendation weighs the two and says which it chose, instead of preferring anything without checkpointing."""
+    # Qwen/Qwen2.5-14B/config.json's shape
+    qwen = _write_config(tmp_path / "qwen2.5-14b", model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                         hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=32768)
+    argv = ["--model_name_or_path", qwen, "--method", "qlora", "--micro_batch", "1", "--host_ram_gib", "64"]
+    code, out, _ = run_main([*argv, "--json"], capsys)
+    result = json.loads(out)
+    setups = result["setups"]
+    assert code == 0 and setups["device_map"]["fits_without_checkpointing"]  # the case: only the split fits without
+    assert not setups["ddp"]["fits_without_checkpointing"] and setups["ddp"]["fits_with_checkpointing"]
+    assert result["best"] == "ddp" and result["recommendation"]["gradient_checkpointing"] is True
+    assert "--gradient_checkpointing" in result["recommendation"]["launch"]
+    assert "Chosen over the best setup without checkpointing, device_map" in result["recommendation"]["reason"]
+    # Asked for, checkpointing is not weighed: the same answer, without the comparison.
+    code, out, _ = run_main([*argv, "--json", "--gradient_checkpointing"], capsys)
+    assert json.loads(out)["best"] == "ddp" and "Chosen over" not in json.loads(out)["recommendation"]["reason"]
+
+
+def test_host_ram_defaults_to_the_targets_not_this_machines(tmp_path, capsys):
+    """Llama-3.1-8B full fine-tuning on 2 x 80 GB with no --host_ram_gib: the target is a machine with two 80 GB GPUs
+    (assumed 320 GiB of RAM, said on the first line), not the 24 GiB machine the plan is made on, where FSDP's
+    loading copies would not fit."""
+    # meta-llama/Llama-3.1-8B/config.json's shape
+    llama = _write_config(tmp_path / "llama-3.1-8b", model_type="llama", architectures=["LlamaForCausalLM"],
+                          hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072)
+    code, out, _ = run_main(["--model_name_or_path", llama, "--gpu_memory_gib", "80", "--micro_batch", "1"], capsys)
+    assert code == 0 and "--host_ram_gib 320 (twice the GPUs' memory" in out.splitlines()[0]
+    assert "recommendation: none" not in out and "recommendation: fsdp" in out, out[-2000:]
+    code, out, _ = run_main(["--model_size", "125m", "--gpus", "1", "--gpu_memory_gib", "8", "--json"], capsys)
+    assert json.loads(out)["inputs"]["host_ram_gib"] == 64  # never below 64 GiB
+
+
+def test_a_hub_id_offline_fails_at_once(monkeypatch, capsys):
+    """Offline (HF_HUB_OFFLINE, or the Hub's host unreachable), a Hub id that is not cached fails at once with what
+    to pass instead, not after transformers' retries."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    code, _, err = run_main(["--model_name_or_path", "no-such-org/no-such-model-xyz"], capsys)
+    assert code == 2 and "the Hugging Face Hub cannot be reached from this machine" in err
+    assert "Pass the model's folder or its config.json" in err and len(err.strip().splitlines()) == 1

@@ -162,7 +162,8 @@ def _add_hardware_flags(parser: argparse.ArgumentParser) -> None:
         "--host_ram_gib",
         type=positive_float,
         default=None,
-        help="The machine's RAM, in GiB (default: this machine's), for the loading copy and offloaded state.",
+        help="The target machine's RAM, in GiB, for the loading copy and offloaded state (default: what such a "
+        "machine usually has, twice the GPUs' memory and at least 64 GiB; said on the first line).",
     )
 
 
@@ -184,7 +185,7 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         "--gradient_checkpointing",
         action="store_true",
         help="Assume activation checkpointing (both are always estimated; without this flag the recommendation "
-        "adds it only when nothing fits without).",
+        "weighs the best setup without it against the best with it, and says which it chose).",
     )
     parser.add_argument(
         "--cpu_offload",

@@ -14,7 +14,6 @@ FSDP when FSDP fits with room to spare. A setup that does not fit says by how mu
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict
 
 from tools.planner.advice import advice_for, nothing_fits
@@ -25,9 +24,11 @@ from tools.planner.shapes import ModelShape
 from tools.planner.tables import CONFIGS, DEFAULT_OVERHEAD_GIB, GIB, METHODS, MIXED_PRECISION, PREFERENCE, TIGHT, gib
 
 
-def machine_ram_gib() -> float:
-    """This machine's physical RAM, in GiB (the default of --host_ram_gib)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+def typical_host_ram_gib(gpus: int, gpu_memory_gib: float) -> float:
+    """The default of --host_ram_gib: the RAM a machine with these GPUs usually has (workstations and cloud nodes
+    pair each GPU with at least its own memory twice over: 2 x 24 GiB cards with 96-128 GiB, 8 x 80 GiB nodes with
+    1-2 TiB), never less than 64 GiB. The target's, not this machine's: plans are often made on a laptop."""
+    return max(64.0, 2.0 * gpus * gpu_memory_gib)
 
 
 def plan(
@@ -57,10 +58,11 @@ def plan(
     ``micro_batch``: sequences per forward pass on one device (pipeline: per micro-batch, with
     ``num_microbatches`` of them per batch). ``method``: full, lora or qlora (LoRA rank ``lora_r`` on
     ``lora_targets``, default every linear layer of the blocks). ``gradient_checkpointing``: the estimate and the
-    recommendation assume it (False: the recommendation adds it only when needed). ``cpu_offload``: prefer
-    ``fsdp_offload``. ``host_ram_gib``: the machine's RAM (default: this machine's). ``precision``: overrides of
-    ``precision_profile`` for setups other than our recipes'. Returns a JSON-ready dict; every memory number is
-    in bytes (per GPU, or for the host). Raises ValueError on impossible inputs.
+    recommendation assume it (False: the recommendation weighs the best setup with and without it).
+    ``cpu_offload``: prefer ``fsdp_offload``. ``host_ram_gib``: the target machine's RAM (default:
+    ``typical_host_ram_gib``). ``precision``: overrides of ``precision_profile`` for setups other than our recipes'.
+    Returns a JSON-ready dict; every memory number is in bytes (per GPU, or for the host). Raises ValueError on
+    impossible inputs.
     """
     # What was asked, in one dict every estimate reads (the advice re-estimates with a few entries changed).
     request = dict(
@@ -121,9 +123,9 @@ def _check(shape: ModelShape, request: dict) -> None:
 
 
 def _add_budgets(request: dict) -> None:
-    """What every estimate compares and adds, in bytes; the host's RAM is this machine's unless given."""
+    """What every estimate compares and adds, in bytes; the host's RAM is a typical target's unless given."""
     if request["host_ram_gib"] is None:
-        request["host_ram_gib"] = machine_ram_gib()
+        request["host_ram_gib"] = typical_host_ram_gib(request["gpus"], request["gpu_memory_gib"])
     request["overhead"] = int(request["overhead_gib"] * GIB)
     request["budget"] = int(request["gpu_memory_gib"] * GIB)
     request["host_budget"] = int(request["host_ram_gib"] * GIB)
@@ -181,24 +183,54 @@ def fits_with(setup: dict, checkpointing: bool) -> bool:
     return setup["fits_with_checkpointing" if checkpointing else "fits_without_checkpointing"]
 
 
+def relative_speed(name: str, checkpointing: bool, request: dict) -> float:
+    """A rough step rate relative to one GPU without checkpointing, to weigh a setup that needs checkpointing
+    against one that does not: DDP computes on every GPU; FSDP too, ~10 % slower for its all-gathers; the pipeline
+    loses its bubble, (p-1)/(m+p-1); one GPU and the device_map split compute on one GPU at a time; offload is
+    several times slower (PCIe both ways every step, AdamW on the CPU). Checkpointing recomputes the forward: ~3/4."""
+    gpus, m = request["gpus"], request["num_microbatches"]
+    speed = {
+        "ddp": gpus,
+        "fsdp": 0.9 * gpus,
+        "pipeline": gpus * (1 - (gpus - 1) / (m + gpus - 1)),
+        "single": 1.0,
+        "device_map": 1.0,
+        "fsdp_offload": 0.3 * gpus,
+    }[name]
+    return speed * (0.75 if checkpointing else 1.0)
+
+
 def choose(request: dict, setups: dict):
-    """The first setup in order of preference that fits (without checkpointing if any does); a tight DDP fit yields
-    to FSDP when FSDP fits comfortably (both compute on every GPU; FSDP's margin is worth its traffic), and an FSDP
-    fit that is tight even with checkpointing yields to FSDP + CPU offload when that fits comfortably (measured peaks
-    run up to ~15 % above the estimates: a tight fit is a likely out-of-memory)."""
-    for checkpointing in (True,) if request["gradient_checkpointing"] else (False, True):
-        fitting = [name for name in order(request, setups) if fits_with(setups[name], checkpointing)]
-        if fitting:
-            key = "peak_checkpointed" if checkpointing else "peak_without_checkpointing"
-            tight = {name for name in fitting if setups[name][key] > TIGHT * request["budget"]}
-            if fitting[0] == "ddp" and "ddp" in tight and "fsdp" in fitting and "fsdp" not in tight:
-                return "fsdp", checkpointing
-            # FSDP tight even with checkpointing: offloading is slower, but checkpointing would not make room.
-            fsdp_tight = setups.get("fsdp", {}).get("peak_checkpointed", 0) > TIGHT * request["budget"]
-            if fitting[0] == "fsdp" and fsdp_tight and "fsdp_offload" in fitting and "fsdp_offload" not in tight:
-                return "fsdp_offload", checkpointing
-            return fitting[0], checkpointing
-    return None
+    """The setup to use and whether it needs checkpointing. ``--gradient_checkpointing`` fixes checkpointing on;
+    otherwise the best setup without it and the best with it are weighed by ``relative_speed`` (DDP with
+    checkpointing on two GPUs beats a device_map split without it). Within each, the first in order of preference
+    that fits; a tight DDP fit yields to FSDP when FSDP fits comfortably (both compute on every GPU; FSDP's margin is
+    worth its traffic), and an FSDP fit that is tight even with checkpointing yields to FSDP + CPU offload when that
+    fits comfortably (measured peaks run up to ~15 % above the estimates: a tight fit is a likely out-of-memory)."""
+    best = [
+        (name, checkpointing)
+        for checkpointing in ((True,) if request["gradient_checkpointing"] else (False, True))
+        if (name := _first_fit(request, setups, checkpointing))
+    ]
+    if not best:
+        return None
+    # A fit without checkpointing wins ties: the same speed for less compute.
+    return max(best, key=lambda choice: (relative_speed(*choice, request), not choice[1]))
+
+
+def _first_fit(request: dict, setups: dict, checkpointing: bool) -> str | None:
+    fitting = [name for name in order(request, setups) if fits_with(setups[name], checkpointing)]
+    if not fitting:
+        return None
+    key = "peak_checkpointed" if checkpointing else "peak_without_checkpointing"
+    tight = {name for name in fitting if setups[name][key] > TIGHT * request["budget"]}
+    if fitting[0] == "ddp" and "ddp" in tight and "fsdp" in fitting and "fsdp" not in tight:
+        return "fsdp"
+    # FSDP tight even with checkpointing: offloading is slower, but checkpointing would not make room.
+    fsdp_tight = setups.get("fsdp", {}).get("peak_checkpointed", 0) > TIGHT * request["budget"]
+    if fitting[0] == "fsdp" and fsdp_tight and "fsdp_offload" in fitting and "fsdp_offload" not in tight:
+        return "fsdp_offload"
+    return fitting[0]
 
 
 def recommend(shape: ModelShape, request: dict, setups: dict) -> dict:
@@ -212,6 +244,13 @@ def recommend(shape: ModelShape, request: dict, setups: dict) -> dict:
     reason = _why(name, key, checkpointing, request, setups)
     if checkpointing and not request["gradient_checkpointing"]:
         reason += _why_checkpointing(setups[name])
+        without = _first_fit(request, setups, False)
+        if without:
+            faster, slower = relative_speed(name, True, request), relative_speed(without, False, request)
+            reason += (
+                f" Chosen over the best setup without checkpointing, {without}: about {faster:.1f}x one GPU's "
+                f"step rate against {slower:.1f}x."
+            )
     if setups[name][key] > TIGHT * request["budget"]:
         reason += _why_tight(setups[name], key, checkpointing, request)
     config = CONFIGS[name] if request["gpus"] == 2 or name == "single" else None
@@ -272,8 +311,10 @@ def _why(name: str, key: str, checkpointing: bool, request: dict, setups: dict) 
     if request["cpu_offload"]:
         return reason
     if fits_with(setups["fsdp"], checkpointing):
-        return (f"FSDP fits, but tightly ({gib(setups['fsdp'][key])} of {memory} per GPU; measured peaks run up to "
-                "~15 % above these estimates). " + reason)
+        return (
+            f"FSDP fits, but tightly ({gib(setups['fsdp'][key])} of {memory} per GPU; measured peaks run up to "
+            "~15 % above these estimates). " + reason
+        )
     return f"Nothing fits without offload ({setups['fsdp'].get('advice', 'FSDP does not fit')}). " + reason
 
 

@@ -36,7 +36,8 @@ def _assumed(assumed: dict) -> list[str]:
     if not assumed:
         return []
     values = (
-        f"{flag} {value:g}" + (" (this machine's)" if flag == "--host_ram_gib" else "")
+        f"{flag} {value:g}"
+        + (" (twice the GPUs' memory, at least 64: a typical target's)" if flag == "--host_ram_gib" else "")
         if isinstance(value, (int, float))
         else f"{flag} {value}"
         for flag, value in assumed.items()

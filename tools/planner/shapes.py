@@ -219,15 +219,41 @@ def _config_file(location: str) -> Path | None:
 
 
 def _hub_config(location: str):
+    """The config of a Hub id: from the local cache when the Hub cannot be reached (at once: transformers would retry
+    for half a minute before failing), else downloaded."""
     from transformers import AutoConfig
 
+    offline = not hub_reachable()
     try:
-        return AutoConfig.from_pretrained(location)
+        return AutoConfig.from_pretrained(location, local_files_only=offline)
     except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError or hub errors
+        if offline:
+            raise ValueError(
+                f"--model_name_or_path {location}: not a local folder or file, and the Hugging Face Hub cannot be "
+                "reached from this machine (offline, and not in the local cache). Pass the model's folder or its "
+                "config.json instead (only the config is read)."
+            ) from None
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(
             f"--model_name_or_path {location}: not a local model folder and not loadable ({first_line})"
         ) from None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """False when HF_HUB_OFFLINE is set or the Hub's host does not answer a TCP connection within ``timeout``."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _config_from_dict(location: str, raw: dict):
