@@ -40,7 +40,7 @@ from shared.runtime import positive_float, positive_int, prepare_output_dir
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--output_dir", default="outputs/linear_toy", help="results.json and the weights go here (created if needed).")
     add("--seed", type=int, default=42, help="Seed for the data set, the initial weights and the shuffling.")

@@ -101,7 +101,7 @@ from shared.sft_eval import exact_match_before, exact_match_results, generate_sa
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     data = parser.add_argument_group("data")
     data.add_argument("--train_file", help="Training data (.jsonl/.json, .csv, .parquet): messages, prompt + "
                       "completion or text.")

@@ -110,7 +110,7 @@ from shared.runtime import (  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # New Code (pipeline) #
     parser.add_argument(
         "--output_dir", default="outputs/pipeline_lm", help="Model, results.json and checkpoints go here."

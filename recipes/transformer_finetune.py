@@ -80,7 +80,7 @@ def default_model_path() -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument_group("data").add_argument
     add("--train_file", help="Training data: .csv, .json/.jsonl (JSON lines) or .parquet. Default: stdlib docstrings.")
     add("--validation_file", help="Validation data, same format. Default with --train_file: 10%% of it, by --seed.")

@@ -61,6 +61,9 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     if writes:
         progress = {"completed_steps": completed_steps, "layout": layout, "history": history or {},
                     "manifest": manifest(tmp)}
+        size = sum(entry[0] for entry in progress["manifest"].values())
+        kept = f"the newest {total_limit} kept" if total_limit else "all kept: --checkpoints_total_limit N keeps N"
+        accelerator.print(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB; {kept})")
         (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
         if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
             old = checkpoints_dir / f".{final.name}.old"

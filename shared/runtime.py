@@ -91,7 +91,7 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
                        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, "
                        "or 'epoch'.")
     group.add_argument("--checkpoints_total_limit", type=positive_int, default=None,
-                       help="Keep only the newest N complete checkpoints.")
+                       help="Keep only the newest N complete checkpoints (default: all; each save prints its size).")
     group.add_argument("--resume_from_checkpoint", default=None,
                        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; "
                        "starts fresh if there is none).")

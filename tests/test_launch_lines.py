@@ -301,6 +301,17 @@ def test_docstrings_keep_their_line_breaks(path):
     assert text.count("\n") == last - first, f"{path.name}'s docstring ends a line with \\ instead of \\\\"
 
 
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.py")), ids=lambda path: path.name)
+def test_help_opens_with_the_whole_first_paragraph(path, capsys):
+    """``--help`` opens with the docstring's first paragraph, whole (not its first line, cut mid-sentence)."""
+    with pytest.raises(SystemExit):
+        recipe_module(path).parse_args(["--help"])
+    text, _, _ = docstring(path)
+    paragraph = " ".join(text.split("\n\n")[0].split())
+    description = capsys.readouterr().out.split("\n\n")[1]
+    assert " ".join(description.split()) == paragraph and paragraph.endswith("."), description
+
+
 @pytest.mark.parametrize("where, command", LINES, ids=[f"{where}: {command[18:]}" for where, command in LINES])
 def test_launch_line_is_one_the_recipe_accepts(where, command, monkeypatch):
     check_launch_line(command, monkeypatch)

@@ -75,6 +75,30 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert np.array_equal(weights(results), weights(read_results(uninterrupted)))
 
 
+def test_each_save_says_its_size_and_what_is_kept(tmp_path):
+    """Checkpoints add up (14 x 260 MB for a 22M model, all kept by default): each save prints its size and whether
+    --checkpoints_total_limit prunes. In-process, with a stand-in for the one process's Accelerator."""
+    printed = []
+    one_process = SimpleNamespace(
+        project_configuration=SimpleNamespace(save_on_each_node=False),
+        is_main_process=True,
+        is_local_main_process=True,
+        wait_for_everyone=lambda: None,
+        print=lambda *args: printed.append(" ".join(map(str, args))),
+    )
+
+    def write_state(folder):
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"w" * 3 * 2**20)
+
+    save_checkpoint(one_process, tmp_path, 1, write_state=write_state)
+    save_checkpoint(one_process, tmp_path, 2, total_limit=1, write_state=write_state)
+    assert printed == [
+        f"saved checkpoint {tmp_path / 'step_000001'} (3.0 MiB; all kept: --checkpoints_total_limit N keeps N)",
+        f"saved checkpoint {tmp_path / 'step_000002'} (3.0 MiB; the newest 1 kept)",
+    ]
+
+
 def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, monkeypatch):
     """Pruning to --checkpoints_total_limit deletes a folder file by file. A kill midway must not leave a folder
     named step_N without its progress.json (resuming would skip it, but a user copying "the newest step_N" would not);
@@ -84,6 +108,7 @@ def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, m
         is_main_process=True,
         is_local_main_process=True,
         wait_for_everyone=lambda: None,
+        print=lambda *args: None,
     )
 
     def save(step):
