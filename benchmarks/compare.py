@@ -523,8 +523,14 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
     grouped = configurations(records)
     written = []
     labels = {key: " / ".join(key) for key in grouped}
-    # A smoke run's plots say so in their titles: a plot travels without the summary beside it.
-    smoke = "\n(smoke run: a plumbing check, the numbers mean nothing)" if smoke_banner(records) else ""
+    # A smoke run's plots say so in their titles (a plot travels without the summary beside it), naming the inputs
+    # that are smoke runs when others are not.
+    smoke_inputs = sorted({record["_input"] or "given files" for record in records if is_smoke(record)})
+    smoke = ""
+    if smoke_inputs and len(smoke_inputs) < len({record["_input"] or "given files" for record in records}):
+        smoke = f"\n(smoke runs, a plumbing check: {', '.join(smoke_inputs)}; the others are real)"
+    elif smoke_inputs:
+        smoke = "\n(smoke run: a plumbing check, the numbers mean nothing)"
 
     # Throughput per setup: tokens/s for the language models, samples/s otherwise; whiskers span the rounds.
     panels = {}
@@ -645,10 +651,18 @@ def regressions(baseline: list[str], candidate: list[str], threshold: float) -> 
             f"no configuration (group, setup) is in both the baseline ({len(before)}) and the candidate ({len(after)})"
         )
         return 2
-    failed = 0
+    failed, unlike = 0, 0
     print("| group | setup | baseline samples/s | candidate samples/s | change | |\n|" + " --- |" * 6)
     for key in sorted(common):
         a, b = before[key]["perf/samples_per_sec"], after[key]["perf/samples_per_sec"]
+        shapes = (workload(before[key]), workload(after[key]))
+        if shapes[0] != shapes[1]:  # a smoke run against a real baseline: other work, not a change in speed
+            unlike += 1
+            print(
+                f"| {key[0]} | {key[1]} | {fmt(a, '.2f')} | {fmt(b, '.2f')} | | not compared: the work differs "
+                f"({shapes[0]} vs {shapes[1]}) |"
+            )
+            continue
         change = b / a - 1 if a and b else None
         regressed = change is not None and change < -threshold
         failed += regressed
@@ -656,8 +670,24 @@ def regressions(baseline: list[str], candidate: list[str], threshold: float) -> 
             f"| {key[0]} | {key[1]} | {fmt(a, '.2f')} | {fmt(b, '.2f')} | {fmt(change, '+.1%')} | "
             f"{'REGRESSION' if regressed else 'ok'} |"
         )
-    print(f"{failed} of {len(common)} configurations lost more than {threshold:.0%} throughput")
+    compared = len(common) - unlike
+    if unlike:
+        print(
+            f"{unlike} of {len(common)} configurations not compared: their global batch or sequence length differ "
+            "between the baseline and the candidate (rerun both with the same matrix)"
+        )
+    if not compared:
+        return 2
+    print(f"{failed} of {compared} configurations lost more than {threshold:.0%} throughput")
     return 1 if failed else 0
+
+
+def workload(summary: dict) -> str:
+    """The work one step does, as the gate compares it: global batch x sequence length (and processes)."""
+    return (
+        f"{summary.get('global_batch_size')} x {summary.get('sequence_length')} on "
+        f"{summary.get('processes')} process(es)"
+    )
 
 
 def main(argv=None) -> int:

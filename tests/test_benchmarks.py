@@ -187,6 +187,17 @@ def test_regression_gate(bench, tmp_path):
     assert cli("compare.py", "--baseline", baseline, "--candidate", doctored, "--threshold", "0.25").returncode == 0
     unchanged = cli("compare.py", "--baseline", baseline, "--candidate", same, "--threshold", "0.1")
     assert unchanged.returncode == 0 and "REGRESSION" not in unchanged.stdout, unchanged.stdout + unchanged.stderr
+    # Other work (a smoke matrix's 8 x 32 against a real 32 x 256): no verdict on speed, and said why.
+    other = tmp_path / "other_work"
+    shutil.copytree(bench["out"] / "runs", other)
+    for path in other.glob("*.json"):
+        record = json.loads(path.read_text())
+        if record.get("status") == "ok":  # (the fixture's failed launches have no measurements)
+            record["global_batch_size"], record["perf/samples_per_sec"] = record["global_batch_size"] * 4, 1e-3
+            path.write_text(json.dumps(record))
+    unlike = cli("compare.py", "--baseline", baseline, "--candidate", other, "--threshold", "0.1")
+    assert unlike.returncode == 2 and "REGRESSION" not in unlike.stdout, unlike.stdout + unlike.stderr
+    assert "not compared: the work differs" in unlike.stdout and "global batch or sequence length" in unlike.stdout
 
 
 def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
