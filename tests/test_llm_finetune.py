@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch_all, observed, observer_env, read_results, visible_gpus
+from launch import REPO, Job, launch_all, launch_ok, observed, observer_env, read_results, visible_gpus
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -870,3 +870,28 @@ def test_bad_input_gets_one_clear_error(refusals, case, message):
     if case == "merge_host_ram":
         assert "AutoPeftModelForCausalLM.from_pretrained('OUTPUT_DIR'" in refusals[case]
         assert "train/loss" not in refusals[case]  # refused before training
+
+
+def test_the_offline_default_model_brings_the_settings_that_make_it_learn(base, tmp_path):
+    """With no --model_name_or_path the recipe fine-tunes the small offline default model, which learns visibly only
+    with 600 steps at 1e-3 (docs/llm_finetune.md), not the 2e-4 and one epoch a pretrained LLM wants: it brings both,
+    says so in one line, and leaves each to its flag. A real model keeps the real defaults."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("llm_finetune_for_defaults", REPO / "recipes" / RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    offline = recipe.parse_args([])
+    assert (offline.max_train_steps, offline.learning_rate) == (600, 1e-3)
+    given = recipe.parse_args(["--max_train_steps", "3"])
+    assert (given.max_train_steps, given.learning_rate) == (3, 1e-3)
+    real = recipe.parse_args(["--model_name_or_path", "org/model"])
+    assert (real.max_train_steps, real.learning_rate, real.offline_default_settings) == (None, 2e-4, "")
+    # Launched: the default model found where the recipe pretrains it (output_dir/base_model), 1 step.
+    out = tmp_path / "out"
+    shutil.copytree(base, out / "base_model")
+    run = launch_ok("single_gpu.yaml", RECIPE, "--output_dir", out, "--max_train_steps", "1", "--skip_eval")
+    line = "the offline default model trains with --learning_rate 0.001 (what makes it learn visibly"
+    assert run.output.count(line) == 1, run.output[-3000:]
+    assert read_results(out)["config"]["learning_rate"] == 1e-3
