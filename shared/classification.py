@@ -27,6 +27,10 @@ def load_splits(train_file: str | None, validation_file: str | None, dataset_nam
         for split, file in files.items():
             if not Path(file).is_file():
                 raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
+            if not Path(file).stat().st_size or (Path(file).suffix.lower() != ".parquet"
+                                                 and not Path(file).read_bytes().strip()):
+                raise RecipeError(f"--{split}_file {file!r} is empty: it needs at least one row (a CSV: a header "
+                                  "line and rows).")
         suffixes = {Path(file).suffix.lower() for file in files.values()}
         if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
             raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got "
@@ -38,8 +42,9 @@ def load_splits(train_file: str | None, validation_file: str | None, dataset_nam
             if empty_split:
                 raise RecipeError(f"The {empty_split.group(1)} split is empty ({files[empty_split.group(1)]}): it "
                                   "needs at least one row.") from None
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]  # some errors have no message
             raise RecipeError(f"Could not read {sorted(files.values())}: {type(error).__name__}: "
-                              f"{str(error).splitlines()[0][:300]}") from None
+                              f"{first_line}") from None
     elif dataset_name:
         try:
             raw = datasets.load_dataset(dataset_name, dataset_config_name)

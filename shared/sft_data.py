@@ -55,7 +55,8 @@ def load_raw_datasets(train_file: str | None = None, validation_file: str | None
         for split, file in files.items():
             if not Path(file).is_file():
                 raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
-            if Path(file).stat().st_size == 0:
+            if not Path(file).stat().st_size or (Path(file).suffix.lower() != ".parquet"
+                                                 and not Path(file).read_bytes().strip()):
                 raise RecipeError(f"--{split}_file {file!r} is empty: it needs at least one sample.")
         suffixes = {Path(file).suffix.lower() for file in files.values()}
         if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
@@ -116,7 +117,7 @@ def unreadable(file: str, error: Exception) -> str:
                     return f"line {number} is not valid JSON ({bad.msg} at column {bad.colno}): {line.strip()[:120]!r}"
                 if not isinstance(row, dict):
                     return f"line {number} is a JSON {type(row).__name__}, not an object of columns: {line[:120]!r}"
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
