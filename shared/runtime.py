@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
+import re
+import sys
 import time
 from collections import namedtuple
 from datetime import timedelta
@@ -33,7 +36,8 @@ CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp
 class RecipeError(SystemExit):
     """Bad input or setup, reported as one readable paragraph and a non-zero exit (no traceback). A ``SystemExit``:
     ``raise RecipeError("...")`` anywhere prints it to stderr and exits with status 1, no wrapper around ``main()``.
-    Under a multi-process launch every process that hits it prints it with its rank."""
+    Under a multi-process launch the first process to hit it prints it with its rank; the others, failing alike,
+    exit silently."""
 
     def __init__(self, message: str):
         self.message = " ".join(message.split())
@@ -42,7 +46,10 @@ class RecipeError(SystemExit):
         # newline in two writes, so the ranks' lines would run together: with several processes the newline is part
         # of the message (stderr is line-buffered, so each rank's line is written whole).
         prefix, end = ("[rank " + rank + "] ", "\n") if world_size > 1 else ("", "")
-        super().__init__(prefix + "error: " + self.message + end)
+        # Every process usually checks the same input and fails alike: the paragraph is printed by the first of them
+        # on this machine only; the others exit with status 1, silently.
+        printed = world_size > 1 and not _first_to_report(self.message)
+        super().__init__(1 if printed else prefix + "error: " + self.message + end)
         # Under torchrun (accelerate launch with 2+ processes) the launcher ends with a box naming the first process
         # that failed; it shows this file's message as that failure's "traceback", so the paragraph that matters is
         # also the last thing on the screen, instead of "To enable traceback see: ...".
@@ -56,6 +63,51 @@ class RecipeError(SystemExit):
             # store, which torchrun's agent holds, so it outlives this process.
             with contextlib.suppress(Exception):
                 torch.distributed.distributed_c10d._get_default_store().set(FAILED_RANK_KEY, rank)
+
+
+def _first_to_report(message: str) -> bool:
+    """True for the first process of this machine's launch to report ``message`` (an exclusive create of a marker
+    file in the folder torchrun gives this attempt's error files); True when there is no such folder."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        return True
+    marker = Path(error_file).parent.parent / f"recipe_error_{hashlib.sha256(message.encode()).hexdigest()[:16]}"
+    try:
+        descriptor = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # this process's own earlier report of it (an error caught and raised again) counts
+        with contextlib.suppress(OSError, ValueError):
+            return int(marker.read_text() or 0) == os.getpid()
+        return False
+    except OSError:
+        return True
+    with os.fdopen(descriptor, "w") as file:
+        file.write(str(os.getpid()))
+    return True
+
+
+def quiet_library_logs(accelerator: Accelerator) -> None:
+    """transformers' and datasets' warnings from the main process only (every process loads the same model and data:
+    one LOAD REPORT per process otherwise), without terminal colour codes when stderr is not a terminal (a log
+    file), and without the FutureWarning PEFT 0.21 triggers by reading transformers' deprecated
+    ``is_gradient_checkpointing`` (nothing a user can act on). Process-wide: call it once, in ``main()``."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    if not accelerator.is_local_main_process:
+        transformers.utils.logging.set_verbosity_error()
+        datasets.utils.logging.set_verbosity_error()
+    if not sys.stderr.isatty():
+        for handler in transformers.utils.logging.get_logger().handlers:
+            handler.addFilter(_strip_colours)
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+def _strip_colours(record) -> bool:
+    """A logging filter: the record's message without ANSI colour codes (transformers' LOAD REPORT has them)."""
+    record.msg = re.sub(r"\x1b\[[0-9;]*m", "", str(record.msg))
+    return True
 
 
 def positive_int(text: str) -> int:

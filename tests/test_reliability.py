@@ -443,6 +443,26 @@ def test_every_rank_writes_its_error_as_a_line_of_its_own(monkeypatch):
     assert RecipeError("The batch is too small.").code == "error: The batch is too small."
 
 
+def test_an_error_every_rank_hits_is_printed_once(tmp_path, monkeypatch):
+    """Every process checks the same input, so a bad input stopped a 2-process run with the paragraph twice. The
+    first process of the launch to report it prints it; another with the same message exits 1 silently; a different
+    message is still printed, and a process raising its own message again (caught, then re-raised) prints it."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    attempt = tmp_path / "attempt_0"
+    for rank in (0, 1):
+        (attempt / str(rank)).mkdir(parents=True)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "0" / "error.json"))
+    assert RecipeError("The batch is too small.").code == "[rank 0] error: The batch is too small.\n"
+    assert RecipeError("The batch is too small.").code == "[rank 0] error: The batch is too small.\n"  # re-raised
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "1" / "error.json"))
+    marker = next(attempt.glob("recipe_error_*"))
+    marker.write_text("1")  # written by another process (pid 1)
+    assert RecipeError("The batch is too small.").code == 1
+    assert RecipeError("Rank 1's own problem.").code == "[rank 1] error: Rank 1's own problem.\n"
+
+
 def test_missing_config_file_is_reported(tmp_path):
     run = launch(tmp_path / "missing.yaml", TOY, "--output_dir", tmp_path)
     assert run.returncode != 0
