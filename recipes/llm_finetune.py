@@ -88,6 +88,7 @@ from shared.runtime import (  # noqa: E402
     positive_float,
     positive_int,
     prepare_output_dir,
+    quiet_library_logs,
 )
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 from shared.sharded_4bit import load_4bit_sharded  # noqa: E402
@@ -310,6 +311,7 @@ def main():
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node))
     set_seed(args.seed)
+    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     if args.offline_default_settings:
         accelerator.print(f"the offline default model trains with {args.offline_default_settings} (what makes it "
                           "learn visibly; pass either flag to change it)")
@@ -380,7 +382,6 @@ def main():
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps,
                              load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora))
     completed_steps = resume.completed_steps
-    progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
     flops_per_token = lm_flops_per_token(config.hidden_size, config.num_hidden_layers, config.vocab_size, total,
@@ -388,6 +389,9 @@ def main():
     with RunRecord(accelerator, "llm_finetune", output_dir, run_config, model, optimizer, max_train_steps,
                    resume.history.get("train/loss_curve"), args.perf_warmup_steps,
                    devices=sorted(set(split_over), key=str) or None, flops_per_token=flops_per_token) as record:
+        # After RunRecord has printed the configuration: a bar drawn first would have it printed across its line.
+        progress_bar = tqdm(total=max_train_steps, initial=completed_steps,
+                            disable=not accelerator.is_local_main_process)
         for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
             model.train()
             train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume

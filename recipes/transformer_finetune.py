@@ -62,6 +62,7 @@ from shared.model_split import split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir
+from shared.runtime import quiet_library_logs
 from shared.sampling import LengthGroupedShuffledSampler
 
 # The metric modules evaluate loads offline ship in shared/metrics/, wherever the shared/ found above lies.
@@ -277,6 +278,7 @@ def main():
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
     set_seed(args.seed)
+    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir)
     # Every process agrees on the checkpoint to resume from (a collective), before any work.
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")

@@ -75,6 +75,15 @@ def test_every_validation_sample_is_evaluated_once_in_1_and_2_processes(runs):
         assert runs[name]["results"]["eval/num_samples"] == 37, name
 
 
+def test_library_warnings_come_once_and_without_colour_codes(runs):
+    """The pretrained encoder's new classifier head makes transformers print a LOAD REPORT: once in a 2-process run
+    (the main process's), and with no terminal colour codes in a log file; LoRA under FSDP2 (PEFT) has no
+    deprecation warning about is_gradient_checkpointing."""
+    assert runs["ddp"]["log"].count("LOAD REPORT") == 1, runs["ddp"]["log"][-3000:]
+    assert "\x1b[" not in runs["ddp"]["log"]
+    assert "is_gradient_checkpointing" not in runs["lora_fsdp"]["log"]
+
+
 def test_resumed_run_ends_with_the_same_weights_1_process_bitwise(runs):
     assert "resumed from" in runs["single_resumed"]["log"] and "at step 3" in runs["single_resumed"]["log"]
     assert max_abs_difference(weights(runs["single"]["dir"]), weights(runs["single_resumed"]["dir"])) == 0
