@@ -242,6 +242,17 @@ def fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
 
 
+def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
+    """Turns off, in every bitsandbytes ``Linear4bit`` of ``model`` (QLoRA; nothing otherwise), the repacking of its
+    4-bit weight for CPU inference. On a CPU with AVX512-BF16 the layer repacks its weight in place at its first
+    forward in eval mode without gradients (the exact match before training is one) into a layout that only an
+    inference kernel reads: every training forward after it would pass no gradient through the frozen base, and a
+    layer whose in_features are not a multiple of its 64-weight block crashes instead. Off, evaluating and training
+    use one layout on every CPU (CUDA never repacks)."""
+    for layer in (module for module in model.modules() if hasattr(module, "support_avx512bf16_for_cpu")):
+        layer.support_avx512bf16_for_cpu = False  # (read by Linear4bit.forward, set from the CPU when it was built)
+
+
 def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
     """The training loader (shuffled, or in batches of similar length; with --packing each batch one row without
     padding), refused if it cannot give every data-parallel process a batch, and the evaluation loader (padded
@@ -340,8 +351,8 @@ def main():
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     model = load_base_model(accelerator, args.model_name_or_path, config, lora, args.load_in_4bit, split_over,
                             args.max_length, args.trust_remote_code, args.merge_and_save and lora)
-    if args.gradient_checkpointing:
-        # Non-reentrant: works with DDP and LoRA (a frozen base gives the reentrant version inputs without grad).
+    keep_4bit_weights_trainable(model)  # QLoRA: an evaluation must not repack them out of autograd's reach (see there)
+    if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
         lora_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,

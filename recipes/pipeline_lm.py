@@ -247,7 +247,8 @@ def main():
     # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
     pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
     train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
-    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned)
+    # eval's own generator: without, each pass draws from the global RNG (an evaluation first would change dropout)
+    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned, generator=torch.Generator())
 
     # ------------------------------------------------------------------------------ model
     model = build_lm(args.model_name_or_path, model_config, data.tokenizer, args.seed)  # pretrained, or new weights

@@ -219,7 +219,8 @@ def main():
     # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
     pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
     train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
-    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned)
+    # eval's own generator: without, each pass draws from the global RNG (an evaluation first would change dropout)
+    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned, generator=torch.Generator())
 
     # ------------------------------------------------------------------------------ model
     model = build_lm(args.model_name_or_path, model_config, data.tokenizer, args.seed)  # pretrained, or new weights
@@ -248,8 +249,7 @@ def main():
         accelerator.print(f"fsdp: one unit per {wrap_at_blocks(accelerator, model, split.block_list) or 'config'}")
         check_offload_fits_host_ram(accelerator, model)  # offload config: refuse now, not at an OOM mid-run
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
-    )
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     evaluate = lambda: evaluate_lm(accelerator, model, eval_dataloader)
     # Restores the model, optimizer, scheduler, the sampler's seed and every process's RNG states.
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)

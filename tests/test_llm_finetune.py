@@ -88,7 +88,25 @@ def base(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(base, tmp_path_factory):
+def base_96(base, tmp_path_factory):
+    """The tiny Llama with hidden size 96 (2 blocks), the same tokenizer and conversations: rows of 96 weights, not a
+    multiple of the 64-weight blocks that bitsandbytes quantizes in."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("base_96")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chats.jsonl", "chats_validation.jsonl"):
+        shutil.copy(base / name, folder)
+    config = LlamaConfig.from_pretrained(base)
+    config.update({"hidden_size": 96, "head_dim": 24, "num_hidden_layers": 2})  # 4 heads of 24
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(base, base_96, tmp_path_factory):
     root = tmp_path_factory.mktemp("llm")
     data = (
         "--model_name_or_path",
@@ -100,6 +118,8 @@ def runs(base, tmp_path_factory):
     )
     lora_exact = EXACT[: EXACT.index("--skip_eval")]  # the 1x8 run also evaluates, generates and merges
     qlora = ("--load_in_4bit", "--max_train_steps", "2", "--lora_dropout", "0", "--adam_epsilon", "1e-4")
+    qlora_eval = ("--load_in_4bit", "--max_train_steps", "2", "--max_length", "64")
+    qlora_eval = (*qlora_eval, "--per_device_train_batch_size", "4")  # every other flag the default
     jobs = {
         # The same 8 conversations per optimizer step, three ways (a seedable sampler: the same order everywhere).
         "1x8": (
@@ -176,6 +196,22 @@ def runs(base, tmp_path_factory):
             "--checkpointing_steps",
             "1",
         ),
+        # QLoRA with the default evaluation (the exact match before training too), against the same run without the
+        # exact match, and on the hidden-96 model: the observer tells their 4-bit layers the CPU has AVX512-BF16.
+        "qlora_eval": ("single_gpu.yaml", *data, *qlora_eval, "--exact_match_samples", "2"),
+        "qlora_eval_no_exact_match": ("single_gpu.yaml", *data, *qlora_eval, "--exact_match_samples", "0"),
+        "qlora_eval_hidden_96": (
+            "single_gpu.yaml",
+            "--model_name_or_path",
+            base_96,
+            "--train_file",
+            base_96 / "chats.jsonl",
+            "--validation_file",
+            base_96 / "chats_validation.jsonl",
+            *qlora_eval,
+            "--exact_match_samples",
+            "2",
+        ),
         # A full fine-tune in 2 processes, with length-grouped batches and gradient checkpointing.
         "full": (
             "ddp_2gpu.yaml",
@@ -250,6 +286,9 @@ def runs(base, tmp_path_factory):
     # bitsandbytes' 4-bit kernels (QLoRA).
     for name in ("offload", "fsdp", "full", "2x4", "qlora", "qlora_fsdp"):
         jobs[name].env = observer_env(root / "observed" / name)
+    for name in ("qlora_eval", "qlora_eval_no_exact_match", "qlora_eval_hidden_96"):
+        # Every 4-bit layer believes the CPU has AVX512-BF16 (see tests/observer/sitecustomize.py), on any machine.
+        jobs[name].env = {**observer_env(root / "observed" / name), "OBSERVE_AVX512_BF16": "1"}
     # Every run on the kind of device the 2-process runs get, so that the exact comparisons compare like with like.
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
     out = {}
@@ -418,6 +457,29 @@ def test_qlora_trains_a_4bit_base_and_merges_into_a_full_precision_copy(runs, ba
     assert difference == 3.5 * numel, (difference, numel)
     merged = AutoModelForCausalLM.from_pretrained(runs["qlora"]["dir"] / "merged")
     assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+
+
+def test_qlora_trains_the_same_whether_or_not_it_evaluated_first(runs):
+    """With the recipe's defaults a QLoRA run scores greedy answers before training: forwards in eval mode without
+    gradients. On a CPU with AVX512-BF16 such a forward makes bitsandbytes' Linear4bit repack its weight in place into
+    a layout that only an inference kernel reads: training after it would pass no gradient through the 4-bit base, or,
+    with in_features not a multiple of the 64-weight block (hidden size 96), crash. These runs' layers are told the CPU
+    has it, on any machine: no forward went through a repacked weight, every backward through the 4-bit weights, and
+    the losses and adapter are those of the run that did not score answers first."""
+    first, without = runs["qlora_eval"], runs["qlora_eval_no_exact_match"]
+    assert first["results"]["eval/exact_match_num_questions"] == 2 and "exact match before training" in first["log"]
+    assert without["results"]["eval/exact_match_num_questions"] == 0
+    np.testing.assert_allclose(first["results"]["train/loss_curve"], without["results"]["train/loss_curve"], rtol=1e-6)
+    assert max_relative_difference(adapter(first), adapter(without)) <= 1e-6
+    hidden_96 = runs["qlora_eval_hidden_96"]["results"]
+    assert hidden_96["eval/exact_match_num_questions"] == 2 and np.isfinite(hidden_96["eval/loss"])
+    assert len(hidden_96["train/loss_curve"]) == 2
+    for name, linear_layers in (("qlora_eval", 28), ("qlora_eval_no_exact_match", 28), ("qlora_eval_hidden_96", 14)):
+        process = runs[name]["observed"]["rank0"]
+        calls = process["bitsandbytes"]
+        assert calls.get("avx512_bf16_claimed", 0) >= linear_layers, (name, calls)  # the observer's claim reached them
+        assert calls.get("matmul_4bit_cpu_packed", 0) == 0, (name, calls)
+        went_through_4bit_weights(process, linear_layers, steps=2)
 
 
 def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):

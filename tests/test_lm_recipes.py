@@ -448,6 +448,49 @@ def test_training_starts_from_a_saved_model_and_its_tokenizer(runs, resumed):
     assert pretrained["results"]["completed_steps"] == 1
 
 
+@pytest.fixture(scope="module")
+def dropout_runs(tmp_path_factory):
+    """A tiny GPT-2 with its default dropout (0.1 on embeddings, attention and residuals), trained 3 steps by
+    train_lm.py with and without --eval_before_training."""
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    sys.path.insert(0, str(REPO))
+    from shared.lm_data import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("dropout")
+    tokenizer = train_bpe_tokenizer((f"def f{i}(x):\n    return x * {i}\n" for i in range(200)), vocab_size=300)
+    tokenizer.save_pretrained(root / "gpt2")
+    eos = tokenizer.eos_token_id
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos)
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "gpt2")
+    common = ("--model_name_or_path", root / "gpt2", "--corpus_max_mb", "0.5", "--block_size", "32")
+    common = (*common, "--max_train_steps", "3", "--per_device_train_batch_size", "4", "--max_eval_samples", "4")
+    common = (*common, "--sample_tokens", "0")
+    jobs = {
+        name: ("single_gpu.yaml", TRAIN, *common, *extra, "--output_dir", root / name)
+        for name, extra in (("evaluated_first", ("--eval_before_training",)), ("trained_first", ()))
+    }
+    finished = launch_two_at_a_time(jobs)
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+    return {name: {"dir": root / name, "results": read_results(root / name)} for name in finished}
+
+
+def test_evaluating_before_training_leaves_the_training_alone(dropout_runs):
+    """An evaluation before training must not change the training: here its dropout masks, drawn from the global RNG,
+    which a loader without a generator of its own draws a seed from at every pass (the evaluation loader has one)."""
+    first, plain = dropout_runs["evaluated_first"], dropout_runs["trained_first"]
+    assert first["results"]["eval/perplexity_before_training"] > 0
+    assert "eval/perplexity_before_training" not in plain["results"]
+    assert first["results"]["train/loss_curve"] == pytest.approx(plain["results"]["train/loss_curve"], rel=1e-6)
+    assert max_weight_difference(first["dir"], plain["dir"]) <= 1e-6
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):

@@ -18,6 +18,13 @@ recipes. It does nothing unless OBSERVE_DIR is set; then, at exit, each process 
   the bytes it is stored in per weight it stands for (0.5: 4 bits).
 - ``loading_events``: in order, each ``quantize_4bit`` (``["quantize", weights]``) and each FSDP2 ``fully_shard``
   (``["shard", module class]``) call: how much of the model a process quantized before sharding it.
+- ``bitsandbytes["matmul_4bit_cpu_packed"]``: forwards of a 4-bit layer whose weight bitsandbytes had repacked into
+  its CPU inference layout (``quant_state.packing_format_for_cpu``), which no gradient flows through.
+
+With OBSERVE_AVX512_BF16=1 as well, every ``Linear4bit`` built in the process takes the CPU for one with AVX512-BF16
+(bitsandbytes' ``has_avx512bf16`` as that layer's module sees it; its kernels stay those of the real CPU): what makes
+it repack its weight in an eval-mode forward without gradients, so that a test sees that path on any CPU.
+``bitsandbytes["avx512_bf16_claimed"]`` counts the layers told so.
 
 Patches are applied right after the module they patch is imported (a ``sys.meta_path`` finder), before anything else
 can bind the originals, and cost one Python call per saved tensor, file open or 4-bit call.
@@ -101,6 +108,8 @@ def patch_bitsandbytes(bnb) -> None:
 
     def matmul_4bit(A, B, quant_state, *args, **kwargs):
         _count("matmul_4bit")
+        if getattr(quant_state, "packing_format_for_cpu", False):
+            _count("matmul_4bit_cpu_packed")
         weights = 1
         for size in quant_state.shape:
             weights *= size
@@ -118,6 +127,13 @@ def patch_bitsandbytes(bnb) -> None:
             return _original(*args, **kwargs)
 
         setattr(functional, name, counted)
+    if os.environ.get("OBSERVE_AVX512_BF16") == "1":
+        # Linear4bit.__init__ looks the name up in its own module: every layer built from now on believes it.
+        def has_avx512bf16():
+            _count("avx512_bf16_claimed")
+            return True
+
+        bnb.nn.modules.has_avx512bf16 = has_avx512bf16
 
 
 def patch_fsdp(fsdp) -> None:
