@@ -93,6 +93,13 @@ def read_or_receive(accelerator: Accelerator, files: dict[str, Path], key: str, 
                               "checkpoint of another architecture, or one whose names transformers converts at "
                               "loading, which this loader does not; use the ddp config for it.")
         with safe_open(files[key], "pt") as weights:  # opened per tensor: mapped pages are let go at once
+            stored = tuple(weights.get_slice(key).get_shape())
+            if stored != tuple(shape):  # else the others would receive it into their shape: scrambled, or a crash
+                raise RecipeError(f"The checkpoint's tensor {key!r} has the shape {list(stored)}, but the model built "
+                                  f"from its config takes {list(shape)} there: a config.json that does not match the "
+                                  "weights, or a layout this layer-by-layer loader does not convert. If one process "
+                                  "(single_gpu.yaml) trains it, use accelerate_configs/ddp_2gpu.yaml for 2 GPUs (each "
+                                  "process loads it with from_pretrained); else correct config.json.")
             tensor = weights.get_tensor(key).to(device=accelerator.device, dtype=dtype)
     else:
         tensor = torch.empty(shape, dtype=dtype, device=accelerator.device)

@@ -911,6 +911,21 @@ def refusals(base, tmp_path_factory):
         (*model, *data, "--full_finetune", "--output_dir", root / "offload"),
         env={"RECIPES_HOST_RAM_GIB": str(2**-20)},
     )
+    # QLoRA under FSDP2 on a checkpoint whose MLP weights are not the shape its config.json says (128 x 64 stored, 96
+    # x 64 built): stopped by the main process before it broadcasts the tensor the others would receive into their own
+    # shape.
+    mismatched = root / "mismatched"
+    mismatched.mkdir()
+    for name in os.listdir(base):
+        if name == "model.safetensors" or name.startswith("tokenizer"):
+            (mismatched / name).symlink_to(base / name)
+    config = json.loads((base / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    jobs["qlora_shape"] = Job(
+        "fsdp_2gpu.yaml",
+        RECIPE,
+        ("--model_name_or_path", mismatched, *data, "--load_in_4bit", "--skip_eval", "--output_dir", root / "shape"),
+    )
     # --merge_and_save on a machine said to have 1 KiB free: refused before training, with the offline command.
     jobs["merge_host_ram"] = Job(
         "single_gpu.yaml",
@@ -941,12 +956,20 @@ def refusals(base, tmp_path_factory):
         ("no_bitsandbytes", "--load_in_4bit needs bitsandbytes"),
         ("offload_host_ram", "FSDP2 with CPU offload keeps the parameters, gradients and AdamW state in host RAM"),
         ("merge_host_ram", "--merge_and_save loads the whole base"),
+        (
+            "qlora_shape",
+            "[rank 0] error: The checkpoint's tensor 'model.layers.0.mlp.gate_proj.weight' has the shape [128, 64], "
+            "but the model built from its config takes [96, 64] there",
+        ),
     ],
 )
 def test_bad_input_gets_one_clear_error(refusals, case, message):
     assert message in refusals[case]
     if case == "offload_host_ram":
         assert "is free (RECIPES_HOST_RAM_GIB)" in refusals[case] and "tools/plan.py --cpu_offload" in refusals[case]
+    if case == "qlora_shape":  # what to do; rank 1, still waiting for the tensor, is stopped by rank 0's exit
+        assert "use accelerate_configs/ddp_2gpu.yaml" in refusals[case] and "correct config.json" in refusals[case]
+        assert "[rank 1] stopped: rank 0 ended first" in refusals[case] and "[rank1]: Traceback" not in refusals[case]
     if case == "merge_host_ram":
         assert "AutoPeftModelForCausalLM.from_pretrained('OUTPUT_DIR'" in refusals[case]
         assert "train/loss" not in refusals[case]  # refused before training
