@@ -93,6 +93,13 @@ def read_or_receive(accelerator: Accelerator, files: dict[str, Path], key: str, 
                               "checkpoint of another architecture, or one whose names transformers converts at "
                               "loading, which this loader does not; use the ddp config for it.")
         with safe_open(files[key], "pt") as weights:  # opened per tensor: mapped pages are let go at once
+            stored = tuple(weights.get_slice(key).get_shape())
+            if stored != tuple(shape):  # else the others would receive it into their shape: scrambled, or a crash
+                raise RecipeError(f"The checkpoint's tensor {key!r} has the shape {list(stored)}, but the model built "
+                                  f"from its config takes {list(shape)} there: a config.json that does not match the "
+                                  "weights, or a layout this layer-by-layer loader does not convert. If one process "
+                                  "(single_gpu.yaml) trains it, use accelerate_configs/ddp_2gpu.yaml for 2 GPUs (each "
+                                  "process loads it with from_pretrained); else correct config.json.")
             tensor = weights.get_tensor(key).to(device=accelerator.device, dtype=dtype)
     else:
         tensor = torch.empty(shape, dtype=dtype, device=accelerator.device)
@@ -114,6 +121,7 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     quantized on this process's device and sharded by FSDP2 before the next is read; then the rest, whole. Call it
     on every process after LoRA and before ``accelerator.prepare``, which shards the rest and skips the layers."""
     import bitsandbytes as bnb
+    from transformers.pytorch_utils import Conv1D
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = base.hf_quantizer.quantization_config.bnb_4bit_compute_dtype  # what from_pretrained would load in
@@ -128,23 +136,28 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     plugin.cpu_ram_efficient_loading = False
     os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
 
-    tied = base.get_output_embeddings() if getattr(base.config, "tie_word_embeddings", False) else None
+    tied = base.all_tied_weights_keys  # e.g. lm_head.weight -> the embedding's: not read, tied to it once loaded
 
     def load(module: torch.nn.Module, prefix: str) -> None:
         for name, param in list(module.named_parameters()):
-            if "lora_" in name or module is tied:  # the adapter is real already (PEFT built it on the CPU)
-                continue
             owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
             key = (prefix + name).replace(".base_layer.", ".")  # PEFT wraps the linear layers it adapts
+            if "lora_" in name or key in tied:  # the adapter is real already (PEFT built it on the CPU); tied below
+                continue
             if isinstance(owner, bnb.nn.Linear4bit) and name.endswith("weight"):
-                # Quantized where it lands, as from_pretrained does: Params4bit.to() runs bitsandbytes' quantize_4bit.
-                value = read_or_receive(accelerator, files, key, (owner.out_features, owner.in_features), dtype)
+                # A Conv1D (GPT-2) stores [in, out]: transposed, then quantized where it lands, as from_pretrained does
+                # (transformers' Bnb4bitQuantize; Params4bit.to() runs bitsandbytes' quantize_4bit).
+                conv1d = issubclass(getattr(owner, "source_cls", torch.nn.Linear), Conv1D)
+                shape = (owner.in_features, owner.out_features) if conv1d else (owner.out_features, owner.in_features)
+                value = read_or_receive(accelerator, files, key, shape, dtype)
+                value = value.T if conv1d else value
                 owner.weight = bnb.nn.Params4bit(value, requires_grad=False, **param.__dict__).to(value.device)
             else:
                 # Read in the load dtype (rounded as from_pretrained rounds), then the skeleton's own (fp32 after
-                # prepare_model_for_kbit_training).
+                # prepare_model_for_kbit_training). To value.device: Accelerate's CPU device, cpu:0, would make .to()
+                # copy the Parameter into a plain tensor, which tie_weights does not take for a parameter.
                 value = read_or_receive(accelerator, files, key, tuple(param.shape), dtype).to(param.dtype)
-                set_module_tensor_to_device(module, name, accelerator.device, value=value)
+                set_module_tensor_to_device(module, name, value.device, value=value)
 
     blocks = base.get_submodule(block_list)
     for index, block in enumerate(blocks):
@@ -162,7 +175,7 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
                     load(child, f"{name}.{child_name}.")
         else:
             load(module, f"{name}.")
-    if tied is not None:  # the LM head is the embedding matrix: tied again to the loaded one
+    if tied:  # e.g. the LM head is the embedding matrix: tied again to the loaded one
         base.tie_weights()
     # What this process holds now (its 4-bit shards, on the device or, offloaded, in host RAM; the parts not in 4 bits
     # whole until prepare shards them), and its host RAM peak so far: said once, by the main process.

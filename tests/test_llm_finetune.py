@@ -30,6 +30,8 @@ EXACT = (
     "1e-4",
     "--skip_eval",
 )
+# QLoRA, 2 steps, on the plain-text format: the 1- and 2-process runs compared.
+QLORA = ("--load_in_4bit", "--max_train_steps", "2", "--lora_dropout", "0", "--adam_epsilon", "1e-4")
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,6 @@ def runs(base, base_96, tmp_path_factory):
         base / "chats_validation.jsonl",
     )
     lora_exact = EXACT[: EXACT.index("--skip_eval")]  # the 1x8 run also evaluates, generates and merges
-    qlora = ("--load_in_4bit", "--max_train_steps", "2", "--lora_dropout", "0", "--adam_epsilon", "1e-4")
     qlora_eval = ("--load_in_4bit", "--max_train_steps", "2", "--max_length", "64")
     qlora_eval = (*qlora_eval, "--per_device_train_batch_size", "4")  # every other flag the default
     jobs = {
@@ -173,7 +174,7 @@ def runs(base, base_96, tmp_path_factory):
             base,
             "--train_file",
             base / "texts.parquet",
-            *qlora,
+            *QLORA,
             "--max_length",
             "64",
             "--merge_and_save",
@@ -187,7 +188,7 @@ def runs(base, base_96, tmp_path_factory):
             base,
             "--train_file",
             base / "texts.parquet",
-            *qlora,
+            *QLORA,
             "--max_length",
             "64",
             "--per_device_train_batch_size",
@@ -514,6 +515,85 @@ def test_qlora_under_fsdp_is_loaded_one_layer_at_a_time(runs, base):
         assert 0 < most <= layer, (rank, most, process["loading_events"][:12])
     weights = str((base / "model.safetensors").resolve())
     assert weights in observed_ranks["rank0"]["opened"] and weights not in observed_ranks["rank1"]["opened"]
+
+
+@pytest.fixture(scope="module")
+def architectures(base, tmp_path_factory):
+    """QLoRA on users' shapes other than the Llama above, built tiny from transformers' own configs with the base's
+    tokenizer, in one process and under FSDP2 (layer-by-layer loading): a Qwen2 whose LM head is its embedding matrix
+    (tie_word_embeddings, as in most small LLMs), under fsdp_2gpu.yaml; and a GPT-2 (Conv1D layers, which store their
+    weights as [in, out]), untied so that its runs check the Conv1D layout alone, under fsdp_offload_2gpu.yaml, and
+    without dropout (which GPT-2 has by default) so that one and two processes compute the same steps."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, Qwen2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    special = {
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
+    data = ("--train_file", base / "texts.parquet", *QLORA, "--max_length", "64", "--skip_eval")
+    configs = {
+        "qwen2": Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=128,
+            **special,
+        ),
+        "gpt2": GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            tie_word_embeddings=False,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            **special,
+        ),
+    }
+    root, jobs = tmp_path_factory.mktemp("architectures"), {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        model = ("--model_name_or_path", root / name, *data)
+        jobs[f"{name}_one"] = Job("single_gpu.yaml", RECIPE, (*model, "--per_device_train_batch_size", "8"))
+        sharded = "fsdp_2gpu.yaml" if name == "qwen2" else "fsdp_offload_2gpu.yaml"
+        jobs[f"{name}_fsdp"] = Job(
+            sharded, RECIPE, (*model, "--per_device_train_batch_size", "4"), env=observer_env(root / "observed" / name)
+        )
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", root / name)
+    finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+    return {name: {"dir": root / name, "results": read_results(root / name)} for name in finished} | {
+        "observed": {name: observed(root / "observed" / name, RECIPE) for name in configs}
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gpt2"])
+def test_qlora_under_fsdp_trains_tied_embeddings_and_conv1d_layers_like_one_process(architectures, name):
+    """The tied Qwen2 loads under FSDP2 (its LM head tied again to the loaded embedding) and GPT-2's Conv1D weights
+    are quantized in the orientation one process quantizes them in (transposed to [out, in]): the same losses and
+    adapter as one process, with every linear layer in 4 bits on each rank."""
+    one, fsdp = architectures[f"{name}_one"]["results"], architectures[f"{name}_fsdp"]["results"]
+    assert (fsdp["parallelism"], fsdp["num_processes"], fsdp["global_batch_size"]) == ("fsdp", 2, 8)
+    np.testing.assert_allclose(fsdp["train/loss_curve"], one["train/loss_curve"], rtol=1e-5)
+    difference = max_relative_difference(adapter(architectures[f"{name}_fsdp"]), adapter(architectures[f"{name}_one"]))
+    assert difference <= 1e-5, difference
+    offloaded = name == "gpt2"
+    assert set(architectures["observed"][name]) == {"rank0", "rank1"}
+    for rank, process in architectures["observed"][name].items():
+        went_through_4bit_weights(process, linear_layers=2 * (7 if name == "qwen2" else 4), steps=2)
+        facts = fsdp["fsdp/sharding"][rank]
+        assert facts["dtensor_parameters"] == facts["parameters"]
+        assert facts["offloaded_parameters"] == (facts["parameters"] if offloaded else 0), (rank, facts)
 
 
 def test_full_fine_tune_saves_the_whole_model(runs, base):
@@ -893,6 +973,21 @@ def refusals(base, tmp_path_factory):
         (*model, *data, "--full_finetune", "--output_dir", root / "offload"),
         env={"RECIPES_HOST_RAM_GIB": str(2**-20)},
     )
+    # QLoRA under FSDP2 on a checkpoint whose MLP weights are not the shape its config.json says (128 x 64 stored, 96
+    # x 64 built): stopped by the main process before it broadcasts the tensor the others would receive into their own
+    # shape.
+    mismatched = root / "mismatched"
+    mismatched.mkdir()
+    for name in os.listdir(base):
+        if name == "model.safetensors" or name.startswith("tokenizer"):
+            (mismatched / name).symlink_to(base / name)
+    config = json.loads((base / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    jobs["qlora_shape"] = Job(
+        "fsdp_2gpu.yaml",
+        RECIPE,
+        ("--model_name_or_path", mismatched, *data, "--load_in_4bit", "--skip_eval", "--output_dir", root / "shape"),
+    )
     # --merge_and_save on a machine said to have 1 KiB free: refused before training, with the offline command.
     jobs["merge_host_ram"] = Job(
         "single_gpu.yaml",
@@ -923,6 +1018,11 @@ def refusals(base, tmp_path_factory):
         ("no_bitsandbytes", "--load_in_4bit needs bitsandbytes"),
         ("offload_host_ram", "FSDP2 with CPU offload keeps the parameters, gradients and AdamW state in host RAM"),
         ("merge_host_ram", "--merge_and_save loads the whole base"),
+        (
+            "qlora_shape",
+            "[rank 0] error: The checkpoint's tensor 'model.layers.0.mlp.gate_proj.weight' has the shape [128, 64], "
+            "but the model built from its config takes [96, 64] there",
+        ),
     ],
 )
 def test_bad_input_gets_one_clear_error(refusals, case, message):
@@ -931,6 +1031,9 @@ def test_bad_input_gets_one_clear_error(refusals, case, message):
         assert refusals[case].count("] error: ") == 1, refusals[case]
     if case == "offload_host_ram":
         assert "is free (RECIPES_HOST_RAM_GIB)" in refusals[case] and "tools/plan.py --cpu_offload" in refusals[case]
+    if case == "qlora_shape":  # what to do; rank 1, still waiting for the tensor, is stopped by rank 0's exit
+        assert "use accelerate_configs/ddp_2gpu.yaml" in refusals[case] and "correct config.json" in refusals[case]
+        assert "[rank 1] stopped: rank 0 ended first" in refusals[case] and "[rank1]: Traceback" not in refusals[case]
     if case == "merge_host_ram":
         assert "AutoPeftModelForCausalLM.from_pretrained('OUTPUT_DIR'" in refusals[case]
         assert "train/loss" not in refusals[case]  # refused before training
