@@ -11,7 +11,16 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch_all, observed, observer_env, read_results, visible_gpus
+from launch import (
+    REPO,
+    Job,
+    assert_offloaded_apart_from_plain,
+    launch_all,
+    observed,
+    observer_env,
+    read_results,
+    visible_gpus,
+)
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -312,12 +321,12 @@ def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
 
 
 def test_lora_with_cpu_offload_trains_like_one_process(runs):
-    """Offload: every parameter FSDP2 holds is offloaded, AdamW's state lives on the CPU, and the steps are one
-    process's."""
+    """Offload: every parameter FSDP2 holds is offloaded and none of the plain FSDP run's (on GPUs: the shards and
+    AdamW's state in host RAM, not on the GPU; ``assert_offloaded_apart_from_plain``: what differs on a CPU run), and
+    the steps are one process's."""
     offload = runs["offload"]["results"]
     assert offload["parallelism"] == "fsdp"
-    for facts in offload["fsdp/sharding"].values():
-        assert facts["offloaded_parameters"] == facts["parameters"] and facts["optimizer_state_devices"] == ["cpu"]
+    assert_offloaded_apart_from_plain(offload["fsdp/sharding"], runs["fsdp"]["results"]["fsdp/sharding"])
     np.testing.assert_allclose(offload["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"], rtol=1e-5)
     assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
 
