@@ -17,6 +17,9 @@ with its numbers when it is off (the tolerances and why are at ``TOLERANCE``):
 - LoRA with --gradient_checkpointing against LoRA without: a lower peak of allocated CUDA memory;
 - QLoRA: the base really is 4-bit (bitsandbytes ``Linear4bit`` modules, ``Params4bit`` bytes against a bf16 load), and
   the saved adapter reloaded on the 4-bit base changes the logits as it does on the full-precision base;
+- QLoRA under FSDP2 in one process (the layer-by-layer 4-bit loader, FSDP2's bf16 policy over ``Linear4bit``), without
+  and with CPU offload, bf16, --gradient_checkpointing, against the one-GPU QLoRA run: the loss of every step;
+- QLoRA split over cuda:0 + the CPU: no GPU's peak, loading included, nears the whole 4-bit model;
 - the linear toy against the line its data came from; every LM run's peak against the fit planner's estimate;
 - two ranks on one GPU over gloo: which of the collectives DDP and FSDP2 need work on CUDA tensors (NCCL refuses two
   ranks on one device, so the recipes' two-process paths need two GPUs; ``TWO_PROCESS_ON_ONE_GPU`` says which).
@@ -67,7 +70,11 @@ TARGETS = {
     "llm-vs-trl": 1.3,  # recipes/llm_finetune.py against TRL's SFTTrainer (tokens/s)
     "llm-vs-trl-loss": 1.02,  # ... at a validation loss no worse than this times TRL's
 }
-QLORA_VERIFY_MINUTES = 0.4  # two loads of the 125m base and four forward passes, in this process
+# The steps this script runs itself after the launches (phase "after"), each with its minutes: the QLoRA adapter's
+# reload (two loads of the 125m base, four forward passes), the QLoRA split (a 0.2B bf16 Llama built and saved, then
+# one launch of 2 steps: start-up, 4-bit loading on the CPU, the move to cuda:0), the two-rank probe (two spawned
+# processes importing torch) and the planner (tools/plan.py once per LM run).
+AFTER_MINUTES = {"reload": 0.4, "split": 1.0, "probe": 0.2, "planner": 0.2}
 PARALLEL_JOBS = 3  # comparison launches at once: start-up is CPU work and the card has room for three small runs
 # The comparison shape of the LM: small enough that the split's CPU half takes well under a second per step.
 REF_SHAPE = dict(steps=6, warmup=1, batch=4, block=256, vocab=8192, corpus_mb=2, threads=None)  # 125m, fp32
@@ -99,6 +106,12 @@ TOLERANCE = {
     "lm-fp32": dict(rtol=1e-3, atol=1e-4),
     # A checkpointed block keeps only its input for backward; 10 % of the peak is far below what 12 blocks save.
     "gradient-checkpointing-saving": 0.10,
+    # QLoRA under FSDP2 in one process against the one-GPU QLoRA run, both bf16: the same NF4 weights and the same
+    # bf16 matmuls (FSDP2's policy casts the adapter to bf16 where the one-GPU run's autocast does); gradients are
+    # reduced in bf16 (Accelerate's reduce_dtype) and the offloaded run steps AdamW on the CPU: bf16 rounding (0.4 %
+    # per rounding) moving 20 steps by ~1 %. A loader that gives FSDP2 other weights, or an adapter that does not
+    # train, moves the curve by far more.
+    "qlora-fsdp": dict(rtol=0.02, atol=0.02),
     # Params4bit bytes / bf16 bytes of the same weights: NF4 is 4 bits of 16 (0.25); its scales are held apart.
     "4bit-bytes-ratio": 0.30,
     # ||delta_4bit - delta_full|| / ||delta_full||, delta = logits with the adapter - logits without. The adapter's
@@ -158,7 +171,8 @@ def lm(name: str, setup: str, size: str, shape: dict, *extra: str, minutes: floa
     }
 
 
-def llm(name: str, config: str, base: Path, *extra: str, gradient_checkpointing: bool = True, needs=()) -> dict:
+def llm(name: str, config: str, base: Path, *extra: str, gradient_checkpointing: bool = True, needs=(),
+        launch_args=()) -> dict:
     """A recipes/llm_finetune.py check on the base model the lm-base check saved (offline: no Hub model here)."""
     args = ["--model_name_or_path", str(base), "--max_train_steps", "20", "--max_length", "512"]
     # --learning_rate 1e-3 (the README's offline line): at the default 2e-4 a few steps on the one-word offline
@@ -176,9 +190,16 @@ def llm(name: str, config: str, base: Path, *extra: str, gradient_checkpointing:
         "config": config,
         "script": "recipes/llm_finetune.py",
         "args": args,
+        "launch_args": list(launch_args),
         "minutes": MINUTES["llm"],
         "needs": ["lm-base", *needs],
     }
+
+
+def after(name: str, what: str, minutes: float, needs=()) -> dict:
+    """A step this script runs itself once the launches are done (phase "after"), with its own estimate."""
+    return {"name": name, "phase": "after", "recipe": None, "config": None, "script": None, "args": [], "what": what,
+            "minutes": minutes, "needs": list(needs)}
 
 
 def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gpu")) -> list[dict]:
@@ -242,6 +263,13 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
                 llm("llm-lora-bf16-no_gc", "single_gpu.yaml", base_dir, *bf16, gradient_checkpointing=False),
                 # Kept: the adapter is reloaded on the 4-bit base after the run.
                 {**llm("llm-qlora-bf16", "single_gpu.yaml", base_dir, "--load_in_4bit", *bf16), "keep_outputs": True},
+                # QLoRA under FSDP2 as each GPU of fsdp_2gpu.yaml / fsdp_offload_2gpu.yaml runs it, in one process:
+                # CUDA's 4-bit kernels under FSDP2's bf16 policy, which the CPU tests cannot run.
+                *(
+                    llm(f"llm-qlora-{setup}-1process", config, base_dir, "--load_in_4bit", *bf16,
+                        launch_args=("--num_processes", "1"), needs=["llm-qlora-bf16"])
+                    for setup, config in (("fsdp", "fsdp_2gpu.yaml"), ("fsdp-offload", "fsdp_offload_2gpu.yaml"))
+                ),
             ],
             "llm",
         )
@@ -281,6 +309,17 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
             ),
         ]
     phases.append((alone, "alone"))
+    ran_after = [
+        after("llm-qlora-bf16-reload", "llm-qlora-bf16's adapter reloaded on the 4-bit and the bf16 base",
+              AFTER_MINUTES["reload"], needs=["llm-qlora-bf16"]),
+        after("qlora-split", "QLoRA split over cuda:0 + the CPU: a weights-dominant base built, then one launch "
+              "(qlora_split_verdict)", AFTER_MINUTES["split"]),
+        after("planner-peaks", "tools/plan.py's peak for each LM run", AFTER_MINUTES["planner"]),
+    ]
+    if gpus < 2:
+        ran_after.append(after("two-rank-probe", "two gloo ranks on one device: the collectives DDP and FSDP2 need",
+                               AFTER_MINUTES["probe"]))
+    phases.append((ran_after, "after"))
     plan = [{**check, "phase": phase} for group, phase in phases for check in group]
     if tiny:  # fp16 needs a GPU; on CPU the rehearsal keeps fp32 and test sizes
         plan = [check for check in plan if check["name"] != "finetune-fp16"]
@@ -292,7 +331,7 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
             "--max_length": "64",
             "--logging_steps": "2",
         }
-        for check in plan:
+        for check in (check for check in plan if check["phase"] != "after"):
             args = [arg for arg in check["args"] if arg not in ("bf16", "--mixed_precision")]
             check["args"] = [
                 shrink.get(args[i - 1], arg) if i and check["recipe"] not in ("train_lm", "linear_toy") else arg
@@ -328,7 +367,12 @@ def perf_checks(tiny: bool) -> list[dict]:
            launch_args=("--num_processes", "1"), minutes=MINUTES["lm-speed"]),
         *({**run, "minutes": MINUTES["finetune"], "needs": []} for run in finetunes),
     ]
-    return [{**check, "phase": "alone"} for check in plan]
+    ran_after = [
+        after("planner-peaks", "tools/plan.py's peak for each LM run", AFTER_MINUTES["planner"]),
+        after("vs_trl", "benchmarks/vs_trl.py --preset gpu-1b --repeats 2 --max_train_steps 20 (--tiny: cpu-tiny)",
+              MINUTES["vs_trl"]),
+    ]
+    return [{**check, "phase": "alone"} for check in plan] + [{**step, "phase": "after"} for step in ran_after]
 
 
 def select(plan: list[dict], words: list[str]) -> list[dict]:
@@ -601,12 +645,23 @@ def qlora_split_verdict(output_dir: Path, cuda: bool) -> dict:
     if done.returncode != 0:
         return verdict(name, False, f"the launch failed: {(done.stderr or done.stdout).strip()[-400:]}", None)
     results = json.loads((out / "results.json").read_text())
-    whole_gib = linear / 2 / 2**30  # NF4: half a byte per weight
-    peaks = {device: gib for device, gib in results["memory/peak_gib"].items() if device.startswith("cuda")}
-    limit = 0.75 * whole_gib
-    ok = bool(peaks) and max(peaks.values()) <= limit
-    line = f"peaks {peaks} GiB; the whole 4-bit model is {whole_gib:.4f} GiB, allowed <= 0.75 of it ({limit:.4f})"
-    return verdict(name, ok, line, 0.75, peaks=peaks, whole_4bit_gib=whole_gib)
+    return split_peaks_verdict(name, results, whole_gib=linear / 2 / 2**30)  # NF4: half a byte per weight
+
+
+def split_peaks_verdict(name: str, results: dict, whole_gib: float, limit: float = 0.75) -> dict:
+    """Each GPU's peak over the whole run against ``limit`` x the whole 4-bit model: the larger of its peak while
+    loading and preparing (``memory/load_peak_gib``, taken before the counter restarts for training) and its training
+    peak (``memory/peak_gib``). The training peak alone never sees a model that sat whole on one GPU while loading."""
+    loading, training = results.get("memory/load_peak_gib") or {}, results.get("memory/peak_gib") or {}
+    peaks = {}
+    for device, gib in [*loading.items(), *training.items()]:
+        if device.split("/")[-1].startswith("cuda"):  # "cuda:0", or "rank1/cuda:1" in a multi-process record
+            peaks[device] = max(gib, peaks.get(device, 0.0))
+    ok = bool(peaks) and any(d.split("/")[-1].startswith("cuda") for d in loading) and max(peaks.values()) <= (
+        limit * whole_gib)
+    line = (f"peaks {peaks} GiB (loading {loading}, training {training}); the whole 4-bit model is {whole_gib:.4f} "
+            f"GiB, allowed <= {limit} of it ({limit * whole_gib:.4f})")
+    return verdict(name, ok, line, limit, peaks=peaks, whole_4bit_gib=whole_gib)
 
 
 # Each collective with its check: rank r contributes a tensor full of (r + 1).
@@ -742,15 +797,20 @@ def judge(plan: list[dict], records: dict, output_dir: Path, cuda: bool) -> list
                 peak_on(records.get(n, {}), "cuda:0") for n in ("llm-lora-bf16", "llm-lora-bf16-no_gc")
             )
             verdicts.append(compare_less_memory(name, with_gc, without_gc, TOLERANCE["gradient-checkpointing-saving"]))
-    if "llm-qlora-bf16" in names:
+    if "llm-qlora-bf16-reload" in names:
         verdicts += qlora_verdicts(records, output_dir)
+    for candidate, what in (("llm-qlora-fsdp-1process", "FSDP2"), ("llm-qlora-fsdp-offload-1process",
+                                                                    "FSDP2 + CPU offload")):
+        if {candidate, "llm-qlora-bf16"} <= names:
+            name = f"QLoRA under {what} in 1 process = one-GPU QLoRA"
+            verdicts.append(curves(name, candidate, "llm-qlora-bf16", TOLERANCE["qlora-fsdp"]))
     if "linear_toy" in names:
         toy = results("linear_toy") or {}
         error = toy.get("eval/max_abs_weight_error")
         verdicts.append(
             compare_at_most("linear_toy = its true line", error, TOLERANCE["linear_toy-weight"], "max |w - w_true|")
         )
-    for check in plan:
+    for check in plan if "planner-peaks" in names else []:
         record = records.get(check["name"], {})
         if check["recipe"] not in ("train_lm", "pipeline_lm") or record.get("status") != "ok":
             continue
@@ -925,20 +985,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def estimated_minutes(plan: list[dict], jobs: int) -> float:
-    """The plan's wall time: a parallel phase takes its launches' minutes / jobs, plus a quarter for contention (the
-    start-ups share the CPU cores, the split's CPU half most), and never less than its longest launch."""
+    """The plan's wall time, from its own entries only (every launch and every step this script runs carries its
+    minutes): a parallel phase takes its launches' minutes / jobs, plus a quarter for contention (the start-ups share
+    the CPU cores, the split's CPU half most), and never less than its longest launch; "alone" and "after" run one at
+    a time."""
     total = 0.0
-    for phase in ("compare", "llm", "alone"):
+    for phase in ("compare", "llm", "alone", "after"):
         minutes = [check["minutes"] for check in plan if check["phase"] == phase]
-        if phase == "alone":
+        if phase in ("alone", "after"):
             total += sum(minutes)
         elif minutes:
             total += max(max(minutes), 1.25 * sum(minutes) / jobs)
-    if any(check["name"] == "llm-qlora-bf16" for check in plan):
-        total += QLORA_VERIFY_MINUTES
-    if any(check["name"] == "lm-single-compile" for check in plan):  # the --perf plan: vs_trl.py after the launches
-        total += MINUTES["vs_trl"]
-    return total + 0.2  # the probe and the planner's estimates
+    return total
 
 
 def run_phases(plan: list[dict], output_dir: Path, timeout: float, jobs: int, name: str) -> int:
@@ -979,22 +1037,26 @@ def main(argv=None) -> int:
     if args.only:
         plan = select(plan, args.only)
     jobs = 1 if args.tiny else PARALLEL_JOBS  # the rehearsal runs on small shared machines: one launch at a time
+    steps = sum(check["phase"] == "after" for check in plan)
     print(
         f"GPU check: {gpus} GPU(s) ({', '.join(names) if names else 'none found here: the plan for ' + str(gpus)}); "
-        f"{len(plan)} launches, about {estimated_minutes(plan, PARALLEL_JOBS):.1f} minutes; results to {output_dir}"
+        f"{len(plan) - steps} launches and {steps} steps of its own, about "
+        f"{estimated_minutes(plan, PARALLEL_JOBS):.1f} minutes; results to {output_dir}"
     )
     for check in plan:
-        spec = {**check, "run_id": f"{check['name']}/{check['setup']}/r0"}
-        command = runner.command_for(spec, output_dir / "work" / spec["run_id"])
-        shown = " ".join(command).replace(str(REPO) + "/", "").replace(sys.executable, "python")
-        print(f"  {check['name']:<22} ~{check['minutes']:.1f} min  [{check['phase']}]  {shown}")
+        if check["phase"] == "after":
+            shown = check["what"]
+        else:
+            spec = {**check, "run_id": f"{check['name']}/{check['setup']}/r0"}
+            command = runner.command_for(spec, output_dir / "work" / spec["run_id"])
+            shown = " ".join(command).replace(str(REPO) + "/", "").replace(sys.executable, "python")
+        print(f"  {check['name']:<32} ~{check['minutes']:.1f} min  [{check['phase']}]  {shown}")
     print(
         "Comparisons (tolerances in benchmarks/gpu_check.py TOLERANCE): "
         + ", ".join(f"{k} {v}" for k, v in TOLERANCE.items())
     )
     if args.perf:
-        print("Then benchmarks/vs_trl.py --preset gpu-1b --repeats 2 --max_train_steps 20 (--tiny: cpu-tiny), about "
-              f"{MINUTES['vs_trl']:.0f} minutes. Targets: " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()))
+        print("Targets: " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()))
     elif gpus < 2:
         print("Two-process checks that cannot run on one GPU, and why:")
         for what, why in TWO_PROCESS_ON_ONE_GPU.items():
@@ -1017,8 +1079,9 @@ def main(argv=None) -> int:
         record = json.loads(path.read_text())
         records[record["group"]] = record
     cuda = bool(names) and not args.tiny
+    planned = {check["name"] for check in plan}
     launches = []
-    for check in plan:
+    for check in (check for check in plan if check["phase"] != "after"):
         record = records.get(check["name"], {})
         launches.append(
             {
@@ -1034,17 +1097,17 @@ def main(argv=None) -> int:
         mfu = f"MFU {record['perf/mfu']:.1%}" if record.get("perf/mfu") else "MFU -"
         alone = "" if check["phase"] == "alone" else " (shared machine)"
         print(
-            f"{launches[-1]['status'].upper():>7} {check['name']:<22} "
+            f"{launches[-1]['status'].upper():>7} {check['name']:<32} "
             f"tokens/s {record.get('perf/tokens_per_sec') or 0:>10.0f}"
             f"{alone}  {mfu}  peak {record.get('memory/peak_gib')}"
         )
     verdicts = judge(plan, records, output_dir, cuda)  # (in the --perf plan: the planner against each LM peak)
     if args.perf:
-        vs_trl = run_vs_trl(output_dir, args.tiny, timeout=2 * timeout) if not args.only else None
+        vs_trl = run_vs_trl(output_dir, args.tiny, timeout=2 * timeout) if "vs_trl" in planned else None
         verdicts += judge_perf(records, output_dir, cuda, vs_trl)
-    elif not args.only or any(word in "qlora-split" for word in args.only):
+    if "qlora-split" in planned:
         verdicts.append(qlora_split_verdict(output_dir, cuda))
-    if gpus < 2 and not args.perf:
+    if "two-rank-probe" in planned:
         probe = two_rank_probe("cuda:0" if cuda else "cpu")
         broken = "error" in probe
         line = "; ".join(f"{op} {probe.get(op)}" for op in PROBE_COLLECTIVES) if not broken else probe["error"]

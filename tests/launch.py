@@ -221,6 +221,23 @@ def observed(folder: Path, script: str) -> dict[str, dict]:
     return seen
 
 
+def assert_offloaded_apart_from_plain(offload: dict, plain: dict) -> None:
+    """Two 2-process FSDP2 runs' ``fsdp/sharding`` facts, one under fsdp_offload_2gpu.yaml, one under fsdp_2gpu.yaml:
+    FSDP2's own per-parameter state (``offload_to_cpu``, set by the CPUOffloadPolicy ``fully_shard`` got) is on for
+    every parameter of the first and for none of the second. Where the shards and AdamW's state live tells the runs
+    apart only where a rank computes on a GPU: the offloaded run keeps them in host RAM, the plain one on that GPU.
+    On a CPU rank host and device are one memory (FSDP2's copies to and from the host return the same tensor, and
+    pinned memory needs a GPU), so the policy state is the one fact that differs there."""
+    assert set(offload) == set(plain) == {"rank0", "rank1"}
+    for rank, facts in offload.items():
+        assert facts["offloaded_parameters"] == facts["parameters"] > 0, (rank, facts)
+        assert plain[rank]["offloaded_parameters"] == 0, (rank, plain[rank])
+        device = devices_for(2)[int(rank.removeprefix("rank"))]
+        if device != "cpu":
+            assert facts["shard_devices"] == facts["optimizer_state_devices"] == ["cpu"], (rank, facts)
+            assert plain[rank]["shard_devices"] == plain[rank]["optimizer_state_devices"] == [device], (rank, plain)
+
+
 @dataclass
 class Job:
     """One launch for ``launch_all``. ``after``: a job whose outputs this one reads (e.g. a checkpoint);

@@ -201,14 +201,19 @@ def test_regression_gate(bench, tmp_path):
 
 
 def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
-    """The prepared GPU check plans its launches on any machine (CI has no GPU): under 7 minutes on one GPU, the
-    two-GPU checks added for two, every command a real launch of a recipe with a config that exists, and on one GPU the
-    two-process checks it cannot run, with why."""
+    """The prepared GPU check plans its launches on any machine (CI has no GPU): the two-GPU checks added for two,
+    every command a real launch of a recipe with a config that exists, then the steps the script runs itself (the
+    QLoRA split's launch among them), and on one GPU the two-process checks it cannot run, with why."""
     one = cli("gpu_check.py", "--dry_run", "--gpus", "1", timeout=120)
     assert one.returncode == 0, one.stdout + one.stderr
-    minutes = float(one.stdout.split("launches, about ")[1].split(" minutes")[0])
-    assert minutes < 7
-    launches = [line for line in one.stdout.splitlines()[1:] if line.startswith("  ") and " min  [" in line]
+    planned = [line for line in one.stdout.splitlines()[1:] if line.startswith("  ") and " min  [" in line]
+    launches = [line for line in planned if " min  [after]  " not in line]
+    assert [line.split()[0] for line in planned if line not in launches] == [
+        "llm-qlora-bf16-reload",
+        "qlora-split",
+        "planner-peaks",
+        "two-rank-probe",
+    ]
     assert [line.split()[0] for line in launches] == [
         "finetune-fp32",
         "finetune-bf16",
@@ -221,6 +226,8 @@ def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
         "llm-lora-bf16",
         "llm-lora-bf16-no_gc",
         "llm-qlora-bf16",
+        "llm-qlora-fsdp-1process",
+        "llm-qlora-fsdp-offload-1process",
         "lm-single",
     ]
     for line in launches:
@@ -236,13 +243,32 @@ def test_gpu_check_dry_run_prints_the_plan_without_a_gpu():
     assert "cannot run on one GPU" not in two.stdout
 
 
+def test_gpu_check_time_budget_sums_what_the_plan_runs():
+    """The one-GPU plan's estimate comes from its own entries: every launch and every step the script runs itself
+    (the QLoRA split's launch, the adapter reload, the probe, the planner) carries its minutes, and the printed total
+    is at least what they add up to (the parallel phases' work shared over PARALLEL_JOBS), within one device call."""
+    import gpu_check
+
+    plan = gpu_check.checks(1, False)
+    assert {"qlora-split", "llm-qlora-bf16-reload", "two-rank-probe", "planner-peaks"} <= {c["name"] for c in plan}
+    assert all(check["minutes"] > 0 for check in plan), plan
+    one_at_a_time = sum(check["minutes"] for check in plan if check["phase"] in ("alone", "after"))
+    shared = sum(check["minutes"] for check in plan if check["phase"] in ("compare", "llm"))
+    floor = one_at_a_time + shared / gpu_check.PARALLEL_JOBS
+    dry = cli("gpu_check.py", "--dry_run", "--gpus", "1", timeout=120)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    printed = float(dry.stdout.split(" steps of its own, about ")[1].split(" minutes")[0])
+    assert printed == round(gpu_check.estimated_minutes(plan, gpu_check.PARALLEL_JOBS), 1)
+    assert floor <= printed < 7, (floor, printed)
+
+
 def test_gpu_check_perf_plan_measures_the_performance_targets():
     """--perf plans the performance issue's runs, each alone, in one device call (under 9 minutes): the LM eager and
     with --compile, FSDP2 in one process at the same shape, the fine-tune's plain padded loop and its recommended flags
     in the same precision, then vs_trl.py at the GPU preset."""
     perf = cli("gpu_check.py", "--perf", "--dry_run", "--gpus", "1", timeout=120)
     assert perf.returncode == 0, perf.stdout + perf.stderr
-    assert float(perf.stdout.split("launches, about ")[1].split(" minutes")[0]) < 9
+    assert float(perf.stdout.split(" steps of its own, about ")[1].split(" minutes")[0]) < 9
     launches = {line.split()[0]: line for line in perf.stdout.splitlines() if " min  [alone]" in line}
     assert list(launches) == [
         "lm-single",
@@ -316,7 +342,9 @@ def test_gpu_check_only_pulls_in_the_references_its_comparisons_need():
     assert names("fp16") == {"finetune-fp16", "finetune-fp32"}
     assert names("lm-device_map") == {"lm-device_map", "lm-base"}
     assert names("llm-lora-bf16") == {"llm-lora-bf16", "llm-lora-bf16-no_gc", "lm-base"}
-    assert names("llm-qlora") == {"llm-qlora-bf16", "lm-base"}
+    assert names("llm-qlora-bf16") == {"llm-qlora-bf16", "llm-qlora-bf16-reload", "lm-base"}
+    assert names("qlora-fsdp-offload") == {"llm-qlora-fsdp-offload-1process", "llm-qlora-bf16", "lm-base"}
+    assert names("split") == {"qlora-split"}
 
 
 def fabricated_run(root: Path, name: str, **results) -> dict:
@@ -341,7 +369,7 @@ def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):
     plan = [
         check
         for check in gpu_check.checks(1, False)
-        if check["name"] not in ("llm-qlora-bf16",) and check["recipe"] != "train_lm"
+        if check["name"] not in ("llm-qlora-bf16-reload",) and check["recipe"] != "train_lm"
     ]
     plan += [{"name": "lm-base", "recipe": "-"}, {"name": "lm-fsdp-1process", "recipe": "-"}]
     plan += [{"name": "lm-device_map", "recipe": "-"}]
@@ -357,6 +385,9 @@ def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):
         "llm-lora-bf16": {"peak": 1.0},
         "llm-lora-bf16-no_gc": {"peak": 1.05},  # checkpointing saved 5 % only
         "linear_toy": {"eval/max_abs_weight_error": 0.5},
+        "llm-qlora-bf16": {"train/loss_curve": [3.0, 2.5, 2.0]},
+        "llm-qlora-fsdp-1process": {"train/loss_curve": [3.0, 2.53, 2.01]},  # within 0.02 + 2 %
+        "llm-qlora-fsdp-offload-1process": {"train/loss_curve": [3.0, 2.5, 2.3]},  # 0.3 off
     }
     records = {name: fabricated_run(tmp_path, name, **results) for name, results in runs.items()}
     verdicts = {row["comparison"]: row for row in gpu_check.judge(plan, records, tmp_path, cuda=True)}
@@ -370,7 +401,12 @@ def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):
         "lm device_map split = single": "fail",
         "gradient checkpointing saves memory": "fail",
         "linear_toy = its true line": "fail",
+        "QLoRA under FSDP2 in 1 process = one-GPU QLoRA": "pass",
+        "QLoRA under FSDP2 + CPU offload in 1 process = one-GPU QLoRA": "fail",
     }
+    assert "0.3 at point 2 (2.3 vs 2)" in verdicts["QLoRA under FSDP2 + CPU offload in 1 process = one-GPU QLoRA"][
+        "line"
+    ]
     assert "0.4 at point 2 (1.4 vs 1)" in verdicts["finetune fp16 = fp32"]["line"]
     assert "scale 1.0" in verdicts["fp16 GradScaler scales"]["line"]
     assert "inf at point 1" in verdicts["finetune device_map = single"]["line"]
@@ -389,6 +425,25 @@ def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):
     assert gpu_check.compare_4bit("q", dict(packed, params4bit_bytes=50), 0.3)["status"] == "fail"
     some = gpu_check.compare_4bit("q", dict(packed, linear4bit=80, params4bit=80), 0.3)  # 4 layers left in 16 bits
     assert some["status"] == "fail" and "80 Linear4bit modules" in some["line"] and "84 quantizable" in some["line"]
+
+
+def test_gpu_check_qlora_split_verdict_reads_the_load_peak():
+    """The QLoRA split's verdict takes each GPU's peak over the whole run: a loader that put the whole 4-bit model on
+    cuda:0 before splitting it shows only in the load peak (the counter restarts for training), and fails; a record
+    without a load peak cannot pass."""
+    import gpu_check
+
+    whole = 0.4  # GiB of 4-bit weights
+    split = {"memory/load_peak_gib": {"cuda:0": 0.15, "cpu": 2.0}, "memory/peak_gib": {"cuda:0": 0.2, "cpu": 2.1}}
+    assert gpu_check.split_peaks_verdict("s", split, whole)["status"] == "pass"
+    whole_first = dict(split, **{"memory/load_peak_gib": {"cuda:0": 0.41, "cpu": 2.0}})
+    failed = gpu_check.split_peaks_verdict("s", whole_first, whole)
+    assert failed["status"] == "fail" and failed["peaks"] == {"cuda:0": 0.41}, failed
+    assert "loading {'cuda:0': 0.41" in failed["line"] and "(0.3000)" in failed["line"]
+    no_load_peak = {"memory/peak_gib": split["memory/peak_gib"]}
+    assert gpu_check.split_peaks_verdict("s", no_load_peak, whole)["status"] == "fail"
+    two_ranks = {"memory/load_peak_gib": {"rank0/cuda:0": 0.1, "rank1/cuda:1": 0.35}, "memory/peak_gib": {}}
+    assert gpu_check.split_peaks_verdict("s", two_ranks, whole)["peaks"] == {"rank0/cuda:0": 0.1, "rank1/cuda:1": 0.35}
 
 
 def test_gpu_check_two_rank_probe_runs_on_the_cpu():

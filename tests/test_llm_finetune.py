@@ -11,7 +11,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch_all, launch_ok, observed, observer_env, read_results, visible_gpus
+from launch import (
+    REPO,
+    Job,
+    assert_offloaded_apart_from_plain,
+    launch_all,
+    launch_ok,
+    observed,
+    observer_env,
+    read_results,
+    visible_gpus,
+)
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -352,28 +362,40 @@ def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
 
 
 def test_lora_with_cpu_offload_trains_like_one_process(runs):
-    """Offload: every parameter FSDP2 holds is offloaded, AdamW's state lives on the CPU, and the steps are one
-    process's."""
+    """Offload: every parameter FSDP2 holds is offloaded and none of the plain FSDP run's (on GPUs: the shards and
+    AdamW's state in host RAM, not on the GPU; ``assert_offloaded_apart_from_plain``: what differs on a CPU run), and
+    the steps are one process's."""
     offload = runs["offload"]["results"]
     assert offload["parallelism"] == "fsdp"
-    for facts in offload["fsdp/sharding"].values():
-        assert facts["offloaded_parameters"] == facts["parameters"] and facts["optimizer_state_devices"] == ["cpu"]
+    assert_offloaded_apart_from_plain(offload["fsdp/sharding"], runs["fsdp"]["results"]["fsdp/sharding"])
     np.testing.assert_allclose(offload["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"], rtol=1e-5)
     assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
 
 
 def test_low_ram_loading_reads_the_checkpoint_in_rank_0_only_and_hands_its_weights_to_rank_1(runs, base):
     """Under the offload config (fsdp_cpu_ram_efficient_loading) rank 1 never opened the base's model.safetensors (the
-    observer saw every weights file each process opened; rank 1 built the model on the meta device), rank 0 did; under
-    fsdp_2gpu.yaml (no low-RAM loading) both did, so the observer sees rank 1's reads. Every rank's shard of every
-    frozen weight sums to its slice of the checkpoint (FSDP2 shards dim 0 in torch.chunk pieces): rank 1 received
-    rank 0's weights, not random or empty ones."""
+    observer saw every weights file each process opened), rank 0 did; under fsdp_2gpu.yaml (no low-RAM loading) both
+    did, so the observer sees rank 1's reads. Rank 1 never held the model either: when it called
+    ``accelerator.prepare`` every parameter of its model was on the meta device (no host RAM behind it), while rank 0
+    and both ranks of the plain FSDP run held the whole model there (a rank 1 that built the model with random weights,
+    for the broadcast to overwrite, would hold it all and open no file). Every rank's shard of every frozen weight sums
+    to its slice of the checkpoint (FSDP2 shards dim 0 in torch.chunk pieces): rank 1 received rank 0's weights, not
+    random or empty ones."""
     checkpoint_file = str((base / "model.safetensors").resolve())
     low_ram = {rank: process["opened"] for rank, process in runs["offload"]["observed"].items()}
     assert set(low_ram) == {"rank0", "rank1"}
     assert checkpoint_file in low_ram["rank0"] and checkpoint_file not in low_ram["rank1"], low_ram
     plain = {rank: process["opened"] for rank, process in runs["fsdp"]["observed"].items()}
     assert set(plain) == {"rank0", "rank1"} and all(checkpoint_file in opened for opened in plain.values()), plain
+    # The one model each process handed to prepare: what it held in memory just before FSDP2 sharded it.
+    held = {(name, rank): process["at_prepare"] for name in ("offload", "fsdp")
+            for rank, process in runs[name]["observed"].items()}
+    assert all(len(calls) == 1 and len(calls[0]) == 1 for calls in held.values()), held
+    held = {key: calls[0][0] for key, calls in held.items()}
+    assert held["offload", "rank1"]["held_bytes"] == 0, held["offload", "rank1"]
+    assert held["offload", "rank1"]["meta_parameters"] == held["offload", "rank1"]["parameters"] > 0
+    for key in (("offload", "rank0"), ("fsdp", "rank0"), ("fsdp", "rank1")):
+        assert held[key]["meta_parameters"] == 0 and held[key]["held_bytes"] == held[key]["bytes"] > 0, (key, held)
     checkpoint = load_file(base / "model.safetensors")
     offload = runs["offload"]["results"]
     for rank, sums in offload["loading/shard_sums"].items():

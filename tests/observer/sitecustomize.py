@@ -18,6 +18,9 @@ recipes. It does nothing unless OBSERVE_DIR is set; then, at exit, each process 
   the bytes it is stored in per weight it stands for (0.5: 4 bits).
 - ``loading_events``: in order, each ``quantize_4bit`` (``["quantize", weights]``) and each FSDP2 ``fully_shard``
   (``["shard", module class]``) call: how much of the model a process quantized before sharding it.
+- ``at_prepare``: per ``Accelerator.prepare`` call, for each model handed to it, its parameters, those on the meta
+  device (shape only, no memory behind them) and the bytes of the others: what the process held in memory before
+  FSDP2 handed it its shard (low host-RAM loading: a non-main rank holds none of the model there).
 - ``bitsandbytes["matmul_4bit_cpu_packed"]``: forwards of a 4-bit layer whose weight bitsandbytes had repacked into
   its CPU inference layout (``quant_state.packing_format_for_cpu``), which no gradient flows through.
 
@@ -44,6 +47,7 @@ record = {
     "bitsandbytes": {},
     "four_bit_bytes_per_weight": {},
     "loading_events": [],
+    "at_prepare": [],
 }
 _step = {"storages": {}, "index_elements": 0}
 
@@ -147,8 +151,30 @@ def patch_fsdp(fsdp) -> None:
     fsdp.fully_shard = fully_shard
 
 
+def patch_accelerate(accelerator_module) -> None:
+    # The recipes call accelerator.prepare on an instance: the method is looked up on the class at each call.
+    import torch
+
+    accelerator_class = accelerator_module.Accelerator
+    original = accelerator_class.prepare
+
+    def prepare(self, *objects, **kwargs):
+        models = []
+        for candidate in objects:
+            if isinstance(candidate, torch.nn.Module):
+                parameters = list(candidate.parameters())
+                held = [p for p in parameters if p.device.type != "meta"]
+                models.append({"parameters": len(parameters), "meta_parameters": len(parameters) - len(held),
+                               "held_bytes": sum(p.numel() * p.element_size() for p in held),
+                               "bytes": sum(p.numel() * p.element_size() for p in parameters)})
+        record["at_prepare"].append(models)
+        return original(self, *objects, **kwargs)
+
+    accelerator_class.prepare = prepare
+
+
 PATCHES = {"safetensors": patch_safetensors, "torch": patch_torch, "bitsandbytes": patch_bitsandbytes,
-           "torch.distributed.fsdp": patch_fsdp}
+           "torch.distributed.fsdp": patch_fsdp, "accelerate.accelerator": patch_accelerate}
 
 
 class PatchAfterImport:
