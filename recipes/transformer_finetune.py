@@ -69,6 +69,11 @@ from shared.sampling import LengthGroupedShuffledSampler
 
 # The metric modules evaluate loads offline ship in shared/metrics/, wherever the shared/ found above lies.
 METRICS_DIR = Path(shared.__file__).resolve().parent / "metrics"
+# Each task's metric modules there, and their keys in results.json (for regression, GLUE's names on STS-B).
+METRICS = {
+    "classification": {"accuracy": "eval/accuracy", "f1": "eval/f1"},
+    "regression": {"pearsonr": "eval/pearson", "spearmanr": "eval/spearmanr"},
+}
 # Parameters without weight decay (besides LayerNorm modules): transformers' rule, the Trainer's
 # get_decay_parameter_names (a method of a Trainer, hence its patterns here).
 NO_DECAY_NAMES = ["bias", "layernorm", "rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -284,8 +289,7 @@ def evaluate_model(accelerator, model, eval_dataloader, regression: bool) -> dic
     and eval/loss, over every validation sample once, whatever the process count (NaN for an empty loader:
     --skip_eval)."""
     model.eval()
-    names = {"pearsonr": "eval/pearson", "spearmanr": "eval/spearmanr"} if regression else {
-        "accuracy": "eval/accuracy", "f1": "eval/f1"}  # module name: results.json key
+    names = METRICS["regression" if regression else "classification"]
     with accelerator.main_process_first():  # evaluate copies the metric modules into its cache once
         metric = evaluate.combine([evaluate.load(str(METRICS_DIR / name)) for name in names])
     loss_sum, count = 0.0, 0
