@@ -22,10 +22,14 @@ Launch (from the repository root):
     # your own CSV:
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/transformer_finetune.py \\
         --train_file train.csv --validation_file dev.csv --text_column sentence --label_column label
+    # sentence pairs (GLUE's MRPC, RTE, MNLI; Accelerate's nlp_example); scores such as STS-B's 0-5 train a regression
+    # head (fractional labels, or --task regression):
+    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/transformer_finetune.py \\
+        --train_file train.csv --validation_file dev.csv --text_column sentence1 sentence2
 
 Writes to --output_dir: the fine-tuned model and tokenizer (``save_pretrained``, safetensors, with
 the label names, so ``AutoModelForSequenceClassification.from_pretrained(output_dir)`` predicts
-names), ``results.json``, and ``checkpoints/step_N`` when --checkpointing_steps is set.
+names, or for regression a score), ``results.json``, and ``checkpoints/step_N`` when --checkpointing_steps is set.
 """
 
 import argparse
@@ -53,8 +57,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 import shared
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
-from shared.classification import check_columns, load_model_config, load_splits, read_labels
-from shared.classification import majority_baseline_accuracy
+from shared.classification import baselines, check_columns, choose_task, load_model_config, load_splits, read_labels
 from shared.fsdp import gathered_state_dict, wrap_at_blocks
 from shared.lora import add_lora
 from shared.model_split import dispatch_on_devices, find_block_list, parameter_bytes_per_device, plan_device_map
@@ -67,6 +70,11 @@ from shared.sampling import LengthGroupedShuffledSampler
 
 # The metric modules evaluate loads offline ship in shared/metrics/, wherever the shared/ found above lies.
 METRICS_DIR = Path(shared.__file__).resolve().parent / "metrics"
+# Each task's metric modules there, and their keys in results.json (for regression, GLUE's names on STS-B).
+METRICS = {
+    "classification": {"accuracy": "eval/accuracy", "f1": "eval/f1"},
+    "regression": {"pearsonr": "eval/pearson", "spearmanr": "eval/spearmanr"},
+}
 # Parameters without weight decay (besides LayerNorm modules): transformers' rule, the Trainer's
 # get_decay_parameter_names (a method of a Trainer, hence its patterns here).
 NO_DECAY_NAMES = ["bias", "layernorm", "rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -87,8 +95,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--validation_file", help="Validation data, same format. Default with --train_file: 10%% of it, by --seed.")
     add("--dataset_name", help="A Hugging Face Hub data set (needs internet), e.g. 'ag_news'.")
     add("--dataset_config_name", help="The Hub data set's configuration, if it has several.")
-    add("--text_column", default="text", help="Column holding the text.")
-    add("--label_column", default="label", help="Column holding the label (names or integer ids).")
+    # One flag for one text or a pair, named in the order the model reads them: Accelerate's nlp_example and GLUE's
+    # MRPC/RTE/MNLI/STS-B hold pairs in two columns (sentence1, sentence2), as transformers' run_glue reads them.
+    add("--text_column", nargs="+", default=["text"], metavar="COLUMN",
+        help="Column holding the text; two columns (--text_column sentence1 sentence2): a sentence pair, tokenized "
+        "together with the model's separator and token type ids.")
+    add("--label_column", default="label", help="Column holding the label (names, integer ids, or scores).")
+    add("--task", choices=["auto", "classification", "regression"], default="auto",
+        help="regression: one output fitted to numeric labels with MSE (STS-B's 0-5 similarity scores). auto: "
+        "regression when the labels are numbers with a fractional part, else classification.")
     add("--max_length", type=positive_int, default=64, help="Truncate texts to this many tokens.")
     add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples.")
@@ -132,13 +147,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
+    if len(args.text_column) > 2:
+        parser.error(f"--text_column takes one column, or two for a sentence pair; got {len(args.text_column)}")
     args.model_name_or_path = args.model_name_or_path or default_model_path()
     return args
 
 
 def load_data(args, accelerator):
-    """The train/validation splits (checked, cut to --max_*_samples), the label names, and a function from a batch of
-    label values to ids (the same mapping for both splits): shared/classification.py."""
+    """The train/validation splits (checked, cut to --max_*_samples), regression or not, the label names (or None), and
+    a function from a batch of label values to ids (the same mapping for both splits): shared/classification.py."""
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
         source = (args.train_file, args.validation_file, args.dataset_name, args.dataset_config_name)
@@ -148,9 +165,11 @@ def load_data(args, accelerator):
         if limit:  # a shuffled subset
             raw_datasets[split] = raw_datasets[split].shuffle(seed=args.seed)
             raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
-    label_names, label_ids = read_labels(raw_datasets, args.label_column)
-    accelerator.print(f"data: {len(label_names)} labels: {label_names}")
-    return raw_datasets, label_names, label_ids
+    task, reason = choose_task(raw_datasets, args.label_column, args.task)
+    accelerator.print(f"task: {task} ({reason})")
+    label_names, label_ids = read_labels(raw_datasets, args.label_column, regression=task == "regression")
+    accelerator.print(f"data: {len(label_names)} labels: {label_names}" if label_names else "data: scores")
+    return raw_datasets, task == "regression", label_names, label_ids
 
 
 def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
@@ -167,7 +186,8 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
 
     def tokenize(batch):
         padding = "max_length" if args.pad_to_max_length else False  # False: the collator pads each batch
-        encoded = tokenizer(batch[args.text_column], truncation=True, max_length=args.max_length, padding=padding)
+        texts = [batch[column] for column in args.text_column]  # a pair: tokenizer(text, text_pair), longest-first cut
+        encoded = tokenizer(*texts, truncation=True, max_length=args.max_length, padding=padding)
         return {**encoded, "labels": label_ids(batch[args.label_column])}
 
     with accelerator.main_process_first():
@@ -239,27 +259,55 @@ def save_model(accelerator, model, tokenizer, output_dir: Path, base_name: str, 
     accelerator.print(f"saved the model and tokenizer to {output_dir}")
 
 
-def evaluate_classifier(accelerator, model, eval_dataloader) -> dict:
-    """eval/accuracy, eval/f1 (macro), eval/loss over every validation sample once, whatever the process count
-    (NaN for an empty loader: --skip_eval)."""
+def start_at_the_mean(model, train_labels, regression: bool, print_fn) -> None:
+    """Regression: the head's bias starts at the mean training label, so that training spends its first steps on what
+    sets the samples apart rather than on the scale (a fresh head outputs about 0; STS-B's scores lie in 0-5). From
+    Karpathy's "A Recipe for Training Neural Networks": "if you are regressing some values that have a mean of 50 then
+    initialize the final bias to 50". A head without a bias starts at 0."""
+    if not regression:
+        return
+    head = [module for module in model.modules() if isinstance(module, torch.nn.Linear) and module.out_features == 1]
+    if not head or head[-1].bias is None:
+        print_fn("regression: the head has no bias; it starts at 0")
+        return
+    mean = sum(train_labels) / len(train_labels)
+    with torch.no_grad():
+        head[-1].bias.fill_(mean)
+    print_fn(f"regression: the head starts at the mean training label, {mean:.4f}")
+
+
+def task_loss(logits, labels, regression: bool, reduction: str = "mean"):
+    """The loss transformers' classifiers use for their problem_type, from the logits (see the training loop): MSE of
+    the one output for regression, cross-entropy otherwise; in float32, the labels moved to the logits' device."""
+    labels = labels.to(logits.device)
+    if regression:
+        return torch.nn.functional.mse_loss(logits.float().squeeze(-1), labels.float(), reduction=reduction)
+    return torch.nn.functional.cross_entropy(logits.float(), labels, reduction=reduction)
+
+
+def evaluate_model(accelerator, model, eval_dataloader, regression: bool) -> dict:
+    """eval/accuracy and eval/f1 (macro), or for regression eval/pearson and eval/spearmanr (GLUE's names for STS-B),
+    and eval/loss, over every validation sample once, whatever the process count (NaN for an empty loader:
+    --skip_eval)."""
     model.eval()
+    names = METRICS["regression" if regression else "classification"]
     with accelerator.main_process_first():  # evaluate copies the metric modules into its cache once
-        metric = evaluate.combine([evaluate.load(str(METRICS_DIR / name)) for name in ("accuracy", "f1")])
+        metric = evaluate.combine([evaluate.load(str(METRICS_DIR / name)) for name in names])
     loss_sum, count = 0.0, 0
     for batch in eval_dataloader:
         labels = batch.pop("labels")
         with torch.no_grad():
             logits = model(**batch).logits
-        labels = labels.to(logits.device)
-        losses = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        labels, losses = labels.to(logits.device), task_loss(logits, labels, regression, reduction="none")
+        predictions = logits.float().squeeze(-1) if regression else logits.argmax(-1)
         # gather_for_metrics drops the samples Accelerate duplicated to give every process a full last
         # batch, so every validation sample counts exactly once, whatever the process count.
-        predictions, references, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
+        predictions, references, losses = accelerator.gather_for_metrics((predictions, labels, losses))
         metric.add_batch(predictions=predictions.cpu(), references=references.cpu())
         loss_sum, count = loss_sum + losses.sum().item(), count + len(references)
-    scores = metric.compute() if count else {"accuracy": math.nan, "f1": math.nan}  # our f1 module: "macro"
+    scores = metric.compute() if count else dict.fromkeys(names, math.nan)  # our f1 module: "macro"
     loss = loss_sum / count if count else math.nan
-    return {"eval/accuracy": scores["accuracy"], "eval/f1": scores["f1"], "eval/loss": loss, "eval/num_samples": count}
+    return {**{names[name]: score for name, score in scores.items()}, "eval/loss": loss, "eval/num_samples": count}
 
 
 def main():
@@ -288,15 +336,16 @@ def main():
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
-    raw_datasets, label_names, label_ids = load_data(args, accelerator)
+    raw_datasets, regression, label_names, label_ids = load_data(args, accelerator)  # regression: no label names
     # The model's config, named labels included (checked before any tokenizing: a bad model name fails fast).
     config = load_model_config(args.model_name_or_path, label_names, args.max_length, args.trust_remote_code)
     tokenizer, train_dataloader, eval_dataloader = get_dataloaders(args, accelerator, raw_datasets, label_ids, config)
-    baseline = majority_baseline_accuracy(train_dataloader.dataset["labels"], eval_dataloader.dataset["labels"])
+    baseline = baselines(train_dataloader.dataset["labels"], eval_dataloader.dataset["labels"], regression)
 
     # ------------------------------------------------------------------------------ model
     load = {"config": config, "trust_remote_code": args.trust_remote_code}
     model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **load)
+    start_at_the_mean(model, train_dataloader.dataset["labels"], regression, accelerator.print)  # before LoRA
     if args.gradient_checkpointing:
         # Before the split and prepare() (FSDP wraps the layers). Non-reentrant: the reentrant version runs backward
         # outside autograd's view of the layer, which breaks DDP and needs an input that requires grad.
@@ -367,7 +416,7 @@ def main():
                     logits = model(**batch).logits
                     # The loss from the logits, not the model's own: under a device_map split a classifier's loss
                     # inside forward() meets labels on the first device and logits on the last (a crash on 2 GPUs).
-                    loss = torch.nn.functional.cross_entropy(logits.float(), labels.to(logits.device))
+                    loss = task_loss(logits, labels, regression)
                     step_loss += loss.detach().float() / args.gradient_accumulation_steps
                     accelerator.backward(loss)
                     if accelerator.sync_gradients and args.max_grad_norm:
@@ -398,10 +447,10 @@ def main():
         save_model(accelerator, model, tokenizer, output_dir, args.model_name_or_path, load, lora=bool(args.lora_r))
 
         # --------------------------------------------------------------------- evaluation
-        scores = evaluate_classifier(accelerator, model, [] if args.skip_eval else eval_dataloader)
-        accelerator.print(f"eval: {scores} (majority-class baseline accuracy {baseline:.4f})")
-        record.results.update({**scores, "eval/majority_baseline_accuracy": baseline, "label_names": label_names})
-        record.results.update({"model": args.model_name_or_path, "method": "lora" if args.lora_r else "full"})
+        scores = evaluate_model(accelerator, model, [] if args.skip_eval else eval_dataloader, regression)
+        accelerator.print(f"eval: {scores} (baseline: {baseline})")
+        record.results.update({**scores, **baseline, "label_names": label_names, "model": args.model_name_or_path})
+        record.results.update(method="lora" if args.lora_r else "full", task=config.problem_type or "classification")
         record.results.update({"model/trainable_parameters": trainable, "model/total_parameters": total})
         record.results.update({"parallelism": parallelism.name, "global_batch_size": global_batch_size})
         record.results["device_map_devices"] = [str(device) for device in devices] if devices else None

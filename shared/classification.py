@@ -65,23 +65,70 @@ def load_splits(train_file: str | None, validation_file: str | None, dataset_nam
     return datasets.DatasetDict({"train": raw["train"], "validation": raw["validation"]})
 
 
-def check_columns(raw: datasets.DatasetDict, text_column: str, label_column: str) -> None:
-    """Refuse a split without the text or label column, or without rows."""
+# The two text columns of sentence-pair data sets (GLUE, SuperGLUE, SNLI, common CSVs), in the order they are read.
+PAIR_COLUMNS = [("sentence1", "sentence2"), ("question1", "question2"), ("premise", "hypothesis"),
+                ("question", "sentence"), ("question", "passage"), ("text_a", "text_b"), ("text1", "text2")]
+
+
+def check_columns(raw: datasets.DatasetDict, text_columns: list[str], label_column: str) -> None:
+    """Refuse a split without the text or label columns, or without rows, and one text read alone where the data holds
+    a sentence pair: the label of a pair depends on both texts, and a model that sees one of them trains silently to
+    about the majority baseline."""
     for split, dataset in raw.items():
-        missing = [column for column in (text_column, label_column) if column not in dataset.column_names]
+        found = dataset.column_names
+        pair = next((pair for pair in PAIR_COLUMNS if set(pair) <= set(found)), None)
+        missing = [column for column in (*text_columns, label_column) if column not in found]
         if missing:
+            hint = f" This looks like sentence pairs: --text_column {pair[0]} {pair[1]}." if pair else ""
             raise RecipeError(f"The {split} split has no column {' or '.join(repr(c) for c in missing)}; columns "
-                              f"found: {dataset.column_names}. Name the right ones with --text_column and "
-                              "--label_column.")
+                              f"found: {found}. Name the right ones with --text_column and --label_column.{hint}")
         if len(dataset) == 0:
             raise RecipeError(f"The {split} split is empty: it needs at least one row.")
+        unused = [pair for pair in PAIR_COLUMNS if text_columns[0] in pair and len(text_columns) == 1
+                  and set(pair) <= set(found) and label_column not in pair]
+        if unused:
+            (first, second), other = unused[0], next(c for c in unused[0] if c != text_columns[0])
+            raise RecipeError(
+                f"The {split} split has a column {other!r} beside --text_column {text_columns[0]}: it looks like "
+                f"the other text of a sentence pair, and a pair's label depends on both texts: a model shown "
+                f"{text_columns[0]!r} alone trains without an error to about the majority baseline. Pass "
+                f"--text_column {first} {second} to tokenize them as a pair (the model's separator and token type "
+                f"ids); if {other!r} is not a text of the pair, drop or rename that column.")
 
 
-def read_labels(raw: datasets.DatasetDict, label_column: str) -> tuple[list[str], Callable[[list], list[int]]]:
-    """The label names, and a function from a batch of label values to ids. ClassLabel columns keep their names and
-    ids; other values (strings, integers) get ids in the sorted order of the values seen in training (integers in
-    numeric order), one mapping for both splits. Not ``Dataset.class_encode_column``: it encodes each split of a
-    DatasetDict on its own (two mappings) and sorts integers as text (10 before 2)."""
+def choose_task(raw: datasets.DatasetDict, label_column: str, task: str) -> tuple[str, str]:
+    """Regression or classification, and why. ``task`` "auto": labels that are numbers with a fractional part (STS-B's
+    0.0-5.0 similarity scores) are scores to fit; names, integers and whole numbers are classes."""
+    if task != "auto":
+        return task, f"--task {task}"
+    values = raw["train"][label_column]
+    fractional = next((v for v in values if isinstance(v, float) and v == v and not v.is_integer()), None)
+    if fractional is not None:
+        return "regression", (f"auto: {label_column!r} holds fractional numbers such as {fractional}: scores, fitted "
+                              "with a one-output head and MSE; --task classification reads them as class names")
+    return "classification", (f"auto: {label_column!r} holds names or whole numbers: classes; --task regression fits "
+                               "numbers as scores")
+
+
+def read_labels(
+    raw: datasets.DatasetDict, label_column: str, regression: bool = False
+) -> tuple[list[str] | None, Callable[[list], list]]:
+    """The label names, and a function from a batch of label values to ids; regression: no names, and the values as
+    floats (each checked to be a number). ClassLabel columns keep their names and ids; other values (strings,
+    integers) get ids in the sorted order of the values seen in training (integers in numeric order), one mapping for
+    both splits. Not ``Dataset.class_encode_column``: it encodes each split of a DatasetDict on its own (two
+    mappings) and sorts integers as text (10 before 2)."""
+    if regression:
+        for split, dataset in raw.items():
+            for value in dataset[label_column]:
+                try:
+                    if float(value) != float(value) or isinstance(value, bool):  # NaN: an empty CSV cell, say
+                        raise ValueError
+                except (TypeError, ValueError):
+                    raise RecipeError(f"--task regression fits a number per row, and a row of the {split} split has "
+                                      f"{label_column!r} = {value!r}. Fix that row, or pass --task classification if "
+                                      "the labels are class names.") from None
+        return None, lambda values: [float(value) for value in values]
     feature = raw["train"].features[label_column]
     if isinstance(feature, datasets.ClassLabel):
         names, to_ids = list(feature.names), list
@@ -92,13 +139,23 @@ def read_labels(raw: datasets.DatasetDict, label_column: str) -> tuple[list[str]
         if unseen:
             raise RecipeError(f"The validation split has labels never seen in training: {unseen[:10]}"
                               f"{' ...' if len(unseen) > 10 else ''}. The model can only predict the {len(names)} "
-                              "training labels; fix the data or the split.")
+                              "training labels; fix the data or the split, or, if the labels are scores, fit them "
+                              "with --task regression.")
         to_id = {name: index for index, name in enumerate(names)}
         to_ids = lambda values: [to_id[str(value)] for value in values]
     if len(names) < 2:
         raise RecipeError(f"Training data has {len(names)} distinct label(s) in {label_column!r}; classification "
                           "needs at least 2.")
     return names, to_ids
+
+
+def baselines(train_labels, validation_labels, regression: bool) -> dict:
+    """What a model that ignores its input scores: always the most frequent training label (its accuracy), or always
+    the training mean (its MSE; its correlation is 0)."""
+    if regression:
+        mean = sum(train_labels) / len(train_labels)
+        return {"eval/mean_baseline_mse": sum((y - mean) ** 2 for y in validation_labels) / len(validation_labels)}
+    return {"eval/majority_baseline_accuracy": majority_baseline_accuracy(train_labels, validation_labels)}
 
 
 def majority_baseline_accuracy(train_labels, validation_labels) -> float:
@@ -108,18 +165,21 @@ def majority_baseline_accuracy(train_labels, validation_labels) -> float:
     return validation_labels.count(majority) / len(validation_labels)
 
 
-def load_model_config(name: str, label_names: list[str], max_length: int, trust_remote_code: bool):
-    """The model's config with the label names (saved with the model: it predicts names), checked against
-    ``max_length``; a missing local folder, or a Hub name while the Hub is off, is refused with what to pass."""
+def load_model_config(name: str, label_names: list[str] | None, max_length: int, trust_remote_code: bool):
+    """The model's config with the label names (saved with the model: it predicts names), or for regression (no names)
+    one output named "score" and ``problem_type="regression"`` (the saved model's own loss is then MSE), checked
+    against ``max_length``; a missing local folder, or a Hub name while the Hub is off, is refused with what to
+    pass."""
     looks_local = (Path(name).is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
                    or (os.sep == "\\" and "\\" in name))
     if looks_local and not Path(name).expanduser().is_dir():
         raise RecipeError(f"--model_name_or_path {name!r} does not exist. Pass a folder holding config.json and "
                           "weights, or a Hub name.")
+    labels, problem = (label_names, {}) if label_names else (["score"], {"problem_type": "regression"})
     try:
         config = AutoConfig.from_pretrained(
-            name, num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-            label2id={label: i for i, label in enumerate(label_names)}, trust_remote_code=trust_remote_code)
+            name, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            label2id={label: i for i, label in enumerate(labels)}, trust_remote_code=trust_remote_code, **problem)
     except (OSError, ValueError) as error:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         raise RecipeError(

