@@ -36,6 +36,8 @@ fine-tune), the tokenizer, ``merged/`` with ``--merge_and_save``, ``results.json
 """
 
 import argparse
+import bisect
+import collections
 import contextlib
 import itertools
 import logging
@@ -116,9 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation "
                       "samples.")
-    data.add_argument("--packing", action="store_true", help="Each batch as one row without padding (transformers' "
-                      "DataCollatorWithFlattening): each sample keeps its positions and attends only to itself, the "
-                      "same losses (a block-diagonal mask: fastest with flash attention).")
+    data.add_argument("--packing", action="store_true", help="Pack the training samples into rows of --max_length "
+                      "tokens (best fit decreasing, as TRL's packing=True); a batch is --per_device_train_batch_size "
+                      "rows, flattened into one without padding: each sample keeps its positions and attends only to "
+                      "itself, the same losses (a block-diagonal mask: fastest with flash attention).")
     data.add_argument("--group_by_length", action="store_true",
                       help="Batch samples of similar length together (less padding).")
     model = parser.add_argument_group("model")
@@ -142,7 +145,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "activations in backward: less memory, ~1/3 more compute.")
     training = parser.add_argument_group("training")
     training.add_argument("--per_device_train_batch_size", type=positive_int, default=4,
-                          help="Samples per process per forward pass.")
+                          help="Samples (with --packing: rows of --max_length tokens) per process per forward pass.")
     training.add_argument("--per_device_eval_batch_size", type=positive_int,
                           help="Samples per evaluation batch (default: training's).")
     training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
@@ -188,6 +191,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.full_finetune and args.load_in_4bit:
         parser.error("--load_in_4bit trains a LoRA adapter on a frozen 4-bit model; it cannot be combined with "
                      "--full_finetune")
+    if args.packing and args.group_by_length:
+        parser.error("--group_by_length batches samples of similar length; --packing fills rows of --max_length "
+                     "tokens, all of about one length: choose one")
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     return args
@@ -227,11 +233,65 @@ def fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
 
 
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """The indices of ``lengths`` in bins of at most ``capacity``, by best fit decreasing (TRL's packing strategy
+    "bfd"): longest first, each into the open bin it leaves the least space in, else into a new one. The open bins are
+    kept by their free space (a sorted list of the distinct spaces: at most ``capacity``), so a placement is one
+    bisection. Ties keep the data's order: every process makes the same bins."""
+    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
+    bins: list[list[int]] = []
+    spaces: list[int] = []  # the distinct free spaces of the open bins, ascending
+    open_bins: dict[int, collections.deque] = {}  # free space -> the bins with that much left, oldest first
+    for index in order:
+        at = bisect.bisect_left(spaces, lengths[index])  # the tightest space the sample fits in
+        if at < len(spaces):
+            space = spaces[at]
+            number = open_bins[space].popleft()
+            if not open_bins[space]:
+                del spaces[at], open_bins[space]
+        else:
+            space, number = capacity, len(bins)
+            bins.append([])
+        bins[number].append(index)
+        space -= lengths[index]
+        if space > 0:
+            if space not in open_bins:
+                bisect.insort(spaces, space)
+                open_bins[space] = collections.deque()
+            open_bins[space].append(number)
+    return bins
+
+
+class PackedRows(torch.utils.data.Dataset):
+    """The training samples packed into rows of at most ``max_length`` tokens (``best_fit_decreasing``; samples are
+    truncated to ``max_length`` when tokenized, so each lands whole in one row). An item is a row: its samples, which
+    ``collate(..., packing=True)`` flattens with the position ids restarting at each one. The loader shuffles rows and
+    Accelerate shards them over the processes, as it would samples."""
+
+    def __init__(self, dataset, max_length: int):
+        self.dataset = dataset
+        self.rows = best_fit_decreasing([len(ids) for ids in dataset["input_ids"]], max_length)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> list[dict]:
+        return [self.dataset[sample] for sample in self.rows[index]]
+
+
+def collate_rows(rows: list[list[dict]], pad_token_id: int) -> dict:
+    """A batch of packed rows: all their samples, flattened into one row (``shared.sft_data.collate``)."""
+    return collate([sample for row in rows for sample in row], pad_token_id, packing=True)
+
+
 def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
-    """The training loader (shuffled, or in batches of similar length; with --packing each batch one row without
-    padding), refused if it cannot give every data-parallel process a batch, and the evaluation loader (padded
-    batches, in order)."""
-    sampler = None
+    """The training loader (shuffled samples, or batches of similar length; with --packing shuffled rows of
+    --max_length tokens, each batch flattened into one row without padding), refused if it cannot give every
+    data-parallel process a batch, and the evaluation loader (padded batches of samples, in order)."""
+    sampler, collate_fn = None, partial(collate, pad_token_id=tokenizer.pad_token_id)
+    if args.packing:  # the loader's items are rows: it shuffles rows, and a batch is rows
+        train_dataset = PackedRows(train_dataset, args.max_length)
+        collate_fn = partial(collate_rows, pad_token_id=tokenizer.pad_token_id)
     if args.group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         sampler = LengthGroupedShuffledSampler(lengths, args.per_device_train_batch_size, args.seed)
@@ -240,8 +300,7 @@ def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size
     pinned = torch.cuda.is_available()
     train_dataloader = DataLoader(train_dataset, args.per_device_train_batch_size, shuffle=sampler is None,
                                   sampler=sampler, generator=torch.Generator().manual_seed(args.seed),
-                                  collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id,
-                                                     packing=args.packing), pin_memory=pinned)
+                                  collate_fn=collate_fn, pin_memory=pinned)
     check_batches(train_dataloader, data_parallel_size)
     eval_dataloader = DataLoader(eval_dataset, args.per_device_eval_batch_size or args.per_device_train_batch_size,
                                  collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id), pin_memory=pinned)
@@ -316,6 +375,11 @@ def main():
         train_dataset, eval_dataset, counts = tokenize_datasets(accelerator, raw_datasets, fmt, tokenizer,
                                                                 args.max_length)
     train_dataloader, eval_dataloader = dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size)
+    if args.packing:  # how full the rows are: what a step computes beyond its real tokens is the rows' empty ends
+        rows, tokens = len(train_dataloader.dataset), sum(map(len, train_dataset["input_ids"]))
+        counts["train"]["packed_rows"] = rows
+        accelerator.print(f"packing: {len(train_dataset)} training samples in {rows} rows of up to {args.max_length} "
+                          f"tokens, {tokens / (rows * args.max_length):.1%} full (best fit decreasing)")
 
     # ------------------------------------------------------------------------------ model
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []

@@ -129,11 +129,13 @@ class ThroughputMeter:
             "perf/step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "perf/step_time_p90_s": percentile(self.step_times, 90),
             "perf/samples_per_sec": self.samples / measured if measured else None,
+            "perf/samples_per_step": self.samples / len(self.step_times) if self.step_times else None,
             # Share of the measured steps' time spent waiting for batches (None without timed()).
             "perf/data_wait_fraction": sum(self.data_wait_times) / measured if measured and self._data_timed else None,
         }
         if self.tokens:
             summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
+            summary["perf/tokens_per_step"] = self.tokens / len(self.step_times) if self.step_times else None
         if self.answer_tokens:
             summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
         gpus = [device for device in self.devices if device.type == "cuda"]

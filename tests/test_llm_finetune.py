@@ -629,10 +629,30 @@ def test_the_offline_default_asks_short_checkable_questions_held_out_by_definiti
     assert 100 < held_out < len(asked) / 5
 
 
-def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
-    """--packing flattens a batch into one row (transformers' DataCollatorWithFlattening) whose position ids restart
-    with every sample: transformers then masks attention block-diagonally, so packing changes no loss: the packed
-    row's is the sum of what each sample has alone, and the padded batch's."""
+def test_packing_fills_rows_best_fit_decreasing_as_trl_does(recipe):
+    """--packing packs the samples into rows of --max_length tokens by best fit decreasing: every sample whole in
+    exactly one row, no row over the length, and the same rows TRL's pack_dataset(strategy="bfd") makes."""
+    module, _ = recipe
+    assert module.best_fit_decreasing([5, 4, 3, 3, 2, 1, 7], 8) == [[6, 5], [0, 2], [1, 3], [4]]
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(300)]
+    rows = module.best_fit_decreasing(lengths, 64)
+    assert sorted(index for row in rows for index in row) == list(range(len(lengths)))
+    assert max(sum(lengths[index] for index in row) for row in rows) <= 64
+    assert len(rows) == -(-sum(lengths) // 64)  # as few rows as the tokens need: full but for the last
+    trl_data_utils = pytest.importorskip("trl.data_utils")
+    import datasets
+
+    ids = datasets.Dataset.from_dict({"input_ids": [[index] * length for index, length in enumerate(lengths)]})
+    theirs = trl_data_utils.pack_dataset(ids, 64, strategy="bfd")["input_ids"]
+    assert [sorted(row) for row in rows] == [sorted(set(row)) for row in theirs]
+
+
+def test_packed_rows_give_each_sample_the_loss_it_has_padded(recipe, base):
+    """A packed batch (rows of --max_length, flattened into one with position ids restarting at every sample, so that
+    transformers masks attention block-diagonally) gives the token losses of the padded batch of the same samples:
+    no sample attends to another. Per row and for the whole batch, in token_losses' sum."""
+    import datasets
     from transformers import AutoModelForCausalLM
 
     from shared.sft_data import collate, tokenize_sample
@@ -641,22 +661,27 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
     model = AutoModelForCausalLM.from_pretrained(base).eval()
     samples = [
         tokenize_sample(
-            {"prompt": f"Q{i}: what is {i} + {i}?", "completion": f" {2 * i}, since {i} doubled"},
+            {"prompt": f"Q{i}: what is {i} + {i}?" + " Think." * (i % 3), "completion": f" {2 * i}, {i} doubled"},
             "prompt_completion",
             tokenizer,
             64,
         )
-        for i in range(1, 4)
+        for i in range(1, 8)
     ]
-    alone = sum(module.token_losses(model, collate([sample], tokenizer.pad_token_id))[0] for sample in samples)
-    packed = collate(samples, tokenizer.pad_token_id, packing=True)
+    dataset = datasets.Dataset.from_list(samples)
+    rows = module.PackedRows(dataset, 64)
     lengths = [len(sample["input_ids"]) for sample in samples]
-    assert packed["input_ids"].shape == (1, sum(lengths)) and packed["num_tokens"].tolist() == lengths
-    assert packed["position_ids"][0].tolist() == [i for length in lengths for i in range(length)]
-    together = module.token_losses(model, packed)[0]
-    assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+    assert len(rows) < len(samples) and all(sum(len(s["input_ids"]) for s in row) <= 64 for row in rows)
+    packed = module.collate_rows([rows[index] for index in range(len(rows))], tokenizer.pad_token_id)
+    in_rows = [lengths[index] for row in rows.rows for index in row]
+    assert packed["input_ids"].shape == (1, sum(lengths)) and packed["num_tokens"].tolist() == in_rows
+    assert packed["position_ids"][0].tolist() == [i for length in in_rows for i in range(length)]
     padded = module.token_losses(model, collate(samples, tokenizer.pad_token_id))[0]
-    assert together.item() == pytest.approx(padded.item(), rel=1e-5)
+    assert module.token_losses(model, packed)[0].item() == pytest.approx(padded.item(), rel=1e-5)
+    for index in range(len(rows)):  # each row alone against its own samples, padded
+        row = module.token_losses(model, module.collate_rows([rows[index]], tokenizer.pad_token_id))[0]
+        alone = module.token_losses(model, collate(rows[index], tokenizer.pad_token_id))[0]
+        assert row.item() == pytest.approx(alone.item(), rel=1e-5), index
 
 
 def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
