@@ -462,10 +462,12 @@ def main():
                 optimizer.zero_grad()
                 completed_steps += 1
                 progress_bar.update(1)
-                # The global loss and tokens (padding aside) stay on the device: only the log below reads (syncs).
-                real_tokens = accelerator.reduce(sum(batch["num_tokens"].sum() for batch in micro_batches), "sum")
-                record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens,
-                            samples=sum(len(batch["num_tokens"]) for batch in micro_batches) * data_parallel_size,
+                # The global loss, tokens (padding aside) and samples (with --packing, each process's rows hold their
+                # own number) stay on the device: only the log below reads (syncs).
+                real_tokens, samples = accelerator.reduce(torch.stack([
+                    sum(batch["num_tokens"].sum() for batch in micro_batches),
+                    sum((batch["num_tokens"] > 0).sum() for batch in micro_batches)]), "sum")
+                record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens, samples=samples,
                             tokens=real_tokens, answer_tokens=step_tokens)
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     since_last_log = completed_steps % args.logging_steps or args.logging_steps

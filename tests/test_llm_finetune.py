@@ -198,15 +198,16 @@ def runs(base, tmp_path_factory):
         ),
         # --max_length beyond the model's 512 positions: cut to 512, said so (not an IndexError mid-run).
         "positions": ("single_gpu.yaml", *data, "--max_length", "600", "--max_train_steps", "1", "--skip_eval"),
+        # Rows of 256 tokens, 2 per process: the loader shards rows over the 2 processes.
         "packed": (
-            "single_gpu.yaml",
+            "ddp_2gpu.yaml",
             "--model_name_or_path",
             base,
             "--train_file",
             base / "pairs.csv",
             "--packing",
             "--max_length",
-            "64",
+            "256",
             "--max_train_steps",
             "2",
             "--per_device_train_batch_size",
@@ -516,6 +517,20 @@ def test_formats_are_detected_and_tokens_counted_separately(runs):
     for results in (packed, text, runs["1x8"]["results"]):
         assert results["perf/tokens_per_sec"] > results["perf/answer_tokens_per_sec"] > 0
     assert runs["full"]["results"]["config"]["group_by_length"]
+
+
+def test_packing_steps_hold_rows_of_max_length_tokens(runs):
+    """--packing --max_length 256 --per_device_train_batch_size 2 under DDP: a step is 2 processes x 2 rows of up to
+    256 tokens, rows nearly full (best fit decreasing), each holding several samples: the work of a step of TRL's
+    packing=True, not 4 samples flattened (~250 tokens)."""
+    results = runs["packed"]["results"]
+    capacity = results["num_processes"] * 2 * 256
+    assert results["num_processes"] == 2 and results["completed_steps"] == 2
+    assert 0.8 * capacity <= results["perf/tokens_per_step"] <= capacity, results["perf/tokens_per_step"]
+    assert results["perf/samples_per_step"] > 2 * 2  # more samples than rows
+    counts = results["data/counts"]["train"]
+    assert counts["packed_rows"] < counts["samples"] / 2
+    assert f"packing: {counts['samples']} training samples in {counts['packed_rows']} rows" in runs["packed"]["log"]
 
 
 def test_gradient_checkpointing_saves_fewer_activation_bytes_per_token_in_a_full_fine_tune(runs):
