@@ -900,9 +900,14 @@ def markdown(report: dict) -> str:
         "",
         work_text(report["equal_work"]),
         "",
-        *([f"**{report['refused']}**", ""] if report.get("refused") else []),
-        "| ratio | median of rounds | 95 % interval | per round | pooled medians |",
-        "| --- | --- | --- | --- | --- |",
+        *(
+            [f"**{report['refused']}**"]  # and no ratio
+            if report.get("refused")
+            else [
+                "| ratio | median of rounds | 95 % interval | per round | pooled medians |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+        ),
     ]
     for row in report["summary"]:
         lines.append(
