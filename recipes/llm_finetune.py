@@ -48,6 +48,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
@@ -234,10 +235,12 @@ def fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """The indices of ``lengths`` in bins of at most ``capacity``, by best fit decreasing (TRL's packing strategy
-    "bfd"): longest first, each into the open bin it leaves the least space in, else into a new one. The open bins are
-    kept by their free space (a sorted list of the distinct spaces: at most ``capacity``), so a placement is one
-    bisection. Ties keep the data's order: every process makes the same bins."""
+    """--packing's rows: the indices of ``lengths`` in bins of at most ``capacity`` tokens, by best fit decreasing (the
+    rows of TRL's packing=True): longest first, each into the open bin it leaves the least space in, else into a new
+    one. The open bins are kept by their free space (a sorted list of the distinct spaces: at most ``capacity``), so a
+    placement is one bisection. Ties keep the data's order: every process makes the same rows. Samples are truncated
+    to ``max_length`` when tokenized, so each lands whole in one row; ``collate(..., packing=True)`` flattens a batch
+    of rows with the position ids restarting at every sample."""
     order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
     bins: list[list[int]] = []
     spaces: list[int] = []  # the distinct free spaces of the open bins, ascending
@@ -262,36 +265,18 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-class PackedRows(torch.utils.data.Dataset):
-    """The training samples packed into rows of at most ``max_length`` tokens (``best_fit_decreasing``; samples are
-    truncated to ``max_length`` when tokenized, so each lands whole in one row). An item is a row: its samples, which
-    ``collate(..., packing=True)`` flattens with the position ids restarting at each one. The loader shuffles rows and
-    Accelerate shards them over the processes, as it would samples."""
-
-    def __init__(self, dataset, max_length: int):
-        self.dataset = dataset
-        self.rows = best_fit_decreasing([len(ids) for ids in dataset["input_ids"]], max_length)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> list[dict]:
-        return [self.dataset[sample] for sample in self.rows[index]]
-
-
-def collate_rows(rows: list[list[dict]], pad_token_id: int) -> dict:
-    """A batch of packed rows: all their samples, flattened into one row (``shared.sft_data.collate``)."""
-    return collate([sample for row in rows for sample in row], pad_token_id, packing=True)
-
-
 def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
     """The training loader (shuffled samples, or batches of similar length; with --packing shuffled rows of
     --max_length tokens, each batch flattened into one row without padding), refused if it cannot give every
     data-parallel process a batch, and the evaluation loader (padded batches of samples, in order)."""
     sampler, collate_fn = None, partial(collate, pad_token_id=tokenizer.pad_token_id)
-    if args.packing:  # the loader's items are rows: it shuffles rows, and a batch is rows
-        train_dataset = PackedRows(train_dataset, args.max_length)
-        collate_fn = partial(collate_rows, pad_token_id=tokenizer.pad_token_id)
+    if args.packing:  # the loader's items are rows (lists of sample indices): it shuffles rows, a batch is rows
+        samples, lengths = train_dataset, [len(ids) for ids in train_dataset["input_ids"]]
+        train_dataset, pad_token_id = best_fit_decreasing(lengths, args.max_length), tokenizer.pad_token_id
+        collate_fn = lambda rows: collate([samples[i] for row in rows for i in row], pad_token_id, packing=True)
+        fill = sum(lengths) / (len(train_dataset) * args.max_length)  # a step computes the rows' empty ends too
+        PartialState().print(f"packing: {len(samples)} training samples in {len(train_dataset)} rows of up to "
+                             f"{args.max_length} tokens, {fill:.1%} full")
     if args.group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         sampler = LengthGroupedShuffledSampler(lengths, args.per_device_train_batch_size, args.seed)
@@ -375,11 +360,6 @@ def main():
         train_dataset, eval_dataset, counts = tokenize_datasets(accelerator, raw_datasets, fmt, tokenizer,
                                                                 args.max_length)
     train_dataloader, eval_dataloader = dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size)
-    if args.packing:  # how full the rows are: what a step computes beyond its real tokens is the rows' empty ends
-        rows, tokens = len(train_dataloader.dataset), sum(map(len, train_dataset["input_ids"]))
-        counts["train"]["packed_rows"] = rows
-        accelerator.print(f"packing: {len(train_dataset)} training samples in {rows} rows of up to {args.max_length} "
-                          f"tokens, {tokens / (rows * args.max_length):.1%} full (best fit decreasing)")
 
     # ------------------------------------------------------------------------------ model
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
@@ -462,11 +442,9 @@ def main():
                 optimizer.zero_grad()
                 completed_steps += 1
                 progress_bar.update(1)
-                # The global loss, tokens (padding aside) and samples (with --packing, each process's rows hold their
-                # own number) stay on the device: only the log below reads (syncs).
-                real_tokens, samples = accelerator.reduce(torch.stack([
-                    sum(batch["num_tokens"].sum() for batch in micro_batches),
-                    sum((batch["num_tokens"] > 0).sum() for batch in micro_batches)]), "sum")
+                # The global loss, tokens (padding aside) and samples stay on the device: only the log below reads.
+                sizes = sum(torch.stack([b["num_tokens"].sum(), (b["num_tokens"] > 0).sum()]) for b in micro_batches)
+                real_tokens, samples = accelerator.reduce(sizes, "sum")  # (packed rows: each process's samples differ)
                 record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens, samples=samples,
                             tokens=real_tokens, answer_tokens=step_tokens)
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
