@@ -452,8 +452,8 @@ def test_ddp_scaling_compares_the_work_of_each_process():
 
 def test_vs_trl_refuses_to_judge_sides_of_unequal_work(tmp_path, monkeypatch):
     """vs_trl.py records each side's real tokens and samples per optimizer step (``equal_work`` in vs_trl.json); where
-    they differ by more than 1 % (the recipe's steps of 4 x 2 samples against TRL's 4 x 2 packed rows of 2,048 tokens,
-    as --packing used to give) it stops after that round and writes no ratio and no verdict, says why, and exits 1.
+    they differ by more than 1 % (steps of 4 x 2 samples against 4 x 2 packed rows of 2,048 tokens, at the gpu-1b
+    preset's shape) it stops after that round and writes no ratio and no verdict, says why, and exits 1.
     Fabricated launches: nothing trains here."""
     import vs_trl
 
