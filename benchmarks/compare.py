@@ -34,7 +34,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from records import LM_RECIPES, SCHEMA, summarize  # noqa: E402  (the same field extraction as the runner's records)
+from records import (  # noqa: E402  (the same field extraction as the runner's records)
+    LM_RECIPES,
+    SCHEMA,
+    equal_work,
+    summarize,
+    unequal_work_text,
+    work_per_step,
+)
 
 # The issue's targets, shown beside the measured ratios (CPU, 1 thread per process).
 TARGETS = {
@@ -218,6 +225,22 @@ def ratio_of(kind: str, a: dict, b: dict) -> float | None:
     return ratio
 
 
+def comparison_work(kind: str, runs_a: list[dict], runs_b: list[dict]) -> dict | None:
+    """Each side's work per optimizer step (the median over its runs; ``records.equal_work``), per process for DDP
+    scaling (whose ratio is per process), and whether the two are equal. None for the model-state comparisons, which
+    compare bytes held, not work done."""
+    if kind.endswith("model state"):
+        return None
+    sides = {}
+    for side, runs in (("reference", runs_a), ("setup", runs_b)):
+        per_run = [work_per_step(run) for run in runs]
+        work = {measure: median(work[measure] for work in per_run) for measure in per_run[0]}
+        if kind == "ddp scaling efficiency":
+            work = {measure: value / runs[0]["processes"] if value else value for measure, value in work.items()}
+        sides[side] = work
+    return equal_work(sides)
+
+
 def medians(runs: list[dict]) -> dict:
     keys = (
         "perf/samples_per_sec",
@@ -292,7 +315,11 @@ def ratios(grouped: dict[tuple, list[dict]]) -> list[dict]:
                         "interleaved vs 1f1b": (m + p - 1) / (m + (p - 1) / v),
                         "zero bubble vs 1f1b": (m + p - 1) / m,
                     }[kind]
-            row["interval"] = bootstrap_interval(paired)
+            row["equal_work"] = comparison_work(kind, runs_a, runs_b)
+            if row["equal_work"] and row["equal_work"]["equal"] is False:  # a ratio of different work: no ratio
+                row["refused"] = f"not judged: unequal work per step ({unequal_work_text(row['equal_work'])})"
+                row["ratio"], row["paired"], row["pooled"] = None, [], None
+            row["interval"] = bootstrap_interval(row["paired"])
             row["bound"], row["above_bound"] = physical_bound(row, runs_b[0]["processes"])
             rows.append(row)
     return sorted(rows, key=lambda row: (row["group"], row["comparison"], row["setup"]))
@@ -469,6 +496,7 @@ def markdown(records: list[dict]) -> str:
             )
             verdict = f"{target[0]} {target[1]:g}{met}" if target else ""
             verdict = "not judged: smoke run" if smoke else verdict
+            verdict = row.get("refused") or verdict
             ratio = fmt(row["ratio"], ".3f") if smoke else f"**{fmt(row['ratio'], '.3f')}**"
             interval = f" [{row['interval'][0]:.3f}, {row['interval'][1]:.3f}]" if row.get("interval") else ""
             rounds = ", ".join(
@@ -567,7 +595,9 @@ def plots(records: list[dict], folder: Path) -> list[Path]:
         plt.close(figure)
 
     # Pipeline speedup over the naive split against the ideal p m / (m + p - 1).
-    pipeline_rows = [row for row in ratios(grouped) if row["comparison"] == "pipeline speedup" and row.get("m")]
+    pipeline_rows = [
+        row for row in ratios(grouped) if row["comparison"] == "pipeline speedup" and row.get("m") and row["ratio"]
+    ]
     if pipeline_rows:
         figure, axis = plt.subplots(figsize=(7, 4.5))
         top = max(row["m"] for row in pipeline_rows)

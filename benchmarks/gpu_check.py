@@ -52,6 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import run as runner  # noqa: E402  (the matrix runner: launches, records, summary)
+from records import equal_work, unequal_work_text, work_per_step  # noqa: E402  (the work check of every comparison)
 
 # Minutes each launch takes on an H100/H200-class GPU, start-up (imports, data, tokenizer: 30-40 s) included, from
 # the previous run's timings (H200: fine-tune 0.026 s/step, LM 350m bf16 8x1024 0.117 s/step, LLM LoRA 0.28 s/step,
@@ -836,15 +837,20 @@ def target(name: str, value: float | None, floor: float, line: str, **numbers) -
 def speed_ratio(name: str, candidate: dict | None, reference: dict | None, key: str, floor: float) -> dict:
     """candidate / reference of a throughput ``key`` (higher is better), with the spread of their step times: the
     ratio of the p90 step times (of RunRecord's windows of 10 steps) beside the median's (one run each: no rounds to
-    bootstrap here)."""
+    bootstrap here). Runs of unequal work per optimizer step are not compared (a failed check: the plan's runs were
+    meant to do the same work)."""
     if not candidate or not reference or not candidate.get(key) or not reference.get(key):
         return target(name, None, floor, f"a run is missing or has no {key}")
+    work = equal_work({"candidate": work_per_step(candidate), "reference": work_per_step(reference)})
+    if work["equal"] is False:
+        return target(name, None, floor, f"not judged: unequal work per step ({unequal_work_text(work)})",
+                      equal_work=work)
     ratio = candidate[key] / reference[key]
     p90 = reference.get("perf/step_time_p90_s"), candidate.get("perf/step_time_p90_s")
     spread = p90[0] / p90[1] if all(p90) else None
     line = f"{ratio:.3f}x {key} ({candidate[key]:.4g} vs {reference[key]:.4g})"
     line += f"; the p90 of the step-time windows gives {spread:.3f}x" if spread else ""
-    return target(name, ratio, floor, line + f" (target >= {floor}x)", p90_ratio=spread)
+    return target(name, ratio, floor, line + f" (target >= {floor}x)", p90_ratio=spread, equal_work=work)
 
 
 def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None) -> list[dict]:
@@ -884,6 +890,8 @@ def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None)
         verdicts.append(skipped("LLM recipe / TRL SFTTrainer", "vs_trl.py not in this plan (--only)"))
     elif "error" in vs_trl:
         verdicts.append(skipped("LLM recipe / TRL SFTTrainer", vs_trl["error"]))
+    elif vs_trl.get("refused"):  # the two sides did different work per step: a comparison set up wrong
+        verdicts.append(target("LLM recipe / TRL SFTTrainer", None, TARGETS["llm-vs-trl"], vs_trl["refused"]))
     else:
         ratios = {row["key"]: row for row in vs_trl["summary"]}
         speed, loss = ratios.get("perf/tokens_per_sec", {}), ratios.get("eval/loss", {})
@@ -918,6 +926,8 @@ def run_vs_trl(output_dir: Path, tiny: bool, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"vs_trl.py ran past {timeout:.0f} s"}
     (output_dir / "vs_trl.log").write_text(done.stdout + done.stderr)
+    if (out / "vs_trl.json").is_file() and json.loads((out / "vs_trl.json").read_text()).get("refused"):
+        return json.loads((out / "vs_trl.json").read_text())  # no verdict: unequal work per step, said why
     if done.returncode != 0 or not (out / "vs_trl.json").is_file():
         return {"error": f"vs_trl.py exited {done.returncode}: {(done.stderr or done.stdout)[-300:]}"}
     return json.loads((out / "vs_trl.json").read_text())

@@ -49,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import bootstrap_interval  # noqa: E402  (the runner's 95 % interval of a median ratio)
+from records import equal_work, unequal_work_text, work_per_step  # noqa: E402  (the work check of every comparison)
 
 REPO = Path(__file__).resolve().parents[1]
 NAIVE, PIPELINE = REPO / "recipes" / "train_lm.py", REPO / "recipes" / "pipeline_lm.py"
@@ -207,6 +208,19 @@ def run_baseline(args, m: int, out: Path) -> dict:
     )
 
 
+def pair_work(baseline: dict, pipeline: dict, baseline_name: str, schedule: str) -> dict:
+    """Both runs' real tokens and samples per optimizer step (``records.equal_work``); a pair whose work differs is
+    refused: its tokens/s ratio would measure the batches, not the schedules."""
+    work = equal_work({baseline_name: work_per_step(baseline), schedule: work_per_step(pipeline)})
+    if work["equal"] is False:
+        raise SystemExit(
+            f"Not judged: {baseline_name} and {schedule} did different work per optimizer step "
+            f"({unequal_work_text(work)}), so their tokens/s ratio would not compare the schedules. Both sides get "
+            "--batch_size and --block_size from this script: a recipe that changed how it counts a step breaks it."
+        )
+    return work
+
+
 def main():
     args = parse_args()
     output_dir = Path(args.output_dir)
@@ -234,6 +248,7 @@ def main():
                         args,
                         timers=schedule in TIMED_SCHEDULES,
                     )
+                    work = pair_work(baseline, pipeline, args.baseline, schedule)
                     foreign = [run.get("bench/foreign_share", 0.0) for run in (baseline, pipeline)]
                     disturbed = max(foreign) > args.max_foreign_share
                     ratio = pipeline["perf/tokens_per_sec"] / baseline["perf/tokens_per_sec"]
@@ -263,6 +278,7 @@ def main():
                         "baseline/step_time_s": baseline["perf/step_time_s"],
                         "pipeline/step_time_s": pipeline["perf/step_time_s"],
                         "ratio": ratio,
+                        "equal_work": work,
                         "ideal_ratio": ideal,
                         "ideal_ratio_for_split": ideal_for_split,
                         "efficiency": ratio / ideal,

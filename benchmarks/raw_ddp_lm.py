@@ -197,6 +197,9 @@ def main():
         "perf/step_time_p90_s": percentile(step_times, 90),
         "perf/samples_per_sec": global_batch_size * len(step_times) / measured if measured else None,
         "perf/tokens_per_sec": tokens_per_step * len(step_times) / measured if measured else None,
+        # The work of a step, as the recipes' results.json give it: compare.py compares only runs of equal work.
+        "perf/samples_per_step": global_batch_size,
+        "perf/tokens_per_step": tokens_per_step,
         "perf/data_wait_fraction": sum(data_waits) / measured if measured else None,
         "memory/peak_gib": {
             f"rank{r}/{name}": round(gib, 4) for r, peak in enumerate(peaks) for name, gib in peak.items()

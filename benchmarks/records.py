@@ -33,7 +33,12 @@ COPIED = (
     "eval/loss",
     "method",
     "stages_per_process",
+    "perf/samples_per_step",
+    "perf/tokens_per_step",
+    "tokens_per_step",
 )
+# Two sides of a comparison whose work per optimizer step differs by more than this are not compared.
+WORK_TOLERANCE = 0.01
 
 
 def summarize(results: dict, threads: int | None) -> dict:
@@ -63,3 +68,38 @@ def summarize(results: dict, threads: int | None) -> dict:
         "seed": config.get("seed"),
         **{key: results.get(key) for key in COPIED},
     }
+
+
+def work_per_step(record: dict) -> dict[str, float | None]:
+    """The work of one optimizer step of a run (a record or a results.json): its real tokens (padding excluded) and
+    samples, over the measured steps (``perf/*_per_step``). Runs recorded before those fields: the LM recipes' fixed
+    ``global_batch_size`` blocks of ``tokens_per_step`` tokens; the fine-tunes' ``global_batch_size`` samples."""
+    samples = record.get("perf/samples_per_step") or record.get("global_batch_size")
+    tokens = record.get("perf/tokens_per_step") or record.get("tokens_per_step")
+    if tokens is None and record.get("recipe") in LM_RECIPES and samples and record.get("sequence_length"):
+        tokens = samples * record["sequence_length"]
+    return {"tokens_per_step": tokens, "samples_per_step": samples}
+
+
+def equal_work(sides: dict[str, dict], tolerance: float = WORK_TOLERANCE) -> dict:
+    """Whether the sides of a side-by-side comparison (name -> ``work_per_step``) did the same work per optimizer
+    step: every measure that all sides recorded within ``tolerance`` of its largest value. A throughput ratio of
+    unequal work measures the batches, not the loop: ``equal`` False says not to judge it (None: nothing to compare,
+    no measure recorded by every side). The record keeps each side's numbers beside the verdict."""
+    record: dict = {}
+    for measure in ("tokens_per_step", "samples_per_step"):
+        values = {side: work.get(measure) for side, work in sides.items()}
+        if all(value for value in values.values()):
+            record[measure] = {side: round(value, 3) for side, value in values.items()}
+    unequal = [
+        measure for measure, values in record.items() if min(values.values()) < (1 - tolerance) * max(values.values())
+    ]
+    return {**record, "equal": not unequal if record else None, "tolerance": tolerance, "unequal": unequal}
+
+
+def unequal_work_text(work: dict) -> str:
+    """One sentence naming what differs, for a refusal: e.g. ``tokens_per_step recipe 437 vs trl 15,835``."""
+    return "; ".join(
+        f"{measure.replace('_', ' ')}: " + " vs ".join(f"{side} {value:,.0f}" for side, value in work[measure].items())
+        for measure in work["unequal"]
+    )

@@ -22,6 +22,10 @@ they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both 
 - Throughput: real tokens (padding excluded) and samples per second over the same optimizer steps, the first
   ``--perf_warmup_steps`` left out: the recipe's ``perf/*`` from its results.json; TRL's from a TrainerCallback that
   times each optimizer step end to end (``on_step_end`` to ``on_step_end``) and the batches each step trained on.
+- Work: each side's real tokens and samples per optimizer step (``equal_work`` in the JSON). Where they differ by more
+  than 1 % (``records.WORK_TOLERANCE``), the ratios would measure the batches, not the loops: the benchmark stops
+  with that message and no verdict. With ``packing`` both sides fill rows of ``max_length`` tokens by best fit
+  decreasing (the recipe's ``--packing``, TRL's ``packing=True``), ``per_device_train_batch_size`` rows a batch.
   On a CPU also per second of the process's own CPU time (``time.process_time``, rank 0), which other processes on a
   shared machine do not inflate: TRL's callback reads that clock too, and the recipe runs through
   ``clocked_recipe()``, unchanged and with its own command line, plus that clock at each optimizer step.
@@ -51,6 +55,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from compare import bootstrap_interval  # noqa: E402  (the runner's 95 % interval of a median ratio)
 from pipeline_vs_naive import busy_cpu_seconds, own_cpu_seconds  # noqa: E402  (the foreign-CPU check)
+from records import equal_work, unequal_work_text  # noqa: E402  (the work-per-step check of every comparison)
 from run import library_versions, machine_info  # noqa: E402  (CPU model and flags, GPUs, versions: as every record)
 
 RECIPE = REPO / "recipes" / "llm_finetune.py"
@@ -279,7 +284,7 @@ def clocked_recipe(argv: list[str]) -> None:
     def step(self, samples: int, tokens=0, answer_tokens=0, **kwargs) -> None:
         measure(self, samples, tokens, answer_tokens, **kwargs)
         now = time.process_time()  # (a CPU run: reading the token count here waits for nothing)
-        steps.append({"cpu_s": now - last[0], "samples": samples, "tokens": int(tokens)})
+        steps.append({"cpu_s": now - last[0], "samples": int(samples), "tokens": int(tokens)})
         last[0] = now
 
     results.ThroughputMeter.step = step
@@ -469,6 +474,8 @@ def trl_worker(args) -> None:
         "perf/step_time_p90_s": percentile(meter.step_times, 90),
         "perf/samples_per_sec": samples / measured,
         "perf/tokens_per_sec": tokens / measured,
+        "perf/samples_per_step": samples / len(meter.step_times),  # global, as the recipe's results.json has them
+        "perf/tokens_per_step": tokens / len(meter.step_times),
         # This process's CPU time over the same steps (rank 0's, like the clock): see clocked_recipe().
         "perf/cpu_s": sum(meter.cpu_times),
         "perf/cpu_step_s": meter.every_step_cpu,
@@ -719,8 +726,8 @@ def adapter_difference(a: Path, b: Path) -> dict:
     }
 
 
-# (label, key): what is compared, recipe / TRL, in every round. Per CPU-second: only where cpu_clock is on; per sample:
-# not with packing, where the recipe counts its packed rows and TRL the conversations in them.
+# (label, key): what is compared, recipe / TRL, in every round. Per CPU-second: only where cpu_clock is on. A sample
+# is a conversation on both sides, packed or not.
 COMPARED = (
     ("tokens/s", "perf/tokens_per_sec"),
     ("samples/s", "perf/samples_per_sec"),
@@ -735,8 +742,42 @@ def compared(settings: dict) -> list[tuple[str, str]]:
     return [
         (label, key)
         for label, key in COMPARED
-        if (settings["cpu_clock"] or "cpu_s" not in key) and not (settings["packing"] and "samples" in key)
+        if settings["cpu_clock"] or "cpu_s" not in key
     ]
+
+
+def work_check(rounds: list[dict]) -> dict:
+    """Whether both sides did the same work per optimizer step (real tokens and samples; ``records.equal_work``) in
+    every round: the numbers of the first round that differs, else of round 0."""
+    checks = [
+        equal_work({side: {key: r[side].get(f"perf/{key}") for key in ("tokens_per_step", "samples_per_step")}
+                    for side in ("recipe", "trl")})
+        for r in rounds
+    ]
+    return next((check for check in checks if check["equal"] is False), checks[0])
+
+
+def refusal(work: dict) -> str:
+    """The message of a comparison of unequal work (``work_check``), or "" when the work is equal."""
+    if work["equal"] is not False:
+        return ""
+    return (
+        f"Not judged: the two sides did different work per optimizer step ({unequal_work_text(work)}; more than "
+        f"{work['tolerance']:.0%} apart), so their ratios would measure the batches, not the training loops. Give "
+        "both the same batches: with packing, rows of max_length tokens on both sides (the recipe's --packing packs "
+        "them as TRL's packing=True does); without, the same per_device_train_batch_size and max_length."
+    )
+
+
+def work_text(work: dict) -> str:
+    """The work-per-step line of the summary."""
+    measures = [measure for measure in ("tokens_per_step", "samples_per_step") if measure in work]
+    text = ", ".join(
+        f"{measure.replace('_', ' ')}: recipe {work[measure]['recipe']:,.0f}, TRL {work[measure]['trl']:,.0f}"
+        for measure in measures
+    )
+    equal = f" (equal within {work['tolerance']:.0%})" if work["equal"] else ""
+    return f"Work per optimizer step (real tokens, conversations): {text or 'not recorded'}{equal}."
 
 
 def value_of(side: dict, key: str) -> float:
@@ -790,6 +831,8 @@ def side_summary(results: dict, kind: str) -> dict:
     keys = (
         "perf/tokens_per_sec",
         "perf/samples_per_sec",
+        "perf/tokens_per_step",
+        "perf/samples_per_step",
         "perf/tokens_per_cpu_s",
         "perf/samples_per_cpu_s",
         "perf/cpu_s",
@@ -855,8 +898,16 @@ def markdown(report: dict) -> str:
         f"left out), lr {s['learning_rate']} {s['lr_scheduler_type']} with {s['num_warmup_steps']} warm-up steps, "
         f"mixed precision {s['mixed_precision']}, threads per process {s['threads_per_process']}, seed {s['seed']}.",
         "",
-        "| ratio | median of rounds | 95 % interval | per round | pooled medians |",
-        "| --- | --- | --- | --- | --- |",
+        work_text(report["equal_work"]),
+        "",
+        *(
+            [f"**{report['refused']}**"]  # and no ratio
+            if report.get("refused")
+            else [
+                "| ratio | median of rounds | 95 % interval | per round | pooled medians |",
+                "| --- | --- | --- | --- | --- |",
+            ]
+        ),
     ]
     for row in report["summary"]:
         lines.append(
@@ -983,6 +1034,10 @@ def main(argv=None) -> int:
             ),
             flush=True,
         )
+        if work_check(rounds)["equal"] is False:  # no more rounds: the batches differ, not the weather
+            break
+    equal = work_check(rounds)
+    refused = refusal(equal)
     every = settings["logging_steps"]
     checks = {
         "labels": rounds[0]["trl"]["labels_check"],
@@ -997,7 +1052,7 @@ def main(argv=None) -> int:
         },
     }
     breakdown = None
-    if args.breakdown_repeats > 0:
+    if args.breakdown_repeats > 0 and not refused:
         first = settings["perf_warmup_steps"]
         steps = list(range(first, min(first + args.breakdown_steps, settings["max_train_steps"])))
         breakdown = step_breakdown(settings, steps, args.breakdown_repeats)
@@ -1008,7 +1063,9 @@ def main(argv=None) -> int:
         "settings": {key: value for key, value in settings.items() if not key.endswith(("_dir", "_file"))}
         | {"config_file": settings["config_file"]},
         "rounds": rounds,
-        "summary": summarize(rounds, settings),
+        "equal_work": equal,
+        "refused": refused or None,
+        "summary": [] if refused else summarize(rounds, settings),
         "checks": checks,
         "step_breakdown": breakdown,
         "machine": machine_info(),
@@ -1018,6 +1075,9 @@ def main(argv=None) -> int:
     text = markdown(report)
     (output_dir / "summary.md").write_text(text)
     print(text)
+    if refused:
+        print(refused, file=sys.stderr)
+        return 1
     return 0
 
 

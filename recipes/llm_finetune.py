@@ -37,6 +37,8 @@ fine-tune), the tokenizer, ``merged/`` with ``--merge_and_save``, ``results.json
 """
 
 import argparse
+import bisect
+import collections
 import contextlib
 import itertools
 import logging
@@ -47,6 +49,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
@@ -122,9 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation "
                       "samples.")
-    data.add_argument("--packing", action="store_true", help="Each batch as one row without padding (transformers' "
-                      "DataCollatorWithFlattening): each sample keeps its positions and attends only to itself, the "
-                      "same losses (a block-diagonal mask: fastest with flash attention).")
+    data.add_argument("--packing", action="store_true", help="Pack the training samples into rows of --max_length "
+                      "tokens (best fit decreasing, as TRL's packing=True); a batch is --per_device_train_batch_size "
+                      "rows, flattened into one without padding: each sample keeps its positions and attends only to "
+                      "itself, the same losses (a block-diagonal mask: fastest with flash attention).")
     data.add_argument("--group_by_length", action="store_true",
                       help="Batch samples of similar length together (less padding).")
     model = parser.add_argument_group("model")
@@ -148,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                        "activations in backward: less memory, ~1/3 more compute.")
     training = parser.add_argument_group("training")
     training.add_argument("--per_device_train_batch_size", type=positive_int, default=4,
-                          help="Samples per process per forward pass.")
+                          help="Samples (with --packing: rows of --max_length tokens) per process per forward pass.")
     training.add_argument("--per_device_eval_batch_size", type=positive_int,
                           help="Samples per evaluation batch (default: training's).")
     training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
@@ -195,6 +199,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.full_finetune and args.load_in_4bit:
         parser.error("--load_in_4bit trains a LoRA adapter on a frozen 4-bit model; it cannot be combined with "
                      "--full_finetune")
+    if args.packing and args.group_by_length:
+        parser.error("--group_by_length batches samples of similar length; --packing fills rows of --max_length "
+                     "tokens, all of about one length: choose one")
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     # The offline default model is small and barely pretrained: it learns visibly only with more and larger steps
@@ -253,11 +260,49 @@ def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
         layer.support_avx512bf16_for_cpu = False  # (read by Linear4bit.forward, set from the CPU when it was built)
 
 
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """--packing's rows: the indices of ``lengths`` in bins of at most ``capacity`` tokens, by best fit decreasing (the
+    rows of TRL's packing=True): longest first, each into the open bin it leaves the least space in, else into a new
+    one. The open bins are kept by their free space (a sorted list of the distinct spaces: at most ``capacity``), so a
+    placement is one bisection. Ties keep the data's order: every process makes the same rows. Samples are truncated
+    to ``max_length`` when tokenized, so each lands whole in one row; ``collate(..., packing=True)`` flattens a batch
+    of rows with the position ids restarting at every sample."""
+    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
+    bins: list[list[int]] = []
+    spaces: list[int] = []  # the distinct free spaces of the open bins, ascending
+    open_bins: dict[int, collections.deque] = {}  # free space -> the bins with that much left, oldest first
+    for index in order:
+        at = bisect.bisect_left(spaces, lengths[index])  # the tightest space the sample fits in
+        if at < len(spaces):
+            space = spaces[at]
+            number = open_bins[space].popleft()
+            if not open_bins[space]:
+                del spaces[at], open_bins[space]
+        else:
+            space, number = capacity, len(bins)
+            bins.append([])
+        bins[number].append(index)
+        space -= lengths[index]
+        if space > 0:
+            if space not in open_bins:
+                bisect.insort(spaces, space)
+                open_bins[space] = collections.deque()
+            open_bins[space].append(number)
+    return bins
+
+
 def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
-    """The training loader (shuffled, or in batches of similar length; with --packing each batch one row without
-    padding), refused if it cannot give every data-parallel process a batch, and the evaluation loader (padded
-    batches, in order)."""
-    sampler = None
+    """The training loader (shuffled samples, or batches of similar length; with --packing shuffled rows of
+    --max_length tokens, each batch flattened into one row without padding), refused if it cannot give every
+    data-parallel process a batch, and the evaluation loader (padded batches of samples, in order)."""
+    sampler, collate_fn = None, partial(collate, pad_token_id=tokenizer.pad_token_id)
+    if args.packing:  # the loader's items are rows (lists of sample indices): it shuffles rows, a batch is rows
+        samples, lengths = train_dataset, [len(ids) for ids in train_dataset["input_ids"]]
+        train_dataset, pad_token_id = best_fit_decreasing(lengths, args.max_length), tokenizer.pad_token_id
+        collate_fn = lambda rows: collate([samples[i] for row in rows for i in row], pad_token_id, packing=True)
+        fill = sum(lengths) / (len(train_dataset) * args.max_length)  # a step computes the rows' empty ends too
+        PartialState().print(f"packing: {len(samples)} training samples in {len(train_dataset)} rows of up to "
+                             f"{args.max_length} tokens, {fill:.1%} full")
     if args.group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         sampler = LengthGroupedShuffledSampler(lengths, args.per_device_train_batch_size, args.seed)
@@ -266,8 +311,7 @@ def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size
     pinned = torch.cuda.is_available()
     train_dataloader = DataLoader(train_dataset, args.per_device_train_batch_size, shuffle=sampler is None,
                                   sampler=sampler, generator=torch.Generator().manual_seed(args.seed),
-                                  collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id,
-                                                     packing=args.packing), pin_memory=pinned)
+                                  collate_fn=collate_fn, pin_memory=pinned)
     check_batches(train_dataloader, data_parallel_size)
     eval_dataloader = DataLoader(eval_dataset, args.per_device_eval_batch_size or args.per_device_train_batch_size,
                                  collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id), pin_memory=pinned)
@@ -430,10 +474,10 @@ def main():
                 optimizer.zero_grad()
                 completed_steps += 1
                 progress_bar.update(1)
-                # The global loss and tokens (padding aside) stay on the device: only the log below reads (syncs).
-                real_tokens = accelerator.reduce(sum(batch["num_tokens"].sum() for batch in micro_batches), "sum")
-                record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens,
-                            samples=sum(len(batch["num_tokens"]) for batch in micro_batches) * data_parallel_size,
+                # The global loss, tokens (padding aside) and samples stay on the device: only the log below reads.
+                sizes = sum(torch.stack([b["num_tokens"].sum(), (b["num_tokens"] > 0).sum()]) for b in micro_batches)
+                real_tokens, samples = accelerator.reduce(sizes, "sum")  # (packed rows: each process's samples differ)
+                record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens, samples=samples,
                             tokens=real_tokens, answer_tokens=step_tokens)
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     since_last_log = completed_steps % args.logging_steps or args.logging_steps

@@ -65,7 +65,7 @@ class ThroughputMeter:
     from queueing the next step while the GPU finishes this one. So the clock reads in windows: ``sync()`` waits for
     the devices and gives each step of the window since the last one the window's mean time. It syncs at the end of
     the warm-up and whenever asked (``RunRecord`` asks every ``sync_every`` steps, at the last step and when the loss
-    curve is read). Token counts may be device tensors: they are read at the sync too."""
+    curve is read). Token and sample counts may be device tensors: they are read at the sync too."""
 
     def __init__(self, accelerator: Accelerator, warmup_steps: int = 1, devices: list[torch.device] | None = None):
         self.accelerator, self.warmup_steps, self.devices = accelerator, warmup_steps, devices or [accelerator.device]
@@ -115,7 +115,7 @@ class ThroughputMeter:
             if number > self.warmup_steps:
                 self.step_times.append(seconds)
                 self.data_wait_times.append(waited)
-                self.samples, self.tokens = self.samples + samples, self.tokens + int(tokens)
+                self.samples, self.tokens = self.samples + int(samples), self.tokens + int(tokens)
                 self.answer_tokens += int(answer_tokens)
         self._window, self._last = [], now
 
@@ -129,11 +129,13 @@ class ThroughputMeter:
             "perf/step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "perf/step_time_p90_s": percentile(self.step_times, 90),
             "perf/samples_per_sec": self.samples / measured if measured else None,
+            "perf/samples_per_step": self.samples / len(self.step_times) if self.step_times else None,
             # Share of the measured steps' time spent waiting for batches (None without timed()).
             "perf/data_wait_fraction": sum(self.data_wait_times) / measured if measured and self._data_timed else None,
         }
         if self.tokens:
             summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
+            summary["perf/tokens_per_step"] = self.tokens / len(self.step_times) if self.step_times else None
         if self.answer_tokens:
             summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
         gpus = [device for device in self.devices if device.type == "cuda"]

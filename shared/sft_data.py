@@ -1,6 +1,6 @@
 """Chat data for supervised fine-tuning (``recipes/llm_finetune.py``): the TRL formats (``messages``,
 ``prompt``/``completion``, ``text``) read from files or the Hub and checked row by row, the tokenizer's pad token and
-chat template, token ids with labels on the answers only, and batches (padded, or flattened for ``--packing``).
+chat template, token ids with labels on the answers only, and batches (padded, or packed rows flattened into one).
 
 Not TRL's data helpers (TRL is not a dependency): its assistant-only loss needs a chat template with ``{% generation
 %}`` markers, which few models' templates have; ``tokenize_sample`` finds the answer tokens of any template that
@@ -234,13 +234,12 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
     (The position ids count from 0 in every row either way.) The test of ``token_losses`` compares with the masked
     loss.
 
-    With ``packing``: one row without padding, transformers' ``DataCollatorWithFlattening``: position ids restart at 0
-    with every sample, from which transformers builds a block-diagonal causal mask (each sample attends only to
-    itself: the same losses as the padded batch of the same samples; its -100 on each sample's first label is already
-    there, see ``tokenize_sample``). It replaced a first-fit packing of the whole data set into rows of
-    ``max_length``, which changed how many samples a step holds. The price: attention without flash attention's packed
-    kernels computes the whole row's mask, not each sample's, and transformers finds the samples' bounds in the
-    position ids with one read from the device per forward."""
+    With ``packing`` (the samples of a step's packed rows): one row without padding, as TRL's padding-free packing
+    gives it, by transformers' ``DataCollatorWithFlattening``: position ids restart at 0 with every sample, from which
+    transformers builds a block-diagonal causal mask (each sample attends only to itself: the same losses as the padded
+    batch; its -100 on each sample's first label is already there, see ``tokenize_sample``). The price: attention
+    without flash attention's packed kernels computes the whole row's mask, not each sample's, and transformers finds
+    the samples' bounds in the position ids with one read from the device per forward."""
     if packing:
         batch = DataCollatorWithFlattening()(samples, return_tensors="pt")
         batch = {**batch, "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}

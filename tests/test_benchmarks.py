@@ -452,3 +452,135 @@ def test_gpu_check_two_rank_probe_runs_on_the_cpu():
 
     probe = gpu_check.two_rank_probe("cpu", timeout=240)
     assert probe == {"device": "cpu", "backend": "gloo", **{op: "ok" for op in gpu_check.PROBE_COLLECTIVES}}
+
+
+# ----------------------------------------------------------------------------- equal work per step
+def record(group: str, setup: str, round_: int, recipe: str = "train_lm", processes: int = 2, **fields) -> dict:
+    """A runner record with made-up numbers: each round the setup runs 10 % faster than its reference would."""
+    from records import SCHEMA
+
+    return {"schema": SCHEMA, "status": "ok", "_input": "", "run_id": f"{setup}-{round_}", "group": group,
+            "setup": setup, "round": round_, "recipe": recipe, "processes": processes, "perf/step_time_s": 1.0,
+            "perf/samples_per_sec": 10.0 + round_, **fields}
+
+
+@pytest.mark.parametrize(
+    "group, reference, setup, recipe, work, unequal",
+    [
+        # The recipe against raw PyTorch: the same blocks, but the recipe's steps hold half the tokens.
+        ("lm-tiny-data_parallel", "raw_ddp", "ddp", "train_lm", "perf/tokens_per_step", (8192, 4096)),
+        # Pipeline vs the naive split over the same batch, but 2,048 tokens per step on one side.
+        ("lm-small-pipeline-gpipe", "device_map", "pipeline-gpipe-m2", "pipeline_lm", "perf/tokens_per_step",
+         (4096, 2048)),
+        # The fine-tune against its plain loop: 32 vs 16 samples per step.
+        ("finetune-equal-accuracy", "ddp+fixed", "ddp", "transformer_finetune", "perf/samples_per_step", (32, 16)),
+    ],
+)
+def test_a_ratio_of_unequal_work_per_step_is_refused(group, reference, setup, recipe, work, unequal):
+    """compare.py puts each side's work per optimizer step in every ratio's row (``equal_work``) and refuses to
+    judge a ratio whose sides differ by more than 1 %: no ratio, no verdict, the numbers named instead. Within 1 %
+    the same ratio is judged."""
+    import compare
+
+    def rows(a, b):
+        records = [record(group, name, r, recipe, **{work: value}) for r in range(3)
+                   for name, value in ((reference, a), (setup, b))]
+        found = [row for row in compare.ratios(compare.configurations(records)) if row["setup"] == setup]
+        return found, compare.markdown(records)
+
+    (row,), report = rows(*unequal)
+    assert row["equal_work"]["equal"] is False and row["ratio"] is None and row["pooled"] is None
+    assert row["equal_work"][work.split("/")[1]] == {"reference": unequal[0], "setup": unequal[1]}
+    (line,) = [line for line in ratio_lines(report) if setup in line]
+    measure = work.split("/")[1].replace("_", " ")
+    assert f"not judged: unequal work per step ({measure}: reference {unequal[0]:,} vs setup {unequal[1]:,})" in line
+    assert not any(word in line for word in (" met", "missed", "**0", "**1"))
+    (row,), report = rows(unequal[0], unequal[0] * 0.995)  # within 1 %: judged
+    assert row["equal_work"]["equal"] is True and row["ratio"] is not None and "unequal work" not in report
+
+
+def test_ddp_scaling_compares_the_work_of_each_process():
+    """DDP scaling efficiency compares 1 process with 2 at the same per-process batch: twice the global work per step
+    is the same work per process, judged; a per-process batch that changed is not."""
+    import compare
+
+    def row(ddp_tokens):
+        group = "lm-tiny-data_parallel"
+        records = [record(group, "single", r, processes=1, **{"perf/tokens_per_step": 4096}) for r in range(3)]
+        records += [record(group, "ddp", r, **{"perf/tokens_per_step": ddp_tokens}) for r in range(3)]
+        return next(row for row in compare.ratios(compare.configurations(records))
+                    if row["comparison"] == "ddp scaling efficiency")
+
+    judged = row(8192)
+    assert judged["equal_work"]["tokens_per_step"] == {"reference": 4096, "setup": 4096} and judged["ratio"]
+    assert row(4096)["ratio"] is None  # 2 processes sharing one process's batch
+
+
+def test_vs_trl_refuses_to_judge_sides_of_unequal_work(tmp_path, monkeypatch):
+    """vs_trl.py records each side's real tokens and samples per optimizer step (``equal_work`` in vs_trl.json); where
+    they differ by more than 1 % (steps of 4 x 2 samples against 4 x 2 packed rows of 2,048 tokens, at the gpu-1b
+    preset's shape) it stops after that round and writes no ratio and no verdict, says why, and exits 1.
+    Fabricated launches: nothing trains here."""
+    import vs_trl
+
+    def launch(command, out, settings, results_name):
+        side = "trl" if "--trl_worker" in command else "recipe"
+        results = {"perf/tokens_per_sec": 1000.0, "perf/samples_per_sec": 10.0, "perf/step_time_s": 0.1,
+                   "perf/tokens_per_step": tokens[side], "perf/samples_per_step": 8.0,
+                   "memory/peak_gib": {"cpu": 1.0}, "eval/loss": 2.0, "bench/wall_s": 10.0, "bench/foreign_share": 0.0,
+                   "num_processes": 1}
+        if side == "recipe":
+            return {**results, "train/loss_curve": [3.0] * 20}
+        return {**results, "eval/trl_eval_loss": 2.0, "train/loss_log": [(10, 3.0), (20, 3.0)],
+                "labels_check": {"samples_checked": 1, "num_differing": 0, "differing": []}, "torch_threads": 1,
+                "trl/optim": "adamw_torch_fused", "trl/padding_free": True, "model/trainable_parameters": 1,
+                **cpu_clock}
+
+    cpu_clock = {"perf/cpu_s": 1.0, "perf/cpu_step_s": [0.1] * 20, "perf/samples_per_cpu_s": 1.0,
+                 "perf/tokens_per_cpu_s": 1.0}
+    monkeypatch.setattr(vs_trl, "launch", launch)
+    monkeypatch.setattr(vs_trl, "build_inputs", lambda work, settings: (work / "model", work / "t", work / "v"))
+    monkeypatch.setattr(vs_trl, "recipe_cpu_clock", lambda out, warmup: cpu_clock)
+    monkeypatch.setattr(vs_trl, "adapter_difference", lambda a, b: {"same_tensors": True, "max_abs_diff": 0.0,
+                                                                     "relative_diff": 0.0, "tensors": 1})
+    argv = ["--preset", "cpu-tiny", "--repeats", "3", "--breakdown_repeats", "0", "--work_dir", str(tmp_path / "w")]
+
+    tokens = {"recipe": 437.0, "trl": 15835.0}
+    assert vs_trl.main([*argv, "--output_dir", str(tmp_path / "unequal")]) == 1
+    report = json.loads((tmp_path / "unequal" / "vs_trl.json").read_text())
+    assert report["equal_work"]["equal"] is False and report["summary"] == [] and len(report["rounds"]) == 1
+    assert report["equal_work"]["tokens_per_step"] == {"recipe": 437.0, "trl": 15835.0}
+    assert "Not judged" in report["refused"] and "tokens per step: recipe 437 vs trl 15,835" in report["refused"]
+    summary = (tmp_path / "unequal" / "summary.md").read_text()
+    assert report["refused"] in summary and "**0" not in summary and "**1" not in summary
+
+    tokens = {"recipe": 15835.0, "trl": 15800.0}  # 0.2 % apart: judged
+    assert vs_trl.main([*argv, "--output_dir", str(tmp_path / "equal")]) == 0
+    report = json.loads((tmp_path / "equal" / "vs_trl.json").read_text())
+    assert report["equal_work"]["equal"] is True and report["refused"] is None and len(report["rounds"]) == 3
+    assert {row["key"] for row in report["summary"]} >= {"perf/tokens_per_sec", "perf/samples_per_sec"}
+
+
+def test_gpu_check_and_pipeline_vs_naive_refuse_unequal_work(tmp_path):
+    """gpu_check.py's speed ratios (the fine-tune against its plain loop, ...) and pipeline_vs_naive.py's pairs check
+    the work per step of both runs like compare.py: unequal work is not judged (a failed check: the plan meant it
+    equal), and names the numbers; a refused vs_trl.py report is a failed comparison, not a skipped one."""
+    import gpu_check
+    import pipeline_vs_naive
+
+    name = "fine-tune recommended flags / plain loop"
+    plain = {"perf/samples_per_sec": 100.0, "perf/samples_per_step": 32}
+    fast = {"perf/samples_per_sec": 150.0, "perf/samples_per_step": 16}
+    row = gpu_check.speed_ratio(name, fast, plain, "perf/samples_per_sec", 1.3)
+    assert row["status"] == "fail" and row["value"] is None and row["equal_work"]["equal"] is False
+    assert "not judged: unequal work per step (samples per step: candidate 16 vs reference 32)" in row["line"]
+    same = gpu_check.speed_ratio(name, dict(fast, **{"perf/samples_per_step": 32}), plain, "perf/samples_per_sec", 1.3)
+    assert same["status"] == "pass" and same["value"] == 1.5
+    refused = {"refused": "Not judged: the two sides did different work per optimizer step (...)", "summary": []}
+    trl = gpu_check.judge_perf({}, tmp_path, False, refused)[-1]
+    assert trl["status"] == "fail" and trl["line"] == refused["refused"]
+
+    naive = {"recipe": "train_lm", "perf/tokens_per_step": 4096, "perf/samples_per_step": 16}
+    assert pipeline_vs_naive.pair_work(naive, dict(naive), "naive", "gpipe")["equal"] is True
+    with pytest.raises(SystemExit, match=r"naive and gpipe did different work .* \(tokens per step: naive 4,096 vs"):
+        pipeline_vs_naive.pair_work(naive, dict(naive, **{"perf/tokens_per_step": 2048}), "naive", "gpipe")

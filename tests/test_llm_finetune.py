@@ -245,15 +245,16 @@ def runs(base, base_96, tmp_path_factory):
         ),
         # --max_length beyond the model's 512 positions: cut to 512, said so (not an IndexError mid-run).
         "positions": ("single_gpu.yaml", *data, "--max_length", "600", "--max_train_steps", "1", "--skip_eval"),
+        # Rows of 256 tokens, 2 per process: the loader shards rows over the 2 processes.
         "packed": (
-            "single_gpu.yaml",
+            "ddp_2gpu.yaml",
             "--model_name_or_path",
             base,
             "--train_file",
             base / "pairs.csv",
             "--packing",
             "--max_length",
-            "64",
+            "256",
             "--max_train_steps",
             "2",
             "--per_device_train_batch_size",
@@ -682,6 +683,20 @@ def test_formats_are_detected_and_tokens_counted_separately(runs):
     assert runs["full"]["results"]["config"]["group_by_length"]
 
 
+def test_packing_steps_hold_rows_of_max_length_tokens(runs):
+    """--packing --max_length 256 --per_device_train_batch_size 2 under DDP: a step is 2 processes x 2 rows of up to
+    256 tokens, rows nearly full (best fit decreasing), each holding several samples: the work of a step of TRL's
+    packing=True, not 4 samples flattened (~250 tokens)."""
+    results = runs["packed"]["results"]
+    capacity = results["num_processes"] * 2 * 256
+    assert results["num_processes"] == 2 and results["completed_steps"] == 2
+    assert 0.8 * capacity <= results["perf/tokens_per_step"] <= capacity, results["perf/tokens_per_step"]
+    assert results["perf/samples_per_step"] > 2 * 2  # more samples than rows
+    samples = results["data/counts"]["train"]["samples"]
+    rows = int(runs["packed"]["log"].split(f"packing: {samples} training samples in ")[1].split()[0])
+    assert rows < samples / 2  # several samples a row
+
+
 def test_gradient_checkpointing_saves_fewer_activation_bytes_per_token_in_a_full_fine_tune(runs):
     """The full fine-tune (DDP, micro-batches of 4 padded to their longest, up to 96 tokens) ran with
     --gradient_checkpointing; the 2x4 run (DDP, the same micro-batch shape, no checkpointing) is its reference. Per
@@ -793,10 +808,30 @@ def test_the_offline_default_asks_short_checkable_questions_held_out_by_definiti
     assert 100 < held_out < len(asked) / 5
 
 
-def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
-    """--packing flattens a batch into one row (transformers' DataCollatorWithFlattening) whose position ids restart
-    with every sample: transformers then masks attention block-diagonally, so packing changes no loss: the packed
-    row's is the sum of what each sample has alone, and the padded batch's."""
+def test_packing_fills_rows_best_fit_decreasing_as_trl_does(recipe):
+    """--packing packs the samples into rows of --max_length tokens by best fit decreasing: every sample whole in
+    exactly one row, no row over the length, and the same rows TRL's pack_dataset(strategy="bfd") makes."""
+    module, _ = recipe
+    assert module.best_fit_decreasing([5, 4, 3, 3, 2, 1, 7], 8) == [[6, 5], [0, 2], [1, 3], [4]]
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 40) for _ in range(300)]
+    rows = module.best_fit_decreasing(lengths, 64)
+    assert sorted(index for row in rows for index in row) == list(range(len(lengths)))
+    assert max(sum(lengths[index] for index in row) for row in rows) <= 64
+    assert len(rows) == -(-sum(lengths) // 64)  # as few rows as the tokens need: full but for the last
+    trl_data_utils = pytest.importorskip("trl.data_utils")
+    import datasets
+
+    ids = datasets.Dataset.from_dict({"input_ids": [[index] * length for index, length in enumerate(lengths)]})
+    theirs = trl_data_utils.pack_dataset(ids, 64, strategy="bfd")["input_ids"]
+    assert [sorted(row) for row in rows] == [sorted(set(row)) for row in theirs]
+
+
+def test_packed_rows_give_each_sample_the_loss_it_has_padded(recipe, base):
+    """A packed batch (rows of --max_length, flattened into one with position ids restarting at every sample, so that
+    transformers masks attention block-diagonally) gives the token losses of the padded batch of the same samples:
+    no sample attends to another. Per row and for the whole batch, in token_losses' sum."""
+    import datasets
     from transformers import AutoModelForCausalLM
 
     from shared.sft_data import collate, tokenize_sample
@@ -805,22 +840,28 @@ def test_packed_rows_give_each_sample_the_loss_it_has_alone(recipe, base):
     model = AutoModelForCausalLM.from_pretrained(base).eval()
     samples = [
         tokenize_sample(
-            {"prompt": f"Q{i}: what is {i} + {i}?", "completion": f" {2 * i}, since {i} doubled"},
+            {"prompt": f"Q{i}: what is {i} + {i}?" + " Think." * (i % 3), "completion": f" {2 * i}, {i} doubled"},
             "prompt_completion",
             tokenizer,
             64,
         )
-        for i in range(1, 4)
+        for i in range(1, 8)
     ]
-    alone = sum(module.token_losses(model, collate([sample], tokenizer.pad_token_id))[0] for sample in samples)
-    packed = collate(samples, tokenizer.pad_token_id, packing=True)
-    lengths = [len(sample["input_ids"]) for sample in samples]
-    assert packed["input_ids"].shape == (1, sum(lengths)) and packed["num_tokens"].tolist() == lengths
-    assert packed["position_ids"][0].tolist() == [i for length in lengths for i in range(length)]
-    together = module.token_losses(model, packed)[0]
-    assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+    dataset = datasets.Dataset.from_list(samples)
+    args = module.parse_args(["--packing", "--max_length", "64", "--per_device_train_batch_size", "8"])
+    train_dataloader, _ = module.dataloaders(dataset, dataset, tokenizer, args, 1)  # the recipe's loader
+    rows, lengths = train_dataloader.dataset, [len(sample["input_ids"]) for sample in samples]
+    assert len(rows) < len(samples) and all(sum(lengths[index] for index in row) <= 64 for row in rows)
+    (packed,) = list(train_dataloader)  # every row in one batch of up to 8 rows
+    assert packed["input_ids"].shape == (1, sum(lengths)) and sorted(packed["num_tokens"].tolist()) == sorted(lengths)
+    assert packed["position_ids"][0].tolist() == [i for length in packed["num_tokens"].tolist() for i in range(length)]
     padded = module.token_losses(model, collate(samples, tokenizer.pad_token_id))[0]
-    assert together.item() == pytest.approx(padded.item(), rel=1e-5)
+    assert module.token_losses(model, packed)[0].item() == pytest.approx(padded.item(), rel=1e-5)
+    for row in rows:  # each row alone against its own samples, padded
+        members = [samples[index] for index in row]
+        alone = module.token_losses(model, collate(members, tokenizer.pad_token_id, packing=True))[0]
+        padded = module.token_losses(model, collate(members, tokenizer.pad_token_id))[0]
+        assert alone.item() == pytest.approx(padded.item(), rel=1e-5), row
 
 
 def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
