@@ -737,11 +737,26 @@ def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     assert total.item() == pytest.approx(reference[0].item(), rel=1e-6)
     assert (grads - reference[2]).norm() / reference[2].norm() < 1e-5
     model.forward = forward
-    # A model split over devices takes the full logits and picks the answer positions from them: equal too.
-    model.hf_device_map = {"model": "cpu", "lm_head": "meta"}  # two devices named: the split's path (all on CPU here)
+    # A model split over two devices by Accelerate's hooks, as the recipe's device_map path splits it (on the CPU
+    # both devices are the CPU; the map records two GPUs' names, as a two-GPU split does): the LM head runs on the
+    # answer positions there too, with equal losses.
+    from shared.model_split import dispatch_on_devices, plan_device_map, split_devices
+
+    devices, plan = split_devices(torch.device("cpu")), plan_device_map(model, 2)
+    model, _ = dispatch_on_devices(model, plan, devices)
+    model.hf_device_map = {name: f"cuda:{part}" for name, part in plan.items()}
+    head_outputs.clear()
+    hook = model.lm_head.register_forward_hook(lambda module_, inputs, output: head_outputs.append(output.shape))
     total, per_sample, grads, _ = run(lambda: module.token_losses(model, batch, chunk_tokens=4))
+    hook.remove()
+    assert head_outputs == [(3, int(answers.max()), vocab)]
     assert (grads - reference[2]).norm() / reference[2].norm() < 1e-5
     assert total.item() == pytest.approx(reference[0].item(), rel=1e-6)
+    # On GPUs the hidden states end on the last device, where token_losses puts the positions: the model's hook moves
+    # every other input to the first device but leaves them there (a meta tensor stands for the other device here).
+    _, moved = model._hf_hook.pre_forward(model, input_ids=batch["input_ids"],
+                                          logits_to_keep=batch["loss_positions"].to("meta"))
+    assert moved["logits_to_keep"].device.type == "meta"
 
 
 @pytest.mark.parametrize(
