@@ -134,8 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
     model.add_argument("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by "
                        "alpha / r.")
-    model.add_argument("--lora_dropout", type=float, default=0.05, help="Dropout on the LoRA path (0 for exact "
-                       "comparisons).")
+    model.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (PEFT's default: "
+                       "0; > 0 keeps a dropped copy of every adapted layer's input, and its mask, for backward).")
     model.add_argument("--lora_target_modules", nargs="+", default=["all-linear"], help="Module names (or suffixes) "
                        "to adapt; 'all-linear': every linear layer but the output head.")
     model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute each decoder block's "
