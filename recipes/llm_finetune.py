@@ -144,8 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
     model.add_argument("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by "
                        "alpha / r.")
-    model.add_argument("--lora_dropout", type=float, default=0.05, help="Dropout on the LoRA path (0 for exact "
-                       "comparisons).")
+    model.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (PEFT's default: "
+                       "0; > 0 keeps a dropped copy of every adapted layer's input, and its mask, for backward).")
     model.add_argument("--lora_target_modules", nargs="+", default=["all-linear"], help="Module names (or suffixes) "
                        "to adapt; 'all-linear': every linear layer but the output head.")
     model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute each decoder block's "
@@ -226,14 +226,20 @@ def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Te
       vocabulary, 4,096 answer tokens would hold 2 GiB of it). The logits themselves are fp32 under mixed precision
       (Accelerate converts a prepared model's outputs to fp32), bf16 or fp32 as the model computes them otherwise.
 
-    Full logits, the positions then picked from them: a model split over devices (Accelerate's hooks would move the
-    positions to the first device, and the hidden states end on the last), and a model that ignores
-    ``logits_to_keep`` (checked by the shape). ``use_cache=False``: a cache would turn the packed mask off."""
+    A model split over devices (one process, Accelerate's hooks): the hidden states end on the LM head's device, so
+    the positions go there, and ``shared.model_split.dispatch_on_devices`` has the hooks leave them where they are (the
+    model's own hook would move them to the first device): the same answer logits, not every position's (with a 128k
+    vocabulary, several GB of them, copied to the first device). A model that ignores ``logits_to_keep`` returns
+    every position's logits (checked by the shape): the answers' are then picked from them. ``use_cache=False``: a
+    cache would turn the packed mask off."""
     inputs = {key: value for key, value in batch.items()
               if key not in ("labels", "num_tokens", "loss_positions", "loss_targets")}
-    positions, device_map = batch["loss_positions"], getattr(model, "hf_device_map", None) or {}
-    split = len(set(map(str, device_map.values()))) > 1  # (a 4-bit load on one device has {"": device})
-    logits = model(**inputs, use_cache=False, **({} if split else {"logits_to_keep": positions})).logits
+    positions = batch["loss_positions"]
+    if getattr(model, "hf_device_map", None):  # placed by Accelerate's hooks: split, or 4-bit on one device
+        head = model.get_output_embeddings()
+        device = getattr(getattr(head, "_hf_hook", None), "execution_device", None)
+        positions = positions.to(head.weight.device if device is None else device)
+    logits = model(**inputs, use_cache=False, logits_to_keep=positions).logits
     if logits.shape[:2] != positions.shape:  # every position's logits (rows, length, vocabulary): pick the answers'
         logits = torch.take_along_dim(logits, positions.to(logits.device)[..., None], dim=1)
     targets = batch["loss_targets"].to(logits.device).flatten()

@@ -121,7 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--lora_r", type=positive_int, help="Train a LoRA adapter of this rank (PEFT) and the head, not every weight.")
     add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
-    add("--lora_dropout", type=float, default=0.05, help="Dropout on the LoRA path.")
+    add("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a "
+        "dropped copy of every adapted layer's input, and its mask, for backward).")
     add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
     add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
     add = parser.add_argument_group("training").add_argument

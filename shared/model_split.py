@@ -200,7 +200,8 @@ def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[to
     embeddings = model.get_input_embeddings()
     main = next(device for name, device in device_map.items()
                 if any(module is embeddings for module in model.get_submodule(name).modules()))
-    model = dispatch_model(model, device_map=device_map, main_device=main, force_hooks=True)
+    # skip_keys: a causal LM picks the hidden states of the positions in logits_to_keep on its last device, not main.
+    model = dispatch_model(model, device_map, main_device=main, force_hooks=True, skip_keys=["logits_to_keep"])
     model.hf_device_map = dict(device_map)
     return model, device_map
 

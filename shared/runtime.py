@@ -171,8 +171,11 @@ def check_process_count(accelerator: Accelerator) -> None:
 
 def distributed_backend(cpu: bool) -> str:
     """The one backend rule of every recipe: NCCL between GPUs, gloo between CPU processes (Accelerate would take MPI
-    on CPU when torch has it; gloo is in every torch build). results.json records it as ``distributed/backend``."""
-    return "gloo" if cpu else "nccl"
+    on CPU when torch has it; gloo is in every torch build), and gloo beside NCCL for an FSDP config that keeps tensors
+    on the CPU (offload, full state dict), as Accelerate's PartialState does; results.json: ``distributed/backend``."""
+    offload, state_dict = os.environ.get("FSDP_OFFLOAD_PARAMS", "false"), os.environ.get("FSDP_STATE_DICT_TYPE")
+    cpu_tensors = offload.lower() == "true" or state_dict == "FULL_STATE_DICT"
+    return "gloo" if cpu else "cuda:nccl,cpu:gloo" if fsdp_launch_config() and cpu_tensors else "nccl"
 
 
 def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -> None:
@@ -185,13 +188,10 @@ def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -
         return
     timeout = {"timeout": timedelta(seconds=dist_timeout)} if dist_timeout is not None else {}
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent_store = torch.distributed.TCPStore(address, port, is_master=False,
-                                             **timeout)
-    torch.distributed.init_process_group(
-        backend=distributed_backend(cpu),
-        store=torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store),
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), **timeout,
-    )
+    agent_store = torch.distributed.TCPStore(address, port, is_master=False, **timeout)
+    store = torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store)
+    torch.distributed.init_process_group(backend=distributed_backend(cpu), store=store, rank=int(os.environ["RANK"]),
+                                         world_size=int(os.environ["WORLD_SIZE"]), **timeout)
 
 
 def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -> Accelerator:

@@ -942,11 +942,61 @@ def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     assert total.item() == pytest.approx(reference[0].item(), rel=1e-6)
     assert (grads - reference[2]).norm() / reference[2].norm() < 1e-5
     model.forward = forward
-    # A model split over devices takes the full logits and picks the answer positions from them: equal too.
-    model.hf_device_map = {"model": "cpu", "lm_head": "meta"}  # two devices named: the split's path (all on CPU here)
+    # A model split over two devices by Accelerate's hooks, as the recipe's device_map path splits it (on the CPU
+    # both devices are the CPU; the map records two GPUs' names, as a two-GPU split does): the LM head runs on the
+    # answer positions there too, with equal losses.
+    from shared.model_split import dispatch_on_devices, plan_device_map, split_devices
+
+    devices, plan = split_devices(torch.device("cpu")), plan_device_map(model, 2)
+    model, _ = dispatch_on_devices(model, plan, devices)
+    model.hf_device_map = {name: f"cuda:{part}" for name, part in plan.items()}
+    head_outputs.clear()
+    hook = model.lm_head.register_forward_hook(lambda module_, inputs, output: head_outputs.append(output.shape))
     total, per_sample, grads, _ = run(lambda: module.token_losses(model, batch, chunk_tokens=4))
+    hook.remove()
+    assert head_outputs == [(3, int(answers.max()), vocab)]
     assert (grads - reference[2]).norm() / reference[2].norm() < 1e-5
     assert total.item() == pytest.approx(reference[0].item(), rel=1e-6)
+    # On GPUs the hidden states end on the last device, where token_losses puts the positions: the model's hook moves
+    # every other input to the first device but leaves them there (a meta tensor stands for the other device here).
+    _, moved = model._hf_hook.pre_forward(model, input_ids=batch["input_ids"],
+                                          logits_to_keep=batch["loss_positions"].to("meta"))
+    assert moved["logits_to_keep"].device.type == "meta"
+
+
+@pytest.mark.parametrize("name", ["llm_finetune.py", "transformer_finetune.py"])
+def test_a_default_lora_run_keeps_no_dropped_copy_of_the_adapted_inputs(name):
+    """--lora_dropout defaults to PEFT's own default, 0: the adapter's first matrix then saves, for backward, the very
+    input the frozen layer saves. With dropout each adapted layer keeps a dropped copy of its input too (and on the
+    CPU a mask as large): +66 % saved activation bytes per decoder block at 0.05 (tools/activation_probe.py)."""
+    import importlib.util
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.spec_from_file_location(f"default_{name[:-3]}", REPO / "recipes" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    default = module.parse_args([]).lora_dropout
+
+    def saved_bytes(dropout):  # distinct storages autograd keeps in one training forward, parameters aside
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=64)
+        adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
+        model = get_peft_model(LlamaForCausalLM(config), adapter).train()
+        parameters, seen = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in parameters:
+                seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=torch.randint(0, 64, (2, 16)))
+        return sum(seen.values())
+
+    assert saved_bytes(default) == saved_bytes(LoraConfig().lora_dropout) < saved_bytes(0.05)
 
 
 @pytest.mark.parametrize(

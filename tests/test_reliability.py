@@ -311,6 +311,50 @@ def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tm
     assert np.abs(weights(results) - weights(read_results(tmp_path / "uninterrupted"))).max() <= 1e-6
 
 
+@pytest.mark.parametrize(
+    "config, backend",
+    [
+        ("ddp_2gpu.yaml", "nccl"),
+        ("fsdp_2gpu.yaml", "nccl"),
+        ("fsdp_offload_2gpu.yaml", "cuda:nccl,cpu:gloo"),
+        ("fsdp_2gpu.yaml with a full state dict", "cuda:nccl,cpu:gloo"),
+    ],
+)
+def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, backend, monkeypatch, tmp_path):
+    """After ``--max_restarts`` restarted the workers, shared.runtime starts their process group itself, before
+    Accelerate: on GPUs with the backend Accelerate's PartialState picks for the launch config, NCCL, and beside it
+    gloo for the CPU tensors of an FSDP config that keeps them on the CPU (parameter offload, a full state dict). The
+    launch config's environment is what ``accelerate launch`` sets; the group's start is recorded, not run."""
+    import torch
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    from shared.runtime import join_restarted_elastic_group
+
+    path = REPO / "accelerate_configs" / config.split()[0]
+    if "full state dict" in config:
+        path = tmp_path / "fsdp_full.yaml"
+        text = (REPO / "accelerate_configs" / "fsdp_2gpu.yaml").read_text()
+        path.write_text(text.replace("SHARDED_STATE_DICT", "FULL_STATE_DICT"))
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(path), "x.py"]))
+    launched = prepare_multi_gpu_env(args)
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_OFFLOAD_PARAMS", "FSDP_STATE_DICT_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+        if name in launched:
+            monkeypatch.setenv(name, launched[name])
+    restart = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
+    for name, value in restart.items():
+        monkeypatch.setenv(name, value)
+    started = {}
+    monkeypatch.setattr(torch.distributed, "TCPStore", lambda *args, **kwargs: torch.distributed.HashStore())
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: started.update(kwargs))
+    join_restarted_elastic_group(cpu=False, dist_timeout=30)
+    assert started["backend"] == backend and started["rank"] == 0 and started["world_size"] == 2
+    join_restarted_elastic_group(cpu=True, dist_timeout=30)
+    assert started["backend"] == "gloo"
+
+
 def two_machines(tmp_path, name: str, *args) -> list:
     """Two launchers on 127.0.0.1, one process each, each with its own --output_dir (no shared disk), to the end.
     CPU processes on every machine: two launchers on one box would put both ranks on cuda:0, which NCCL refuses."""

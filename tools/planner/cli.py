@@ -150,8 +150,8 @@ def _add_method_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--lora_dropout",
         type=float,
-        default=0.05,
-        help="Dropout on the LoRA path (default 0.05, the recipe's): > 0 keeps a 1-byte mask per adapted input.",
+        default=0.0,
+        help="Dropout on the LoRA path (default 0, the recipe's): > 0 keeps a 1-byte mask per adapted input.",
     )
 
 

@@ -45,7 +45,7 @@ def plan(
     *,
     method: str = "full",
     lora_r: int = 8,
-    lora_dropout: float = 0.05,
+    lora_dropout: float = 0.0,
     gradient_checkpointing: bool = False,
     cpu_offload: bool = False,
     host_ram_gib: float | None = None,

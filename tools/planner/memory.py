@@ -169,7 +169,7 @@ def block_activation_bytes(
     attention: str = "sdpa",
     method: str = "full",
     profile: dict | None = None,
-    lora_dropout: float = 0.05,
+    lora_dropout: float = 0.0,
     lora_r: int = 8,
     lora_targets=None,
 ) -> int:
