@@ -641,6 +641,7 @@ def qlora_split_verdict(output_dir: Path, cuda: bool) -> dict:
         "--skip_eval",
         "--output_dir",
         str(out),
+        "--overwrite_output_dir",  # a rerun of the check replaces this run
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:

@@ -84,6 +84,7 @@ def run(config: Path, model: Path, out: Path) -> dict:
         "--skip_eval",
         "--output_dir",
         str(out),
+        "--overwrite_output_dir",  # a rerun of this benchmark replaces its runs
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

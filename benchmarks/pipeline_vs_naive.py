@@ -156,6 +156,7 @@ def run_recipe(config: str, recipe: Path, out: Path, extra: list[str], args, tim
         str(args.threads_per_process),
         "--output_dir",
         str(out),
+        "--overwrite_output_dir",  # a rerun of this benchmark replaces its runs
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_process), "TOKENIZERS_PARALLELISM": "false"}

@@ -140,7 +140,7 @@ def recipe_run(model: Path, config: str, processes: int, output_dir: Path, batch
     argv = [str(REPO / "recipes" / "llm_finetune.py"), "--model_name_or_path", str(model), "--train_file",
             str(model / "texts.parquet"), "--load_in_4bit", "--max_train_steps", "2", "--lora_dropout", "0",
             "--adam_epsilon", "1e-4", "--max_length", "32", "--skip_eval", "--per_device_train_batch_size", str(batch),
-            "--output_dir", str(output_dir)]
+            "--output_dir", str(output_dir), "--overwrite_output_dir"]  # a rerun replaces its runs
     run = launch(config, argv, processes)
     if run.returncode:
         raise SystemExit(f"{config} x {processes} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")

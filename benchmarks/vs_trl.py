@@ -266,6 +266,7 @@ def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation
         "0",
         "--output_dir",
         str(out),
+        "--overwrite_output_dir",  # repeats and reruns reuse the runs' folders
     ]
 
 

@@ -73,7 +73,7 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_seed(args.seed)
-    output_dir = prepare_output_dir(args.output_dir)
+    output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     # Every process agrees on the checkpoint to resume from (a collective), before any work.
     checkpoints_dir = output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)

@@ -134,6 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     model = parser.add_argument_group("model")
     model.add_argument("--model_name_or_path", help="Local folder or Hub name of a causal LM. Default: "
                        "outputs/train_lm, pretrained first if missing.")
+    model.add_argument("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds "
+                       "none.")
     model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
     model.add_argument("--parallelism", choices=["auto", "single", "ddp", "fsdp", "device_map"], default="auto",
                        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing "
@@ -376,7 +378,7 @@ def main():
     if args.offline_default_settings:
         accelerator.print(f"the offline default model trains with {args.offline_default_settings} (what makes it "
                           "learn visibly; pass either flag to change it)")
-    output_dir = prepare_output_dir(args.output_dir)
+    output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/llm_finetune.py")  # or a clear refusal
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
@@ -385,7 +387,7 @@ def main():
     args.model_name_or_path = args.model_name_or_path or default_base_model(accelerator, output_dir, HERE)
     config, args.max_length = causal_lm_config(accelerator, args.model_name_or_path, args.max_length,
                                                args.load_in_4bit, args.trust_remote_code)
-    tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code)
+    tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
 
     # ------------------------------------------------------------------------------- data
     # main_process_first: the main process reads and tokenizes first (datasets caches it); the others read the cache.

