@@ -18,6 +18,8 @@ recipes. It does nothing unless OBSERVE_DIR is set; then, at exit, each process 
   the bytes it is stored in per weight it stands for (0.5: 4 bits).
 - ``loading_events``: in order, each ``quantize_4bit`` (``["quantize", weights]``) and each FSDP2 ``fully_shard``
   (``["shard", module class]``) call: how much of the model a process quantized before sharding it.
+- ``before_prepare``: for each parameter of the model given to ``Accelerator.prepare``, as it enters: the shape this
+  process holds (a DTensor's local shard) and the whole shape. What a loader left sharded, or whole, until then.
 
 Patches are applied right after the module they patch is imported (a ``sys.meta_path`` finder), before anything else
 can bind the originals, and cost one Python call per saved tensor, file open or 4-bit call.
@@ -37,6 +39,7 @@ record = {
     "bitsandbytes": {},
     "four_bit_bytes_per_weight": {},
     "loading_events": [],
+    "before_prepare": {},
 }
 _step = {"storages": {}, "index_elements": 0}
 
@@ -131,8 +134,21 @@ def patch_fsdp(fsdp) -> None:
     fsdp.fully_shard = fully_shard
 
 
+def patch_accelerator(accelerator_module) -> None:
+    original = accelerator_module.Accelerator.prepare
+
+    def prepare(self, *args, **kwargs):
+        for model in [arg for arg in args if hasattr(arg, "named_parameters")][:1]:
+            for name, parameter in model.named_parameters():
+                local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+                record["before_prepare"][name] = [list(local.shape), list(parameter.shape)]
+        return original(self, *args, **kwargs)
+
+    accelerator_module.Accelerator.prepare = prepare
+
+
 PATCHES = {"safetensors": patch_safetensors, "torch": patch_torch, "bitsandbytes": patch_bitsandbytes,
-           "torch.distributed.fsdp": patch_fsdp}
+           "torch.distributed.fsdp": patch_fsdp, "accelerate.accelerator": patch_accelerator}
 
 
 class PatchAfterImport:
