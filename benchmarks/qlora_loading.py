@@ -7,12 +7,18 @@ and the adapters must be equal.
 
     python benchmarks/qlora_loading.py --output_dir benchmarks/results/cpu-qlora-loading       # ~15 min on 2 cores
     python benchmarks/qlora_loading.py --preset tiny --output_dir /tmp/qlora-loading           # a 1-minute rehearsal
+    # Llama-3.2-1B's shape untied (a 128k vocabulary: the embeddings and head are a third of the model), the loader
+    # alone against the planner's load peak:
+    python benchmarks/qlora_loading.py --preset 1b-128k --loaders layer_by_layer --skip_recipe \
+        --output_dir benchmarks/results/cpu-qlora-loading-128k/after
 
 What is counted, per process: on CUDA, ``torch.cuda.max_memory_allocated`` from the start of loading to the end of
 ``accelerator.prepare`` (the device's tensors); on the CPU, where the "device" is host RAM, the growth of the process's
 peak resident set size (``ru_maxrss``) over the same span: every tensor (4-bit shards, the layer being read, the
 adapter, the embeddings) plus, on the main process, the pages of the safetensors file it maps while reading. Beside
-them: the model's size in 4 bits (its 4-bit weights at 0.5 B each, the rest in the load dtype) and in 16 bits.
+them: the model's size in 4 bits (its 4-bit weights at 0.5 B each, the rest in the load dtype) and in 16 bits, and
+the fit planner's load peak for this shape on 2 GPUs (``tools/planner``, without its 1 GiB CUDA overhead): on the CPU
+the shards, the quantization constants and the tensor in flight all live in host RAM, as on a GPU they live there.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ PRESETS = {
     # TinyLlama-1.1B's shape: 1,100M parameters.
     "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
+    # meta-llama/Llama-3.2-1B's shape with an untied head: 1,498M parameters, 526M of them embeddings and head.
+    "1b-128k": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512),
 }
@@ -65,7 +74,19 @@ def make_model(folder: Path, preset: str) -> dict:
                  if isinstance(m, torch.nn.Linear) and n != "lm_head")
     total = sum(p.numel() for p in model.parameters())
     return {"parameters": total, "four_bit_weights": linear,
-            "bytes_16bit": 2 * total, "bytes_4bit": linear // 2 + 2 * (total - linear)}
+            "bytes_16bit": 2 * total, "bytes_4bit": linear // 2 + 2 * (total - linear),
+            "planner_load_peak_bytes": planner_load_peak(folder)}
+
+
+def planner_load_peak(folder: Path) -> int:
+    """The planner's load peak per GPU for QLoRA under fsdp_2gpu.yaml (bf16, LoRA r 8 on every linear layer as the
+    worker's), without the CUDA overhead, which a CPU process does not have."""
+    from tools.planner.fits import plan
+    from tools.planner.shapes import read_config, shape_from_config
+
+    shape = shape_from_config(read_config(str(folder)), name=str(folder))
+    result = plan(shape, 2, 80, 32, 1, "bf16", overhead_gib=0, method="qlora", host_ram_gib=64, advise=False)
+    return result["setups"]["fsdp"]["gpu_load_peak"]
 
 
 def machine(torch_version: str) -> dict:
@@ -154,6 +175,10 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help=argparse.SUPPRESS)  # (worker)
     parser.add_argument("--loader", choices=["layer_by_layer", "whole_model"], help=argparse.SUPPRESS)  # (worker)
     parser.add_argument("--keep_model", action="store_true", help="Keep the model made in output_dir/model.")
+    parser.add_argument("--loaders", nargs="+", choices=["layer_by_layer", "whole_model"],
+                        default=["layer_by_layer", "whole_model"], help="The loaders to measure.")
+    parser.add_argument("--skip_recipe", action="store_true",
+                        help="Measure loading only, without the recipe's 1- and 2-process runs.")
     args = parser.parse_args()
     if args.loader:
         return worker(args)
@@ -168,7 +193,7 @@ def main() -> None:
           f"{sizes['bytes_4bit'] / GIB:.2f} GiB in 4 bits", flush=True)
     loading = {}
     for config in CONFIGS:
-        for loader in ("layer_by_layer", "whole_model"):
+        for loader in args.loaders:
             folder = args.output_dir / "loading" / f"{config.removesuffix('.yaml')}-{loader}"
             folder.mkdir(parents=True, exist_ok=True)
             run = launch(config, [__file__, "--output_dir", str(folder), "--model", str(model), "--loader", loader])
@@ -179,11 +204,10 @@ def main() -> None:
             shown = [f"rank {r['rank']} +{r['peak_growth_bytes'] / GIB:.2f} GiB ({r['load_seconds']:.0f} s)"
                      for r in ranks]
             print(f"{config} {loader}: " + ", ".join(shown), flush=True)
-    runs = {"single": recipe_run(model, "single_gpu.yaml", 1, args.output_dir / "recipe-single", batch=2)}
-    adapters = {"single": load_file(args.output_dir / "recipe-single" / "adapter_model.safetensors")}
-    for config in CONFIGS:
-        name = config.removesuffix(".yaml")
-        runs[name] = recipe_run(model, config, 2, args.output_dir / f"recipe-{name}", batch=1)
+    runs, adapters = {}, {}
+    for config, processes in [] if args.skip_recipe else [("single_gpu.yaml", 1), *((c, 2) for c in CONFIGS)]:
+        name = "single" if processes == 1 else config.removesuffix(".yaml")
+        runs[name] = recipe_run(model, config, processes, args.output_dir / f"recipe-{name}", batch=3 - processes)
         adapters[name] = load_file(args.output_dir / f"recipe-{name}" / "adapter_model.safetensors")
     equal = {}
     for name in runs:
@@ -195,7 +219,8 @@ def main() -> None:
             equal[name] = {"adapter_max_relative_difference": difference, "loss_max_relative_difference": max(losses),
                            "losses": runs[name]["train/loss_curve"]}
     record = {"benchmark": "qlora_loading", "preset": args.preset, "model": sizes, "loading": loading,
-              "recipe_losses_single": runs["single"]["train/loss_curve"], "recipe_equal_to_one_process": equal,
+              "recipe_losses_single": runs["single"]["train/loss_curve"] if runs else None,
+              "recipe_equal_to_one_process": equal,
               "machine": machine(torch.__version__)}
     (args.output_dir / "qlora_loading.json").write_text(json.dumps(record, indent=2) + "\n")
     lines = ["| config | loader | rank 0 | rank 1 | held after prepare (rank 0) |", "| --- | --- | --- | --- | --- |"]
@@ -203,12 +228,14 @@ def main() -> None:
         config, loader = key.split("/")
         lines.append(f"| {config} | {loader} | +{ranks[0]['peak_growth_bytes'] / GIB:.2f} GiB | "
                      f"+{ranks[1]['peak_growth_bytes'] / GIB:.2f} GiB | {ranks[0]['held_bytes'] / GIB:.2f} GiB |")
+    recipe = ("The recipe, 2 processes against 1: "
+              + "; ".join(f"{name}: losses within {facts['loss_max_relative_difference']:.1e}, adapter within "
+                          f"{facts['adapter_max_relative_difference']:.1e}" for name, facts in equal.items()) + "\n")
     summary = (f"# QLoRA loading under FSDP2: {sizes['parameters'] / 1e9:.2f}B parameters, "
                f"{sizes['bytes_16bit'] / GIB:.2f} GiB in 16 bits, {sizes['bytes_4bit'] / GIB:.2f} GiB in 4 bits\n\n"
-               f"Peak memory that loading adds per process ({loading[next(iter(loading))][0]['counted']}):\n\n"
-               + "\n".join(lines) + "\n\nThe recipe, 2 processes against 1: "
-               + "; ".join(f"{name}: losses within {facts['loss_max_relative_difference']:.1e}, adapter within "
-                           f"{facts['adapter_max_relative_difference']:.1e}" for name, facts in equal.items()) + "\n")
+               f"Peak memory that loading adds per process ({loading[next(iter(loading))][0]['counted']}), against "
+               f"the planner's load peak per GPU, {sizes['planner_load_peak_bytes'] / GIB:.2f} GiB (its CUDA overhead "
+               "aside):\n\n" + "\n".join(lines) + "\n\n" + (recipe if equal else ""))
     (args.output_dir / "summary.md").write_text(summary)
     print(summary)
     if not args.keep_model:

@@ -12,10 +12,14 @@ run, before FSDP2 shards it (36 GiB per GPU for a 70B model, which then trains i
    its 16-bit tensors from the safetensors files and broadcasts them (the other processes never open the checkpoint),
    every process quantizes the layer on its device (the same NF4 values everywhere) and ``fully_shard`` keeps this
    process's 1/N of it (on the GPU, or in host RAM under the offload config). Then the next layer.
-   The embeddings, final norm and LM head (not 4-bit) are loaded whole and sharded by ``prepare``, as usual.
+   Then the embeddings and the final norm with the LM head (not 4-bit; fp32 after ``prepare_model_for_kbit_training``),
+   in the FSDP2 units ``prepare`` would make of them, each sharded before its weights are read: every process copies
+   its rows of each matrix from the one broadcast (``load_sharded``). ``prepare`` finds them sharded and skips them.
 
-Peak device memory while loading: this process's shard of the 4-bit layers so far, plus one layer in 16-bit and in
-4-bit, plus the embeddings and LM head (fp32 after ``prepare_model_for_kbit_training``) until ``prepare`` shards them.
+Peak device memory while loading: this process's shards so far, plus one layer in 16-bit and in 4-bit or one matrix
+of the embeddings or head in 16-bit (2 GiB at a 128k vocabulary and hidden size 8192), plus every layer's quantization
+constants (``absmax``, about 1/64 of a byte per weight, 1 GiB for a 70B model): bitsandbytes keeps them beside the
+weight, not in it, so FSDP2, which shards parameters, leaves them whole on every process.
 Host RAM per process: one 16-bit tensor being read or received, plus the adapter."""
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from .fsdp import keep_gathered_in_one_process
 from .model_split import find_block_list
@@ -116,10 +120,49 @@ def give_back_freed_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def outer_units(model, tied: bool, reshard_after_forward) -> list[tuple[list[torch.nn.Module], bool | None]]:
+    """The FSDP2 units Accelerate's ``fsdp2_prepare_model`` makes of the embeddings (alone, untied) and of the final
+    norm and LM head (with the embeddings, tied), with its ``reshard_after_forward``, for ``model`` as ``prepare`` gets
+    it. Only units still empty: an adapter on the embeddings or the head is real already, ``prepare`` shards it."""
+    from accelerate.utils.fsdp_utils import _find_final_norm  # Accelerate's own choice of the norm to group
+
+    embeddings, head, norm = model.get_input_embeddings(), model.get_output_embeddings(), _find_final_norm(model)
+    units = [] if tied or embeddings is None else [([embeddings], reshard_after_forward)]
+    tail = [module for module in ((norm, embeddings, head) if tied else (norm, head)) if module is not None]
+    units += [(tail, False)] if tail else []  # kept gathered from the end of forward to the start of backward
+    return [(modules, reshard) for modules, reshard in units
+            if all(parameter.is_meta for module in modules for parameter in module.parameters())]
+
+
+def load_sharded(accelerator: Accelerator, files: dict[str, Path], base, modules: list, tied: bool, dtype: torch.dtype,
+                 shard_kwargs: dict) -> None:
+    """Shard one empty FSDP2 unit first, then fill this process's rows of each weight from the main process's read,
+    in the skeleton's dtype (fp32 after ``prepare_model_for_kbit_training``): in flight is one 16-bit matrix, never
+    the whole fp32 one (at a 128k vocabulary and hidden size 8192, 2 GiB instead of 6)."""
+    names = {id(module): name for name, module in base.named_modules()}
+    fully_shard(modules if len(modules) > 1 else modules[0], **shard_kwargs)  # on meta: no memory yet
+    offloaded = isinstance(shard_kwargs["offload_policy"], CPUOffloadPolicy)
+    for module in modules:
+        buffers = dict(module.named_buffers())  # real already (an embedding scale): to_empty would wipe them
+        module.to_empty(device=torch.device("cpu") if offloaded else accelerator.device)  # FSDP2 re-pads the shards
+        for name, buffer in buffers.items():
+            set_module_tensor_to_device(module, name, buffer.device, value=buffer)
+    if tied:
+        base.tie_weights()  # to_empty gave the head a matrix of its own
+    parameters = {id(p): (names[id(m)], n, p) for m in reversed(modules) for n, p in m.named_parameters()}
+    for prefix, name, parameter in parameters.values():  # tied: the matrix once, under the embeddings' name
+        full = read_or_receive(accelerator, files, f"{prefix}.{name}", tuple(parameter.shape), dtype)
+        rows = -(-parameter.shape[0] // accelerator.num_processes)  # FSDP2's Shard(0) splits as torch.chunk does
+        local = parameter.to_local()
+        with torch.no_grad():
+            local.copy_(full[accelerator.process_index * rows:][:local.shape[0]])
+
+
 def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) -> None:
     """Load the weights of an ``empty_4bit_model`` (LoRA applied or not) one decoder layer at a time, each layer
-    quantized on this process's device and sharded by FSDP2 before the next is read; then the rest, whole. Call it
-    on every process after LoRA and before ``accelerator.prepare``, which shards the rest and skips the layers."""
+    quantized on this process's device and sharded by FSDP2 before the next is read; then the embeddings, final norm
+    and LM head, sharded as they load. Call it on every process after LoRA and before ``accelerator.prepare``, which
+    skips what is sharded already and shards the rest (an adapter on the embeddings, position embeddings)."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
@@ -165,21 +208,29 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
         if accelerator.is_fsdp2:
             fully_shard(block, **shard_kwargs)  # keeps this process's 1/N; the full layer is freed
         give_back_freed_host_memory()
-    for name, module in base.named_children():  # everything outside the decoder layers, whole
-        if not any(True for _ in module.named_parameters()):
+    if tied:
+        base.tie_weights()  # one matrix for the embeddings and the head before FSDP2 groups them
+    units = outer_units(model, bool(tied), shard_kwargs["reshard_after_forward"]) if accelerator.is_fsdp2 else []
+    for modules, reshard in units:
+        load_sharded(accelerator, files, base, modules, bool(tied), dtype,
+                     {**shard_kwargs, "reshard_after_forward": reshard})
+    in_units = {id(module) for modules, _ in units for module in modules}
+    for name, module in base.named_children():  # the rest (e.g. position embeddings), whole: the root shards it
+        if id(module) in in_units or not any(True for _ in module.named_parameters()):
             continue
         if name == block_list.split(".")[0]:  # the holder of the layers: its other parameters (the final norm)
             holder = base.get_submodule(name)
             for child_name, child in holder.named_children():
-                if f"{name}.{child_name}" != block_list:
+                if f"{name}.{child_name}" != block_list and id(child) not in in_units:
                     load(child, f"{name}.{child_name}.")
         else:
             load(module, f"{name}.")
-    if tied:  # e.g. the LM head is the embedding matrix: tied again to the loaded one
+    if tied and not units:  # e.g. the LM head is the embedding matrix: tied again to the loaded one
         base.tie_weights()
-    # What this process holds now (its 4-bit shards, on the device or, offloaded, in host RAM; the parts not in 4 bits
-    # whole until prepare shards them), and its host RAM peak so far: said once, by the main process.
+    # What this process holds now (its shards, on the device or, offloaded, in host RAM), the quantization constants
+    # beside them, and its host RAM peak so far: said once, by the main process.
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
     peak = peak_memory_gib([torch.device("cpu")])["cpu"]
     accelerator.print(f"QLoRA loaded one layer at a time ({len(blocks)} layers): this process holds "
-                      f"{held / 2**30:.2f} GiB of weights; host RAM peak so far {peak:.2f} GiB per process")
+                      f"{held / 2**30:.2f} GiB of weights (1/{accelerator.num_processes} of each) and every layer's "
+                      f"quantization constants; host RAM peak so far {peak:.2f} GiB per process")

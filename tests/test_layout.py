@@ -24,8 +24,9 @@ PIPELINE_COMMENT = "# (pipeline) "
 # 1,300 until checkpoint manifests and history, the untimed main-only wait, the LoRA saves, quiet peers and the
 # offline exact-match questions; 1,500 until the recipes handed what is not their training story to shared/ (results,
 # SFT data and evaluation, LLM loading, the LM model/eval, the pipeline machinery, classification data) and QLoRA got
-# its layer-by-layer loader: 3,286 lines then, in 20 modules of one job each. 3,460 with the fine-tune's sentence pairs
-# and regression (shared/classification.py reads the task from the labels and checks the pair columns).
+# its layer-by-layer loader: 3,286 lines then, in 20 modules of one job each; over it since the loader sharded the
+# embeddings and LM head as it loads them, the fine-tune read sentence pairs and regression, and the recipes refused
+# silent failures up front (the restructure into copy units moves what one recipe uses beside it).
 SHARED_LINE_BUDGET = 3460
 
 

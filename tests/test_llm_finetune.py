@@ -525,9 +525,10 @@ def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
 
 def test_qlora_under_fsdp_is_loaded_one_layer_at_a_time(runs, base):
     """The layer-by-layer loader (shared/sharded_4bit.py): no process quantizes more than one decoder layer's weights
-    before FSDP2 shards them (the whole-model loader quantized all 28 linear layers of the 4 blocks first), and only
-    the main process opens the checkpoint (the others receive each tensor). The observer records, in order, every
-    quantize_4bit and fully_shard call of each process."""
+    before FSDP2 shards them (the whole-model loader quantized all 28 linear layers of the 4 blocks first), only
+    the main process opens the checkpoint (the others receive each tensor), and the embeddings and head are sharded
+    before prepare. The observer records, in order, every quantize_4bit and fully_shard call of each process, and the
+    shapes each process holds as prepare gets the model."""
     observed_ranks = runs["qlora_fsdp"]["observed"]
     layer = 4 * 64 * 64 + 3 * 64 * 128  # q, k, v, o (64 x 64) and gate, up, down (64 x 128): one block's weights
     for rank, process in observed_ranks.items():
@@ -538,6 +539,14 @@ def test_qlora_under_fsdp_is_loaded_one_layer_at_a_time(runs, base):
         assert 0 < most <= layer, (rank, most, process["loading_events"][:12])
     weights = str((base / "model.safetensors").resolve())
     assert weights in observed_ranks["rank0"]["opened"] and weights not in observed_ranks["rank1"]["opened"]
+    # The embeddings and the LM head too: as prepare gets the model, each process holds its rows of them (FSDP2's
+    # DTensor shard, split as torch.chunk splits), not the whole fp32 matrices (at a 128k vocabulary, 7.8 GiB per GPU
+    # for a 70B model).
+    for rank, process in observed_ranks.items():
+        for suffix in (".embed_tokens.weight", ".lm_head.weight"):
+            [(local, whole)] = [shapes for name, shapes in process["before_prepare"].items() if name.endswith(suffix)]
+            rows = -(-whole[0] // 2)
+            assert local == [rows if rank == "rank0" else whole[0] - rows, whole[1]], (rank, suffix, local, whole)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tools.planner.cli import main  # noqa: E402
 from tools.planner.fits import plan  # noqa: E402
 from tools.planner.memory import block_activation_bytes, lora_params_per_block, precision_profile  # noqa: E402
 from tools.planner.setups import split_blocks  # noqa: E402
-from tools.planner.shapes import preset_shape, shape_from_config  # noqa: E402
+from tools.planner.shapes import preset_shape, read_config, shape_from_config  # noqa: E402
 from tools.planner.tables import CONSTANT_BYTES, GIB, MODEL_SIZES  # noqa: E402
 
 TWO_24GB = dict(gpus=2, gpu_memory_gib=24, seq_len=1024, micro_batch=4, host_ram_gib=64)
@@ -289,8 +289,9 @@ def test_what_fits_on_two_24gb_cards():
     )
     # 70B QLoRA under FSDP2 is loaded one decoder layer at a time (shared/sharded_4bit.py): the load peak is this GPU's
     # shard of the 4-bit model (none with offload), one layer in 16 bits, and a margin (the quantization constants,
-    # FSDP leaves whole; the largest fp32 unit prepare moves; the 4-bit layer; 1 GiB overhead), never the whole 4-bit
-    # model (36.2 GiB with the whole-model loader). FSDP alone is tight even with checkpointing: offload is chosen.
+    # FSDP leaves whole; the shards of the fp32 embeddings and head; the 4-bit layer; 1 GiB overhead), never the
+    # whole 4-bit model (36.2 GiB with the whole-model loader). FSDP alone is tight even with checkpointing: offload
+    # is chosen.
     shape = preset_shape("70b")
     big = plan(shape, **TABLE, method="qlora")
     layer = shape.block_linear_params
@@ -299,6 +300,15 @@ def test_what_fits_on_two_24gb_cards():
         assert setup["fits"] and setup["gpu_load_peak"] < setup["peak"], name
         assert setup["gpu_load_peak"] <= shard + layer * 2 + 4.5 * GIB, (name, setup["gpu_load_peak"] / GIB)
     assert big["best"] == "fsdp_offload"
+    # Llama-3.1-70B: Llama-2-70B's layers, a 128k vocabulary. The loader shards the embeddings and head as it loads
+    # them, so the 96k more rows of each add their fp32 shard to the load peak (1/2 of 2 x 96k x 8192 x 4 B = 2.9 GiB),
+    # not the whole matrices (5.9 GiB), and the one in flight is in 16 bits, no larger than a layer.
+    name = "meta-llama/Llama-3.1-70B"
+    llama3 = shape_from_config(read_config(name), name=name)
+    assert llama3.block_linears == shape.block_linears and llama3.vocab_size == 128256
+    grown = plan(llama3, **TABLE, method="qlora")["setups"]["fsdp"]["gpu_load_peak"] - big["setups"]["fsdp"][
+        "gpu_load_peak"]
+    assert abs(grown - (llama3.num_parameters - shape.num_parameters) * 4 / 2) < 2**20, grown / GIB
 
 
 def test_a_setup_that_does_not_fit_says_by_how_much_and_what_fits():
@@ -597,14 +607,14 @@ def test_the_first_line_says_what_was_assumed_and_help_shows_defaults(capsys):
 
 
 def test_the_table_names_every_reason_a_setup_does_not_fit_as_the_text_does(capsys):
-    """70B QLoRA on 2 x 16 GB: FSDP2 fails both while loading (20.1 GiB: the shard, constants and one layer) and while
+    """70B QLoRA on 2 x 16 GB: FSDP2 fails both while loading (21.1 GiB: its shards, constants and one layer) and while
     training (29.3 GiB with checkpointing); the table once said only 'no (loading)' while the text said 'needs 29.3
     GiB'."""
     code, out, _ = run_main(["--model_size", "70b", "--method", "qlora", "--host_ram_gib", "128",
                              "--gpu_memory_gib", "16"], capsys)
     row = next(line for line in out.splitlines() if line.startswith("fsdp (each GPU)"))
-    assert code == 0 and row.endswith("no (training 29.3 GiB; loading 20.1 GiB)"), row
-    assert "loading needs 20.1 GiB per GPU" in out
+    assert code == 0 and row.endswith("no (training 29.3 GiB; loading 21.1 GiB)"), row
+    assert "loading needs 21.1 GiB per GPU" in out
 
 
 def test_the_launch_line_for_a_config_json_names_what_the_recipe_can_load(tmp_path, capsys):
@@ -714,7 +724,9 @@ def test_plan_refuses_impossible_numbers():
 
 
 # ------------------------------------------------------------------------------- the README's table
-README_MODELS = {"7b": "Llama-2-7B", "13b": "Llama-2-13B", "34b": "CodeLlama-34B", "70b": "Llama-2-70B"}
+# Named sizes, and Hub models whose shapes the planner knows offline (tools/planner/tables.py's HUB_CONFIGS).
+README_MODELS = {"7b": "Llama-2-7B", "13b": "Llama-2-13B", "34b": "CodeLlama-34B", "70b": "Llama-2-70B",
+                 "meta-llama/Llama-3.1-70B": "Llama-3.1-70B", "Qwen/Qwen2.5-72B": "Qwen2.5-72B"}
 README_SETUPS = ("ddp", "fsdp", "fsdp_offload")
 
 
@@ -724,7 +736,8 @@ def readme_rows() -> tuple[list[str], list[str]]:
     rows, launches = [], []
     for size, name in README_MODELS.items():
         for method in ("full", "lora", "qlora"):
-            result = plan(preset_shape(size), **TABLE, method=method)
+            shape = preset_shape(size) if size in MODEL_SIZES else shape_from_config(read_config(size), name=size)
+            result = plan(shape, **TABLE, method=method)
             cells = []
             for setup_name in README_SETUPS:
                 setup = result["setups"][setup_name]
@@ -781,10 +794,6 @@ def test_every_launch_line_of_the_readme_table_is_one_the_gpu_check_runs():
         )
 
 
-if __name__ == "__main__":
-    print("\n".join(line for part in readme_rows() for line in part))
-
-
 def _write_config(folder, **fields) -> str:
     """A Hub model's config.json, written here (the planner reads only the config; no Hub in the tests)."""
     folder.mkdir()
@@ -838,3 +847,7 @@ def test_a_hub_id_offline_fails_at_once(monkeypatch, capsys):
     code, _, err = run_main(["--model_name_or_path", "no-such-org/no-such-model-xyz"], capsys)
     assert code == 2 and "the Hugging Face Hub cannot be reached from this machine" in err
     assert "Pass the model's folder or its config.json" in err and len(err.strip().splitlines()) == 1
+
+
+if __name__ == "__main__":
+    print("\n".join(line for part in readme_rows() for line in part))

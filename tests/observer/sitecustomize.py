@@ -21,6 +21,8 @@ recipes. It does nothing unless OBSERVE_DIR is set; then, at exit, each process 
 - ``at_prepare``: per ``Accelerator.prepare`` call, for each model handed to it, its parameters, those on the meta
   device (shape only, no memory behind them) and the bytes of the others: what the process held in memory before
   FSDP2 handed it its shard (low host-RAM loading: a non-main rank holds none of the model there).
+- ``before_prepare``: for each parameter of the model given to ``Accelerator.prepare``, as it enters: the shape this
+  process holds (a DTensor's local shard) and the whole shape. What a loader left sharded, or whole, until then.
 - ``bitsandbytes["matmul_4bit_cpu_packed"]``: forwards of a 4-bit layer whose weight bitsandbytes had repacked into
   its CPU inference layout (``quant_state.packing_format_for_cpu``), which no gradient flows through.
 
@@ -48,6 +50,7 @@ record = {
     "four_bit_bytes_per_weight": {},
     "loading_events": [],
     "at_prepare": [],
+    "before_prepare": {},
 }
 _step = {"storages": {}, "index_elements": 0}
 
@@ -159,6 +162,10 @@ def patch_accelerate(accelerator_module) -> None:
     original = accelerator_class.prepare
 
     def prepare(self, *objects, **kwargs):
+        for model in [candidate for candidate in objects if isinstance(candidate, torch.nn.Module)][:1]:
+            for name, parameter in model.named_parameters():
+                local = parameter.to_local() if hasattr(parameter, "to_local") else parameter
+                record["before_prepare"][name] = [list(local.shape), list(parameter.shape)]
         models = []
         for candidate in objects:
             if isinstance(candidate, torch.nn.Module):

@@ -239,12 +239,12 @@ def _loading_copy(method: str, p: dict, shape: ModelShape, split: bool, layer_by
                   ) -> tuple[float, str]:
     """The model as one loading process holds it before ``prepare``: fp32 (full), the compute dtype (LoRA). QLoRA
     loads onto the GPU, except for a split (device_map), which the recipe quantizes on the CPU before dispatching;
-    under FSDP2 (``layer_by_layer``) its 4-bit layers go to the GPU one at a time, sharded, and each process keeps
-    the parts that are not 4-bit (embeddings, norms, LM head, in fp32) in host RAM until ``prepare`` shards them."""
+    under FSDP2 (``layer_by_layer``) the main process reads one 16-bit tensor at a time (the largest: an embeddings
+    or LM head matrix, or a layer's largest weight) on its way to the GPU, where it is sharded."""
     if method == "qlora" and layer_by_layer:
-        rest = shape.num_parameters - shape.num_layers * shape.block_linear_params
-        loading = rest * p["nonquant"]
-        return loading, f"the parts not in 4 bits {millions(rest)} x {p['nonquant']} B = {gib(loading)}"
+        largest = max(shape.embedding_params, shape.lm_head_params, *(i * o for _, i, o in shape.block_linears))
+        loading = largest * p["compute"]
+        return loading, f"its largest tensor {millions(largest)} x {p['compute']} B = {gib(loading)}"
     if method == "qlora" and split:
         linear = shape.num_layers * shape.block_linear_params
         loading = (

@@ -65,11 +65,11 @@ the GPU holds, A = LoRA parameters, Q = parameters of the blocks' linear layers,
   the loading copy (full fine-tuning: the model in fp32, LoRA: in the compute dtype, held by every process before
   ``prepare`` moves it to the GPU; under ``fsdp_offload_2gpu.yaml`` only the main process reads it
   (fsdp_cpu_ram_efficient_loading); QLoRA loads straight onto each GPU, the checkpoint is memory-mapped; under FSDP
-  only the main process reads it and every process holds the parts not in 4 bits, fp32, until ``prepare``) and,
-  with offload, the process's shard of the model state (pinned). ``--host_ram_gib`` (default: a typical target's
-  RAM) is what the machine has. QLoRA under FSDP loads one decoder layer at a time (shared/sharded_4bit.py): its load
-  peak (this GPU's shards, every quantization constant, one layer in 16 + 4 bits, overhead) is reported beside the
-  training peak and must fit too.
+  only the main process reads it, one 16-bit tensor at a time) and, with offload, the process's shard of the model
+  state (pinned). ``--host_ram_gib`` (default: a typical target's RAM) is what the machine has. QLoRA under FSDP
+  loads one unit at a time, sharding each (shared/sharded_4bit.py): its load peak (this GPU's shards, every
+  quantization constant, one layer in 16 + 4 bits or one embeddings matrix in 16 bits, overhead) is reported beside
+  the training peak and must fit too.
 
 This module holds the per-element, per-token and per-block formulas; ``devices.py`` adds them up for one GPU and
 for the host.

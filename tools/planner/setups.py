@@ -89,9 +89,9 @@ def _sharded(name, shape, request, p, everything) -> dict:
         state = model_state_bytes(request["method"], p, shard["params"], shard["linear"], shard["adapter"])
         offloaded = int(sum(value for value, _ in state.values()))
     # fsdp_2gpu.yaml: every process reads the checkpoint; fsdp_offload_2gpu.yaml: only the main process does.
-    # QLoRA: only the main process reads, but every process holds the parts that are not 4-bit until prepare.
+    # QLoRA: only the main process reads, one tensor at a time (shared/sharded_4bit.py).
     qlora = request["method"] == "qlora"
-    loaders = gpus if kind == "fsdp" or qlora else 1
+    loaders = 1 if qlora or kind == "offload" else gpus
     return {"devices": devices, "identical": True,
             **host_ram(request, p, shape, gpus, loaders, offloaded, layer_by_layer=qlora)}
 
@@ -165,26 +165,31 @@ def _summarize(name: str, setup: dict, shape: ModelShape, request: dict) -> None
 
 
 def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | None, str | None]:
-    """QLoRA under FSDP2: recipes/llm_finetune.py builds the 4-bit model empty and loads it one decoder layer at a time
-    (shared/sharded_4bit.py): each layer is read in 16 bits onto the GPU, quantized there and sharded before the next
-    one. The GPU's peak while loading: its shard of every 4-bit layer and of the adapter (none under offload: they go
-    to host RAM), all the quantization constants (FSDP does not shard them), one layer in 16 and in 4 bits, and the
-    overhead; then ``prepare`` moves the rest (embeddings, final norm + LM head, in fp32) one unit at a time, sharding
-    each: the larger of that unit and the layer in flight counts."""
+    """QLoRA under FSDP2: recipes/llm_finetune.py builds the 4-bit model empty and loads it one unit at a time
+    (shared/sharded_4bit.py), sharding each before the next: every decoder layer is read in 16 bits onto the GPU and
+    quantized there, then FSDP2 keeps this GPU's 1/N; the embeddings and the final norm + LM head are sharded first
+    and each process copies its rows of every matrix out of the one 16-bit read. The GPU's peak while loading: its
+    shard of everything (4-bit layers, adapter, the parts not in 4 bits in fp32; none under offload: they go to host
+    RAM), all the quantization constants (bitsandbytes keeps them beside each weight, outside the parameters FSDP2
+    shards: every process holds all of them), one unit in flight (a layer in 16 and in 4 bits, or the largest
+    matrix of the embeddings or head in 16 bits) and the overhead."""
     if request["method"] != "qlora" or name not in ("fsdp", "fsdp_offload"):
         return None, None
     p = precision_profile("qlora", request["mixed_precision"], False, request["profile"])
     gpus, layer = request["gpus"], shape.block_linear_params
     linear = shape.num_layers * layer
     adapter = shape.num_layers * lora_params_per_block(shape, request["lora_r"], request["lora_targets"])
-    shards = 0 if name == "fsdp_offload" else (linear * NF4_BYTES + adapter * p["master"]) / gpus
-    in_flight = max(layer * (p["compute"] + NF4_BYTES), max(shape.embedding_params, shape.head_params) * p["nonquant"])
+    rest = shape.num_parameters - linear  # embeddings, norms, LM head: fp32
+    held = linear * NF4_BYTES + adapter * p["master"] + rest * p["nonquant"]
+    shards = 0 if name == "fsdp_offload" else held / gpus
+    matrix = max(shape.embedding_params, shape.lm_head_params)
+    in_flight = max(layer * (p["compute"] + NF4_BYTES), matrix * p["compute"])
     constants = quantization_constant_bytes(linear, p)
     peak = int(shards + constants + in_flight + request["overhead"])
-    where = f"4-bit layers and adapter / {gpus}" + (", offloaded: none" if not shards else "")
-    return peak, (f"shards {gib(shards)} ({where}) + constants {gib(constants)} + in flight {gib(in_flight)} (the "
-                  "larger of one layer in 16 + 4 bits and the largest other unit in fp32) + overhead "
-                  f"{gib(request['overhead'])} = {gib(peak)}")
+    where = f"4-bit layers, adapter, the rest in fp32, / {gpus}" + (", offloaded: none" if not shards else "")
+    return peak, (f"shards {gib(shards)} ({where}) + constants {gib(constants)} (all of them, on every GPU) + in "
+                  f"flight {gib(in_flight)} (the larger of one layer in 16 + 4 bits and one embeddings or head "
+                  f"matrix in 16 bits) + overhead {gib(request['overhead'])} = {gib(peak)}")
 
 
 def recipe_for(shape: ModelShape, method: str, name: str) -> str | None:

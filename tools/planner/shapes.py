@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tools.planner.tables import DEFAULT_VOCAB_SIZE, MODEL_SIZES
+from tools.planner.tables import DEFAULT_VOCAB_SIZE, HUB_CONFIGS, MODEL_SIZES
 
 
 @dataclass(frozen=True)
@@ -191,7 +191,7 @@ def read_config(location: str):
     line naming what is missing when the planner cannot use it."""
     path = _config_file(location)
     if path is None:  # a Hub id
-        return _hub_config(location)
+        return _config_from_dict(location, HUB_CONFIGS[location]) if location in HUB_CONFIGS else _hub_config(location)
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
