@@ -37,8 +37,6 @@ fine-tune), the tokenizer, ``merged/`` with ``--merge_and_save``, ``results.json
 """
 
 import argparse
-import bisect
-import collections
 import contextlib
 import itertools
 import logging
@@ -96,6 +94,7 @@ from shared.runtime import (  # noqa: E402
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 from shared.sharded_4bit import load_4bit_sharded  # noqa: E402
 from shared.sft_data import (  # noqa: E402
+    best_fit_decreasing,
     chat_tokenizer,
     check_batches,
     collate,
@@ -212,7 +211,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
     for name, value in chosen.items():
         setattr(args, name, value)
-    args.offline_default_settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
+    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
+    args.offline_default_settings = settings and (f"the offline default model trains with {settings} (what makes it "
+                                                  "learn visibly; pass either flag to change it)")
     args.learning_rate = args.learning_rate or 2e-4
     return args
 
@@ -255,48 +256,6 @@ def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Te
 def fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-position loss, in fp32 whatever the logits' dtype (bf16 rounding in the softmax would bias the loss)."""
     return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
-
-
-def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
-    """Turns off, in every bitsandbytes ``Linear4bit`` of ``model`` (QLoRA; nothing otherwise), the repacking of its
-    4-bit weight for CPU inference. On a CPU with AVX512-BF16 the layer repacks its weight in place at its first
-    forward in eval mode without gradients (the exact match before training is one) into a layout that only an
-    inference kernel reads: every training forward after it would pass no gradient through the frozen base, and a
-    layer whose in_features are not a multiple of its 64-weight block crashes instead. Off, evaluating and training
-    use one layout on every CPU (CUDA never repacks)."""
-    for layer in (module for module in model.modules() if hasattr(module, "support_avx512bf16_for_cpu")):
-        layer.support_avx512bf16_for_cpu = False  # (read by Linear4bit.forward, set from the CPU when it was built)
-
-
-def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
-    """--packing's rows: the indices of ``lengths`` in bins of at most ``capacity`` tokens, by best fit decreasing (the
-    rows of TRL's packing=True): longest first, each into the open bin it leaves the least space in, else into a new
-    one. The open bins are kept by their free space (a sorted list of the distinct spaces: at most ``capacity``), so a
-    placement is one bisection. Ties keep the data's order: every process makes the same rows. Samples are truncated
-    to ``max_length`` when tokenized, so each lands whole in one row; ``collate(..., packing=True)`` flattens a batch
-    of rows with the position ids restarting at every sample."""
-    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
-    bins: list[list[int]] = []
-    spaces: list[int] = []  # the distinct free spaces of the open bins, ascending
-    open_bins: dict[int, collections.deque] = {}  # free space -> the bins with that much left, oldest first
-    for index in order:
-        at = bisect.bisect_left(spaces, lengths[index])  # the tightest space the sample fits in
-        if at < len(spaces):
-            space = spaces[at]
-            number = open_bins[space].popleft()
-            if not open_bins[space]:
-                del spaces[at], open_bins[space]
-        else:
-            space, number = capacity, len(bins)
-            bins.append([])
-        bins[number].append(index)
-        space -= lengths[index]
-        if space > 0:
-            if space not in open_bins:
-                bisect.insort(spaces, space)
-                open_bins[space] = collections.deque()
-            open_bins[space].append(number)
-    return bins
 
 
 def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
@@ -366,18 +325,15 @@ def main():
     lora, method = not args.full_finetune, "qlora" if args.load_in_4bit else "full" if args.full_finetune else "lora"
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # (This Accelerator block repeats in every recipe on purpose: each recipe is one file you can copy.)
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision, log_with=args.report_to,
-        # No gradient_accumulation_steps here: the loop below holds a step's micro-batches together to count their
-        # answer tokens first, and skips the gradient sync of all but the last with accelerator.no_sync.
+        # No gradient_accumulation_steps: the loop counts a step's answer tokens first, then syncs its last batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node))
     set_seed(args.seed)
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
-    if args.offline_default_settings:
-        accelerator.print(f"the offline default model trains with {args.offline_default_settings} (what makes it "
-                          "learn visibly; pass either flag to change it)")
+    if args.offline_default_settings:  # e.g. "the offline default model trains with --learning_rate 0.001 (...)"
+        accelerator.print(args.offline_default_settings)
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/llm_finetune.py")  # or a clear refusal
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
@@ -403,7 +359,6 @@ def main():
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     model = load_base_model(accelerator, args.model_name_or_path, config, lora, args.load_in_4bit, split_over,
                             args.max_length, args.trust_remote_code, args.merge_and_save and lora)
-    keep_4bit_weights_trainable(model)  # QLoRA: an evaluation must not repack them out of autograd's reach (see there)
     if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
@@ -441,9 +396,8 @@ def main():
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
-    # load_state restores the model (or adapter: non-strict), optimizer, scheduler, sampler and RNG states.
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps,
-                             load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora))
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps,  # all states
+                             load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora))  # LoRA
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -452,8 +406,7 @@ def main():
     with RunRecord(accelerator, "llm_finetune", output_dir, run_config, model, optimizer, max_train_steps,
                    resume.history.get("train/loss_curve"), args.perf_warmup_steps,
                    devices=sorted(set(split_over), key=str) or None, flops_per_token=flops_per_token) as record:
-        # After RunRecord has printed the configuration: a bar drawn first would have it printed across its line.
-        progress_bar = tqdm(total=max_train_steps, initial=completed_steps,
+        progress_bar = tqdm(total=max_train_steps, initial=completed_steps,  # after RunRecord printed the config
                             disable=not accelerator.is_local_main_process)
         for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
             model.train()

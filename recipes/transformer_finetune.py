@@ -332,10 +332,8 @@ def main():
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     stop_if_found(tokenizer_problem(args.model_name_or_path, args.tokenizer_name))  # a folder without one: refused
-    # Every process agrees on the checkpoint to resume from (a collective), before any work.
-    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")
-    # Refuses combinations that cannot work (device_map with 2 processes, ddp with 1, fsdp without its config).
-    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")
+    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")  # all agree
+    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
@@ -388,9 +386,9 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    run_config = {**vars(args), "num_processes": accelerator.num_processes, "parallelism": parallelism.name}
-    run_config.update(global_batch_size=global_batch_size, max_train_steps=max_train_steps)
-    run_config["mixed_precision"] = accelerator.mixed_precision
+    run_config = {**vars(args), "num_processes": accelerator.num_processes, "parallelism": parallelism.name,
+                  "global_batch_size": global_batch_size, "max_train_steps": max_train_steps,
+                  "mixed_precision": accelerator.mixed_precision}
     scalars = {key: value for key, value in run_config.items() if isinstance(value, (int, float, str, bool))}
     accelerator.init_trackers("transformer_finetune", scalars)  # --report_to's, if any
 

@@ -124,6 +124,7 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
             # Under FSDP2 not even one GPU's worth: built empty, its weights come in one decoder layer at a time,
             # each sharded before the next (shared/sharded_4bit.py), once LoRA is in place.
             model = empty_4bit_model(config, quantization, dtype, trust_remote_code)
+            keep_4bit_weights_trainable(model)
             return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
                                                  quantization_config=quantization, device_map=load_device,
@@ -138,6 +139,7 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
         # Casts the remaining 16-bit weights (norms, embeddings) to float32 for stable training of the adapter. Not
         # its gradient checkpointing: the recipe turns that on itself, by transformers' current name.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        keep_4bit_weights_trainable(model)  # an evaluation before training must not repack them out of reach
     return model
 
 
@@ -231,3 +233,14 @@ def save_merged(accelerator, name_or_path: str, adapter_dir: Path, tokenizer, tr
             merged.save_pretrained(adapter_dir / "merged")
             tokenizer.save_pretrained(adapter_dir / "merged")
             accelerator.print(f"merged the adapter into the base model: {adapter_dir / 'merged'}")
+
+
+def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
+    """Turns off, in every bitsandbytes ``Linear4bit`` of ``model`` (QLoRA; nothing otherwise), the repacking of its
+    4-bit weight for CPU inference. On a CPU with AVX512-BF16 the layer repacks its weight in place at its first
+    forward in eval mode without gradients (the exact match before training is one) into a layout that only an
+    inference kernel reads: every training forward after it would pass no gradient through the frozen base, and a
+    layer whose in_features are not a multiple of its 64-weight block crashes instead. Off, evaluating and training
+    use one layout on every CPU (CUDA never repacks)."""
+    for layer in (module for module in model.modules() if hasattr(module, "support_avx512bf16_for_cpu")):
+        layer.support_avx512bf16_for_cpu = False  # (read by Linear4bit.forward, set from the CPU when it was built)

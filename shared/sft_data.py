@@ -9,6 +9,8 @@ the three formats, and refuses bad rows by their place in the file."""
 
 from __future__ import annotations
 
+import bisect
+import collections
 import json
 from pathlib import Path
 
@@ -288,3 +290,34 @@ def prompt_of(sample: dict, fmt: str, tokenizer) -> str:
         return tokenizer.apply_chat_template(sample["messages"][:first_answer], tokenize=False,
                                              add_generation_prompt=True)
     return sample["prompt"] if fmt == "prompt_completion" else sample["text"][:64]
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """--packing's rows: the indices of ``lengths`` in bins of at most ``capacity`` tokens, by best fit decreasing (the
+    rows of TRL's packing=True): longest first, each into the open bin it leaves the least space in, else into a new
+    one. The open bins are kept by their free space (a sorted list of the distinct spaces: at most ``capacity``), so a
+    placement is one bisection. Ties keep the data's order: every process makes the same rows. Samples are truncated
+    to ``max_length`` when tokenized, so each lands whole in one row; ``collate(..., packing=True)`` flattens a batch
+    of rows with the position ids restarting at every sample."""
+    order = sorted(range(len(lengths)), key=lambda index: -lengths[index])
+    bins: list[list[int]] = []
+    spaces: list[int] = []  # the distinct free spaces of the open bins, ascending
+    open_bins: dict[int, collections.deque] = {}  # free space -> the bins with that much left, oldest first
+    for index in order:
+        at = bisect.bisect_left(spaces, lengths[index])  # the tightest space the sample fits in
+        if at < len(spaces):
+            space = spaces[at]
+            number = open_bins[space].popleft()
+            if not open_bins[space]:
+                del spaces[at], open_bins[space]
+        else:
+            space, number = capacity, len(bins)
+            bins.append([])
+        bins[number].append(index)
+        space -= lengths[index]
+        if space > 0:
+            if space not in open_bins:
+                bisect.insort(spaces, space)
+                open_bins[space] = collections.deque()
+            open_bins[space].append(number)
+    return bins

