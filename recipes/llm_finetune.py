@@ -186,8 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="After training, print answers to the first N validation prompts.")
     output.add_argument("--sample_tokens", type=int, default=48,
                         help="Tokens to generate per answer with --generate_samples.")
-    output.add_argument("--exact_match_samples", type=int, default=100, help="Score greedy answers to N (shuffled) "
-                        "validation questions by exact match, before and after training (0 skips; not under FSDP).")
+    output.add_argument("--exact_match_samples", type=int, help="Score greedy answers to N (shuffled) validation "
+                        "prompts by exact match, before and after training (default: 100 when the answers are short, "
+                        "a median of at most 8 tokens as in the offline data, else none; 0 skips; not under FSDP).")
     output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
     output.add_argument("--logging_steps", type=positive_int, default=10,
                         help="Log train/loss every N optimizer steps.")
@@ -386,7 +387,7 @@ def main():
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    exact_rows, exact_before = exact_match_before(  # greedy answers to held-out questions, scored again at the end
+    exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
         accelerator, model, tokenizer, raw_datasets["validation"], fmt,
         0 if args.skip_eval else args.exact_match_samples, layout == "fsdp", args.seed)
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size

@@ -1,5 +1,5 @@
 """Greedy answers of a fine-tuned causal LM (``recipes/llm_finetune.py``): their exact match with the reference
-answers of held-out questions, before and after training, and a few sample answers to print. Generation runs on the
+answers of held-out prompts, before and after training, and a few sample answers to print. Generation runs on the
 main process alone with the unwrapped model (the others wait untimed); not under FSDP2, where every forward pass
 needs every process."""
 
@@ -19,12 +19,7 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
     Generates 2 tokens more than the longest reference has: a longer answer could not match anyway."""
     scored = []
     for row in rows:
-        if fmt == "messages":
-            first = next(index for index, message in enumerate(row["messages"]) if message["role"] == "assistant")
-            question = row["messages"][first - 1]["content"] if first else ""
-            reference = row["messages"][first]["content"]
-        else:
-            question, reference = row["prompt"], row["completion"]
+        question, reference = last_prompt_and_answer(row, fmt)
         scored.append({"question": question, "reference": reference.strip()})
     max_new_tokens = max(len(tokenizer(s["reference"], add_special_tokens=False).input_ids) for s in scored) + 2
     for row, sample in zip(rows, scored):
@@ -37,12 +32,40 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
     return sum(sample["answer"] == sample["reference"] for sample in scored) / len(scored), scored
 
 
-def exact_match_rows(accelerator, validation: datasets.Dataset, count: int, fmt: str, fsdp: bool,
-                     seed: int = 0) -> datasets.Dataset | None:
-    """``count`` shuffled validation questions to score (not the first ones: those ask about one package), or None:
-    ``count`` 0, plain text (no question to answer), or FSDP2 (said so)."""
-    if count <= 0 or fmt == "text":
+def last_prompt_and_answer(row: dict, fmt: str) -> tuple[str, str]:
+    """The user turn before a conversation's first answer, and that answer (or a row's prompt and completion)."""
+    if fmt == "messages":
+        first = next(index for index, message in enumerate(row["messages"]) if message["role"] == "assistant")
+        return (row["messages"][first - 1]["content"] if first else ""), row["messages"][first]["content"]
+    return row["prompt"], row["completion"]
+
+
+# Exact match means something for answers a model can give word for word: a label, a number, a name.
+SHORT_ANSWER_TOKENS = 8
+
+
+def exact_match_rows(accelerator, validation: datasets.Dataset, count: int | None, fmt: str, fsdp: bool,
+                     seed: int = 0, tokenizer=None) -> datasets.Dataset | None:
+    """``count`` shuffled validation prompts to score (not the first ones: the offline data's first ones ask about one
+    package), or None: ``count`` 0, plain text (no prompt to answer), or FSDP2 (said so). ``count`` None: 100 when the
+    answers are short (a median of at most ``SHORT_ANSWER_TOKENS`` tokens, e.g. the offline default's one-word
+    answers), else none, said either way (greedy answers to free-form prompts almost never match word for word, and
+    generating them costs minutes)."""
+    if count == 0 or fmt == "text":
         return None
+    if count is None:
+        rows = validation.select(range(min(200, len(validation))))
+        lengths = [len(tokenizer(last_prompt_and_answer(row, fmt)[1].strip(), add_special_tokens=False).input_ids)
+                   for row in rows]
+        median = sorted(lengths)[len(lengths) // 2] if lengths else 0
+        if median > SHORT_ANSWER_TOKENS:
+            accelerator.print(f"eval: no exact match: the answers have a median of {median} tokens, and exact match "
+                              f"means something for short answers only (at most {SHORT_ANSWER_TOKENS}); "
+                              "--exact_match_samples N scores N prompts anyway")
+            return None
+        count = 100
+        accelerator.print(f"eval: exact match on up to {count} held-out prompts: the answers are short (a median of "
+                          f"{median} tokens; --exact_match_samples N changes the count, 0 skips it)")
     if fsdp:
         accelerator.print("eval: no exact match under FSDP2 (generating needs every process in step); run it with ddp")
         return None
@@ -62,9 +85,9 @@ def main_process_exact_match(accelerator, model, tokenizer, rows, fmt: str) -> t
 
 def exact_match_before(accelerator, model, tokenizer, validation: datasets.Dataset, fmt: str, count: int,
                        fsdp: bool, seed: int = 0) -> tuple[datasets.Dataset | None, float]:
-    """The questions ``exact_match_results`` scores after training (``exact_match_rows``), and the exact match before
-    training (printed; NaN without questions)."""
-    rows = exact_match_rows(accelerator, validation, count, fmt, fsdp, seed)
+    """The prompts ``exact_match_results`` scores after training (``exact_match_rows``), and the exact match before
+    training (printed; NaN without prompts)."""
+    rows = exact_match_rows(accelerator, validation, count, fmt, fsdp, seed, tokenizer)
     score, _ = main_process_exact_match(accelerator, model, tokenizer, rows, fmt)
     if rows is not None:
         accelerator.print(f"eval: exact match before training {score:.1%}")
@@ -80,11 +103,11 @@ def exact_match_results(accelerator, model, tokenizer, rows, fmt: str, before: f
         references = [sample["reference"] for sample in answers]
         chance = max(map(references.count, references)) / len(references)
         accelerator.print(f"eval: exact match {before:.1%} before training, {score:.1%} after, on {len(answers)} "
-                          f"held-out questions (always the most common answer: {chance:.1%}); e.g.")
+                          f"held-out prompts (always the most common answer: {chance:.1%}); e.g.")
         for sample in answers[:3]:
             accelerator.print(f"  {sample['question']} -> {sample['answer']!r} (expected {sample['reference']!r})")
     return {"eval/exact_match_before": before, "eval/exact_match": score, "eval/exact_match_chance": chance,
-            "eval/exact_match_num_questions": len(answers), "eval/exact_match_answers": answers}
+            "eval/exact_match_num_prompts": len(answers), "eval/exact_match_answers": answers}
 
 
 def generate_samples(accelerator, model, tokenizer, rows: datasets.Dataset, fmt: str, count: int,

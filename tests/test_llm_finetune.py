@@ -436,10 +436,10 @@ def test_exact_match_before_and_after_training_is_in_results_and_the_log(runs):
     for name, count in (("1x8", 4), ("full", 2)):
         results = runs[name]["results"]
         scored = results["eval/exact_match_answers"]
-        assert results["eval/exact_match_num_questions"] == len(scored) == count, name
+        assert results["eval/exact_match_num_prompts"] == len(scored) == count, name
         assert results["eval/exact_match"] == sum(s["answer"] == s["reference"] for s in scored) / count, name
         assert 0 <= results["eval/exact_match_before"] <= 1 and 0 < results["eval/exact_match_chance"] <= 1, name
-        assert f"on {count} held-out questions" in runs[name]["log"] and "before training" in runs[name]["log"], name
+        assert f"on {count} held-out prompts" in runs[name]["log"] and "before training" in runs[name]["log"], name
 
 
 def test_evaluation_counts_every_answer_token_of_every_validation_sample_once(runs):
@@ -491,12 +491,12 @@ def test_qlora_trains_the_same_whether_or_not_it_evaluated_first(runs):
     has it, on any machine: no forward went through a repacked weight, every backward through the 4-bit weights, and
     the losses and adapter are those of the run that did not score answers first."""
     first, without = runs["qlora_eval"], runs["qlora_eval_no_exact_match"]
-    assert first["results"]["eval/exact_match_num_questions"] == 2 and "exact match before training" in first["log"]
-    assert without["results"]["eval/exact_match_num_questions"] == 0
+    assert first["results"]["eval/exact_match_num_prompts"] == 2 and "exact match before training" in first["log"]
+    assert without["results"]["eval/exact_match_num_prompts"] == 0
     np.testing.assert_allclose(first["results"]["train/loss_curve"], without["results"]["train/loss_curve"], rtol=1e-6)
     assert max_relative_difference(adapter(first), adapter(without)) <= 1e-6
     hidden_96 = runs["qlora_eval_hidden_96"]["results"]
-    assert hidden_96["eval/exact_match_num_questions"] == 2 and np.isfinite(hidden_96["eval/loss"])
+    assert hidden_96["eval/exact_match_num_prompts"] == 2 and np.isfinite(hidden_96["eval/loss"])
     assert len(hidden_96["train/loss_curve"]) == 2
     for name, linear_layers in (("qlora_eval", 28), ("qlora_eval_no_exact_match", 28), ("qlora_eval_hidden_96", 14)):
         process = runs[name]["observed"]["rank0"]
@@ -1184,3 +1184,29 @@ def test_the_offline_default_model_brings_the_settings_that_make_it_learn(base, 
     line = "the offline default model trains with --learning_rate 0.001 (what makes it learn visibly"
     assert run.output.count(line) == 1, run.output[-3000:]
     assert read_results(out)["config"]["learning_rate"] == 1e-3
+
+
+def test_exact_match_is_on_by_default_for_short_answers_only():
+    """Exact match compares greedy answers word for word: meaningful for one-word answers (the offline data), not for
+    free-form ones, where 100 generations cost minutes to say 0 %. The default decides from the answers' median
+    length and says which; an explicit count is obeyed."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from shared.lm_data import train_bpe_tokenizer
+    from shared.sft_eval import exact_match_rows
+
+    short = [{"prompt": f"Is item {i} a class?", "completion": "class"} for i in range(120)]
+    long = [{"prompt": f"Tell a fortune {i}.", "completion": "You will travel far and meet someone " * 3}
+            for i in range(30)]
+    tokenizer = train_bpe_tokenizer((row["prompt"] + " " + row["completion"] for row in short + long), 300)
+    printed = []
+    accelerator = SimpleNamespace(print=printed.append)
+    rows = exact_match_rows(accelerator, datasets.Dataset.from_list(short), None, "prompt_completion", False, 0,
+                            tokenizer)
+    assert len(rows) == 100 and "exact match on up to 100 held-out prompts: the answers are short" in printed[-1]
+    fortunes = datasets.Dataset.from_list(long)
+    assert exact_match_rows(accelerator, fortunes, None, "prompt_completion", False, 0, tokenizer) is None
+    assert printed[-1].startswith("eval: no exact match: the answers have a median of") and "prompts" in printed[-1]
+    assert len(exact_match_rows(accelerator, fortunes, 4, "prompt_completion", False, 0, tokenizer)) == 4
