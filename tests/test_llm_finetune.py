@@ -1182,7 +1182,8 @@ def test_the_offline_default_model_brings_the_settings_that_make_it_learn(base, 
     shutil.copytree(base, out / "base_model")
     run = launch_ok("single_gpu.yaml", RECIPE, "--output_dir", out, "--max_train_steps", "1", "--skip_eval")
     line = "the offline default model trains with --learning_rate 0.001 (what makes it learn visibly"
-    assert run.output.count(line) == 1, run.output[-3000:]
+    assert [row for row in run.output.splitlines() if row.startswith(line)] != [], run.output[-3000:]
+    assert run.output.count(line) == 2  # the line, and the resolved configuration that records it
     assert read_results(out)["config"]["learning_rate"] == 1e-3
 
 

@@ -254,9 +254,9 @@ def test_the_dispatcher_names_the_main_device_and_hooks_every_block(monkeypatch)
     seen = {}
     real_dispatch = model_split.dispatch_model
 
-    def spy(model, **kwargs):
+    def spy(model, *args, **kwargs):
         seen.update(kwargs)
-        return real_dispatch(model, **kwargs)
+        return real_dispatch(model, *args, **kwargs)
 
     monkeypatch.setattr(model_split, "dispatch_model", spy)
     model = tiny_bert_classifier()
