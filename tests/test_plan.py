@@ -831,40 +831,59 @@ README_MODELS = {"7b": "Llama-2-7B", "13b": "Llama-2-13B", "34b": "CodeLlama-34B
 README_SETUPS = ("ddp", "fsdp", "fsdp_offload")
 
 
+# DPO (recipes/dpo.py, a pair per sample): the 7B and 70B rows. Their launch lines are not in the README while the GPU
+# check runs no dpo.py.
+README_DPO_MODELS = {"7b": "Llama-2-7B", "70b": "Llama-2-70B"}
+README_DPO_METHODS = {
+    "DPO full": dict(method="full"),
+    "DPO full, reference copy": dict(method="full", precompute_reference=False),
+    "DPO LoRA": dict(method="lora"),
+    "DPO QLoRA": dict(method="qlora"),
+}
+
+
 def readme_rows() -> tuple[list[str], list[str]]:
-    """The README's "what fits on two 24 GB cards" rows and the launch lines of their best choices, from the planner
-    (TABLE's inputs). A cell is the per-GPU peak / the host RAM the machine needs, in GiB, and the verdict."""
+    """The README's "what fits on two 24 GB cards" rows and the launch lines of their best choices (SFT's), from the
+    planner (TABLE's inputs). A cell is the per-GPU peak / the host RAM the machine needs, in GiB, and the verdict."""
     rows, launches = [], []
     for size, name in README_MODELS.items():
         for method in ("full", "lora", "qlora"):
             shape = preset_shape(size) if size in MODEL_SIZES else shape_from_config(read_config(size), name=size)
             result = plan(shape, **TABLE, method=method)
-            cells = []
-            for setup_name in README_SETUPS:
-                setup = result["setups"][setup_name]
-                trains = setup["peak"] <= 24 * GIB
-                verdict = (
-                    "fits"
-                    if setup["fits"]
-                    else "no: loading"
-                    if trains and (setup["gpu_load_peak"] or 0) > 24 * GIB
-                    else "no: host RAM"
-                    if trains and not setup["fits_host"]
-                    else "no"
-                )
-                load = f" (load {setup['gpu_load_peak'] / GIB:.1f})" if setup["gpu_load_peak"] else ""
-                cells.append(f"{setup['peak'] / GIB:.1f}{load} / {setup['host_ram'] / GIB:.0f}, {verdict}")
-            best = result["recommendation"]
-            choice = (
-                f"{best['setup']}: {best['peak_bytes'] / GIB:.1f} GiB, {best['host_ram_bytes'] / GIB:.0f} GiB host"
-                if best["setup"]
-                else "none"
-            )
             label = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}[method]
-            rows.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {choice} |")
-            if best.get("launch"):
-                launches.append(best["launch"])
+            rows.append(readme_row(name, label, result))
+            if result["recommendation"].get("launch"):
+                launches.append(result["recommendation"]["launch"])
+    for size, name in README_DPO_MODELS.items():
+        for label, method in README_DPO_METHODS.items():
+            rows.append(readme_row(name, label, plan(preset_shape(size), **TABLE, objective="dpo", **method)))
     return rows, launches
+
+
+def readme_row(name: str, label: str, result: dict) -> str:
+    """One row of the README's table: the model, the method, a cell per README_SETUPS setup, the best choice."""
+    cells = []
+    for setup_name in README_SETUPS:
+        setup = result["setups"][setup_name]
+        trains = setup["peak"] <= 24 * GIB
+        verdict = (
+            "fits"
+            if setup["fits"]
+            else "no: loading"
+            if trains and (setup["gpu_load_peak"] or 0) > 24 * GIB
+            else "no: host RAM"
+            if trains and not setup["fits_host"]
+            else "no"
+        )
+        load = f" (load {setup['gpu_load_peak'] / GIB:.1f})" if setup["gpu_load_peak"] else ""
+        cells.append(f"{setup['peak'] / GIB:.1f}{load} / {setup['host_ram'] / GIB:.0f}, {verdict}")
+    best = result["recommendation"]
+    choice = (
+        f"{best['setup']}: {best['peak_bytes'] / GIB:.1f} GiB, {best['host_ram_bytes'] / GIB:.0f} GiB host"
+        if best["setup"]
+        else "none"
+    )
+    return f"| {name} | {label} | " + " | ".join(cells) + f" | {choice} |"
 
 
 def test_the_readme_table_is_the_planners():
