@@ -723,6 +723,107 @@ def test_plan_refuses_impossible_numbers():
     assert GIB == 1024**3
 
 
+# ------------------------------------------------------------------------------- DPO (recipes/dpo.py)
+# A pair per sample (chosen + rejected in one forward); one GPU per device bill, micro-batch 1, no checkpointing.
+DPO = dict(gpus=2, gpu_memory_gib=24, seq_len=1024, micro_batch=1, host_ram_gib=128)
+STATE = ("parameters", "reference", "gradients", "optimizer", "quantization_constants")
+
+
+def gpu(result: dict, setup: str) -> dict:
+    return result["setups"][setup]["devices"][0]
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_dpo_with_lora_keeps_two_sequences_of_activations_and_no_second_model(method):
+    """Chosen and rejected run as one batch of 2 x micro-batch sequences: twice SFT's activations (stored, the
+    head's, checkpointed), the same model state (the reference is the base with the adapter disabled), and a
+    reference forward that stores nothing but, while it runs, holds at least the fp32 logits of both sequences."""
+    shape = preset_shape("7b")
+    sft, dpo = (plan(shape, **DPO, method=method, objective=objective) for objective in ("sft", "dpo"))
+    for setup in ("single", "ddp", "fsdp", "fsdp_offload"):
+        before, after = gpu(sft, setup), gpu(dpo, setup)
+        assert after["activations"] == pytest.approx(2 * before["activations"], rel=1e-6), setup
+        assert after["activations_checkpointed"] > 1.9 * before["activations_checkpointed"], setup
+        assert {key: after[key] for key in STATE} == {key: before[key] for key in STATE}, setup  # no copy
+        assert after["reference"] == 0 and after["buffers"] == before["buffers"], setup
+        # The reference forward comes on top of the policy's stored activations and head.
+        logits = 2 * DPO["seq_len"] * shape.vocab_size * 4
+        for phases in ("phases", "phases_checkpointed"):
+            moment = after[phases]["reference_forward"]
+            assert moment >= after[phases]["start_of_backward"] + logits, (setup, phases)
+            assert after["total" if phases == "phases" else "total_checkpointed"] >= (
+                after["model_state"] + after["buffers"] + after["overhead"] + moment
+            )
+    assert dpo["model"]["lora_parameters"] == sft["model"]["lora_parameters"]
+
+
+def test_dpo_full_fine_tuning_with_a_reference_copy_holds_one_more_compute_dtype_model():
+    """Full fine-tuning: --no-precompute_reference loads a frozen copy, 2 B per parameter in bf16 on every GPU of
+    single and DDP, half of it on each under FSDP (prepared like the policy), in host RAM under offload, and a
+    second loading copy on the host; precomputed (the default) there is no second model: SFT's model state."""
+    shape = preset_shape("7b")
+    n = shape.num_parameters
+    sft = plan(shape, **DPO, method="full")
+    default = plan(shape, **DPO, method="full", objective="dpo")
+    copy = plan(shape, **DPO, method="full", objective="dpo", precompute_reference=False)
+    assert default["inputs"]["precompute_reference"] is True and copy["inputs"]["precompute_reference"] is False
+    extra = {"single": 2 * n, "ddp": 2 * n, "fsdp": 2 * n / 2, "fsdp_offload": 0}
+    for setup, more in extra.items():
+        assert gpu(default, setup)["model_state"] == gpu(sft, setup)["model_state"], setup
+        assert gpu(copy, setup)["model_state"] - gpu(default, setup)["model_state"] == pytest.approx(more, abs=2)
+        assert "reference_forward" not in gpu(default, setup)["phases"]  # nothing runs it during training
+        assert "reference_forward" in gpu(copy, setup)["phases"]
+    # Host RAM: every loading process reads the copy too (bf16); under offload its shards live there as well.
+    loaders = {"single": 1, "ddp": 2, "fsdp": 2, "fsdp_offload": 1}
+    for setup, count in loaders.items():
+        more = count * 2 * n + (2 * n if setup == "fsdp_offload" else 0)
+        assert copy["setups"][setup]["host_ram"] - default["setups"][setup]["host_ram"] == pytest.approx(more, abs=4)
+    roomy = plan(shape, **{**DPO, "gpu_memory_gib": 400}, method="full", objective="dpo", precompute_reference=False)
+    assert "--no-precompute_reference" in roomy["recommendation"]["launch"]
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "qlora"])
+def test_dpo_on_fsdp_shards_like_sft(method):
+    """FSDP divides DPO's model state by the GPUs exactly as SFT's (the reference copy included); DPO runs under
+    single, DDP, FSDP and FSDP + offload only (no split), with recipes/dpo.py and llm_finetune.py's flags."""
+    shape = preset_shape("7b")
+    reference = {"precompute_reference": False} if method == "full" else {}
+    sft = plan(shape, **DPO, method=method)
+    dpo = plan(shape, **DPO, method=method, objective="dpo", **reference)
+    assert dpo["setups"].keys() == {"single", "ddp", "fsdp", "fsdp_offload"}
+    sharded = [key for key in STATE if key != "quantization_constants"]  # every GPU keeps all the 4-bit constants
+    for plans in (sft, dpo):
+        ddp, fsdp = gpu(plans, "ddp"), gpu(plans, "fsdp")
+        for key in sharded:
+            assert fsdp[key] == pytest.approx(ddp[key] / 2, abs=2), (key, plans["inputs"]["objective"])
+        assert fsdp["quantization_constants"] == ddp["quantization_constants"]
+    for key in ("parameters", "gradients", "optimizer", "quantization_constants", "buffers"):
+        assert gpu(dpo, "fsdp")[key] == gpu(sft, "fsdp")[key], key
+    flags = {"full": "--full_finetune", "lora": "--max_length", "qlora": "--load_in_4bit"}[method]
+    roomy = plan(shape, **{**DPO, "gpu_memory_gib": 400}, method=method, objective="dpo", **reference)
+    assert roomy["recommendation"]["launch"].split()[4] == "recipes/dpo.py"
+    assert flags in roomy["recommendation"]["launch"]
+    assert all(setup["recipe"] == "recipes/dpo.py" for setup in dpo["setups"].values())
+
+
+def test_dpo_flags_on_the_command_line(capsys):
+    """--objective dpo prints pairs and the reference; --precompute_reference is refused where it cannot apply."""
+    code, out, _ = run_main(["--model_size", "7b", "--objective", "dpo", "--method", "lora", "--micro_batch", "2"],
+                            capsys)
+    assert code == 0 and "DPO, LoRA" in out and "micro-batch 2 pairs (4 sequences)" in out
+    assert "reference: the base with the adapter disabled" in out and "pipeline" not in out
+    assert not any(line.startswith(("device_map", "pipeline")) for line in out.splitlines())
+    code, out, _ = run_main(["--model_size", "7b", "--objective", "dpo", "--no-precompute_reference",
+                             "--gpu_memory_gib", "400"], capsys)
+    assert code == 0 and "reference: a frozen copy" in out
+    assert "  reference: reference copy 6,738.4M x 2 B = 12.6 GiB" in out and "reference forward" in out
+    code, out, _ = run_main(["--model_size", "7b", "--objective", "dpo", "--json"], capsys)
+    assert json.loads(out)["assumed"]["--precompute_reference"].startswith("(reference log-probabilities")
+    for argv in (["--method", "lora", "--objective", "dpo", "--precompute_reference"], ["--no-precompute_reference"]):
+        code, _, err = run_main(["--model_size", "7b", *argv], capsys)
+        assert code == 2 and "--objective dpo --method full only" in err and len(err.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------------------------------- the README's table
 # Named sizes, and Hub models whose shapes the planner knows offline (tools/planner/tables.py's HUB_CONFIGS).
 README_MODELS = {"7b": "Llama-2-7B", "13b": "Llama-2-13B", "34b": "CodeLlama-34B", "70b": "Llama-2-70B",
@@ -730,40 +831,59 @@ README_MODELS = {"7b": "Llama-2-7B", "13b": "Llama-2-13B", "34b": "CodeLlama-34B
 README_SETUPS = ("ddp", "fsdp", "fsdp_offload")
 
 
+# DPO (recipes/dpo.py, a pair per sample): the 7B and 70B rows. Their launch lines are not in the README while the GPU
+# check runs no dpo.py.
+README_DPO_MODELS = {"7b": "Llama-2-7B", "70b": "Llama-2-70B"}
+README_DPO_METHODS = {
+    "DPO full": dict(method="full"),
+    "DPO full, reference copy": dict(method="full", precompute_reference=False),
+    "DPO LoRA": dict(method="lora"),
+    "DPO QLoRA": dict(method="qlora"),
+}
+
+
 def readme_rows() -> tuple[list[str], list[str]]:
-    """The README's "what fits on two 24 GB cards" rows and the launch lines of their best choices, from the planner
-    (TABLE's inputs). A cell is the per-GPU peak / the host RAM the machine needs, in GiB, and the verdict."""
+    """The README's "what fits on two 24 GB cards" rows and the launch lines of their best choices (SFT's), from the
+    planner (TABLE's inputs). A cell is the per-GPU peak / the host RAM the machine needs, in GiB, and the verdict."""
     rows, launches = [], []
     for size, name in README_MODELS.items():
         for method in ("full", "lora", "qlora"):
             shape = preset_shape(size) if size in MODEL_SIZES else shape_from_config(read_config(size), name=size)
             result = plan(shape, **TABLE, method=method)
-            cells = []
-            for setup_name in README_SETUPS:
-                setup = result["setups"][setup_name]
-                trains = setup["peak"] <= 24 * GIB
-                verdict = (
-                    "fits"
-                    if setup["fits"]
-                    else "no: loading"
-                    if trains and (setup["gpu_load_peak"] or 0) > 24 * GIB
-                    else "no: host RAM"
-                    if trains and not setup["fits_host"]
-                    else "no"
-                )
-                load = f" (load {setup['gpu_load_peak'] / GIB:.1f})" if setup["gpu_load_peak"] else ""
-                cells.append(f"{setup['peak'] / GIB:.1f}{load} / {setup['host_ram'] / GIB:.0f}, {verdict}")
-            best = result["recommendation"]
-            choice = (
-                f"{best['setup']}: {best['peak_bytes'] / GIB:.1f} GiB, {best['host_ram_bytes'] / GIB:.0f} GiB host"
-                if best["setup"]
-                else "none"
-            )
             label = {"full": "full", "lora": "LoRA", "qlora": "QLoRA"}[method]
-            rows.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {choice} |")
-            if best.get("launch"):
-                launches.append(best["launch"])
+            rows.append(readme_row(name, label, result))
+            if result["recommendation"].get("launch"):
+                launches.append(result["recommendation"]["launch"])
+    for size, name in README_DPO_MODELS.items():
+        for label, method in README_DPO_METHODS.items():
+            rows.append(readme_row(name, label, plan(preset_shape(size), **TABLE, objective="dpo", **method)))
     return rows, launches
+
+
+def readme_row(name: str, label: str, result: dict) -> str:
+    """One row of the README's table: the model, the method, a cell per README_SETUPS setup, the best choice."""
+    cells = []
+    for setup_name in README_SETUPS:
+        setup = result["setups"][setup_name]
+        trains = setup["peak"] <= 24 * GIB
+        verdict = (
+            "fits"
+            if setup["fits"]
+            else "no: loading"
+            if trains and (setup["gpu_load_peak"] or 0) > 24 * GIB
+            else "no: host RAM"
+            if trains and not setup["fits_host"]
+            else "no"
+        )
+        load = f" (load {setup['gpu_load_peak'] / GIB:.1f})" if setup["gpu_load_peak"] else ""
+        cells.append(f"{setup['peak'] / GIB:.1f}{load} / {setup['host_ram'] / GIB:.0f}, {verdict}")
+    best = result["recommendation"]
+    choice = (
+        f"{best['setup']}: {best['peak_bytes'] / GIB:.1f} GiB, {best['host_ram_bytes'] / GIB:.0f} GiB host"
+        if best["setup"]
+        else "none"
+    )
+    return f"| {name} | {label} | " + " | ".join(cells) + f" | {choice} |"
 
 
 def test_the_readme_table_is_the_planners():

@@ -25,7 +25,7 @@ def _problems(request: dict, setup: dict) -> list[str]:
         problems.append(f"needs {gib(setup['peak'])} per GPU, {gib(setup['over_by'])} over {gib(budget)}")
     if setup["gpu_load_peak"] is not None and setup["gpu_load_peak"] > budget:
         problems.append(
-            f"loading needs {gib(setup['gpu_load_peak'])} per GPU: recipes/llm_finetune.py loads one layer at a "
+            f"loading needs {gib(setup['gpu_load_peak'])} per GPU: {setup['recipe']} loads one layer at a "
             f"time and keeps this GPU's shard, but the shards, constants and the layer in flight exceed the card "
             f"(training itself needs {gib(setup['peak'])})"
         )
@@ -42,6 +42,8 @@ def _alternatives(request: dict, name: str) -> list[tuple[dict, str, str]]:
     a micro-batch of 1, a lighter method, offload."""
     lighter = list(METHODS[METHODS.index(request["method"]) + 1 :])
     alternatives = []
+    if request.get("precompute_reference") is False:  # DPO: drop the reference copy first, it costs one pass
+        alternatives.append(({"precompute_reference": True}, name, "--precompute_reference"))
     if not request["gradient_checkpointing"]:
         alternatives.append(({"gradient_checkpointing": True}, name, "with --gradient_checkpointing"))
     if request["micro_batch"] > 1:

@@ -14,7 +14,14 @@ from shared.runtime import positive_float, positive_int
 from tools.planner.fits import plan
 from tools.planner.report import format_table
 from tools.planner.shapes import ModelShape, needed_fields, preset_shape, read_config, shape_from_config
-from tools.planner.tables import DEFAULT_OVERHEAD_GIB, DEFAULT_VOCAB_SIZE, METHODS, MIXED_PRECISION, MODEL_SIZES
+from tools.planner.tables import (
+    DEFAULT_OVERHEAD_GIB,
+    DEFAULT_VOCAB_SIZE,
+    METHODS,
+    MIXED_PRECISION,
+    MODEL_SIZES,
+    OBJECTIVES,
+)
 
 # What the planner assumes when a flag is not given: said on its first line, since each changes the answer.
 ASSUMED = {
@@ -44,6 +51,8 @@ def main(argv=None) -> int:
             args.attention,
             args.overhead_gib,
             method=args.method,
+            objective=args.objective,
+            precompute_reference=args.precompute_reference,
             lora_r=args.lora_r,
             lora_dropout=args.lora_dropout,
             gradient_checkpointing=args.gradient_checkpointing,
@@ -61,7 +70,11 @@ def main(argv=None) -> int:
 def assumptions(argv: list[str], result: dict) -> dict:
     """The inputs of ``ASSUMED`` this command line did not give, with the values the estimate used."""
     given = {word.split("=", 1)[0] for word in argv if word.startswith("--")}
-    return {flag: result["inputs"][key] for flag, key in ASSUMED.items() if flag not in given}
+    assumed = {flag: result["inputs"][key] for flag, key in ASSUMED.items() if flag not in given}
+    reference = result["inputs"]["precompute_reference"]  # DPO with full fine-tuning: a copy, or precomputed
+    if reference is not None and not given & {"--precompute_reference", "--no-precompute_reference"}:
+        assumed["--precompute_reference"] = "(reference log-probabilities computed before training, no copy)"
+    return assumed
 
 
 def load_shape(args: argparse.Namespace) -> ModelShape:
@@ -143,6 +156,22 @@ def _add_method_flags(parser: argparse.ArgumentParser) -> None:
         default="full",
         help="full fine-tuning, lora (frozen base in the compute dtype + fp32 adapter) or qlora (4-bit NF4 base, "
         "double quantization): recipes/llm_finetune.py's --full_finetune, default and --load_in_4bit.",
+    )
+    parser.add_argument(
+        "--objective",
+        choices=list(OBJECTIVES),
+        default="sft",
+        help="sft (recipes/llm_finetune.py; the presets' full fine-tuning: train_lm.py, pipeline_lm.py) or dpo "
+        "(recipes/dpo.py: each sample a chosen and a rejected sequence in one forward, --micro_batch counts pairs; "
+        "--method still says what trains, as dpo.py's --full_finetune, default, --load_in_4bit do).",
+    )
+    parser.add_argument(
+        "--precompute_reference",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="DPO with --method full: the reference log-probabilities computed in one pass before training "
+        "(default, as recipes/dpo.py) or, with --no-precompute_reference, a frozen reference copy in the compute "
+        "dtype beside the model. Not for LoRA/QLoRA: their reference is the base with the adapter disabled.",
     )
     parser.add_argument(
         "--lora_r", type=positive_int, default=8, help="LoRA rank, on every linear layer of the blocks (default 8)."

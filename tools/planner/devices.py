@@ -16,21 +16,47 @@ from tools.planner.memory import (
     lora_params_per_block,
     model_state_bytes,
     quantization_constant_bytes,
+    reference_forward_bytes,
 )
 from tools.planner.shapes import ModelShape
-from tools.planner.tables import CONSTANT_BYTES, GIB, NF4_BYTES, PROCESS_BASELINE_GIB, gib, millions
+from tools.planner.tables import (
+    CONSTANT_BYTES,
+    GIB,
+    NF4_BYTES,
+    PROCESS_BASELINE_GIB,
+    SEQUENCES_PER_SAMPLE,
+    gib,
+    millions,
+)
 
-MODEL_STATE = ("parameters", "gradients", "optimizer", "quantization_constants")
+MODEL_STATE = ("parameters", "reference", "gradients", "optimizer", "quantization_constants")
+
+
+def reference_copy(request: dict) -> bool:
+    """DPO with full fine-tuning and ``--no-precompute_reference``: a frozen second model in the compute dtype."""
+    return request["objective"] == "dpo" and request["method"] == "full" and not request["precompute_reference"]
+
+
+def reference_forward(request: dict) -> bool:
+    """A reference forward every step: DPO with LoRA or QLoRA (the adapter disabled) or with a reference copy."""
+    return request["objective"] == "dpo" and (request["method"] != "full" or reference_copy(request))
+
+
+def sequences(request: dict) -> int:
+    """Sequences per forward on one device: the micro-batch, twice for DPO (chosen and rejected in one batch)."""
+    return request["micro_batch"] * SEQUENCES_PER_SAMPLE[request["objective"]]
 
 
 def device_estimate(label, kind, state, compute, shape, request, p, buckets=False) -> dict:
     """One GPU's estimate. ``state``: the parameters whose state this GPU holds (``params``, ``linear``,
     ``adapter``, ``constants_linear``: the 4-bit weights whose constants it keeps); ``compute``: what it runs
-    (``blocks``, ``has_head``, ``in_flight`` micro-batches of activations). ``kind``: replica, split, fsdp, offload.
+    (``blocks``, ``has_head``, ``in_flight`` micro-batches of activations); ``state["reference"]``: the parameters
+    of DPO's reference copy it holds (0 without one). ``kind``: replica, split, fsdp, offload.
     ``buckets``: DDP's gradient buckets. ``request``: what ``fits.plan`` was asked; ``p``: ``precision_profile``."""
     method = request["method"]
     trained = state["params"] if method == "full" else state["adapter"]
     terms = _model_state_terms(kind, method, p, state)  # name -> (bytes, formula)
+    terms["reference"] = _reference_term(kind, p, state.get("reference", 0))
     terms["buffers"] = _buffers(kind, buckets, shape, request, p, trained)
     activations = _activations(shape, request, p, compute)
     terms["activations"] = activations["term"]
@@ -67,6 +93,16 @@ def _model_state_terms(kind: str, method: str, p: dict, state: dict) -> dict:
     return terms
 
 
+def _reference_term(kind: str, p: dict, reference: float) -> tuple:
+    """DPO's frozen reference copy: weights only, in the compute dtype (host RAM under offload)."""
+    value = reference * p["compute"]
+    if not reference:
+        return 0, "0"
+    if kind == "offload":
+        return 0, f"0 on the GPU (the reference copy's shard in host RAM: {gib(value)})"
+    return value, f"reference copy {millions(reference)} x {p['compute']} B = {gib(value)}"
+
+
 def _buffers(kind, buckets, shape: ModelShape, request: dict, p: dict, trained: float) -> tuple:
     """DDP's gradient buckets; FSDP2's gathered units (root + 2 blocks) and their unsharded gradients, and under
     offload the host-to-GPU copies of the units' shards."""
@@ -101,7 +137,7 @@ def _activations(shape: ModelShape, request: dict, p: dict, compute: dict) -> di
     """Every block computed here, ``in_flight`` micro-batches of them, and the head's; without and with
     checkpointing (each block keeps its input; one block is recomputed at a time)."""
     blocks, in_flight = compute["blocks"], compute["in_flight"]
-    s, b = request["seq_len"], request["micro_batch"]
+    s, b = request["seq_len"], sequences(request)
     block = block_activation_bytes(
         shape,
         s,
@@ -133,10 +169,12 @@ def _activations(shape: ModelShape, request: dict, p: dict, compute: dict) -> di
 
 
 def _temporaries(kind: str, shape: ModelShape, request: dict, p: dict, compute: dict) -> dict:
-    """Autocast's 16-bit weight copies, the fp32 head's cast, the dequantized 4-bit weight, gradients in flight."""
+    """Autocast's 16-bit weight copies, the fp32 head's cast, the dequantized 4-bit weight, gradients in flight, and
+    DPO's reference forward."""
     method, c, blocks = request["method"], p["compute"], compute["blocks"]
     head_weights = shape.lm_head_params if compute["has_head"] else 0
-    found = dict(copies=0, copies_one_block=0, head_copy=0, dequantized=0, working=0)
+    tokens = request["seq_len"] * sequences(request)
+    found = dict(copies=0, copies_one_block=0, head_copy=0, dequantized=0, working=0, reference=0)
     if method == "full" and p["weight_copies"]:  # autocast's cache keeps every cast until the forward returns
         found["copies"] = 2 * (blocks * shape.block_linear_params + head_weights)
         found["copies_one_block"] = 2 * shape.block_linear_params if blocks else 0
@@ -148,12 +186,17 @@ def _temporaries(kind: str, shape: ModelShape, request: dict, p: dict, compute: 
     if method == "qlora" and blocks:  # one weight at a time, the largest linear layer
         found["dequantized"] = max(inputs * outputs for _, inputs, outputs in shape.block_linears) * c
     if blocks:
-        found["working"] = gradients_in_flight_bytes(shape, request["seq_len"] * request["micro_batch"], p)
+        found["working"] = gradients_in_flight_bytes(shape, tokens, p)
+    if reference_forward(request) and blocks:
+        found["reference"] = reference_forward_bytes(shape, tokens, p)
+        if reference_copy(request) and kind in ("fsdp", "offload"):  # the copy's units, gathered as it computes
+            found["reference"] += (shape.embedding_params + shape.head_params + 2 * shape.block_params) * c
     parts = [
         (found["copies"], f"autocast's 16-bit copies of the {'fp32' if method == 'full' else 'LoRA'} weights"),
         (found["head_copy"], "the fp32 LM head cast for its matmul"),
         (found["dequantized"], "one dequantized 4-bit weight"),
         (found["working"], "gradients in flight through one block"),
+        (found["reference"], "DPO's reference forward (no_grad: its logits, one block's working set)"),
     ]
     parts = [(value, what) for value, what in parts if value]
     total = sum(value for value, _ in parts)
@@ -179,6 +222,10 @@ def _moments(activations: dict, temporaries: dict, step: float) -> tuple[dict, d
         "block_backward": checkpointed + recomputed + temporaries["copies_one_block"] + working + dequantized,
         "optimizer_step": step,
     }
+    if temporaries["reference"]:  # DPO: after the policy's forward, before its backward
+        reference = temporaries["reference"] + dequantized
+        phases["reference_forward"] = stored + heads + reference
+        phases_checkpointed["reference_forward"] = checkpointed + heads + reference
     return phases, phases_checkpointed
 
 
@@ -213,6 +260,10 @@ def host_ram(request, p, shape, processes: int, loaders: int, offloaded_per_proc
     """Host RAM: per process a baseline, the loading copy (``loaders`` processes read the whole checkpoint) and the
     offloaded shard of the model state; the machine needs the sum."""
     loading, how = _loading_copy(request["method"], p, shape, split, layer_by_layer)
+    if reference_copy(request):  # DPO's frozen reference, loaded in the compute dtype by the same processes
+        extra = shape.num_parameters * p["compute"]
+        loading += extra
+        how += f" + the reference copy {millions(shape.num_parameters)} x {p['compute']} B = {gib(extra)}"
     baseline = int(PROCESS_BASELINE_GIB * GIB)
     per_process = []
     for rank in range(processes):

@@ -21,7 +21,17 @@ from tools.planner.launch import launch_line
 from tools.planner.memory import adapted_linears, lora_params_per_block, precision_profile
 from tools.planner.setups import estimate
 from tools.planner.shapes import ModelShape
-from tools.planner.tables import CONFIGS, DEFAULT_OVERHEAD_GIB, GIB, METHODS, MIXED_PRECISION, PREFERENCE, TIGHT, gib
+from tools.planner.tables import (
+    CONFIGS,
+    DEFAULT_OVERHEAD_GIB,
+    GIB,
+    METHODS,
+    MIXED_PRECISION,
+    OBJECTIVES,
+    PREFERENCE,
+    TIGHT,
+    gib,
+)
 
 
 def typical_host_ram_gib(gpus: int, gpu_memory_gib: float) -> float:
@@ -44,6 +54,8 @@ def plan(
     overhead_gib: float = DEFAULT_OVERHEAD_GIB,
     *,
     method: str = "full",
+    objective: str = "sft",
+    precompute_reference: bool | None = None,
     lora_r: int = 8,
     lora_dropout: float = 0.0,
     gradient_checkpointing: bool = False,
@@ -56,9 +68,11 @@ def plan(
     """Per-GPU and host memory of every setup on ``gpus`` GPUs of ``gpu_memory_gib``, and the recommendation.
 
     ``micro_batch``: sequences per forward pass on one device (pipeline: per micro-batch, with
-    ``num_microbatches`` of them per batch). ``method``: full, lora or qlora (LoRA rank ``lora_r`` on
-    ``lora_targets``, default every linear layer of the blocks). ``gradient_checkpointing``: the estimate and the
-    recommendation assume it (False: the recommendation weighs the best setup with and without it).
+    ``num_microbatches`` of them per batch; DPO: pairs, two sequences each). ``method``: full, lora or qlora (LoRA
+    rank ``lora_r`` on ``lora_targets``, default every linear layer of the blocks). ``objective``: sft or dpo
+    (``recipes/dpo.py``); ``precompute_reference``: DPO with full fine-tuning only, reference log-probabilities
+    computed before training (default, True) or a frozen reference copy (False). ``gradient_checkpointing``: the
+    estimate and the recommendation assume it (False: the recommendation weighs the best setup with and without it).
     ``cpu_offload``: prefer ``fsdp_offload``. ``host_ram_gib``: the target machine's RAM (default:
     ``typical_host_ram_gib``). ``precision``: overrides of ``precision_profile`` for setups other than our recipes'.
     Returns a JSON-ready dict; every memory number is in bytes (per GPU, or for the host). Raises ValueError on
@@ -72,6 +86,9 @@ def plan(
         seq_len=seq_len,
         micro_batch=micro_batch,
         method=method,
+        objective=objective,
+        # The recipe's default: full DPO precomputes; LoRA's reference is the base itself (the flag does not apply).
+        precompute_reference=(precompute_reference is not False) if objective == "dpo" and method == "full" else None,
         lora_r=lora_r,
         lora_dropout=lora_dropout,
         mixed_precision=mixed_precision,
@@ -84,7 +101,7 @@ def plan(
         lora_targets=tuple(lora_targets) if lora_targets is not None else None,
         profile=precision,
     )
-    _check(shape, request)
+    _check(shape, request, precompute_reference)
     _add_budgets(request)
     setups = estimate(shape, request)
     if advise:
@@ -95,7 +112,7 @@ def plan(
     return result
 
 
-def _check(shape: ModelShape, request: dict) -> None:
+def _check(shape: ModelShape, request: dict, precompute_reference: bool | None) -> None:
     """ValueError, naming the flag, for inputs no estimate can take."""
     for flag in ("gpus", "seq_len", "micro_batch", "num_microbatches", "lora_r"):
         value = request[flag]
@@ -118,6 +135,13 @@ def _check(shape: ModelShape, request: dict) -> None:
         raise ValueError(f"--pipeline_schedule must be 1f1b or gpipe, got {request['pipeline_schedule']!r}")
     if request["attention"] not in ("sdpa", "eager"):
         raise ValueError(f"--attention must be sdpa or eager, got {request['attention']!r}")
+    if request["objective"] not in OBJECTIVES:
+        raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {request['objective']!r}")
+    if precompute_reference is not None and (request["objective"], request["method"]) != ("dpo", "full"):
+        raise ValueError(
+            "--precompute_reference / --no-precompute_reference apply to --objective dpo --method full only (with "
+            "LoRA and QLoRA the reference is the base with the adapter disabled: no second model)"
+        )
     if request["method"] != "full" and not adapted_linears(shape, request["lora_targets"]):
         raise ValueError(f"{shape.name}: LoRA finds no linear layer to adapt in its blocks")
 
@@ -156,6 +180,8 @@ def _inputs(request: dict) -> dict:
         "seq_len": request["seq_len"],
         "micro_batch": request["micro_batch"],
         "method": request["method"],
+        "objective": request["objective"],
+        "precompute_reference": request["precompute_reference"],
         "lora_r": request["lora_r"] if lora else None,
         "lora_dropout": request["lora_dropout"] if lora else None,
         "mixed_precision": request["mixed_precision"],

@@ -27,10 +27,12 @@ def loadable_location(location: str) -> str:
 
 def launch_line(shape: ModelShape, name: str, checkpointing: bool, config: str | None, request: dict) -> str | None:
     """The recipe command for this setup: train_lm.py / pipeline_lm.py for full fine-tuning of a preset the
-    recipes build, llm_finetune.py for a model it can load by name or path; None when there is neither."""
+    recipes build, llm_finetune.py (DPO: dpo.py, the same flags) for a model it can load by name or path; None when
+    there is neither."""
     if config is None:
         return None
-    if request["method"] == "full" and shape.name in MODEL_PRESETS:
+    dpo = request["objective"] == "dpo"
+    if request["method"] == "full" and shape.name in MODEL_PRESETS and not dpo:
         recipe, flags = _preset_recipe(shape, name, request)
     elif name == "pipeline":
         return None
@@ -39,7 +41,7 @@ def launch_line(shape: ModelShape, name: str, checkpointing: bool, config: str |
         location = HUB_NAMES.get(shape.name) or (None if preset else loadable_location(shape.name))
         if location is None:
             return None
-        recipe, flags = "llm_finetune.py", _finetune_flags(location, request)
+        recipe, flags = "dpo.py" if dpo else "llm_finetune.py", _finetune_flags(location, request)
     if name == "device_map":
         # Explicit: on a 2-GPU box the 1-process config would pick it anyway, on one GPU or none it would not.
         flags.append("--parallelism device_map")
@@ -67,10 +69,13 @@ def _preset_recipe(shape: ModelShape, name: str, request: dict) -> tuple[str, li
 
 
 def _finetune_flags(location: str, request: dict) -> list[str]:
-    """llm_finetune.py's flags for the method (full, LoRA: its default, QLoRA), the rank and the sizes."""
+    """llm_finetune.py's flags for the method (full, LoRA: its default, QLoRA), the rank and the sizes; dpo.py has
+    the same, and ``--no-precompute_reference`` for a reference copy (precomputing is its default)."""
     method = request["method"]
     flags = [f"--model_name_or_path {location}"]
     flags += {"full": ["--full_finetune"], "lora": [], "qlora": ["--load_in_4bit"]}[method]
+    if request["precompute_reference"] is False:
+        flags.append("--no-precompute_reference")
     if method != "full" and request["lora_r"] != 8:
         flags.append(f"--lora_r {request['lora_r']}")
     flags += [f"--max_length {request['seq_len']}", f"--per_device_train_batch_size {request['micro_batch']}"]

@@ -71,6 +71,20 @@ the GPU holds, A = LoRA parameters, Q = parameters of the blocks' linear layers,
   quantization constant, one layer in 16 + 4 bits or one embeddings matrix in 16 bits, overhead) is reported beside
   the training peak and must fit too.
 
+- DPO (``recipes/dpo.py``): a sample is a pair, a chosen and a rejected completion of one prompt, concatenated along
+  the batch into one forward: every activation, the head's logits and the gradients in flight are those of
+  2 x b sequences (b: pairs per device, the recipe's --per_device_train_batch_size), with the LM head counted as
+  above. The reference model: with LoRA and QLoRA it is the base with the adapter disabled (PEFT's
+  ``disable_adapter()``), no second copy; full fine-tuning either loads a frozen copy in the compute dtype
+  (``--no-precompute_reference``: c B per parameter on every GPU, 1/N under FSDP, which the recipe prepares like
+  the policy; in host RAM under offload, and a second loading copy) or computes the reference log-probabilities
+  in one pass before training and keeps two numbers per sample (``--precompute_reference``, the recipe's default
+  for full: nothing on the GPU). A reference forward during training runs under no_grad: it stores nothing, but
+  while it runs its fp32 logits and their log-softmax (8 B per token and vocabulary entry) and one block's
+  working set (3 f m + 2 h r per token) exist; it is counted on top of the policy's stored activations and head
+  (TRL's DPOTrainer runs it after the policy's forward, the worse of the two orders), under FSDP with the
+  reference copy's gathered units (root + 2 blocks).
+
 This module holds the per-element, per-token and per-block formulas; ``devices.py`` adds them up for one GPU and
 for the host.
 """
@@ -78,7 +92,14 @@ for the host.
 from __future__ import annotations
 
 from tools.planner.shapes import ModelShape
-from tools.planner.tables import CONSTANT_BYTES, LOSS_BYTES_PER_LOGIT, NF4_BYTES, RMSNORM_BYTES, millions
+from tools.planner.tables import (
+    CONSTANT_BYTES,
+    LOSS_BYTES_PER_LOGIT,
+    NF4_BYTES,
+    REFERENCE_BYTES_PER_LOGIT,
+    RMSNORM_BYTES,
+    millions,
+)
 
 
 # ------------------------------------------------------------------------------- bytes per element
@@ -242,3 +263,14 @@ def gradients_in_flight_bytes(shape: ModelShape, tokens: int, p: dict) -> int:
     """The backward pass's gradients in flight through one block: 3 f m + 2 h r per token (GeLU MLP: 2 f m)."""
     f, h = shape.intermediate_size, shape.hidden_size
     return tokens * ((3 if shape.gated_mlp else 2) * f * p["mlp"] + 2 * h * p["residual"])
+
+
+# ------------------------------------------------------------------------------- DPO's reference
+def reference_forward_bytes(shape: ModelShape, tokens: int, p: dict) -> int:
+    """DPO's reference forward under no_grad: nothing stored for backward, but while it runs the fp32 logits of its
+    ``tokens`` and their log-softmax (8 B per token and vocabulary entry) and one block's working set (3 f m + 2 h r
+    per token, as the gradients in flight: GeLU MLP 2 f m)."""
+    f, h = shape.intermediate_size, shape.hidden_size
+    per_token = REFERENCE_BYTES_PER_LOGIT * shape.vocab_size if shape.has_lm_head else 0
+    per_token += (3 if shape.gated_mlp else 2) * f * p["mlp"] + 2 * h * p["residual"]
+    return int(tokens * per_token)

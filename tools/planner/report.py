@@ -48,14 +48,23 @@ def _assumed(assumed: dict) -> list[str]:
 def _heading(model: dict, inputs: dict) -> list[str]:
     method = inputs["method"]
     lora = f", LoRA r={inputs['lora_r']} ({model['lora_parameters'] / 1e6:,.1f}M)" if method != "full" else ""
+    batch = f"micro-batch {inputs['micro_batch']}"
+    if inputs["objective"] == "dpo":
+        reference = {None: "the base with the adapter disabled", True: "precomputed before training",
+                     False: "a frozen copy"}[inputs["precompute_reference"]]
+        lora = f"{lora}; reference: {reference}"
+        batch = f"micro-batch {inputs['micro_batch']} pairs ({2 * inputs['micro_batch']} sequences)"
+    objective = "DPO, " if inputs["objective"] == "dpo" else ""
+    pipeline = f"; pipeline: {inputs['pipeline_schedule']}, {inputs['num_microbatches']} micro-batches"
+    pipeline = "" if objective else pipeline  # recipes/dpo.py has no pipeline
     return [
         f"model {model['name']}: {model['num_parameters'] / 1e6:,.1f}M parameters (hidden {model['hidden_size']}, "
         f"{model['num_layers']} blocks, {model['num_heads']} heads / {model['num_kv_heads']} K/V, MLP "
         f"{model['intermediate_size']}, vocabulary {model['vocab_size']})",
-        f"{LABELS[method]}{lora}; mixed_precision={inputs['mixed_precision']}; {inputs['gpus']} GPU(s) x "
+        f"{objective}{LABELS[method]}{lora}; mixed_precision={inputs['mixed_precision']}; {inputs['gpus']} GPU(s) x "
         f"{inputs['gpu_memory_gib']:g} GiB, host RAM {inputs['host_ram_gib']:g} GiB; sequence {inputs['seq_len']}, "
-        f"micro-batch {inputs['micro_batch']}; {inputs['attention']} attention; overhead {inputs['overhead_gib']:g} "
-        f"GiB per GPU; pipeline: {inputs['pipeline_schedule']}, {inputs['num_microbatches']} micro-batches",
+        f"{batch}; {inputs['attention']} attention; overhead {inputs['overhead_gib']:g} "
+        f"GiB per GPU{pipeline}",
         "",
         COLUMNS,
     ]
@@ -75,13 +84,18 @@ def _rows(name: str, setup: dict, inputs: dict) -> list[str]:
         host = f"{setup['host_ram'] / GIB:>9.1f}" if index == 0 else " " * 9
         rows.append(
             f"{label:<23}"
-            + "".join(f"{device[key] / GIB:>7.1f}" for key in STATE_TERMS)
+            + "".join(f"{_column(device, key) / GIB:>7.1f}" for key in STATE_TERMS)
             + f"{device['activations'] / GIB:>7.1f} ({device['activations_checkpointed'] / GIB:>5.1f})"
             + f"{device['temporaries'] / GIB:>7.1f}"
             + f"{device['total'] / GIB:>9.1f} ({device['total_checkpointed'] / GIB:>6.1f}){host}  "
             + _fits_cell(setup, device, inputs)
         )
     return rows
+
+
+def _column(device: dict, key: str) -> int:
+    """A state column's bytes: the weights column holds DPO's reference copy too (its own line in the arithmetic)."""
+    return device[key] + (device["reference"] if key == "parameters" else 0)
 
 
 def _fits_cell(setup: dict, device: dict, inputs: dict) -> str:
@@ -128,8 +142,9 @@ def _arithmetic(name: str, setup: dict, checkpointing: bool) -> list[str]:
     device = max(setup["devices"], key=lambda d: d[total_key])
     activations = "activations_checkpointed" if checkpointing else "activations"
     lines = [f"arithmetic ({name}, {device['device']}, bytes per element as the module docstring says):"]
-    for term in (*STATE_TERMS, activations, *OTHER_TERMS):
-        lines.append(f"  {term}: {device['arithmetic'][term]}")
+    for term in (*STATE_TERMS[:1], "reference", *STATE_TERMS[1:], activations, *OTHER_TERMS):
+        if term != "reference" or device["arithmetic"]["reference"] != "0":
+            lines.append(f"  {term}: {device['arithmetic'][term]}")
     phases = device["phases_checkpointed" if checkpointing else "phases"]
     lines.append(
         "  peak = model state + buffers + overhead + the largest of: "

@@ -7,14 +7,15 @@ fine-tuning only, ``recipes/pipeline_lm.py``) and ``device_map`` (the same split
 at a time).
 
 Pipeline and device_map split the blocks as the recipes do (``recipes/pipeline_lm.py``): whole blocks, balanced by
-compute, the embeddings on the first device and the LM head (+ loss) on the last.
+compute, the embeddings on the first device and the LM head (+ loss) on the last. DPO (``recipes/dpo.py``) trains
+under single, ddp, fsdp and fsdp_offload only: no split is estimated for it.
 """
 
 from __future__ import annotations
 
 from shared.model_presets import MODEL_PRESETS
 from shared.model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition
-from tools.planner.devices import device_estimate, host_ram
+from tools.planner.devices import device_estimate, host_ram, reference_copy
 from tools.planner.memory import (
     lora_params_per_block,
     model_state_bytes,
@@ -22,7 +23,7 @@ from tools.planner.memory import (
     quantization_constant_bytes,
 )
 from tools.planner.shapes import ModelShape
-from tools.planner.tables import NF4_BYTES, gib
+from tools.planner.tables import DPO_SETUPS, NF4_BYTES, gib
 
 
 def estimate(shape: ModelShape, request: dict, only: str | None = None) -> dict:
@@ -46,6 +47,7 @@ def _estimate_setups(shape: ModelShape, request: dict, only: str | None) -> dict
         linear=total_linear,
         adapter=shape.num_layers * per_block_lora,
         constants_linear=total_linear,
+        reference=shape.num_parameters if reference_copy(request) else 0,  # DPO's frozen copy, full fine-tuning
     )
     setups = {}
     if only in (None, "single"):
@@ -57,6 +59,8 @@ def _estimate_setups(shape: ModelShape, request: dict, only: str | None) -> dict
     for name in ("fsdp", "fsdp_offload"):
         if only in (None, name):
             setups[name] = _sharded(name, shape, request, p_sharded, everything)
+    if request["objective"] == "dpo":
+        return setups  # recipes/dpo.py has no split
     if shape.num_layers < gpus or only not in (None, "pipeline", "device_map"):
         return setups  # fewer blocks than GPUs: no split gives every GPU a block
     counts = split_blocks(shape, gpus, request["seq_len"])
@@ -87,7 +91,7 @@ def _sharded(name, shape, request, p, everything) -> dict:
     offloaded = 0
     if kind == "offload":
         state = model_state_bytes(request["method"], p, shard["params"], shard["linear"], shard["adapter"])
-        offloaded = int(sum(value for value, _ in state.values()))
+        offloaded = int(sum(value for value, _ in state.values()) + shard["reference"] * p["compute"])
     # fsdp_2gpu.yaml: every process reads the checkpoint; fsdp_offload_2gpu.yaml: only the main process does.
     # QLoRA: only the main process reads, one tensor at a time (shared/sharded_4bit.py).
     qlora = request["method"] == "qlora"
@@ -107,6 +111,7 @@ def _split(name, counts, shape, request, p, per_block_lora) -> dict:
         )
         linear = blocks * shape.block_linear_params
         held = dict(params=params, linear=linear, adapter=blocks * per_block_lora, constants_linear=linear)
+        held["reference"] = 0  # DPO has no split
         if name == "device_map":
             in_flight = 1
         elif request["pipeline_schedule"] == "gpipe":
@@ -161,7 +166,7 @@ def _summarize(name: str, setup: dict, shape: ModelShape, request: dict) -> None
     setup["fits_without_checkpointing"] = setup["peak_without_checkpointing"] <= budget and loads_and_hosts
     setup["over_by"] = max(0, setup["peak"] - budget)
     setup["host_over_by"] = max(0, setup["host_ram"] - host_budget)
-    setup["recipe"] = recipe_for(shape, request["method"], name)
+    setup["recipe"] = recipe_for(shape, request["method"], name, request["objective"])
 
 
 def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | None, str | None]:
@@ -192,8 +197,11 @@ def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | No
                   f"matrix in 16 bits) + overhead {gib(request['overhead'])} = {gib(peak)}")
 
 
-def recipe_for(shape: ModelShape, method: str, name: str) -> str | None:
-    """The recipe that trains this setup, or None (pipelines are full fine-tuning of the presets only)."""
+def recipe_for(shape: ModelShape, method: str, name: str, objective: str = "sft") -> str | None:
+    """The recipe that trains this setup, or None (pipelines are full fine-tuning of the presets only; DPO has no
+    split)."""
+    if objective == "dpo":
+        return "recipes/dpo.py" if name in DPO_SETUPS else None
     if name == "pipeline":
         return "recipes/pipeline_lm.py" if method == "full" and shape.name in MODEL_PRESETS else None
     if method == "full" and shape.name in MODEL_PRESETS:

@@ -73,6 +73,8 @@ CONSTANT_BYTES = {True: 1 / 64 + 4 / (64 * 256), False: 4 / 64}
 # Per token and vocabulary entry at the start of backward: the fp32 log-softmax output and its gradient in and out.
 LOSS_BYTES_PER_LOGIT = 12
 RMSNORM_BYTES = 4  # LlamaRMSNorm normalizes in fp32 and keeps that copy for backward
+# DPO's reference forward (no_grad): per token and vocabulary entry, the fp32 logits and their fp32 log-softmax.
+REFERENCE_BYTES_PER_LOGIT = 8
 
 # ------------------------------------------------------------------------------- fixed costs and margins
 DEFAULT_OVERHEAD_GIB = 1.0  # per GPU: CUDA context, NCCL's buffers, allocator fragmentation
@@ -85,9 +87,15 @@ TIGHT = 0.9
 METHODS = ("full", "lora", "qlora")  # from the heaviest to the lightest model state
 LABELS = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
 MIXED_PRECISION = ("no", "bf16", "fp16")
+# What the loss trains for: sft (recipes/llm_finetune.py, train_lm.py, pipeline_lm.py) or dpo (recipes/dpo.py: a
+# chosen and a rejected sequence per sample, against a frozen reference).
+OBJECTIVES = ("sft", "dpo")
+SEQUENCES_PER_SAMPLE = {"sft": 1, "dpo": 2}
 SETUPS = ("single", "ddp", "fsdp", "fsdp_offload", "pipeline", "device_map")  # the table's order
 # The recommendation's order: the first that fits wins (the fastest first; fits.py says why each stands where it does).
 PREFERENCE = ("ddp", "fsdp", "pipeline", "single", "device_map", "fsdp_offload")
+# The setups recipes/dpo.py trains: no pipeline, no device_map split.
+DPO_SETUPS = ("single", "ddp", "fsdp", "fsdp_offload")
 # The accelerate config for each setup on two GPUs (accelerate_configs/).
 CONFIGS = {
     "single": "single_gpu.yaml",
