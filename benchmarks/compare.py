@@ -6,14 +6,14 @@
     python benchmarks/compare.py --baseline before/ --candidate after/ --threshold 0.1   # exit 1 on a regression
 
 Takes any number of files or folders (searched recursively) holding the runner's per-run records
-(``benchmarks/run.py``, schema in ``benchmarks/README.md``) or recipes' ``results.json``. Prints, and
+(``benchmarks/run.py``, schema in ``docs/benchmarks.md``) or recipes' ``results.json``. Prints, and
 writes to ``OUTPUT_DIR/summary.md``: one row per configuration (medians over its rounds) and the
 ratios, each paired within a round (A B A B) and reported as the median over rounds:
 
 - DDP scaling efficiency = throughput(ddp) / (processes x throughput(single)), same per-process batch;
 - pipeline speedup = throughput(pipeline, m micro-batches) / throughput(naive device_map split),
   against the ideal p m / (m + p - 1) for p stages (2m / (m + 1) on two devices);
-- overhead = recipe step time / raw PyTorch step time (``raw_ddp_lm.py``, same model, data and batch);
+- overhead = recipe step time / raw PyTorch step time (``studies/raw_ddp_lm.py``, same model, data and batch);
 - group_by_length speedup, FSDP vs DDP, torch.compile speedup: samples/s ratios.
 
 Plots (``OUTPUT_DIR/plots``, matplotlib Agg): throughput per setup, pipeline speedup against the
@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from records import (  # noqa: E402  (the same field extraction as the runner's records)
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' library (lib/)
+from lib.records import (  # the same field extraction as the runner's records
     LM_RECIPES,
     SCHEMA,
     equal_work,
@@ -42,6 +42,7 @@ from records import (  # noqa: E402  (the same field extraction as the runner's 
     unequal_work_text,
     work_per_step,
 )
+from lib.stats import bootstrap_interval  # the 95 % interval of every study's ratios too
 
 # The issue's targets, shown beside the measured ratios (CPU, 1 thread per process).
 TARGETS = {
@@ -226,7 +227,7 @@ def ratio_of(kind: str, a: dict, b: dict) -> float | None:
 
 
 def comparison_work(kind: str, runs_a: list[dict], runs_b: list[dict]) -> dict | None:
-    """Each side's work per optimizer step (the median over its runs; ``records.equal_work``), per process for DDP
+    """Each side's work per optimizer step (the median over its runs; ``lib.records.equal_work``), per process for DDP
     scaling (whose ratio is per process), and whether the two are equal. None for the model-state comparisons, which
     compare bytes held, not work done."""
     if kind.endswith("model state"):
@@ -323,17 +324,6 @@ def ratios(grouped: dict[tuple, list[dict]]) -> list[dict]:
             row["bound"], row["above_bound"] = physical_bound(row, runs_b[0]["processes"])
             rows.append(row)
     return sorted(rows, key=lambda row: (row["group"], row["comparison"], row["setup"]))
-
-
-def bootstrap_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
-    """95 % interval of the median of ``values`` (the paired per-round ratios), by the percentile bootstrap:
-    resample the rounds with replacement, take each resample's median, read the 2.5th and 97.5th percentiles.
-    None below 3 rounds, where it says nothing."""
-    if len(values) < 3:
-        return None
-    rng = random.Random(seed)
-    estimates = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return estimates[int(0.025 * resamples)], estimates[int(0.975 * resamples) - 1]
 
 
 def beyond(value: float, bound: str | None) -> bool:

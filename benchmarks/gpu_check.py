@@ -27,7 +27,8 @@ with its numbers when it is off (the tolerances and why are at ``TOLERANCE``):
 ``--perf`` measures the performance issue's figures instead, each launch alone, judged against ``TARGETS`` (a miss
 is reported "below target", not failed): the LM's MFU (350m, bf16, --compile) and --compile against eager; FSDP2 in one
 process against the same run without it; the fine-tune's recommended flags against its plain padded loop; the LLM
-recipe against TRL's SFTTrainer (``benchmarks/vs_trl.py --preset gpu-1b``: TRL must be carried, see ``run_vs_trl``).
+recipe against TRL's SFTTrainer (``benchmarks/studies/vs_trl.py --preset gpu-1b``: TRL must be carried, see
+``run_vs_trl``).
 
 The comparison runs go two or three at a time (they read losses and per-process peaks, not speed); the 350m bf16 speed
 check (tokens/s, MFU) runs alone at the end. Every launch goes through ``benchmarks/run.py`` (the records and summary
@@ -50,9 +51,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import run as runner  # noqa: E402  (the matrix runner: launches, records, summary)
-from records import equal_work, unequal_work_text, work_per_step  # noqa: E402  (the work check of every comparison)
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # the benchmarks' library (lib/), and shared/
+from lib.records import equal_work, unequal_work_text, work_per_step  # the work check of every comparison
+from lib.specs import command_for, finetune_runs, lm_runs  # the runner's run specs, and their command lines
 
 # Minutes each launch takes on an H100/H200-class GPU, start-up (imports, data, tokenizer: 30-40 s) included, from
 # the previous run's timings (H200: fine-tune 0.026 s/step, LM 350m bf16 8x1024 0.117 s/step, LLM LoRA 0.28 s/step,
@@ -160,7 +161,7 @@ def finetune(name: str, setup: str, config: str, *extra: str, steps: int = 40, n
 def lm(name: str, setup: str, size: str, shape: dict, *extra: str, minutes: float, launch_args=(), needs=()) -> dict:
     """A train_lm/pipeline_lm run spec from the runner's own builder, with this check's extra flags."""
     base = setup.split(":")[0]
-    spec = runner.lm_runs(size, [base], **shape)[0]
+    spec = lm_runs(size, [base], **shape)[0]
     return {
         **spec,
         "name": name,
@@ -350,8 +351,8 @@ def perf_checks(tiny: bool) -> list[dict]:
     bf16 = ["--mixed_precision", "bf16"]
     if tiny:
         size, shape, bf16 = "tiny", dict(SPEED_SHAPE, steps=4, warmup=1, block=64, vocab=512, corpus_mb=0.3), []
-    plain = runner.finetune_runs(["single+fixed"], steps=40, warmup=5, max_train_samples=2048)[0]
-    fast = runner.finetune_runs(["single+group_by_length"], steps=40, warmup=5, max_train_samples=2048)[0]
+    plain = finetune_runs(["single+fixed"], steps=40, warmup=5, max_train_samples=2048)[0]
+    fast = finetune_runs(["single+group_by_length"], steps=40, warmup=5, max_train_samples=2048)[0]
     finetunes = [
         {**plain, "name": "finetune-plain", "args": plain["args"] + FINETUNE[4:6] + bf16},  # same precision
         {**fast, "name": "finetune-recommended", "args": fast["args"] + FINETUNE[4:6] + bf16},
@@ -370,8 +371,8 @@ def perf_checks(tiny: bool) -> list[dict]:
     ]
     ran_after = [
         after("planner-peaks", "tools/plan.py's peak for each LM run", AFTER_MINUTES["planner"]),
-        after("vs_trl", "benchmarks/vs_trl.py --preset gpu-1b --repeats 2 --max_train_steps 20 (--tiny: cpu-tiny)",
-              MINUTES["vs_trl"]),
+        after("vs_trl", "benchmarks/studies/vs_trl.py --preset gpu-1b --repeats 2 --max_train_steps 20 "
+              "(--tiny: cpu-tiny)", MINUTES["vs_trl"]),
     ]
     return [{**check, "phase": "alone"} for check in plan] + [{**step, "phase": "after"} for step in ran_after]
 
@@ -575,7 +576,6 @@ def weights_dominant_base(folder: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    sys.path.insert(0, str(REPO))
     from shared.data import stdlib_questions
     from shared.lm_data import train_bpe_tokenizer
 
@@ -909,16 +909,17 @@ def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None)
 
 
 def run_vs_trl(output_dir: Path, tiny: bool, timeout: float) -> dict:
-    """benchmarks/vs_trl.py at its GPU preset (a 1B Llama shape, 2,048-token packed rows, bf16), 2 rounds A B A B of
-    20 steps; at its tests' tiny preset with --tiny. TRL is not on the GPU machine's image: carry it (bash
+    """benchmarks/studies/vs_trl.py at its GPU preset (a 1B Llama shape, 2,048-token packed rows, bf16), 2 rounds A B
+    A B of 20 steps; at its tests' tiny preset with --tiny. TRL is not on the GPU machine's image: carry it (bash
     ../shared/device/bundle.sh trl==1.16.0)."""
     try:
         import trl  # noqa: F401
     except ImportError:
         return {"error": "TRL is not installed here (bundle it: bash ../shared/device/bundle.sh trl==1.16.0)"}
     out = output_dir / "vs_trl"
-    command = [sys.executable, str(REPO / "benchmarks" / "vs_trl.py"), "--output_dir", str(out), "--repeats", "2",
-               "--breakdown_repeats", "0", "--work_dir", str(output_dir / "work" / "vs_trl")]
+    study = REPO / "benchmarks" / "studies" / "vs_trl.py"
+    command = [sys.executable, str(study), "--output_dir", str(out), "--repeats", "2", "--breakdown_repeats", "0",
+               "--work_dir", str(output_dir / "work" / "vs_trl")]
     command += ["--preset", "cpu-tiny", "--max_train_steps", "4", "--perf_warmup_steps", "1"] if tiny else [
         "--preset", "gpu-1b", "--max_train_steps", "20"]
     print("  " + " ".join(command).replace(str(REPO) + "/", ""), flush=True)
@@ -1032,7 +1033,8 @@ def run_phases(plan: list[dict], output_dir: Path, timeout: float, jobs: int, na
         path.write_text(json.dumps(matrix, indent=2) + "\n")
         argv = ["--matrix", str(path), "--output_dir", str(output_dir), "--timeout", str(timeout)]
         argv += ["--jobs", str(jobs if phase != "alone" else 1)] + ([] if phase == phases[-1] else ["--no_compare"])
-        status |= runner.main(argv)
+        sys.stdout.flush()  # the runner's lines follow this script's own
+        status |= subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), *argv], cwd=REPO).returncode
     return status
 
 
@@ -1059,7 +1061,7 @@ def main(argv=None) -> int:
             shown = check["what"]
         else:
             spec = {**check, "run_id": f"{check['name']}/{check['setup']}/r0"}
-            command = runner.command_for(spec, output_dir / "work" / spec["run_id"])
+            command = command_for(spec, output_dir / "work" / spec["run_id"])
             shown = " ".join(command).replace(str(REPO) + "/", "").replace(sys.executable, "python")
         print(f"  {check['name']:<32} ~{check['minutes']:.1f} min  [{check['phase']}]  {shown}")
     print(

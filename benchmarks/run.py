@@ -12,7 +12,7 @@ raw PyTorch baseline through ``torchrun``), with warm-up steps left out of the n
 other. Each group runs as rounds, A B A B (``--repeats`` rounds of all its setups, back to back), so
 slow drift of a shared machine hits both sides of a ratio alike; ``benchmarks/compare.py`` pairs the
 runs of one round and reports the median ratio. The schema of the per-run JSON is in
-``benchmarks/README.md``.
+``docs/benchmarks.md``.
 
 Robust and resumable: a failed run is recorded (``status: failed`` with the tail of its output) and the
 matrix goes on; a setup whose config file does not exist is recorded as skipped; running the same
@@ -27,7 +27,6 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -36,25 +35,21 @@ import time
 import traceback
 import uuid
 from datetime import datetime, UTC
-from importlib import metadata
 from pathlib import Path
 
 import psutil
 from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "accelerate_configs"
-sys.path.insert(0, str(REPO / "benchmarks"))
-from pipeline_vs_naive import busy_cpu_seconds, own_cpu_seconds  # noqa: E402  (the foreign-CPU check)
-
-sys.path.insert(0, str(REPO))
-from records import LM_RECIPES, SCHEMA, summarize  # noqa: E402  (the record schema, shared with compare.py)
-from shared.flops import lm_flops_per_token, peak_bf16_flops  # noqa: E402  (torch-free: the runner stays light)
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # the benchmarks' library (lib/), and shared/
+from lib.launch import CONFIGS
+from lib.machine import busy_cpu_seconds, library_versions, machine_info, own_cpu_seconds
+from lib.records import LM_RECIPES, SCHEMA, summarize  # the record schema, shared with compare.py
+from lib.specs import command_for, finetune_runs, llm_runs, lm_runs
+from shared.flops import lm_flops_per_token  # torch-free: the runner stays light
 
 RUN_MARKER = "TWO_GPU_RECIPES_BENCH_RUN"  # in every process of a run, to find and kill them all on timeout
-LIBRARIES = ["torch", "accelerate", "transformers", "datasets", "tokenizers", "numpy", "evaluate"]
 
-CPU_FLAGS = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "sve"}
 KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work/<run>/ after a successful run
 
 
@@ -64,181 +59,9 @@ KEEP_FILES = {"results.json", "config.json", "launch.log"}  # what stays in work
 SMALL_LM = dict(steps=6, warmup=2, batch=16, block=256, vocab=8192, corpus_mb=2, threads=1)
 
 
-def lm_args(
-    size: str, *, steps: int, warmup: int, batch: int, block: int, vocab: int, corpus_mb: float, threads: int | None
-) -> list[str]:
-    """Flags that the LM recipes and benchmarks/raw_ddp_lm.py share: same model, data, batch, steps."""
-    args = [
-        "--model_size",
-        size,
-        "--vocab_size",
-        vocab,
-        "--block_size",
-        block,
-        "--per_device_train_batch_size",
-        batch,
-        "--max_train_steps",
-        steps,
-        "--perf_warmup_steps",
-        warmup,
-        "--corpus_max_mb",
-        corpus_mb,
-    ]
-    if threads is not None:
-        args += ["--cpu_threads_per_process", threads]
-    return [str(arg) for arg in args]
-
-
-def lm_runs(size: str, setups: list[str], **shape) -> list[dict]:
-    """Run specs for recipes/train_lm.py, recipes/pipeline_lm.py and the raw baseline at one size.
-
-    Setup names: single, ddp, fsdp, device_map (train_lm.py), pipeline-<schedule>-m<M> (pipeline_lm.py), raw_ddp
-    (torchrun, no Accelerate), and any of them + "+compile" / "+bf16" (e.g. single+bf16+compile).
-    """
-    common = lm_args(size, **shape)
-    recipe_only = ["--sample_tokens", "0", "--skip_eval"]
-    runs = []
-    for setup in setups:
-        base, *options = setup.split("+")
-        extra = []
-        for option in options:
-            extra += {
-                "compile": ["--compile"],
-                "bf16": ["--mixed_precision", "bf16"],
-                "bf16hook": ["--ddp_comm_hook", "bf16"],
-                "fp16hook": ["--ddp_comm_hook", "fp16"],
-            }[option]
-        if base == "raw_ddp":
-            runs.append(
-                {
-                    "setup": setup,
-                    "recipe": "raw_ddp_lm",
-                    "size": size,
-                    "launcher": "torchrun",
-                    "processes": 2,
-                    "script": "benchmarks/raw_ddp_lm.py",
-                    "args": common + extra,
-                }
-            )
-        elif base.startswith("pipeline-"):
-            _, schedule, m = base.split("-")  # pipeline-gpipe-m4
-            runs.append(
-                {
-                    "setup": setup,
-                    "recipe": "pipeline_lm",
-                    "size": size,
-                    "launcher": "accelerate",
-                    "config": "pipeline_2gpu.yaml",
-                    "script": "recipes/pipeline_lm.py",
-                    "args": common
-                    + recipe_only
-                    + ["--pipeline_schedule", schedule, "--num_microbatches", m.lstrip("m")]
-                    + extra,
-                }
-            )
-        else:
-            config = {
-                "single": "single_gpu.yaml",
-                "ddp": "ddp_2gpu.yaml",
-                "fsdp": "fsdp_2gpu.yaml",
-                "device_map": "model_sharding_2gpu.yaml",
-            }[base]
-            runs.append(
-                {
-                    "setup": setup,
-                    "recipe": "train_lm",
-                    "size": size,
-                    "launcher": "accelerate",
-                    "config": config,
-                    "script": "recipes/train_lm.py",
-                    "args": common + recipe_only + ["--parallelism", base] + extra,
-                }
-            )
-    return runs
-
-
-def finetune_runs(
-    setups: list[str],
-    *,
-    steps: int | None,
-    warmup: int,
-    max_train_samples: int | None = None,
-    evaluate: bool = False,
-    seeds: list[int] | None = None,
-) -> list[dict]:
-    """Run specs for recipes/transformer_finetune.py (the default MiniLM and docstring data).
-
-    ``steps=None`` trains one whole epoch, so both sides of the group_by_length pair see the same samples. Setup
-    options: ``fixed`` (every batch padded to --max_length: the plain loop of most examples), ``group_by_length``.
-    ``seeds``: one per round (the runner adds ``--seed``), so rounds are independent trainings, for accuracy.
-    """
-    common = ["--perf_warmup_steps", str(warmup)] + ([] if evaluate else ["--skip_eval"])
-    common += ["--max_train_steps", str(steps)] if steps else ["--num_train_epochs", "1"]
-    common += ["--max_train_samples", str(max_train_samples)] if max_train_samples else []
-    runs = []
-    for setup in setups:
-        base, *options = setup.split("+")
-        config = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml"}[base]
-        extra = ["--group_by_length"] if "group_by_length" in options else []
-        extra += ["--pad_to_max_length"] if "fixed" in options else []
-        runs.append(
-            {
-                "setup": setup,
-                "recipe": "transformer_finetune",
-                "size": "minilm-l6",
-                "launcher": "accelerate",
-                "config": config,
-                "script": "recipes/transformer_finetune.py",
-                "args": common + extra,
-                **({"seeds": seeds} if seeds else {}),
-            }
-        )
-    return runs
-
-
-def llm_runs(setups: list[str], *, steps: int, warmup: int, base: str) -> list[dict]:
-    """Run specs for recipes/llm_finetune.py on the model the ``llm-base`` group trains and keeps (``base``: its run
-    folder, with ``{output_dir}`` for the runner's output folder). Setups: ``<method>-<N>p``, method full, lora or
-    qlora, N processes (1: single_gpu.yaml, 2: ddp_2gpu.yaml)."""
-    runs = []
-    for setup in setups:
-        method, processes = setup.split("-")
-        args = [
-            "--model_name_or_path",
-            base,
-            "--max_train_steps",
-            str(steps),
-            "--perf_warmup_steps",
-            str(warmup),
-            "--per_device_train_batch_size",
-            "4",
-            "--max_length",
-            "256",
-            "--skip_eval",
-            "--lora_dropout",
-            "0",
-        ]
-        args += {"full": ["--full_finetune", "--learning_rate", "1e-4"], "lora": [], "qlora": ["--load_in_4bit"]}[
-            method
-        ]
-        config = {"1p": "single_gpu.yaml", "2p": "ddp_2gpu.yaml"}[processes]
-        runs.append(
-            {
-                "setup": setup,
-                "recipe": "llm_finetune",
-                "size": "small",
-                "launcher": "accelerate",
-                "config": config,
-                "script": "recipes/llm_finetune.py",
-                "args": args,
-            }
-        )
-    return runs
-
-
 def matrix_preset(name: str) -> dict:
-    """The named matrices. Sizes are chosen for their machines (see benchmarks/README.md)."""
-    pipelines = lambda schedule: [f"pipeline-{schedule}-m{m}" for m in (2, 4, 8)]  # noqa: E731
+    """The named matrices. Sizes are chosen for their machines (see docs/benchmarks.md)."""
+    pipelines = lambda schedule: [f"pipeline-{schedule}-m{m}" for m in (2, 4, 8)]
     if name == "smoke":
         # Tiny model, 2 steps (1 measured): exercises every code path of the runner and compare.py.
         tiny = dict(steps=2, warmup=1, batch=4, block=32, vocab=512, corpus_mb=0.3, threads=1)
@@ -276,8 +99,8 @@ def matrix_preset(name: str) -> dict:
         # The performance issue's measurements, >= 5 A/B rounds each for intervals: DDP against raw PyTorch and with
         # 16-bit gradient compression (fp16 on CPU: Accelerate allows its bf16 hook on NCCL only); the fine-tune
         # against a plain loop at equal accuracy (3 seeds, whole epochs, evaluated). The pipeline schedules are
-        # measured by benchmarks/pipeline_vs_naive.py --num_layers 13: the small preset's 7 blocks cannot be cut
-        # into 4 stages of equal cost, which would charge interleaved 1F1B for the split, not the schedule.
+        # measured by benchmarks/studies/pipeline_vs_naive.py --num_layers 13: the small preset's 7 blocks cannot be
+        # cut into 4 stages of equal cost, which would charge interleaved 1F1B for the split, not the schedule.
         small = SMALL_LM
         groups = [
             {"name": "lm-small-ddp", "runs": lm_runs("small", ["raw_ddp", "ddp", "ddp+fp16hook"], **small)},
@@ -355,73 +178,6 @@ def plan_runs(matrix: dict, repeats: int) -> list[dict]:
     return planned
 
 
-# ------------------------------------------------------------------------- machine and versions
-def gpu_info() -> list[dict]:
-    """GPU names and memory from nvidia-smi (no torch import: the runner stays light)."""
-    if not shutil.which("nvidia-smi"):
-        return []
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    gpus = []
-    for line in out.strip().splitlines():
-        name, memory, driver = (part.strip() for part in line.split(","))
-        gpus.append(
-            {
-                "name": name,
-                "memory_gib": round(float(memory) / 1024, 1),
-                "driver": driver,
-                "peak_bf16_flops": peak_bf16_flops(name),
-            }
-        )
-    return gpus
-
-
-def machine_info() -> dict:
-    """CPU model, cores, RAM, GPUs. tools/check_setup.py reads the same /proc files, but importing it
-    would load torch into this long-lived parent process; the runner stays torch-free."""
-    cpu_model = platform.processor() or None
-    memory_gib, flags = None, []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and cpu_model in (None, "", platform.processor()):
-                cpu_model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                # The vector extensions that decide CPU speed here: without avx512_bf16/amx_bf16, bf16 autocast is
-                # emulated (~10x slower than fp32 on our machines), so CPU numbers are compared in fp32.
-                flags = sorted(set(line.split(":", 1)[1].split()) & CPU_FLAGS)
-                break
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                memory_gib = round(int(line.split()[1]) / 1024**2, 1)
-    except OSError:
-        pass
-    return {
-        "cpu_model": cpu_model,
-        "cpu_cores": os.cpu_count(),
-        "cpu_flags": flags,
-        "memory_gib": memory_gib,
-        "os": platform.platform(),
-        "gpus": gpu_info(),
-    }
-
-
-def library_versions() -> dict:
-    versions = {"python": platform.python_version()}
-    for name in LIBRARIES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
 # ------------------------------------------------------------------------------ FLOPs and MFU
 def flops_per_token(model_config: dict, num_parameters: int, sequence_length: int) -> dict:
     """Training FLOPs per token (shared.flops: 6N + 12 L H S), with the parts the records keep."""
@@ -464,31 +220,6 @@ def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> N
 
 
 # ------------------------------------------------------------------------------ one run
-def command_for(spec: dict, run_dir: Path) -> list[str]:
-    if spec["launcher"] == "torchrun":
-        prefix = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            str(spec["processes"]),
-        ]
-    else:
-        prefix = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(CONFIGS / spec["config"]),
-            *spec.get("launch_args", []),
-        ]
-    # "{output_dir}" in an argument: this runner's output folder (a later group reading an earlier group's run).
-    output_dir = run_dir.parents[2]
-    args = [str(arg).replace("{output_dir}", str(output_dir)) for arg in spec["args"]]
-    return prefix + [str(REPO / spec["script"]), *args, "--output_dir", str(run_dir)]
-
-
 def spec_hash(spec: dict) -> str:
     """Identifies what a run does (its command without paths), to tell a finished run from a changed one."""
     key = json.dumps(
@@ -564,7 +295,7 @@ def execute(
             process.wait()
     record["wall_s"] = round(time.perf_counter() - started, 1)
     if measure_foreign and busy_before is not None:
-        # CPU time other processes used meanwhile, as a share of all cores (pipeline_vs_naive.py's check).
+        # CPU time other processes used meanwhile, as a share of all cores (lib.machine: the studies' check too).
         foreign = (busy_cpu_seconds() - busy_before) - (own_cpu_seconds() - own_before)
         record["foreign_cpu_share"] = round(max(0.0, foreign) / (record["wall_s"] * os.cpu_count()), 4)
     tail = log_path.read_text(errors="replace")[-3000:]
@@ -740,11 +471,12 @@ def main(argv=None) -> int:
         f"{len(planned)} runs: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} skipped, "
         f"{counts['done before']} already done; records in {output_dir / 'runs'}"
     )
+    compared = 0
     if not args.no_compare:
-        import compare  # matplotlib is only needed here
-
-        compare.report([output_dir / "runs"], output_dir)
-    return 1 if counts["failed"] else 0
+        sys.stdout.flush()  # compare.py's report follows this process's own lines
+        compare = [sys.executable, str(REPO / "benchmarks" / "compare.py"), str(output_dir / "runs")]
+        compared = subprocess.run([*compare, "--output_dir", str(output_dir)], cwd=REPO).returncode
+    return 1 if counts["failed"] or compared else 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from .flops import lm_flops_per_token
 
 # Softmax + cross-entropy per token and vocabulary entry, in "FLOP equivalents" of matmuls. Measured in the pipeline on
 # CPU (1 thread, fp32, small preset, vocabulary 8192, 256 tokens): LM head + loss cost 3.1 decoder blocks, the head's
-# matmul 2.3 of them (benchmarks/README.md). On GPUs the ratio differs: check the stage timers.
+# matmul 2.3 of them (docs/benchmarks.md). On GPUs the ratio differs: check the stage timers.
 LOSS_COST_PER_VOCAB_ENTRY = 180.0
 
 

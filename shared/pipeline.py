@@ -149,7 +149,7 @@ def ideal_bubble_slots(schedule: str, num_processes: int, stages_per_process: in
 
 def pipeline_facts(schedule: str, microbatches: int, stages_of_processes: list[list[int]],
                    stage_costs: list[float]) -> dict:
-    """What results.json records about the pipeline (benchmarks/pipeline_vs_naive.py reads it)."""
+    """What results.json records about the pipeline (benchmarks/studies/pipeline_vs_naive.py reads it)."""
     bubble = ideal_bubble_slots(schedule, len(stages_of_processes), len(stages_of_processes[0]))
     return {
         "pipeline_schedule": schedule, "num_microbatches": microbatches,

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-import run as runner  # noqa: E402
+# The tools (run, compare, gpu_check) and their library (lib.*); the studies by their file names.
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "studies")]
+import run as runner
 
 SMOKE_SETUPS = {"single", "ddp", "raw_ddp", "device_map", "pipeline-gpipe-m2"}
 
@@ -457,7 +458,7 @@ def test_gpu_check_two_rank_probe_runs_on_the_cpu():
 # ----------------------------------------------------------------------------- equal work per step
 def record(group: str, setup: str, round_: int, recipe: str = "train_lm", processes: int = 2, **fields) -> dict:
     """A runner record with made-up numbers: each round the setup runs 10 % faster than its reference would."""
-    from records import SCHEMA
+    from lib.records import SCHEMA
 
     return {"schema": SCHEMA, "status": "ok", "_input": "", "run_id": f"{setup}-{round_}", "group": group,
             "setup": setup, "round": round_, "recipe": recipe, "processes": processes, "perf/step_time_s": 1.0,
@@ -584,3 +585,55 @@ def test_gpu_check_and_pipeline_vs_naive_refuse_unequal_work(tmp_path):
     assert pipeline_vs_naive.pair_work(naive, dict(naive), "naive", "gpipe")["equal"] is True
     with pytest.raises(SystemExit, match=r"naive and gpipe did different work .* \(tokens per step: naive 4,096 vs"):
         pipeline_vs_naive.pair_work(naive, dict(naive, **{"perf/tokens_per_step": 2048}), "naive", "gpipe")
+
+
+# ----------------------------------------------------------------------------- layers
+def imported_names(path: Path) -> set[str]:
+    """The top-level names a file imports (``import a.b`` and ``from a.b import c``: ``a``), at any depth."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_benchmarks_import_only_their_library():
+    """The tools (runner, compare, GPU check, profiler) and the studies import ``lib`` and never each other: a study
+    that needs what another has (launching, the equal-work check, an interval) finds it in ``lib``. ``lib`` imports
+    neither. A tool or study that needs another's output runs it as a command."""
+    tools = sorted((REPO / "benchmarks").glob("*.py"))
+    studies = sorted((REPO / "benchmarks" / "studies").glob("*.py"))
+    library = sorted((REPO / "benchmarks" / "lib").glob("*.py"))
+    assert {path.name for path in tools} == {"run.py", "compare.py", "gpu_check.py", "profile_recipe.py"}
+    assert {path.name for path in studies} >= {"vs_trl.py", "pipeline_vs_naive.py", "raw_ddp_lm.py", "loading.py"}
+    ours = {path.stem for path in tools + studies}
+    for path in tools + studies + library:
+        others = imported_names(path) & ours - {path.stem}
+        assert not others, f"{path.relative_to(REPO)} imports {sorted(others)}: put what it needs in benchmarks/lib/"
+    for path in library:  # lib imports lib and shared/, never a recipe or a tool
+        assert not imported_names(path) & {"recipes", "tools"}, f"{path.name} imports beyond lib and shared"
+
+
+def test_a_study_finds_what_it_needs_in_the_library(tmp_path):
+    """What a new side-by-side study uses, from ``lib`` alone: launching a command and reading its results with the
+    CPU share other processes took, the equal-work refusal, and the 95 % interval of a ratio from A B rounds."""
+    from lib.launch import accelerate_launch, launch_and_wait
+    from lib.records import equal_work, unequal_work_text
+    from lib.stats import paired_ratio
+
+    assert accelerate_launch("ddp_2gpu.yaml")[-1].endswith("accelerate_configs/ddp_2gpu.yaml")
+    write = "import json, sys; open(sys.argv[1], 'w').write(json.dumps({'perf/tokens_per_sec': 10.0}))"
+    results = launch_and_wait([sys.executable, "-c", write, str(tmp_path / "results.json")], tmp_path)
+    assert results["perf/tokens_per_sec"] == 10.0 and results["bench/wall_s"] > 0
+    assert (tmp_path / "launch.log").is_file()
+    with pytest.raises(SystemExit, match="launch failed"):
+        launch_and_wait([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "failed")
+    work = equal_work({"dpo": {"tokens_per_step": 4096}, "trl": {"tokens_per_step": 2048}})
+    assert work["equal"] is False and "dpo 4,096 vs trl 2,048" in unequal_work_text(work)
+    ratio = paired_ratio([1.2, 1.1, 1.3, 1.25], [1.0, 1.0, 1.0, 1.0])
+    assert ratio["median"] == pytest.approx(1.225) and ratio["interval"][0] <= 1.225 <= ratio["interval"][1]
+    assert ratio["pooled"] == pytest.approx(1.225) and len(ratio["rounds"]) == 4

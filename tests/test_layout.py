@@ -204,14 +204,17 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def repository_modules() -> dict[str, Path]:
-    """Every module of ours by the name it is imported under: shared.* and tools.* as packages; recipes and
-    benchmarks by their file names (they put their own folder on sys.path)."""
+    """Every module of ours by the name it is imported under: shared.*, tools.* and the benchmarks' lib.* as packages;
+    recipes and the other benchmarks by their file names (they put their own folder on sys.path)."""
     modules = {}
     for path in python_files(REPO / "shared") + TOOLS:
         parts = path.relative_to(REPO).with_suffix("").parts
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     for path in RECIPES + python_files(REPO / "benchmarks"):
-        modules[path.stem] = path
+        if path.parent.name == "lib":  # the benchmarks' library: a package (lib.records, ...)
+            modules["lib" if path.stem == "__init__" else f"lib.{path.stem}"] = path
+        else:
+            modules[path.stem] = path
     return modules
 
 

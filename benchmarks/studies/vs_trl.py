@@ -1,10 +1,10 @@
 """recipes/llm_finetune.py against TRL's SFTTrainer, measured side by side: same model, data, LoRA, schedule and loss.
 
-    python benchmarks/vs_trl.py --output_dir benchmarks/results/cpu-vs-trl          # CPU, ~10 min on 2 cores
-    python benchmarks/vs_trl.py --preset cpu-tiny --output_dir outputs/vs_trl_tiny  # the tests' tiny Llama: the loops
-    python benchmarks/vs_trl.py --config_file ddp_2gpu.yaml --output_dir outputs/vs_trl_ddp   # 2 processes, DDP
-    python benchmarks/vs_trl.py --preset gpu-1b --output_dir outputs/vs_trl_gpu     # one GPU (refused without CUDA)
-    python benchmarks/vs_trl.py --dry_run --output_dir outputs/vs_trl               # print the plan, run nothing
+    python benchmarks/studies/vs_trl.py --output_dir benchmarks/results/cpu-vs-trl   # CPU, ~10 min on 2 cores
+    python benchmarks/studies/vs_trl.py --preset cpu-tiny --output_dir outputs/vs_trl_tiny   # the tests' tiny Llama
+    python benchmarks/studies/vs_trl.py --config_file ddp_2gpu.yaml --output_dir outputs/vs_trl_ddp   # 2 processes
+    python benchmarks/studies/vs_trl.py --preset gpu-1b --output_dir outputs/vs_trl_gpu   # one GPU (needs CUDA)
+    python benchmarks/studies/vs_trl.py --dry_run --output_dir outputs/vs_trl   # print the plan, run nothing
 
 Every round launches A, the recipe through its own command line, then B, TRL (``--trl_worker``, a few lines of
 ``SFTTrainer`` below), both with ``accelerate launch --config_file accelerate_configs/single_gpu.yaml`` (or
@@ -23,7 +23,7 @@ they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both 
   ``--perf_warmup_steps`` left out: the recipe's ``perf/*`` from its results.json; TRL's from a TrainerCallback that
   times each optimizer step end to end (``on_step_end`` to ``on_step_end``) and the batches each step trained on.
 - Work: each side's real tokens and samples per optimizer step (``equal_work`` in the JSON). Where they differ by more
-  than 1 % (``records.WORK_TOLERANCE``), the ratios would measure the batches, not the loops: the benchmark stops
+  than 1 % (``lib.records.WORK_TOLERANCE``), the ratios would measure the batches, not the loops: the benchmark stops
   with that message and no verdict. With ``packing`` both sides fill rows of ``max_length`` tokens by best fit
   decreasing (the recipe's ``--packing``, TRL's ``packing=True``), ``per_device_train_batch_size`` rows a batch.
   On a CPU also per second of the process's own CPU time (``time.process_time``, rank 0), which other processes on a
@@ -36,7 +36,7 @@ they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both 
 - Where a step goes: the runs' first step taken apart in this process (``step_breakdown``).
 
 Ratios are recipe / TRL per round, reported as the median with a 95 % bootstrap interval over the rounds
-(``compare.bootstrap_interval``). Writes ``OUTPUT_DIR/vs_trl.json`` and ``OUTPUT_DIR/summary.md``; the runs' folders go
+(``lib.stats.paired_ratio``). Writes ``OUTPUT_DIR/vs_trl.json`` and ``OUTPUT_DIR/summary.md``; the runs' folders go
 to ``--work_dir`` (default ``outputs/vs_trl_work/<OUTPUT_DIR>``, git-ignored), with the model and data files, reused
 by the next run of the same shape. Never part of the test command.
 """
@@ -45,18 +45,16 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
-from compare import bootstrap_interval  # noqa: E402  (the runner's 95 % interval of a median ratio)
-from pipeline_vs_naive import busy_cpu_seconds, own_cpu_seconds  # noqa: E402  (the foreign-CPU check)
-from records import equal_work, unequal_work_text  # noqa: E402  (the work-per-step check of every comparison)
-from run import library_versions, machine_info  # noqa: E402  (CPU model and flags, GPUs, versions: as every record)
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # the benchmarks' library (lib/), and shared/
+from lib.launch import accelerate_launch, launch_and_wait, run_as_main
+from lib.machine import library_versions, machine_info  # CPU model and flags, GPUs, versions: as every record
+from lib.records import equal_work, unequal_work_text  # the work-per-step check of every comparison
+from lib.stats import paired_ratio  # the median of the paired ratios, its 95 % interval, the pooled ratio
 
 RECIPE = REPO / "recipes" / "llm_finetune.py"
 # The recipe's DEFAULT_CHAT_TEMPLATE with TRL's generation markers around each answer (content + EOS + newline, which
@@ -237,10 +235,26 @@ def build_inputs(work: Path, settings: dict) -> tuple[Path, Path, Path]:
 
 
 # The settings passed to the recipe as flags of the same name (the booleans are added only when on).
-RECIPE_FLAGS = ("max_length", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-                "per_device_train_batch_size", "gradient_accumulation_steps", "max_train_steps", "learning_rate",
-                "weight_decay", "adam_epsilon", "lr_scheduler_type", "num_warmup_steps", "max_grad_norm",
-                "mixed_precision", "seed", "logging_steps", "perf_warmup_steps")
+RECIPE_FLAGS = (
+    "max_length",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "max_train_steps",
+    "learning_rate",
+    "weight_decay",
+    "adam_epsilon",
+    "lr_scheduler_type",
+    "num_warmup_steps",
+    "max_grad_norm",
+    "mixed_precision",
+    "seed",
+    "logging_steps",
+    "perf_warmup_steps",
+)
 
 
 def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation_file: Path, out: Path) -> list[str]:
@@ -271,12 +285,11 @@ def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation
 
 
 def clocked_recipe(argv: list[str]) -> None:
-    """A on a CPU: the recipe, run unchanged with its own command line (through runpy, as ``stage_timers.py`` runs
-    pipeline_lm.py), with one addition: each optimizer step's CPU time of this process (``time.process_time``) is
-    recorded beside the wall clock of its ``ThroughputMeter``, in ``OUTPUT_DIR/cpu_clock_rank{R}.json``. On a machine
-    that other processes share, a step's wall time counts the time they held the core; its CPU time does not."""
-    import runpy
-
+    """A on a CPU: the recipe, run unchanged with its own command line (``lib.launch.run_as_main``, as
+    ``profile_recipe.py`` runs it), with one addition: each optimizer step's CPU time of this process
+    (``time.process_time``) is recorded beside the wall clock of its ``ThroughputMeter``, in
+    ``OUTPUT_DIR/cpu_clock_rank{R}.json``. On a machine that other processes share, a step's wall time counts the time
+    they held the core; its CPU time does not."""
     from shared import results
 
     steps, last = [], [time.process_time()]
@@ -289,8 +302,7 @@ def clocked_recipe(argv: list[str]) -> None:
         last[0] = now
 
     results.ThroughputMeter.step = step
-    sys.argv = argv
-    runpy.run_path(argv[0], run_name="__main__")
+    run_as_main(argv)
     out = Path(argv[argv.index("--output_dir") + 1])
     (out / f"cpu_clock_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(steps) + "\n")
 
@@ -310,33 +322,12 @@ def trl_command(settings_file: Path, settings: dict, out: Path, check_labels: bo
 
 
 def launcher(settings: dict) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "accelerate_configs" / settings["config_file"]),
-    ]
+    return accelerate_launch(settings["config_file"])
 
 
 def launch(command: list[str], out: Path, settings: dict, results_name: str) -> dict:
-    """One launch: its results file, with its wall time and the CPU share other processes used meanwhile."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    if settings["threads_per_process"]:
-        env["OMP_NUM_THREADS"] = str(settings["threads_per_process"])
-    busy_before, own_before, started = busy_cpu_seconds(), own_cpu_seconds(), time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.perf_counter() - started
-    (out / "launch.log").write_text(done.stdout)
-    if done.returncode != 0:
-        raise SystemExit(f"launch failed ({' '.join(command)}):\n{done.stdout[-4000:]}")
-    results = json.loads((out / results_name).read_text())
-    results["bench/wall_s"] = wall
-    if busy_before is not None:
-        foreign = (busy_cpu_seconds() - busy_before) - (own_cpu_seconds() - own_before)
-        results["bench/foreign_share"] = max(0.0, foreign) / (wall * os.cpu_count())
-    return results
+    """One launch (``lib.launch``): its results file, with its wall time and the CPU share other processes used."""
+    return launch_and_wait(command, out, results_name=results_name, threads=settings["threads_per_process"])
 
 
 # ------------------------------------------------------------------------------------------ B: the TRL worker
@@ -576,10 +567,7 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
     for step in steps:
         first = step * size * micro
         groups = [
-            [
-                tokenize_sample(rows[i], "messages", tokenizer, settings["max_length"])
-                for i in order[j : j + size]
-            ]
+            [tokenize_sample(rows[i], "messages", tokenizer, settings["max_length"]) for i in order[j : j + size]]
             for j in range(first, first + size * micro, size)
         ]
         trl_groups = [[{"input_ids": s["input_ids"], "labels": s["labels"]} for s in group] for group in groups]
@@ -740,19 +728,19 @@ COMPARED = (
 
 
 def compared(settings: dict) -> list[tuple[str, str]]:
-    return [
-        (label, key)
-        for label, key in COMPARED
-        if settings["cpu_clock"] or "cpu_s" not in key
-    ]
+    return [(label, key) for label, key in COMPARED if settings["cpu_clock"] or "cpu_s" not in key]
 
 
 def work_check(rounds: list[dict]) -> dict:
-    """Whether both sides did the same work per optimizer step (real tokens and samples; ``records.equal_work``) in
+    """Whether both sides did the same work per optimizer step (real tokens and samples; ``lib.records.equal_work``) in
     every round: the numbers of the first round that differs, else of round 0."""
     checks = [
-        equal_work({side: {key: r[side].get(f"perf/{key}") for key in ("tokens_per_step", "samples_per_step")}
-                    for side in ("recipe", "trl")})
+        equal_work(
+            {
+                side: {key: r[side].get(f"perf/{key}") for key in ("tokens_per_step", "samples_per_step")}
+                for side in ("recipe", "trl")
+            }
+        )
         for r in rounds
     ]
     return next((check for check in checks if check["equal"] is False), checks[0])
@@ -792,21 +780,8 @@ def summarize(rounds: list[dict], settings: dict) -> list[dict]:
     ratio of the two sides' medians over all their runs ("pooled")."""
     rows = []
     for label, key in compared(settings):
-        paired = [value_of(r["recipe"], key) / value_of(r["trl"], key) for r in rounds]
-        pooled = statistics.median(value_of(r["recipe"], key) for r in rounds) / statistics.median(
-            value_of(r["trl"], key) for r in rounds
-        )
-        interval = bootstrap_interval(paired)
-        rows.append(
-            {
-                "ratio": f"{label}, recipe / TRL",
-                "key": key,
-                "median": statistics.median(paired),
-                "interval": interval,
-                "rounds": paired,
-                "pooled": pooled,
-            }
-        )
+        ratio = paired_ratio([value_of(r["recipe"], key) for r in rounds], [value_of(r["trl"], key) for r in rounds])
+        rows.append({"ratio": f"{label}, recipe / TRL", "key": key, **ratio})
     return rows
 
 
@@ -1060,7 +1035,7 @@ def main(argv=None) -> int:
         breakdown["sides"] = summarize_breakdown(breakdown, rounds, settings)
     report = {
         "benchmark": "vs_trl",
-        "command": "python benchmarks/vs_trl.py " + " ".join(argv),
+        "command": "python benchmarks/studies/vs_trl.py " + " ".join(argv),
         "settings": {key: value for key, value in settings.items() if not key.endswith(("_dir", "_file"))}
         | {"config_file": settings["config_file"]},
         "rounds": rounds,

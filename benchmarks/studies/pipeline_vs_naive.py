@@ -21,8 +21,8 @@ balanced stages; ``split`` (``ideal_ratio_for_split``) also counts the estimated
 head (~3 blocks) cut into 4 stages leave one process 60 % of the work; ``--num_layers 13`` balances both the 2-stage
 (8 | 5 + head) and the 4-stage (4, 4, 4, 1 + head) split.
 
-    python benchmarks/pipeline_vs_naive.py --output_dir outputs/pipeline_vs_naive
-    python benchmarks/pipeline_vs_naive.py --output_dir outputs/schedules_vs_1f1b --baseline 1f1b \\
+    python benchmarks/studies/pipeline_vs_naive.py --output_dir outputs/pipeline_vs_naive
+    python benchmarks/studies/pipeline_vs_naive.py --output_dir outputs/schedules_vs_1f1b --baseline 1f1b \\
         --schedules interleaved1f1b zbv --microbatches 4 8 --num_layers 13
 
 Writes ``OUTPUT_DIR/pipeline_vs_naive.json`` (every pair, the medians per configuration, the best one) and prints a
@@ -31,31 +31,29 @@ steadier when single runs scatter more than the machine drifts. A shared machine
 needs both cores, the naive split one), so every run also records the CPU time *other* processes used meanwhile (from
 /proc/stat, minus the runs' own CPU time); a pair where that exceeds ``--max_foreign_share`` of the machine is measured
 again (``--retries``) and, if still disturbed, kept but flagged and left out of the medians when clean pairs exist.
-GPipe and 1F1B runs go through ``benchmarks/stage_timers.py``, so the JSON also says where each stage's time goes
-(compute vs waiting for the other stage); it times single-stage schedules only, so interleaved1f1b and zbv runs have
-no stage profile. With the defaults (small preset, batch 16 x 256 tokens, 6 steps, 12 pairs) it takes about 20 minutes
-on 2 CPU cores; use --repeats 1 or fewer --microbatches for a quicker look. Never part of the test command.
+GPipe and 1F1B runs go through ``benchmarks/profile_recipe.py --stage_timers``, so the JSON also says where each
+stage's time goes (compute vs waiting for the other stage); it times single-stage schedules only, so interleaved1f1b
+and zbv runs have no stage profile. With the defaults (small preset, batch 16 x 256 tokens, 6 steps, 12 pairs) it
+takes about 20 minutes on 2 CPU cores; use --repeats 1 or fewer --microbatches for a quicker look. Never part of the
+test command.
 """
 
 import argparse
 import json
-import os
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare import bootstrap_interval  # noqa: E402  (the runner's 95 % interval of a median ratio)
-from records import equal_work, unequal_work_text, work_per_step  # noqa: E402  (the work check of every comparison)
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # the benchmarks' library (lib/), and shared/
+from lib.launch import accelerate_launch, launch_and_wait
+from lib.records import equal_work, unequal_work_text, work_per_step  # the work check of every comparison
+from lib.stats import bootstrap_interval  # the 95 % interval of a median ratio, as compare.py's
 
-REPO = Path(__file__).resolve().parents[1]
 NAIVE, PIPELINE = REPO / "recipes" / "train_lm.py", REPO / "recipes" / "pipeline_lm.py"
-TIMERS = REPO / "benchmarks" / "stage_timers.py"
+PROFILER = REPO / "benchmarks" / "profile_recipe.py"
 SCHEDULES = ["gpipe", "1f1b", "interleaved1f1b", "zbv"]
-# stage_timers.py wraps the single-stage schedules' step(); the multi-stage ones run untimed.
+# profile_recipe.py --stage_timers wraps the single-stage schedules' step(); the multi-stage ones run untimed.
 TIMED_SCHEDULES = ("gpipe", "1f1b")
 
 
@@ -108,32 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def busy_cpu_seconds() -> float | None:
-    """CPU time all processes on the machine have used (Linux /proc/stat: everything but idle/iowait)."""
-    try:
-        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    except OSError:
-        return None
-    idle, iowait = fields[3], fields[4]
-    return (sum(fields[:8]) - idle - iowait) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    """CPU time used by this script's finished child processes (the launched runs)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_recipe(config: str, recipe: Path, out: Path, extra: list[str], args, timers: bool = False) -> dict:
-    """One ``accelerate launch`` of a recipe: its results.json, plus the CPU time other processes used meanwhile."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "accelerate_configs" / config),
-    ]
-    command += [str(TIMERS), str(recipe)] if timers else [str(recipe)]
+    """One ``accelerate launch`` of a recipe (``lib.launch``): its results.json, plus the CPU time other processes
+    used meanwhile and, with ``timers``, each stage's seconds per step (``profile_recipe.py --stage_timers``)."""
+    command = accelerate_launch(config) + ([str(PROFILER), "--stage_timers"] if timers else []) + [str(recipe)]
     command += [
         "--model_size",
         args.model_size,
@@ -159,19 +135,7 @@ def run_recipe(config: str, recipe: Path, out: Path, extra: list[str], args, tim
         "--overwrite_output_dir",  # a rerun of this benchmark replaces its runs
         *extra,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_process), "TOKENIZERS_PARALLELISM": "false"}
-    busy_before, own_before = busy_cpu_seconds(), own_cpu_seconds()
-    started = time.perf_counter()
-    completed = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if completed.returncode != 0:
-        raise SystemExit(f"run failed ({' '.join(command)}):\n{completed.stdout[-4000:]}")
-    results = json.loads((out / "results.json").read_text())
-    wall = time.perf_counter() - started
-    results["bench/wall_s"] = wall
-    if busy_before is not None:
-        foreign = (busy_cpu_seconds() - busy_before) - (own_cpu_seconds() - own_before)
-        results["bench/foreign_cpu_s"] = foreign
-        results["bench/foreign_share"] = max(0.0, foreign) / (wall * os.cpu_count())
+    results = launch_and_wait(command, out, threads=args.threads_per_process)
     results["bench/stage_timers"] = [
         json.loads(path.read_text()) for path in sorted(out.glob("stage_timers_rank*.json"))
     ]
@@ -210,7 +174,7 @@ def run_baseline(args, m: int, out: Path) -> dict:
 
 
 def pair_work(baseline: dict, pipeline: dict, baseline_name: str, schedule: str) -> dict:
-    """Both runs' real tokens and samples per optimizer step (``records.equal_work``); a pair whose work differs is
+    """Both runs' real tokens and samples per optimizer step (``lib.records.equal_work``); a pair whose work differs is
     refused: its tokens/s ratio would measure the batches, not the schedules."""
     work = equal_work({baseline_name: work_per_step(baseline), schedule: work_per_step(pipeline)})
     if work["equal"] is False:

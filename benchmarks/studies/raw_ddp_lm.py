@@ -7,7 +7,7 @@ point; the recipe reads its losses every 10 steps), so that
 ``overhead = recipe step time / raw step time`` measures what Accelerate's wrappers cost per step.
 Launched with torchrun (``benchmarks/run.py`` does this):
 
-    torchrun --standalone --nproc_per_node 2 benchmarks/raw_ddp_lm.py --model_size small --max_train_steps 6 \\
+    torchrun --standalone --nproc_per_node 2 benchmarks/studies/raw_ddp_lm.py --model_size small --max_train_steps 6 \\
         --output_dir outputs/raw_ddp_lm
 
 On CPU the processes join over gloo with one thread each (``--cpu_threads_per_process``); on GPUs
@@ -32,12 +32,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_scheduler
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
-from shared.lm_model import optimizer_groups  # noqa: E402  (the recipes' own AdamW groups, not a copy)
-from shared.model_presets import MODEL_PRESETS  # noqa: E402
-from shared.results import peak_memory_gib, percentile  # noqa: E402
+from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer
+from shared.lm_model import optimizer_groups  # the recipes' own AdamW groups, not a copy
+from shared.model_presets import MODEL_PRESETS
+from shared.results import peak_memory_gib, percentile
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,0 +1,13 @@
+"""The benchmarks' small library: what the tools (``run.py``, ``compare.py``, ``gpu_check.py``, ``profile_recipe.py``)
+and the studies (``studies/``) share, so that none of them imports another.
+
+- ``records``: the per-run record's schema and fields, each side's work per optimizer step, the equal-work check;
+- ``specs``: run specs (what one launch of a recipe is) and the command line of one;
+- ``launch``: launching a recipe and waiting for its results.json, or running one unchanged inside a wrapper;
+- ``machine``: the CPU model and flags, RAM, GPUs and library versions of every record; the CPU time other
+  processes used during a launch;
+- ``stats``: the 95 % interval of a ratio from side-by-side repeats.
+
+Dependencies point one way: tools and studies import ``lib``; ``lib`` imports only ``lib`` and ``shared``. Callers
+put ``benchmarks/`` and the repository root on ``sys.path`` first.
+"""
