@@ -22,6 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "recipes"))  # the recipes' kits (llm_kit/, lm_kit/)
 sys.path.insert(0, str(REPO / "benchmarks"))
 from run import machine_info  # noqa: E402  (CPU model and flags, RAM, GPUs: the same record as the runner's)
 
@@ -29,7 +30,7 @@ from run import machine_info  # noqa: E402  (CPU model and flags, RAM, GPUs: the
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output_dir", required=True, help="Where the model, the runs and low_ram_loading.json go.")
-    parser.add_argument("--model_size", default="350m", help="A preset of shared/model_presets.py (random weights).")
+    parser.add_argument("--model_size", default="350m", help="A preset of recipes/lm_kit/presets.py (random weights).")
     parser.add_argument("--repeats", type=int, default=3, help="A B rounds.")
     return parser.parse_args(argv)
 
@@ -41,9 +42,9 @@ def build_model(folder: Path, model_size: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.data import stdlib_questions
-    from shared.lm_data import train_bpe_tokenizer
-    from shared.model_presets import MODEL_PRESETS
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
+    from lm_kit.presets import MODEL_PRESETS
 
     questions = stdlib_questions()
     tokenizer = train_bpe_tokenizer((m["content"] for row in questions["train"] for m in row["messages"]), 8192)

@@ -1,9 +1,9 @@
 """QLoRA under FSDP2, loaded within each card: the memory that loading adds per process, for the layer-by-layer loader
-(``shared/sharded_4bit.py``, what ``recipes/llm_finetune.py`` uses under an FSDP config) beside the whole-model loader
-it replaced (``from_pretrained`` quantizing the whole model where it loads it), under ``fsdp_2gpu.yaml`` and
-``fsdp_offload_2gpu.yaml``, in 2 processes, on a Llama-shaped model made here (1.1B parameters, TinyLlama's shape, bf16
-safetensors, random weights). Then the recipe itself, QLoRA in 1 process and in 2 under each FSDP config: the losses
-and the adapters must be equal.
+(``recipes/llm_kit/sharded_4bit.py``, what ``recipes/llm_finetune.py`` uses under an FSDP config) beside the
+whole-model loader it replaced (``from_pretrained`` quantizing the whole model where it loads it), under
+``fsdp_2gpu.yaml`` and ``fsdp_offload_2gpu.yaml``, in 2 processes, on a Llama-shaped model made here (1.1B parameters,
+TinyLlama's shape, bf16 safetensors, random weights). Then the recipe itself, QLoRA in 1 process and in 2 under each
+FSDP config: the losses and the adapters must be equal.
 
     python benchmarks/qlora_loading.py --output_dir benchmarks/results/cpu-qlora-loading       # ~15 min on 2 cores
     python benchmarks/qlora_loading.py --preset tiny --output_dir /tmp/qlora-loading           # a 1-minute rehearsal
@@ -35,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "recipes"))  # the recipes' kits (llm_kit/, lm_kit/)
 
 PRESETS = {
     # TinyLlama-1.1B's shape: 1,100M parameters.
@@ -56,8 +57,8 @@ def make_model(folder: Path, preset: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.data import stdlib_questions
-    from shared.lm_data import train_bpe_tokenizer
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     questions = stdlib_questions()["train"].select(range(64))
@@ -112,7 +113,7 @@ def worker(args) -> None:
     from shared.fsdp import wrap_at_blocks
     from shared.model_split import find_block_list
     from shared.runtime import build_accelerator
-    from shared.sharded_4bit import empty_4bit_model, load_4bit_sharded
+    from llm_kit.sharded_4bit import empty_4bit_model, load_4bit_sharded
 
     accelerator = build_accelerator(mixed_precision="bf16", project_config=ProjectConfiguration(
         project_dir=str(args.output_dir)))
