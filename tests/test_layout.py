@@ -329,7 +329,7 @@ def test_recipes_find_their_own_shared_and_kit_before_installed_ones(tmp_path):
         ["-c", imported],
     ):
         run = subprocess.run(
-            [sys.executable, *command], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120
+            [sys.executable, *command], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
         )
         assert run.returncode == 0, run.stderr[-2000:]
 
