@@ -576,8 +576,9 @@ def weights_dominant_base(folder: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.data import stdlib_questions
-    from shared.lm_data import train_bpe_tokenizer
+    sys.path.insert(0, str(REPO / "recipes"))  # the recipes' kits (llm_kit/, lm_kit/)
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
 
     questions = stdlib_questions()
     tokenizer = train_bpe_tokenizer((m["content"] for row in questions["train"] for m in row["messages"]), 400)

@@ -31,6 +31,10 @@ Launch (from the repository root):
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/llm_finetune.py \\
         --model_name_or_path ...
 
+To use it in your project, copy recipes/llm_finetune.py, recipes/llm_kit/ and shared/ (and accelerate_configs/, which
+the launch lines name): the kit beside the recipe, shared/ beside it or one folder up. Without --model_name_or_path and
+a model in outputs/train_lm, it pretrains one with recipes/train_lm.py, which it looks for beside itself.
+
 Writes to --output_dir: ``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA/QLoRA) or the whole model (full
 fine-tune), the tokenizer, ``merged/`` with ``--merge_and_save``, ``results.json``, and ``checkpoints/step_N``
 (adapter, optimizer, scheduler, sampler and RNG states; the base model is not copied into them).
@@ -59,10 +63,13 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from peft import LoraConfig  # noqa: E402
 from transformers import get_scheduler  # noqa: E402
 
-# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
+# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
+# recipe's own helpers (llm_kit/, next to this file) go first on sys.path, so that no installed package of those
+# names shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on
+# purpose (copyable).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
+sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.flops import lm_flops_per_token  # noqa: E402
 from shared.fsdp import (  # noqa: E402
@@ -70,7 +77,7 @@ from shared.fsdp import (  # noqa: E402
     gathered_state_dict,
     wrap_at_blocks,
 )
-from shared.llm_loading import (  # noqa: E402
+from llm_kit.loading import (  # noqa: E402
     causal_lm_config,
     default_base_model,
     load_base_model,
@@ -92,8 +99,8 @@ from shared.runtime import (  # noqa: E402
     quiet_library_logs,
 )
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
-from shared.sharded_4bit import load_4bit_sharded  # noqa: E402
-from shared.sft_data import (  # noqa: E402
+from llm_kit.sharded_4bit import load_4bit_sharded  # noqa: E402
+from llm_kit.sft_data import (  # noqa: E402
     best_fit_decreasing,
     chat_tokenizer,
     check_batches,
@@ -101,7 +108,7 @@ from shared.sft_data import (  # noqa: E402
     load_raw_datasets,
     tokenize_datasets,
 )
-from shared.sft_eval import exact_match_before, exact_match_results, generate_samples  # noqa: E402
+from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_samples  # noqa: E402
 
 
 # What the offline default model (no --model_name_or_path) trains with unless a flag says otherwise.
@@ -224,7 +231,7 @@ def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Te
     loss (full logits, then cross-entropy; tests/test_llm_finetune.py checks losses and gradients):
 
     - logits only where a loss is taken: transformers' ``logits_to_keep`` with the answer positions the collate
-      function found (``shared.sft_data.scored_positions``), so the LM head skips every prompt and padding position;
+      function found (``llm_kit.sft_data.scored_positions``), so the LM head skips every prompt and padding position;
     - the cross-entropy in fp32, ``chunk_tokens`` positions at a time, each chunk recomputed in backward
       (checkpointed): the softmax that backward needs exists for one chunk at a time, not for the batch (with a 128k
       vocabulary, 4,096 answer tokens would hold 2 GiB of it). The logits themselves are fp32 under mixed precision

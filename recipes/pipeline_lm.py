@@ -39,6 +39,9 @@ Launch (from the repository root; on a CPU-only machine the same commands run 2 
     accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --model_size 1.3b \\
         --num_microbatches 8 --pipeline_schedule zbv
 
+To use it in your project, copy recipes/pipeline_lm.py, recipes/lm_kit/ and shared/ (and accelerate_configs/, which the
+launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
+
 Writes to ``output_dir``: the model in Hugging Face format (the stages gathered into one), ``results.json`` (as
 train_lm.py, plus the schedule, m, the stages each process holds and the ideal bubble fraction) and, with
 ``--checkpointing_steps``, checkpoints in ``checkpoints/step_N`` in which every stage saves its own part.
@@ -65,24 +68,27 @@ from torch.utils.data import DataLoader
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler  # noqa: E402
 
-# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
+# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
+# recipe's own helpers (lm_kit/, next to this file) go first on sys.path, so that no installed package of those names
+# shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on purpose
+# (copyable).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
+sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from shared.lm_data import lm_datasets  # noqa: E402
-from shared.lm_eval import NOT_EVALUATED, greedy_sample  # noqa: E402
-from shared.lm_model import build_lm, lm_config, optimizer_groups, whole_model  # noqa: E402
+from lm_kit.data import lm_datasets  # noqa: E402
+from lm_kit.eval import NOT_EVALUATED, greedy_sample  # noqa: E402
+from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model  # noqa: E402
 
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
-from shared.model_presets import MODEL_PRESETS  # noqa: E402
+from lm_kit.presets import MODEL_PRESETS  # noqa: E402
 from shared.model_split import plan_lm_split  # noqa: E402
 
 # New Code (pipeline) #
 # The pipeline's machinery around torch.distributed.pipelining (stage modules, schedules, stage checkpoints, the
 # cross-stage clip and the gather of the stages' weights).
-from shared.pipeline import (  # noqa: E402
+from lm_kit.pipeline import (  # noqa: E402
     SCHEDULES,
     StageCheckpoints,
     build_pipeline,

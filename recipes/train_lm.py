@@ -29,6 +29,9 @@ Launch (from the repository root):
     # device_map):
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/train_lm.py --model_size 1.3b
 
+To use it in your project, copy recipes/train_lm.py, recipes/lm_kit/ and shared/ (and accelerate_configs/, which the
+launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
+
 Writes to ``output_dir``: the model in Hugging Face format (``model.safetensors``, config, the tokenizer; FSDP shards
 gathered into one), ``results.json`` (losses, ``eval/perplexity``, throughput, MFU on GPUs, peak memory per device,
 model-state bytes per process, the resolved config) and, with ``--checkpointing_steps``, resumable checkpoints in
@@ -52,20 +55,23 @@ from torch.utils.data import DataLoader
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler  # noqa: E402
 
-# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
+# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
+# recipe's own helpers (lm_kit/, next to this file) go first on sys.path, so that no installed package of those names
+# shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on purpose
+# (copyable).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
+sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, wrap_at_blocks  # noqa: E402
-from shared.lm_data import lm_datasets  # noqa: E402
-from shared.lm_eval import NOT_EVALUATED, greedy_sample  # noqa: E402
-from shared.lm_eval import evaluate_lm  # noqa: E402  (pipeline_lm.py evaluates through its schedules instead)
-from shared.lm_model import build_lm, lm_config, optimizer_groups, whole_model  # noqa: E402
+from lm_kit.data import lm_datasets  # noqa: E402
+from lm_kit.eval import NOT_EVALUATED, greedy_sample  # noqa: E402
+from lm_kit.eval import evaluate_lm  # noqa: E402  (pipeline_lm.py evaluates through its schedules instead)
+from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model  # noqa: E402
 
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
-from shared.model_presets import MODEL_PRESETS  # noqa: E402
+from lm_kit.presets import MODEL_PRESETS  # noqa: E402
 from shared.model_split import plan_lm_split  # noqa: E402
 from shared.model_split import dispatch_on_devices, split_devices  # noqa: E402  (the device_map split)
 from shared.results import RunRecord  # noqa: E402

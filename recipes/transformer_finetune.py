@@ -27,6 +27,9 @@ Launch (from the repository root):
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/transformer_finetune.py \\
         --train_file train.csv --validation_file dev.csv --text_column sentence1 sentence2
 
+To use it in your project, copy recipes/transformer_finetune.py, recipes/classifier_kit/ and shared/ (and
+accelerate_configs/, which the launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
+
 Writes to --output_dir: the fine-tuned model and tokenizer (``save_pretrained``, safetensors, with
 the label names, so ``AutoModelForSequenceClassification.from_pretrained(output_dir)`` predicts
 names, or for regression a score), ``results.json``, and ``checkpoints/step_N`` when --checkpointing_steps is set.
@@ -51,13 +54,16 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
 from transformers.trainer_pt_utils import get_parameter_names
 
-# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
+# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
+# recipe's own helpers (classifier_kit/, next to this file) go first on sys.path, so that no installed package of
+# those names shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on
+# purpose (copyable).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
-import shared
+sys.path.insert(0, str(HERE))
+from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
+from classifier_kit.classification import read_labels
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
-from shared.classification import baselines, check_columns, choose_task, load_model_config, load_splits, read_labels
 from shared.fsdp import gathered_state_dict, wrap_at_blocks
 from shared.lora import add_lora
 from shared.model_split import dispatch_on_devices, find_block_list, parameter_bytes_per_device, plan_device_map
@@ -68,8 +74,8 @@ from shared.runtime import fused_adamw, main_process_alone, positive_float, posi
 from shared.runtime import quiet_library_logs, stop_if_found, tokenizer_problem
 from shared.sampling import LengthGroupedShuffledSampler
 
-# The metric modules evaluate loads offline ship in shared/metrics/, wherever the shared/ found above lies.
-METRICS_DIR = Path(shared.__file__).resolve().parent / "metrics"
+# The metric modules evaluate loads offline ship in classifier_kit/metrics/, beside this file.
+METRICS_DIR = HERE / "classifier_kit" / "metrics"
 # Each task's metric modules there, and their keys in results.json (for regression, GLUE's names on STS-B).
 METRICS = {
     "classification": {"accuracy": "eval/accuracy", "f1": "eval/f1"},
@@ -157,7 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_data(args, accelerator):
     """The train/validation splits (checked, cut to --max_*_samples), regression or not, the label names (or None), and
-    a function from a batch of label values to ids (the same mapping for both splits): shared/classification.py."""
+    a function from a batch of label values to ids (the same mapping for both splits):
+    classifier_kit/classification.py."""
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
         source = (args.train_file, args.validation_file, args.dataset_name, args.dataset_config_name)

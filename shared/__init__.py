@@ -1,3 +1,4 @@
 """The small helper module the recipes share: import from its modules (``from shared.runtime import ...``). Plain
-functions and small classes with explicit arguments; the training steps stay in the recipes. Imports point one way:
-recipes, tools and benchmarks import shared, shared imports none of them."""
+functions and small classes with explicit arguments; the training steps stay in the recipes, and what one recipe (or
+one family of recipes) alone uses lives beside it, in its kit (``recipes/llm_kit/``). Imports point one way: recipes,
+their kits, tools and benchmarks import shared, shared imports none of them."""

@@ -70,9 +70,9 @@ def test_config_checker_catches_what_launches_silently_wrong(tmp_path):
 
 def test_fsdp_headers_describe_the_qlora_loader_the_recipe_uses():
     """Under an FSDP config llm_finetune.py loads a QLoRA base one decoder layer at a time, each sharded before the
-    next is read (shared/sharded_4bit.py): a header that speaks of QLoRA says so and names the module."""
+    next is read (recipes/llm_kit/sharded_4bit.py): a header that speaks of QLoRA says so and names the module."""
     for path in CONFIG_FILES:
         header = path.read_text().split("\ncompute_environment:")[0]
         if "QLoRA" in header and load_config_from_file(str(path)).distributed_type == DistributedType.FSDP:
             qlora = header[header.index("QLoRA"):]
-            assert "shared/sharded_4bit.py" in qlora and "one decoder layer at a time" in qlora, path.name
+            assert "recipes/llm_kit/sharded_4bit.py" in qlora and "one decoder layer at a time" in qlora, path.name

@@ -50,8 +50,8 @@ def base(tmp_path_factory):
     and ragged conversations: system prompts, second turns, answers from 3 to ~60 tokens."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.data import stdlib_questions
-    from shared.lm_data import train_bpe_tokenizer
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
 
     folder = tmp_path_factory.mktemp("base")
     questions = stdlib_questions()
@@ -524,11 +524,11 @@ def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
 
 
 def test_qlora_under_fsdp_is_loaded_one_layer_at_a_time(runs, base):
-    """The layer-by-layer loader (shared/sharded_4bit.py): no process quantizes more than one decoder layer's weights
-    before FSDP2 shards them (the whole-model loader quantized all 28 linear layers of the 4 blocks first), only
-    the main process opens the checkpoint (the others receive each tensor), and the embeddings and head are sharded
-    before prepare. The observer records, in order, every quantize_4bit and fully_shard call of each process, and the
-    shapes each process holds as prepare gets the model."""
+    """The layer-by-layer loader (recipes/llm_kit/sharded_4bit.py): no process quantizes more than one decoder layer's
+    weights before FSDP2 shards them (the whole-model loader quantized all 28 linear layers of the 4 blocks first),
+    only the main process opens the checkpoint (the others receive each tensor), and the embeddings and head are
+    sharded before prepare. The observer records, in order, every quantize_4bit and fully_shard call of each process,
+    and the shapes each process holds as prepare gets the model."""
     observed_ranks = runs["qlora_fsdp"]["observed"]
     layer = 4 * 64 * 64 + 3 * 64 * 128  # q, k, v, o (64 x 64) and gate, up, down (64 x 128): one block's weights
     for rank, process in observed_ranks.items():
@@ -731,7 +731,7 @@ def recipe(base):
     spec.loader.exec_module(module)
     from transformers import AutoTokenizer
 
-    from shared.sft_data import DEFAULT_CHAT_TEMPLATE
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.pad_token, tokenizer.chat_template = tokenizer.eos_token, DEFAULT_CHAT_TEMPLATE
@@ -739,7 +739,7 @@ def recipe(base):
 
 
 def test_only_answer_tokens_carry_labels(recipe):
-    from shared.sft_data import tokenize_sample
+    from llm_kit.sft_data import tokenize_sample
 
     _, tokenizer = recipe
     messages = [
@@ -769,7 +769,7 @@ def test_only_answer_tokens_carry_labels(recipe):
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
     import datasets
 
-    from shared.sft_eval import exact_match
+    from llm_kit.sft_eval import exact_match
 
     _, tokenizer = recipe
     pairs = [
@@ -796,7 +796,7 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
 
 
 def test_the_offline_default_asks_short_checkable_questions_held_out_by_definition():
-    from shared.data import stdlib_names
+    from llm_kit.sft_data import stdlib_names
 
     questions, asked = stdlib_names(), {}
     for split in ("train", "validation"):
@@ -843,7 +843,7 @@ def test_packed_rows_give_each_sample_the_loss_it_has_padded(recipe, base):
     import datasets
     from transformers import AutoModelForCausalLM
 
-    from shared.sft_data import collate, tokenize_sample
+    from llm_kit.sft_data import collate, tokenize_sample
 
     module, tokenizer = recipe
     model = AutoModelForCausalLM.from_pretrained(base).eval()
@@ -881,7 +881,7 @@ def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     autograd keeps no fp32 logits or softmax of the whole batch."""
     from transformers import AutoModelForCausalLM
 
-    from shared.sft_data import collate, tokenize_sample
+    from llm_kit.sft_data import collate, tokenize_sample
 
     module, tokenizer = recipe
     model = AutoModelForCausalLM.from_pretrained(base).eval()
@@ -1022,7 +1022,7 @@ def test_a_default_lora_run_keeps_no_dropped_copy_of_the_adapted_inputs(name):
 )
 def test_bad_rows_are_refused_with_the_sample(recipe, rows, message):
     from shared.runtime import RecipeError
-    from shared.sft_data import data_format, tokenize_sample
+    from llm_kit.sft_data import data_format, tokenize_sample
 
     _, tokenizer = recipe
     with pytest.raises(RecipeError) as refused:
@@ -1034,7 +1034,7 @@ def test_data_errors_name_the_file_the_row_and_the_fix(base, tmp_path):
     """What datasets reports as 'DatasetGenerationCastError' or 'DatasetGenerationError' (the row only in a log line
     above), and a conversation without an answer, each get one paragraph naming the file, the row or the columns."""
     from shared.runtime import RecipeError
-    from shared.sft_data import load_raw_datasets
+    from llm_kit.sft_data import load_raw_datasets
 
     chats = (base / "chats.jsonl").read_text().splitlines()
     files = {
@@ -1195,8 +1195,8 @@ def test_exact_match_is_on_by_default_for_short_answers_only():
 
     import datasets
 
-    from shared.lm_data import train_bpe_tokenizer
-    from shared.sft_eval import exact_match_rows
+    from lm_kit.data import train_bpe_tokenizer
+    from llm_kit.sft_eval import exact_match_rows
 
     short = [{"prompt": f"Is item {i} a class?", "completion": "class"} for i in range(120)]
     long = [{"prompt": f"Tell a fortune {i}.", "completion": "You will travel far and meet someone " * 3}

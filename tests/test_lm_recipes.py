@@ -458,7 +458,7 @@ def dropout_runs(tmp_path_factory):
     from transformers import AutoModelForCausalLM, GPT2Config
 
     sys.path.insert(0, str(REPO))
-    from shared.lm_data import train_bpe_tokenizer
+    from lm_kit.data import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("dropout")
     tokenizer = train_bpe_tokenizer((f"def f{i}(x):\n    return x * {i}\n" for i in range(200)), vocab_size=300)

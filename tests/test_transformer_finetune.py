@@ -387,7 +387,7 @@ def decoder_runs(tmp_path_factory):
     LLM recipe. Before the recipe set a pad token: ValueError: Cannot handle batch sizes > 1 if no padding token."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.lm_data import train_bpe_tokenizer
+    from lm_kit.data import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("decoder")
     texts = [f"sample number {i} about {'cats that purr' if i % 2 else 'dogs that bark'}" for i in range(40)]
@@ -593,7 +593,7 @@ def test_the_task_is_read_from_the_labels_and_numbers_are_checked():
     scores were read as class names and refused with "labels never seen in training ... fix the data or the split"."""
     import datasets
 
-    from shared.classification import choose_task, read_labels
+    from classifier_kit.classification import choose_task, read_labels
     from shared.runtime import RecipeError
 
     def splits(train, validation):
@@ -618,9 +618,9 @@ def test_the_correlation_metric_modules_load_offline_and_agree_with_scipy():
     import evaluate
     from scipy.stats import pearsonr, spearmanr
 
-    from shared import __file__ as shared_init
+    from classifier_kit import __file__ as kit_init
 
-    metrics = Path(shared_init).parent / "metrics"
+    metrics = Path(kit_init).parent / "metrics"
     predictions, references = [0.1, 2.0, 1.5, 4.0, 3.0], [0.0, 1.0, 2.0, 5.0, 3.5]
     combined = evaluate.combine([evaluate.load(str(metrics / name)) for name in ("pearsonr", "spearmanr")])
     scores = combined.compute(predictions=predictions, references=references)

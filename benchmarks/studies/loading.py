@@ -9,7 +9,8 @@
     python benchmarks/studies/loading.py low_ram --output_dir outputs/low_ram_loading --repeats 3
 
 ``qlora``: QLoRA under FSDP2, loaded within each card: the memory that loading adds per process, for the
-layer-by-layer loader (``shared/sharded_4bit.py``, what ``recipes/llm_finetune.py`` uses under an FSDP config) beside
+layer-by-layer loader (``recipes/llm_kit/sharded_4bit.py``, what ``recipes/llm_finetune.py`` uses under an FSDP
+config) beside
 the whole-model loader it replaced (``from_pretrained`` quantizing the whole model where it loads it), under
 ``fsdp_2gpu.yaml`` and ``fsdp_offload_2gpu.yaml``, in 2 processes, on a Llama-shaped model made here (1.1B parameters,
 TinyLlama's shape, bf16 safetensors, random weights). Then the recipe itself, QLoRA in 1 process and in 2 under each
@@ -47,7 +48,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # the benchmarks' library (lib/), shared/ and tools/
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # lib/, shared/ and tools/, the kits
 from lib.launch import accelerate_launch, launch_and_wait
 from lib.machine import library_versions, machine_info  # CPU model and flags, RAM, GPUs: as every record
 
@@ -90,8 +91,8 @@ def make_model(folder: Path, preset: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.data import stdlib_questions
-    from shared.lm_data import train_bpe_tokenizer
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     questions = stdlib_questions()["train"].select(range(64))
@@ -147,7 +148,7 @@ def worker(args) -> None:
     from shared.fsdp import wrap_at_blocks
     from shared.model_split import find_block_list
     from shared.runtime import build_accelerator
-    from shared.sharded_4bit import empty_4bit_model, load_4bit_sharded
+    from llm_kit.sharded_4bit import empty_4bit_model, load_4bit_sharded
 
     accelerator = build_accelerator(
         mixed_precision="bf16", project_config=ProjectConfiguration(project_dir=str(args.output_dir))
@@ -320,9 +321,9 @@ def low_ram_model(folder: Path, model_size: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.data import stdlib_questions
-    from shared.lm_data import train_bpe_tokenizer
-    from shared.model_presets import MODEL_PRESETS
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
+    from lm_kit.presets import MODEL_PRESETS
 
     questions = stdlib_questions()
     tokenizer = train_bpe_tokenizer((m["content"] for row in questions["train"] for m in row["messages"]), 8192)
@@ -439,7 +440,7 @@ def main(argv=None) -> None:
         "--output_dir", type=Path, required=True, help="Where the model, the runs and low_ram_loading.json go."
     )
     low_ram_parser.add_argument(
-        "--model_size", default="350m", help="A preset of shared/model_presets.py (random weights)."
+        "--model_size", default="350m", help="A preset of recipes/lm_kit/presets.py (random weights)."
     )
     low_ram_parser.add_argument("--repeats", type=int, default=3, help="A B rounds.")
     args = parser.parse_args(argv)

@@ -34,10 +34,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_s
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-from shared.lm_data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer
-from shared.lm_model import optimizer_groups  # the recipes' own AdamW groups, not a copy
-from shared.model_presets import MODEL_PRESETS
-from shared.results import peak_memory_gib, percentile
+sys.path.insert(0, str(REPO / "recipes"))  # the LM recipes' kit, lm_kit/
+from lm_kit.data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
+from lm_kit.model import optimizer_groups  # noqa: E402  (the recipes' own AdamW groups, not a copy)
+from lm_kit.presets import MODEL_PRESETS  # noqa: E402
+from shared.results import peak_memory_gib, percentile  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,10 +11,10 @@ Every round launches A, the recipe through its own command line, then B, TRL (``
 ``--config_file ddp_2gpu.yaml``), ``--repeats`` rounds A B A B. One ``settings`` dict gives both sides everything
 they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both derived from it.
 - Model: a Llama of the preset's shape with random weights (seed 0), saved once, and a byte-level BPE tokenizer trained
-  on the data (``shared.lm_data.train_bpe_tokenizer``) whose chat template is the recipe's default one plus TRL's
+  on the data (``lm_kit.data.train_bpe_tokenizer``) whose chat template is the recipe's default one plus TRL's
   ``{% generation %}`` markers (both render the same text; the markers tell TRL which tokens are the answer).
-- Data: ``shared.data.stdlib_questions()`` (what does this standard-library function do? -> its docstring), written to
-  JSONL files in the ``messages`` format, read by both.
+- Data: ``llm_kit.sft_data.stdlib_questions()`` (what does this standard-library function do? -> its docstring),
+  written to JSONL files in the ``messages`` format, read by both.
 - Loss: assistant tokens only. The recipe's labels; TRL ``assistant_only_loss=True`` (``completion_only_loss`` is for
   prompt/completion data). Both normalise a step's loss by all answer tokens of the global batch (TRL through
   Trainer's ``num_items_in_batch``). The worker checks that TRL's tokens and labels equal the recipe's
@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # the benchmarks' library (lib/), and shared/
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # lib/, shared/, the recipes' kits
 from lib.launch import accelerate_launch, launch_and_wait, run_as_main
 from lib.machine import library_versions, machine_info  # CPU model and flags, GPUs, versions: as every record
 from lib.records import equal_work, unequal_work_text  # the work-per-step check of every comparison
@@ -204,8 +204,8 @@ def build_inputs(work: Path, settings: dict) -> tuple[Path, Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.data import stdlib_questions
-    from shared.lm_data import train_bpe_tokenizer
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
 
     shape = settings["model"]
     model_dir = work / ("model-" + "-".join(map(str, shape.values())) + f"-tok{settings['tokenizer_vocab_size']}")
@@ -498,7 +498,7 @@ def trl_worker(args) -> None:
 def check_labels(trainer, tokenizer, raw: dict, s: dict) -> dict:
     """Whether TRL's tokens and labels equal the recipe's ``tokenize_sample`` for every sample (the validation set
     always; the training set when it is not packed, since packing regroups it)."""
-    from shared.sft_data import tokenize_sample  # what the recipe tokenizes with
+    from llm_kit.sft_data import tokenize_sample  # what the recipe tokenizes with
 
     checked, differing = 0, []
     pairs = [("validation", trainer.eval_dataset)] + ([] if s["packing"] else [("train", trainer.train_dataset)])
@@ -546,7 +546,7 @@ def step_breakdown(settings: dict, steps: list[int], repeats: int) -> dict:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
     from trl.trainer.utils import add_fused_lm_head
 
-    from shared.sft_data import tokenize_sample  # what the recipe tokenizes with
+    from llm_kit.sft_data import tokenize_sample  # what the recipe tokenizes with
 
     spec = importlib.util.spec_from_file_location("llm_finetune", RECIPE)
     recipe = importlib.util.module_from_spec(spec)

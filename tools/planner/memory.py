@@ -67,7 +67,7 @@ the GPU holds, A = LoRA parameters, Q = parameters of the blocks' linear layers,
   (fsdp_cpu_ram_efficient_loading); QLoRA loads straight onto each GPU, the checkpoint is memory-mapped; under FSDP
   only the main process reads it, one 16-bit tensor at a time) and, with offload, the process's shard of the model
   state (pinned). ``--host_ram_gib`` (default: a typical target's RAM) is what the machine has. QLoRA under FSDP
-  loads one unit at a time, sharding each (shared/sharded_4bit.py): its load peak (this GPU's shards, every
+  loads one unit at a time, sharding each (recipes/llm_kit/sharded_4bit.py): its load peak (this GPU's shards, every
   quantization constant, one layer in 16 + 4 bits or one embeddings matrix in 16 bits, overhead) is reported beside
   the training peak and must fit too.
 

@@ -13,7 +13,7 @@ under single, ddp, fsdp and fsdp_offload only: no split is estimated for it.
 
 from __future__ import annotations
 
-from shared.model_presets import MODEL_PRESETS
+from lm_kit.presets import MODEL_PRESETS
 from shared.model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition
 from tools.planner.devices import device_estimate, host_ram, reference_copy
 from tools.planner.memory import (
@@ -93,7 +93,7 @@ def _sharded(name, shape, request, p, everything) -> dict:
         state = model_state_bytes(request["method"], p, shard["params"], shard["linear"], shard["adapter"])
         offloaded = int(sum(value for value, _ in state.values()) + shard["reference"] * p["compute"])
     # fsdp_2gpu.yaml: every process reads the checkpoint; fsdp_offload_2gpu.yaml: only the main process does.
-    # QLoRA: only the main process reads, one tensor at a time (shared/sharded_4bit.py).
+    # QLoRA: only the main process reads, one tensor at a time (recipes/llm_kit/sharded_4bit.py).
     qlora = request["method"] == "qlora"
     loaders = 1 if qlora or kind == "offload" else gpus
     return {"devices": devices, "identical": True,
@@ -171,7 +171,8 @@ def _summarize(name: str, setup: dict, shape: ModelShape, request: dict) -> None
 
 def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | None, str | None]:
     """QLoRA under FSDP2: recipes/llm_finetune.py builds the 4-bit model empty and loads it one unit at a time
-    (shared/sharded_4bit.py), sharding each before the next: every decoder layer is read in 16 bits onto the GPU and
+    (recipes/llm_kit/sharded_4bit.py), sharding each before the next: every decoder layer is read in 16 bits onto the
+    GPU and
     quantized there, then FSDP2 keeps this GPU's 1/N; the embeddings and the final norm + LM head are sharded first
     and each process copies its rows of every matrix out of the one 16-bit read. The GPU's peak while loading: its
     shard of everything (4-bit layers, adapter, the parts not in 4 bits in fp32; none under offload: they go to host

@@ -35,10 +35,10 @@ from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from .fsdp import keep_gathered_in_one_process
-from .model_split import find_block_list
-from .results import peak_memory_gib
-from .runtime import RecipeError
+from shared.fsdp import keep_gathered_in_one_process
+from shared.model_split import find_block_list
+from shared.results import peak_memory_gib
+from shared.runtime import RecipeError
 
 
 def empty_4bit_model(config, quantization, dtype: torch.dtype, trust_remote_code: bool = False):

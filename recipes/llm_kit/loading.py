@@ -14,10 +14,11 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .fsdp import available_host_ram, trained_weights_only_in_checkpoints
-from .model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
-from .results import per_rank
-from .runtime import RecipeError, main_process_alone
+from shared.fsdp import available_host_ram, trained_weights_only_in_checkpoints
+from shared.model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
+from shared.results import per_rank
+from shared.runtime import RecipeError, main_process_alone
+
 from .sharded_4bit import empty_4bit_model
 
 # Encoder-only architectures that AutoModelForCausalLM would load anyway (BertLMHeadModel ...), but are not causal LMs.
@@ -122,7 +123,7 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
         load_device = {"": "cpu"} if devices else {"": str(accelerator.device)}
         if accelerator.is_fsdp2:
             # Under FSDP2 not even one GPU's worth: built empty, its weights come in one decoder layer at a time,
-            # each sharded before the next (shared/sharded_4bit.py), once LoRA is in place.
+            # each sharded before the next (llm_kit/sharded_4bit.py), once LoRA is in place.
             model = empty_4bit_model(config, quantization, dtype, trust_remote_code)
             keep_4bit_weights_trainable(model)
             return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)

@@ -8,8 +8,9 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from .model_presets import MODEL_PRESETS
-from .runtime import RecipeError
+from shared.runtime import RecipeError
+
+from .presets import MODEL_PRESETS
 
 
 def lm_config(args, num_stages: int, parallelism: str, check=None):

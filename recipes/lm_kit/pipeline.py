@@ -27,9 +27,10 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .lm_eval import perplexity_results
-from .model_split import block_ranges
-from .runtime import RecipeError
+from shared.model_split import block_ranges
+from shared.runtime import RecipeError
+
+from .eval import perplexity_results
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
@@ -332,7 +333,7 @@ def clip_grad_norm_across_stages(parameters, max_norm: float, device: torch.devi
 
 # ----------------------------------------------------------------------------- evaluation
 def evaluate_pipeline(accelerator, pipeline: Pipeline, eval_dataloader, batch_size: int) -> dict:
-    """Validation loss and perplexity over the whole validation set (``shared.lm_eval.perplexity_results``), through
+    """Validation loss and perplexity over the whole validation set (``lm_kit.eval.perplexity_results``), through
     the pipeline's ``eval_schedule``.
 
     Every stage reads the whole (unsharded) validation set. Stages exchange fixed-shape buffers, so a short last batch

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 from datasets import Dataset, DatasetDict, load_dataset
 
-from .data import TEST_FOLDERS, stdlib_root
-from .runtime import RecipeError
+from shared.data import TEST_FOLDERS, stdlib_root
+from shared.runtime import RecipeError
 
 # Not ordinary source: test suites (generated data, fixtures), codec tables (walls of hex), whatever pip installed.
 EXCLUDED_STDLIB_FOLDERS = {"site-packages", "dist-packages", "encodings"} | TEST_FOLDERS

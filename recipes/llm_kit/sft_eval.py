@@ -10,7 +10,8 @@ import math
 import datasets
 import torch
 
-from .runtime import main_process_alone
+from shared.runtime import main_process_alone
+
 from .sft_data import prompt_of
 
 

@@ -9,19 +9,22 @@ the three formats, and refuses bad rows by their place in the file."""
 
 from __future__ import annotations
 
+import ast
 import bisect
 import collections
+import hashlib
 import json
+import platform
 from pathlib import Path
 
 import datasets
 import torch
 from transformers import AutoTokenizer, DataCollatorWithFlattening
 
-from .data import stdlib_names
-from .runtime import RecipeError, stop_if_found, tokenizer_problem
+from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, data_file_builder, in_validation_split, split_by_column
+from shared.data import stdlib_root
+from shared.runtime import RecipeError, stop_if_found, tokenizer_problem
 
-DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 ROLES = {"system", "user", "assistant"}
 # For tokenizers without a chat template: every message is "<|role|>\n" + content + the end-of-sequence token, and the
 # generation prompt is "<|assistant|>\n" (the tags are plain text, not new tokens, so the vocabulary stays as it is).
@@ -56,17 +59,7 @@ def load_raw_datasets(train_file: str | None = None, validation_file: str | None
     under ``main_process_first``."""
     if train_file:
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
-        for split, file in files.items():
-            if not Path(file).is_file():
-                raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
-            if not Path(file).stat().st_size or (Path(file).suffix.lower() != ".parquet"
-                                                 and not Path(file).read_bytes().strip()):
-                raise RecipeError(f"--{split}_file {file!r} is empty: it needs at least one sample.")
-        suffixes = {Path(file).suffix.lower() for file in files.values()}
-        if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
-            raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got "
-                              f"{sorted(files.values())}.")
-        builder = DATA_FILE_BUILDERS[suffixes.pop()]
+        builder = data_file_builder(files, needs="at least one sample")
         raw = {}
         for split, file in files.items():  # one at a time, so that an error can name the file
             try:
@@ -321,3 +314,76 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
                 open_bins[space] = collections.deque()
             open_bins[space].append(number)
     return bins
+
+
+def public_definitions(stdlib: str, packages: list[str]):
+    """``(module, node)`` for every public top-level function and class of ``packages`` (test folders aside), read
+    with ``ast``: what the offline question sets ask about."""
+    root = Path(stdlib)
+    for package in sorted(packages):
+        files = [p for p in (root / package).rglob("*.py") if not TEST_FOLDERS & set(p.relative_to(root).parts)]
+        for path in sorted(files):
+            module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            for top in tree.body:
+                if isinstance(top, (ast.FunctionDef, ast.ClassDef)) and not top.name.startswith("_"):
+                    yield module, top
+
+
+def _question_rows(stdlib: str, cache_key: str, packages: list[str], validation_percent: int):
+    """One conversation per documented public function: its call as the question, its docstring's first paragraph as
+    the answer (``cache_key``: the Python version and this code's version, which ``datasets`` keys its cache on)."""
+    # Public functions, and public methods of public classes (grouped by class for the split).
+    for module, top in public_definitions(stdlib, packages):
+        methods = [node for node in top.body if isinstance(node, ast.FunctionDef)]
+        for node in [top] if isinstance(top, ast.FunctionDef) else methods:
+            answer = (ast.get_docstring(node) or "").split("\n\n")[0]
+            if len(answer) > 40 and not node.name.startswith("_"):
+                name = f"{module}.{top.name}" + (f".{node.name}" if node is not top else "")
+                held_out = in_validation_split(f"{module}:{top.name}", validation_percent)
+                split = "validation" if held_out else "train"
+                question = f"What does {name}({ast.unparse(node.args)}) do?"
+                messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+                yield {"messages": messages, "split": split}
+
+
+def stdlib_questions(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
+    """Questions about standard-library functions answered by their docstrings, as ``messages`` conversations
+    (``train``/``validation``): the offline default of ``recipes/llm_finetune.py``. Call under main_process_first."""
+    rows = datasets.Dataset.from_generator(_question_rows, gen_kwargs={
+        "stdlib": str(stdlib_root()), "cache_key": f"{platform.python_version()}-v1", "packages": sorted(packages),
+        "validation_percent": validation_percent})
+    return split_by_column(rows)
+
+
+def _name_rows(stdlib: str, cache_key: str, packages: list[str], validation_percent: int):
+    """Is this dotted name (read with ``ast``) a class, a function or a method? Asked of every public top-level
+    function and class, and of one public method per class (picked by md5), so that methods do not outnumber the
+    rest 4 to 1. The answer follows from the name by Python's naming conventions, which a model can learn."""
+    for module, top in public_definitions(stdlib, packages):
+        name = f"{module}.{top.name}"
+        names = [(name, "class" if isinstance(top, ast.ClassDef) else "function")]
+        methods = [node.name for node in getattr(top, "body", []) if isinstance(top, ast.ClassDef)
+                   and isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+        if methods:
+            names.append((f"{name}.{methods[int(hashlib.md5(name.encode()).hexdigest(), 16) % len(methods)]}",
+                          "method"))
+        # Split by top-level definition: a class and its method are on one side.
+        split = "validation" if in_validation_split(f"{module}:{top.name}", validation_percent) else "train"
+        for asked, kind in names:
+            question = f"Is `{asked}` a class, a function or a method?"
+            messages = [{"role": "user", "content": question}, {"role": "assistant", "content": kind}]
+            yield {"messages": messages, "split": split}
+
+
+def stdlib_names(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
+    """Is a standard-library name a class, a function or a method: one-word answers, as ``messages`` conversations
+    (``train``/``validation``, held out by top-level definition), the offline default of ``recipes/llm_finetune.py``.
+    ``datasets`` caches them by ``cache_key``: change its version with the code. Call under ``main_process_first``."""
+    rows = datasets.Dataset.from_generator(_name_rows, gen_kwargs={
+        "stdlib": str(stdlib_root()), "cache_key": f"{platform.python_version()}-v2", "packages": sorted(packages),
+        "validation_percent": validation_percent})
+    return split_by_column(rows)

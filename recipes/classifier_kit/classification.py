@@ -4,7 +4,9 @@ problem is one readable paragraph (``RecipeError``) that names the file, column 
 
 from __future__ import annotations
 
+import ast
 import os
+import platform
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -12,10 +14,9 @@ from pathlib import Path
 import datasets
 from transformers import AutoConfig
 
-from .data import stdlib_docstrings
-from .runtime import RecipeError
-
-DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, data_file_builder, in_validation_split, split_by_column
+from shared.data import stdlib_root
+from shared.runtime import RecipeError
 
 
 def load_splits(train_file: str | None, validation_file: str | None, dataset_name: str | None,
@@ -24,19 +25,9 @@ def load_splits(train_file: str | None, validation_file: str | None, dataset_nam
     Hub data set (its test split stands in for a missing validation split), or the offline default (docstrings)."""
     if train_file:
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
-        for split, file in files.items():
-            if not Path(file).is_file():
-                raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
-            if not Path(file).stat().st_size or (Path(file).suffix.lower() != ".parquet"
-                                                 and not Path(file).read_bytes().strip()):
-                raise RecipeError(f"--{split}_file {file!r} is empty: it needs at least one row (a CSV: a header "
-                                  "line and rows).")
-        suffixes = {Path(file).suffix.lower() for file in files.values()}
-        if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
-            raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got "
-                              f"{sorted(files.values())}.")
+        builder = data_file_builder(files, needs="at least one row (a CSV: a header line and rows)")
         try:
-            raw = datasets.load_dataset(DATA_FILE_BUILDERS[suffixes.pop()], data_files=files)
+            raw = datasets.load_dataset(builder, data_files=files)
         except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
             empty_split = re.search(r'Instruction "(\w+)" corresponds to no data', str(error))
             if empty_split:
@@ -193,3 +184,39 @@ def load_model_config(name: str, label_names: list[str] | None, max_length: int,
                           f"{config.max_position_embeddings}). Use --max_length {config.max_position_embeddings} or "
                           "less.")
     return config
+
+
+def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_chars: int, validation_percent: int):
+    """One row per docstring: text, label (package), source (file:group), split (``python_version``: the cache key)."""
+    root = Path(stdlib)
+    for package in sorted(packages):
+        for path in sorted((root / package).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            if TEST_FOLDERS & set(path.relative_to(root).parts):
+                continue
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError):
+                continue
+            # The module docstring is its own group; each top-level definition groups its nested ones.
+            groups = [("<module>", [tree])]
+            groups += [(node.name, list(ast.walk(node))) for node in tree.body if hasattr(node, "name")]
+            for group_name, nodes in groups:
+                source = f"{relative}:{group_name}"
+                split = "validation" if in_validation_split(source, validation_percent) else "train"
+                for node in nodes:
+                    if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                        docstring = ast.get_docstring(node)
+                        if docstring and len(docstring) > min_chars:
+                            yield {"text": docstring, "label": package, "source": source, "split": split}
+
+
+def stdlib_docstrings(packages=DOCSTRING_PACKAGES, min_chars: int = 40,
+                      validation_percent: int = 20) -> datasets.DatasetDict:
+    """Docstrings of the standard library labelled by their top-level package (topic classification): ``train`` and
+    ``validation`` with ``text``, ``label`` (the package name) and ``source``. Built once per Python installation, then
+    read from the ``datasets`` cache: call it under ``accelerator.main_process_first()``."""
+    rows = datasets.Dataset.from_generator(_docstring_rows, gen_kwargs={
+        "stdlib": str(stdlib_root()), "python_version": platform.python_version(), "packages": sorted(packages),
+        "min_chars": min_chars, "validation_percent": validation_percent})
+    return split_by_column(rows)

@@ -1,0 +1,2 @@
+"""What ``recipes/transformer_finetune.py`` alone uses: its data and labels (``classification.py``) and the offline
+evaluate metric modules (``metrics/``). Copy it with the recipe and ``shared/``."""
