@@ -60,6 +60,7 @@ def test_every_copied_recipe_imports_the_copied_shared(tmp_path, layout):
             assert (tmp_path / "project" / "shared" / "metrics" / "accuracy" / "accuracy.py").is_file()
 
 
+@pytest.mark.slow
 def test_a_copied_fine_tune_trains_saves_and_evaluates(tmp_path):
     """The case that crashed after training and lost the model: shared/ beside the recipe, evaluation's metric
     modules looked up one folder too high."""
