@@ -245,12 +245,40 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"
 
 
+@pytest.fixture(scope="module")
+def short_launches(tmp_path_factory):
+    """Independent short launches of the tests below, two at a time (each mostly waits for imports). The port test's
+    port is held busy until every launch has ended."""
+    root = tmp_path_factory.mktemp("short_launches")
+    scripts = Path(__file__).parent / "scripts"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        jobs = {
+            "rank0_refuses": Job("ddp_2gpu.yaml", scripts / "rank0_refuses.py", (root / "rank0_refuses",)),
+            "main_process_alone": Job("ddp_2gpu.yaml", scripts / "main_process_alone.py", ("2", "6")),
+            "port_in_use": Job(
+                "ddp_2gpu.yaml",
+                TOY,
+                ("--output_dir", root / "port_in_use", "--max_train_steps", "2"),
+                kwargs={"launch_args": ("--main_process_port", str(port))},
+            ),
+            "missing_config": Job(root / "missing.yaml", TOY, ("--output_dir", root / "missing_config")),
+        }
+        (root / "rank0_refuses").mkdir()
+        runs = launch_all(jobs)
+    return {"root": root, "port": port, "runs": runs}
+
+
 @pytest.mark.slow
-def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launcher_ends_with_the_paragraph(tmp_path):
+def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launcher_ends_with_the_paragraph(
+    short_launches,
+):
     """Rank 0 refuses (one paragraph) while rank 1 waits in a barrier. Rank 1 says in one line that rank 0 ended first
     (no gloo 'Connection closed by peer' traceback), and the launcher's closing box shows rank 0's paragraph as the
     root cause (it showed 'To enable traceback see: ...')."""
-    run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "rank0_refuses.py", tmp_path)
+    run = short_launches["runs"]["rank0_refuses"]
     assert run.returncode != 0
     assert "[rank 0] error: --train_file 'nope.jsonl' does not exist" in run.output
     assert "[rank 1] stopped: rank 0 ended first, at step 0 (start-up)" in run.output, run.output
@@ -260,11 +288,11 @@ def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launche
 
 
 @pytest.mark.slow
-def test_the_main_process_may_work_alone_longer_than_dist_timeout():
+def test_the_main_process_may_work_alone_longer_than_dist_timeout(short_launches):
     """A merge (--merge_and_save) or the default base model's pretraining runs on the main process while the others
     wait: 6 s of work under --dist_timeout 2. Waiting in wait_for_everyone would fail after 2 s with gloo's timeout;
     shared.runtime.main_process_alone waits untimed, and the group still works after it."""
-    run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "main_process_alone.py", "2", "6")
+    run = short_launches["runs"]["main_process_alone"]
     assert run.returncode == 0, str(run)
     assert run.output.count("waited 6.0 s for the main process with --dist_timeout 2.0") == 2
 
@@ -470,25 +498,13 @@ def test_save_on_each_node_lets_machines_without_a_shared_disk_resume(saved_on_e
 
 
 @pytest.mark.slow
-def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(tmp_path):
+def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(short_launches):
     """Accelerate 1.16 checks the port on a single machine: busy -> warn, pick a free one, go on.
     The run must still be real 2-process DDP, not a silent fallback to one process."""
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        run = launch_ok(
-            "ddp_2gpu.yaml",
-            TOY,
-            "--output_dir",
-            tmp_path,
-            "--max_train_steps",
-            "2",
-            launch_args=("--main_process_port", str(port)),
-            timeout=120,
-        )
+    run, port = short_launches["runs"]["port_in_use"], short_launches["port"]
+    assert run.returncode == 0, str(run)
     assert f"Port `{port}` is already in use" in run.output
-    assert read_results(tmp_path)["num_processes"] == 2
+    assert read_results(short_launches["root"] / "port_in_use")["num_processes"] == 2
 
 
 def test_every_rank_writes_its_error_as_a_line_of_its_own(monkeypatch):
@@ -523,8 +539,8 @@ def test_an_error_every_rank_hits_is_printed_once(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_missing_config_file_is_reported(tmp_path):
-    run = launch(tmp_path / "missing.yaml", TOY, "--output_dir", tmp_path)
+def test_missing_config_file_is_reported(short_launches):
+    run = short_launches["runs"]["missing_config"]
     assert run.returncode != 0
     assert "does not exist" in run.output and "missing.yaml" in run.output
 
