@@ -31,6 +31,7 @@ def plain_env() -> dict:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
+@pytest.mark.slow  # a process per layout importing all five recipes: the fast lane's largest cost
 @pytest.mark.parametrize("layout", ["beside", "one_up"])
 def test_every_copied_recipe_imports_the_copied_shared(tmp_path, layout):
     recipes = copy_project(tmp_path / "project", layout)
