@@ -27,6 +27,10 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "accelerate_configs"
+# The ``config`` that runs ``python SCRIPT ARGS`` instead of ``accelerate launch``: one process, and no launcher
+# importing torch before the script does (a few seconds a run). For refusals a single process sees before any
+# training, where what is checked is the message; a refusal that must be printed once by 2 processes is launched.
+ONE_PROCESS = None
 RECIPES = REPO / "recipes"
 RUN_MARKER = "TWO_GPU_RECIPES_TEST_RUN"
 OBSERVER = Path(__file__).resolve().parent / "observer"
@@ -79,25 +83,30 @@ class Launch:
 
     def __init__(
         self,
-        config: str | Path,
+        config: str | Path | None,
         script: str | Path,
         *args,
         env: dict | None = None,
         launch_args: tuple[str, ...] = (),
         cpu_only: bool | None = None,
     ):
-        config_path = config if Path(config).is_absolute() else CONFIGS / config
         script_path = script if Path(script).is_absolute() else RECIPES / script
-        self.command = [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--config_file",
-            str(config_path),
-            *map(str, launch_args),
-            str(script_path),
-            *map(str, args),
-        ]
+        if config is None:  # ``python SCRIPT ARGS``: one process, no launcher (see ``ONE_PROCESS``)
+            assert not launch_args, "launch_args need accelerate launch"
+            config_path = None
+            self.command = [sys.executable, str(script_path), *map(str, args)]
+        else:
+            config_path = config if Path(config).is_absolute() else CONFIGS / config
+            self.command = [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                str(config_path),
+                *map(str, launch_args),
+                str(script_path),
+                *map(str, args),
+            ]
         self.marker = uuid.uuid4().hex
         full_env = {
             **os.environ,
@@ -112,7 +121,8 @@ class Launch:
             RUN_MARKER: self.marker,
         }
         if cpu_only is None:  # more processes than GPUs: CPU processes (NCCL refuses two ranks on one GPU)
-            cpu_only = launched_processes(Path(config_path), launch_args) > visible_gpus()
+            processes = 1 if config_path is None else launched_processes(Path(config_path), launch_args)
+            cpu_only = processes > visible_gpus()
         if cpu_only:
             full_env["CUDA_VISIBLE_DEVICES"] = ""
         self.cpu_only = cpu_only
@@ -183,7 +193,8 @@ def launch(
     launch_args: tuple[str, ...] = (),
     cpu_only: bool | None = None,
 ) -> Run:
-    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end.
+    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end
+    (``python SCRIPT ARGS`` where CONFIG is ``ONE_PROCESS``).
     ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs)."""
     return Launch(config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only).finish(timeout)
 
@@ -243,7 +254,7 @@ class Job:
     """One launch for ``launch_all``. ``after``: a job whose outputs this one reads (e.g. a checkpoint);
     ``prepare``: called just before the launch (e.g. to copy those outputs into place)."""
 
-    config: str | Path
+    config: str | Path | None
     script: str | Path
     args: tuple = ()
     env: dict | None = None
@@ -267,7 +278,7 @@ def launch_all(jobs: dict, cpu_only: bool | None = None, workers: int = 2) -> di
             return Run(1, f"not launched: {job.after}, whose outputs it needs, failed")
         if job.prepare is not None:
             job.prepare()
-        return launch(job.config, job.script, *job.args, env=job.env, cpu_only=cpu_only, **job.kwargs)
+        return launch(job.config, job.script, *job.args, env=job.env, **{"cpu_only": cpu_only, **job.kwargs})
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for name, job in jobs.items():

@@ -61,6 +61,7 @@ def bench(tmp_path_factory):
     return {"root": root, "out": out, "first": first, "records": records}
 
 
+@pytest.mark.slow
 def test_runs_recorded_with_the_schema(bench):
     records = bench["records"]
     ok = {record["setup"]: record for record in records.values() if record["status"] == "ok"}
@@ -84,6 +85,7 @@ def test_runs_recorded_with_the_schema(bench):
     assert {record["purpose"] for record in records.values()} == {"smoke"}  # failed and skipped runs too
 
 
+@pytest.mark.slow
 def test_failed_run_recorded_and_others_go_on(bench):
     assert bench["first"].returncode == 1  # a failed run makes the runner's exit code non-zero
     failed = bench["records"]["broken__missing-script__r0"]
@@ -92,6 +94,7 @@ def test_failed_run_recorded_and_others_go_on(bench):
     assert skipped["status"] == "skipped" and "no_such_config.yaml" in skipped["reason"]
 
 
+@pytest.mark.slow
 def test_summary_table_and_plots(bench):
     out, stdout = bench["out"], bench["first"].stdout
     for text in (
@@ -111,6 +114,7 @@ def ratio_lines(text: str) -> list[str]:
     return [line for line in section.splitlines()[2:] if line.startswith("| ")]
 
 
+@pytest.mark.slow
 def test_smoke_summary_is_a_plumbing_check_that_judges_no_target(bench):
     """A new user's smoke run reads as what it is: one line at the top says the numbers check the plumbing and mean
     nothing, and no ratio is judged against its target or shown in bold."""
@@ -126,6 +130,7 @@ def test_smoke_summary_is_a_plumbing_check_that_judges_no_target(bench):
         assert ">= 0.92" not in report and "<= 1.02" not in report
 
 
+@pytest.mark.slow
 def test_accuracy_table_tells_two_runs_apart(bench, tmp_path):
     """Two folders with the same setups (two machines, two commits): each accuracy row names its input and the seeds
     of its runs, so no two rows read alike. The same records without the smoke marking are judged again."""
@@ -156,6 +161,7 @@ def test_accuracy_table_tells_two_runs_apart(bench, tmp_path):
     assert sum(" met |" in row or " missed |" in row for row in judged) == 2, judged  # ddp efficiency and overhead
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_runs(bench):
     before = {path.name: path.read_text() for path in (bench["out"] / "runs").glob("lm-*.json")}
     again = cli(
@@ -173,6 +179,7 @@ def test_rerun_skips_finished_runs(bench):
     assert before == {path.name: path.read_text() for path in (bench["out"] / "runs").glob("lm-*.json")}
 
 
+@pytest.mark.slow
 def test_regression_gate(bench, tmp_path):
     baseline, same, doctored = tmp_path / "baseline", tmp_path / "same", tmp_path / "doctored"
     for folder in (baseline, same, doctored):
@@ -447,6 +454,7 @@ def test_gpu_check_qlora_split_verdict_reads_the_load_peak():
     assert gpu_check.split_peaks_verdict("s", two_ranks, whole)["peaks"] == {"rank0/cuda:0": 0.1, "rank1/cuda:1": 0.35}
 
 
+@pytest.mark.slow
 def test_gpu_check_two_rank_probe_runs_on_the_cpu():
     """The one-GPU probe of the collectives DDP and FSDP2 need, as two gloo ranks on one device: here the CPU."""
     import gpu_check
@@ -517,6 +525,7 @@ def test_ddp_scaling_compares_the_work_of_each_process():
     assert row(4096)["ratio"] is None  # 2 processes sharing one process's batch
 
 
+@pytest.mark.slow
 def test_vs_trl_refuses_to_judge_sides_of_unequal_work(tmp_path, monkeypatch):
     """vs_trl.py records each side's real tokens and samples per optimizer step (``equal_work`` in vs_trl.json); where
     they differ by more than 1 % (steps of 4 x 2 samples against 4 x 2 packed rows of 2,048 tokens, at the gpu-1b

@@ -52,6 +52,7 @@ def runs(tmp_path_factory):
     return {name: {"run": run, "dir": root / name} for name, run in launch_all(jobs, workers=len(jobs)).items()}
 
 
+@pytest.mark.slow
 def test_two_processes_sweep_and_verify_every_size(runs):
     run = runs["ddp"]["run"]
     assert run.returncode == 0, str(run)
@@ -70,6 +71,7 @@ def test_two_processes_sweep_and_verify_every_size(runs):
     assert setup["config"]["iterations"] == 3 and setup["config"]["sizes_mb"] == [1, 4]
 
 
+@pytest.mark.slow
 def test_two_processes_report_backend_devices_and_versions(runs):
     setup = read_setup(runs["ddp"]["dir"])
     versions = setup["versions"]
@@ -88,6 +90,7 @@ def test_two_processes_report_backend_devices_and_versions(runs):
     assert all(entry["busbw_vs_peak"] is None for entry in setup["allreduce"]["sizes"])
 
 
+@pytest.mark.slow
 def test_summary_is_printed_once(runs):
     output = runs["ddp"]["run"].output
     assert output.count("all-reduce sweep: 2 processes over") == 1
@@ -95,6 +98,7 @@ def test_summary_is_printed_once(runs):
     assert "BROKEN" not in output
 
 
+@pytest.mark.slow
 def test_one_process_skips_the_sweep_but_reports_devices(runs):
     run = runs["single"]["run"]
     assert run.returncode == 0, str(run)
@@ -107,6 +111,7 @@ def test_one_process_skips_the_sweep_but_reports_devices(runs):
     assert "all-reduce sweep: skipped, 1 process" in run.output
 
 
+@pytest.mark.slow
 def test_a_link_that_corrupts_data_is_reported_broken(runs):
     """Proof that the verification can fail: rank 1 adds 1 to element 7 of every checked result."""
     run = runs["broken"]["run"]

@@ -71,6 +71,7 @@ def plain_env() -> dict:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
+@pytest.mark.slow  # a process per layout importing all five recipes: the fast lane's largest cost
 @pytest.mark.parametrize("layout", ["beside", "one_up"])
 def test_every_copied_unit_imports_its_own_copy(tmp_path, layout):
     projects = {name: tmp_path / name.removesuffix(".py") for name in RECIPES}
@@ -109,6 +110,7 @@ def test_every_copied_unit_imports_its_own_copy(tmp_path, layout):
             assert (project / metrics_dir / "accuracy" / "accuracy.py").is_file()
 
 
+@pytest.mark.slow
 def test_a_copied_fine_tune_trains_saves_and_evaluates(tmp_path):
     """The case that crashed after training and lost the model: the recipe copied with its unit, evaluation's metric
     modules looked up where the copy does not have them."""

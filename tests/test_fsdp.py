@@ -115,6 +115,7 @@ def max_weight_difference(dir_a, dir_b) -> float:
     return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
 
 
+@pytest.mark.slow
 def test_auto_picks_fsdp_under_the_fsdp_config(runs):
     results = runs["fsdp"]["results"]
     assert (results["parallelism"], results["parallelism_requested"], results["distributed_type"]) == (
@@ -126,6 +127,7 @@ def test_auto_picks_fsdp_under_the_fsdp_config(runs):
     assert "fsdp: one unit per LlamaDecoderLayer" in runs["fsdp"]["log"]
 
 
+@pytest.mark.slow
 def test_fsdp_trains_like_ddp(runs):
     fsdp, ddp = runs["fsdp"]["results"], runs["ddp"]["results"]
     assert ddp["parallelism"] == "ddp"
@@ -136,6 +138,7 @@ def test_fsdp_trains_like_ddp(runs):
     assert fsdp["eval/perplexity"] == pytest.approx(ddp["eval/perplexity"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_parameters_are_sharded_dtensors(runs):
     """Every parameter is a DTensor and each process holds half of the model's elements."""
     sharding = runs["fsdp"]["results"]["fsdp/sharding"]
@@ -149,6 +152,7 @@ def test_parameters_are_sharded_dtensors(runs):
     assert sum(facts["local_numel"] for facts in sharding.values()) == sharding["rank0"]["global_numel"]
 
 
+@pytest.mark.slow
 def test_model_state_per_process_is_about_half_of_ddps(runs):
     """Parameters + gradients + AdamW state (exact tensor bytes): DDP holds all of it on every process."""
     fsdp, ddp = runs["fsdp"]["results"]["memory/model_state_bytes"], runs["ddp"]["results"]["memory/model_state_bytes"]
@@ -159,6 +163,7 @@ def test_model_state_per_process_is_about_half_of_ddps(runs):
             assert 0 < fsdp[rank][part] <= 0.55 * ddp[rank][part], (rank, part)
 
 
+@pytest.mark.slow
 def test_checkpoint_is_sharded_and_resumes_to_the_same_end(runs):
     checkpoint = runs["fsdp"]["dir"] / "checkpoints" / "step_000002"
     # torch.distributed.checkpoint: each process wrote its own shard of the model and of the optimizer.
@@ -172,6 +177,7 @@ def test_checkpoint_is_sharded_and_resumes_to_the_same_end(runs):
     assert max_weight_difference(runs["resumed"]["dir"], runs["fsdp"]["dir"]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_saves_fewer_activations_and_gives_the_same_losses(runs):
     """The resumed run recomputed its activations (non-reentrant checkpointing inside FSDP units): in every process,
     autograd kept far fewer bytes for each backward than the uninterrupted run did for the same micro-batches (4 blocks
@@ -190,6 +196,7 @@ def test_gradient_checkpointing_saves_fewer_activations_and_gives_the_same_losse
     assert np.max(np.abs(curve - reference) / np.abs(reference)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_cpu_offload_really_offloads_and_trains_like_fsdp(runs):
     """Every FSDP2 parameter of the offload run is under FSDP2's CPUOffloadPolicy, none of the fsdp_2gpu.yaml run's,
     and the steps are FSDP's (``assert_offloaded_apart_from_plain`` in tests/launch.py: what differs on which
@@ -202,6 +209,7 @@ def test_cpu_offload_really_offloads_and_trains_like_fsdp(runs):
     assert max_weight_difference(runs["offload"]["dir"], runs["fsdp"]["dir"]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_saved_model_is_whole_and_loads(runs):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -219,6 +227,7 @@ def test_saved_model_is_whole_and_loads(runs):
     assert tokenizer.decode(generated[0]) == results["sample/text"]
 
 
+@pytest.mark.slow
 def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
     from transformers import AutoModelForSequenceClassification
 

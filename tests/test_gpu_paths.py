@@ -81,6 +81,7 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
         assert [str(device) for device in split_devices(accelerator.device)] == ["cuda:0", "cpu"]
 
 
+@pytest.mark.slow
 @TWO_GPUS
 def test_object_collectives_go_through_each_ranks_own_gpu(tmp_path):
     run = launch_ok("ddp_2gpu.yaml", SCRIPTS / "object_collective.py")
@@ -89,6 +90,7 @@ def test_object_collectives_go_through_each_ranks_own_gpu(tmp_path):
     assert [(entry["device"], entry["current"]) for entry in seen["ranks"]] == [("cuda:0", 0), ("cuda:1", 1)]
 
 
+@pytest.mark.slow
 @TWO_GPUS
 def test_the_model_sharding_config_splits_the_fine_tune_over_both_gpus(tmp_path):
     launch_ok(
@@ -116,6 +118,7 @@ def test_the_model_sharding_config_splits_the_fine_tune_over_both_gpus(tmp_path)
     assert set(results["memory/peak_gib"]) == {"cuda:0", "cuda:1"}
 
 
+@pytest.mark.slow
 @ONE_GPU
 def test_mfu_is_recorded_against_this_gpus_peak(tmp_path):
     launch_ok(

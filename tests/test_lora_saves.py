@@ -4,9 +4,11 @@
 import json
 from pathlib import Path
 
+import pytest
 from launch import launch_ok
 
 
+@pytest.mark.slow
 def test_the_final_lora_save_under_fsdp_gathers_only_the_adapter(tmp_path):
     launch_ok("fsdp_2gpu.yaml", Path(__file__).parent / "scripts" / "fsdp_gather_adapter.py", tmp_path)
     ranks = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import psutil
 import pytest
-from launch import REPO, Job, Launch, launch, launch_all, launch_ok, read_results
+from launch import ONE_PROCESS, REPO, Job, Launch, launch, launch_all, launch_ok, read_results
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -45,6 +45,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     """Save every step (most of the run is then spent saving) and SIGKILL the run the moment a
     save is in progress. Every folder named step_N must be a complete, loadable checkpoint, and
@@ -187,18 +188,20 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
     assert "Nothing was loaded" in refused.value.message
 
 
+@pytest.mark.slow
 def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
-    missing = launch(
-        "single_gpu.yaml", TOY, "--output_dir", tmp_path / "a", "--resume_from_checkpoint", tmp_path / "nope"
+    missing = launch(  # refused in 1 process: no launcher
+        ONE_PROCESS, TOY, "--output_dir", tmp_path / "a", "--resume_from_checkpoint", tmp_path / "nope"
     )
     assert missing.returncode != 0 and "does not exist" in missing.output and "nope" in missing.output
     incomplete = tmp_path / "checkpoints" / "step_000010"
     incomplete.mkdir(parents=True)
     (incomplete / "model.safetensors").write_bytes(b"half a file")
-    run = launch("single_gpu.yaml", TOY, "--output_dir", tmp_path / "b", "--resume_from_checkpoint", incomplete)
+    run = launch(ONE_PROCESS, TOY, "--output_dir", tmp_path / "b", "--resume_from_checkpoint", incomplete)
     assert run.returncode != 0 and "is not a complete checkpoint" in run.output
 
 
+@pytest.mark.slow
 def test_a_killed_rank_ends_the_run_and_is_named(tmp_path):
     out = tmp_path / "run"
     run = Launch(
@@ -211,6 +214,7 @@ def test_a_killed_rank_ends_the_run_and_is_named(tmp_path):
     assert "rank      : 1 (local_rank: 1)" in result.output and "Signal 9 (SIGKILL)" in result.output
 
 
+@pytest.mark.slow
 def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_path):
     """A rank that stops answering (SIGSTOP: alive, silent) is the case --dist_timeout exists for: the other rank's
     collective fails after 5 s with gloo's timeout error, and on its way out writes output_dir/debug/: the error, the
@@ -241,11 +245,40 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"
 
 
-def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launcher_ends_with_the_paragraph(tmp_path):
+@pytest.fixture(scope="module")
+def short_launches(tmp_path_factory):
+    """Independent short launches of the tests below, two at a time (each mostly waits for imports). The port test's
+    port is held busy until every launch has ended."""
+    root = tmp_path_factory.mktemp("short_launches")
+    scripts = Path(__file__).parent / "scripts"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        jobs = {
+            "rank0_refuses": Job("ddp_2gpu.yaml", scripts / "rank0_refuses.py", (root / "rank0_refuses",)),
+            "main_process_alone": Job("ddp_2gpu.yaml", scripts / "main_process_alone.py", ("2", "6")),
+            "port_in_use": Job(
+                "ddp_2gpu.yaml",
+                TOY,
+                ("--output_dir", root / "port_in_use", "--max_train_steps", "2"),
+                kwargs={"launch_args": ("--main_process_port", str(port))},
+            ),
+            "missing_config": Job(root / "missing.yaml", TOY, ("--output_dir", root / "missing_config")),
+        }
+        (root / "rank0_refuses").mkdir()
+        runs = launch_all(jobs)
+    return {"root": root, "port": port, "runs": runs}
+
+
+@pytest.mark.slow
+def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launcher_ends_with_the_paragraph(
+    short_launches,
+):
     """Rank 0 refuses (one paragraph) while rank 1 waits in a barrier. Rank 1 says in one line that rank 0 ended first
     (no gloo 'Connection closed by peer' traceback), and the launcher's closing box shows rank 0's paragraph as the
     root cause (it showed 'To enable traceback see: ...')."""
-    run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "rank0_refuses.py", tmp_path)
+    run = short_launches["runs"]["rank0_refuses"]
     assert run.returncode != 0
     assert "[rank 0] error: --train_file 'nope.jsonl' does not exist" in run.output
     assert "[rank 1] stopped: rank 0 ended first, at step 0 (start-up)" in run.output, run.output
@@ -254,15 +287,17 @@ def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launche
     assert "rank      : 0" in box and "error: --train_file 'nope.jsonl' does not exist" in box, box
 
 
-def test_the_main_process_may_work_alone_longer_than_dist_timeout():
+@pytest.mark.slow
+def test_the_main_process_may_work_alone_longer_than_dist_timeout(short_launches):
     """A merge (--merge_and_save) or the default base model's pretraining runs on the main process while the others
     wait: 6 s of work under --dist_timeout 2. Waiting in wait_for_everyone would fail after 2 s with gloo's timeout;
     shared.runtime.main_process_alone waits untimed, and the group still works after it."""
-    run = launch("ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "main_process_alone.py", "2", "6")
+    run = short_launches["runs"]["main_process_alone"]
     assert run.returncode == 0, str(run)
     assert run.output.count("waited 6.0 s for the main process with --dist_timeout 2.0") == 2
 
 
+@pytest.mark.slow
 def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tmp_path):
     """`accelerate launch --max_restarts 1` + `--resume_from_checkpoint latest`: rank 1 crashes once
     right after the step-10 checkpoint; torchrun's agent restarts both workers, they resume from
@@ -399,6 +434,7 @@ def one_machine(tmp_path_factory):
     return read_results(out)
 
 
+@pytest.mark.slow
 def test_two_machines_on_localhost_match_one_machine_with_two_processes(tmp_path, one_machine):
     for finished in two_machines(tmp_path, "run", *MACHINE_ARGS):
         assert finished.returncode == 0, str(finished)
@@ -418,6 +454,7 @@ def saved_on_each_node(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_machines_without_a_shared_disk_never_resume_into_different_states(tmp_path, saved_on_each_node):
     """Each machine its own disk: machine 0 holds the step-10 checkpoint it wrote, machine 1 nothing (what a run
     without --save_on_each_node leaves). Before the processes agreed on it, machine 1 printed "starting fresh", machine
@@ -443,6 +480,7 @@ def test_machines_without_a_shared_disk_never_resume_into_different_states(tmp_p
         assert "--save_on_each_node" in message and "resumed from" not in message and "starting fresh" not in message
 
 
+@pytest.mark.slow
 def test_save_on_each_node_lets_machines_without_a_shared_disk_resume(saved_on_each_node, one_machine):
     """--save_on_each_node: every machine completes its own copy of each checkpoint, so both resume from step 10 and
     end with the weights of one machine that never stopped."""
@@ -459,25 +497,14 @@ def test_save_on_each_node_lets_machines_without_a_shared_disk_resume(saved_on_e
     assert np.abs(weights(results) - weights(one_machine)).max() <= 1e-6
 
 
-def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(tmp_path):
+@pytest.mark.slow
+def test_port_already_in_use_falls_back_to_a_free_port_and_says_so(short_launches):
     """Accelerate 1.16 checks the port on a single machine: busy -> warn, pick a free one, go on.
     The run must still be real 2-process DDP, not a silent fallback to one process."""
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        run = launch_ok(
-            "ddp_2gpu.yaml",
-            TOY,
-            "--output_dir",
-            tmp_path,
-            "--max_train_steps",
-            "2",
-            launch_args=("--main_process_port", str(port)),
-            timeout=120,
-        )
+    run, port = short_launches["runs"]["port_in_use"], short_launches["port"]
+    assert run.returncode == 0, str(run)
     assert f"Port `{port}` is already in use" in run.output
-    assert read_results(tmp_path)["num_processes"] == 2
+    assert read_results(short_launches["root"] / "port_in_use")["num_processes"] == 2
 
 
 def test_every_rank_writes_its_error_as_a_line_of_its_own(monkeypatch):
@@ -511,8 +538,9 @@ def test_an_error_every_rank_hits_is_printed_once(tmp_path, monkeypatch):
     assert RecipeError("Rank 1's own problem.").code == "[rank 1] error: Rank 1's own problem.\n"
 
 
-def test_missing_config_file_is_reported(tmp_path):
-    run = launch(tmp_path / "missing.yaml", TOY, "--output_dir", tmp_path)
+@pytest.mark.slow
+def test_missing_config_file_is_reported(short_launches):
+    run = short_launches["runs"]["missing_config"]
     assert run.returncode != 0
     assert "does not exist" in run.output and "missing.yaml" in run.output
 
@@ -567,7 +595,7 @@ def refusals(tmp_path_factory):
         "llm_tokenizer_name": Job(
             "single_gpu.yaml", LLM, ("--model_name_or_path", llama, "--tokenizer_name", root / "llama_tokenizer", *llm)
         ),
-        "finetune_into_earlier_run": Job("single_gpu.yaml", FINETUNE, finetune),
+        "finetune_into_earlier_run": Job(ONE_PROCESS, FINETUNE, finetune),  # 1 process: no launcher
         "toy_into_earlier_run": Job("ddp_2gpu.yaml", TOY, ("--max_train_steps", "2")),
         "toy_overwrites": Job("single_gpu.yaml", TOY, ("--max_train_steps", "2", "--overwrite_output_dir")),
         "toy_fp16": Job("ddp_2gpu.yaml", TOY, ("--max_train_steps", "2", "--mixed_precision", "fp16")),
@@ -579,6 +607,7 @@ def refusals(tmp_path_factory):
     return {"root": root, "earlier": earlier, "runs": launch_all(jobs, cpu_only=True)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["finetune", "llm"])
 def test_a_model_folder_without_a_tokenizer_is_refused_once_naming_what_is_missing(refusals, recipe):
     """The fine-tune loaded a 5-token tokenizer instead, trained on [UNK] to the majority baseline and exited 0; the
@@ -595,6 +624,7 @@ def test_a_model_folder_without_a_tokenizer_is_refused_once_naming_what_is_missi
     assert not (root / f"{recipe}_no_tokenizer" / "results.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["finetune", "llm"])
 def test_tokenizer_name_gives_a_weights_only_folder_its_tokenizer(refusals, recipe):
     from transformers import AutoTokenizer
@@ -607,6 +637,7 @@ def test_tokenizer_name_gives_a_weights_only_folder_its_tokenizer(refusals, reci
     assert len(saved) > 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["finetune", "toy"])
 def test_an_output_dir_holding_an_earlier_run_is_refused_once_and_left_alone(refusals, recipe):
     run, earlier = refusals["runs"][f"{recipe}_into_earlier_run"], refusals["earlier"]
@@ -618,12 +649,14 @@ def test_an_output_dir_holding_an_earlier_run_is_refused_once_and_left_alone(ref
     assert (earlier / "results.json").read_text() == '{"eval/accuracy": 0.9}\n'
 
 
+@pytest.mark.slow
 def test_overwrite_output_dir_replaces_an_earlier_run(refusals):
     run = refusals["runs"]["toy_overwrites"]
     assert run.returncode == 0, str(run)
     assert read_results(refusals["root"] / "toy_overwrites")["completed_steps"] == 2
 
 
+@pytest.mark.slow
 def test_fp16_on_the_cpu_is_refused_once_instead_of_training_in_fp32_recorded_as_fp16(refusals):
     """Accelerate has no fp16 autocast on the CPU: such a run's losses were bitwise fp32's, its results.json said
     fp16."""
@@ -635,6 +668,7 @@ def test_fp16_on_the_cpu_is_refused_once_instead_of_training_in_fp32_recorded_as
     assert not (refusals["root"] / "toy_fp16" / "results.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["ddp_2gpu.yaml", "single_gpu.yaml"])
 def test_workers_stop_when_their_launcher_is_killed(tmp_path, config):
     """SIGKILL of `accelerate launch` (the OOM killer, a job's time limit) gives it no chance to stop its workers
