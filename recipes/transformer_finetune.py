@@ -59,7 +59,6 @@ import shared
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
 from shared.classification import baselines, check_columns, choose_task, load_model_config, load_splits, read_labels
 from shared.fsdp import gathered_state_dict, wrap_at_blocks
-from shared.lora import add_lora
 from shared.model_split import dispatch_on_devices, find_block_list, parameter_bytes_per_device, plan_device_map
 from shared.model_split import split_devices
 from shared.results import RunRecord
@@ -238,6 +237,28 @@ def split_model(model, model_name: str, device: torch.device, print_fn):
     print_fn("device_map: parameters per device (GiB): " + json.dumps(gib))
     print_fn("device_map: " + json.dumps({name: str(device) for name, device in device_map.items()}))
     return model, sorted(set(split_over), key=str)
+
+
+def add_lora(model: torch.nn.Module, model_name_or_path: str, r: int, alpha: float, dropout: float,
+             target_modules: list[str], task_type: str) -> torch.nn.Module:
+    """``get_peft_model`` with a LoRA adapter of rank ``r`` on ``target_modules`` (``["all-linear"]``: every linear
+    layer but the output head), the base frozen. ``task_type`` ``SEQ_CLS`` also trains and saves the classification
+    head, which starts from scratch. Target names that match no module are refused, naming them."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules[0] if target_modules == ["all-linear"] else target_modules
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as error:
+        raise RecipeError(f"--lora_target_modules {' '.join(target_modules)} matches no module of the model "
+                          f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names of the model's linear "
+                          "layers (such as q_proj v_proj, or query value).") from None
+    if Path(model_name_or_path).is_dir():
+        # adapter_config.json names its base: a local one by its absolute path, so that the adapter loads from any
+        # folder of this machine (a relative path, read from elsewhere, is taken for a Hub name).
+        model.peft_config["default"].base_model_name_or_path = str(Path(model_name_or_path).resolve())
+    return model
 
 
 def save_model(accelerator, model, tokenizer, output_dir: Path, base_name: str, load: dict, lora: bool) -> None:
