@@ -214,27 +214,27 @@ def keep_global_batch(accelerator: Accelerator, checkpoint: Path | None, per_dev
     it takes the same optimizer steps over the same samples. Refused where none does, or where a passed one
     gives another global batch: the run would silently take other steps than the one it resumes."""
     processes, per_step = accelerator.num_processes, per_device_train_batch_size * data_parallel_size
+    count = lambda k: f"{k} process{'es' * (k > 1)}"  # noqa: E731
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("batch") if checkpoint else None
     accumulation = saved["global_batch_size"] // per_step if saved else gradient_accumulation_steps or 1
     if saved:
         wanted, was, n = saved["global_batch_size"], saved["gradient_accumulation_steps"], saved["num_processes"]
         said = (f"{checkpoint} was trained with a global batch of {wanted} samples per optimizer step "
-                f"({saved['per_device_train_batch_size']} per device x {n} process{'es' * (n > 1)} x {was} "
-                "accumulation steps)")
+                f"({saved['per_device_train_batch_size']} per device x {count(n)} x {was} accumulation steps)")
         fits = [b for b in range(per_device_train_batch_size, 0, -1) if wanted % (b * data_parallel_size) == 0]
         if wanted % per_step:
-            raise RecipeError(f"{said}; in this run's {processes} processes no --gradient_accumulation_steps keeps "
+            raise RecipeError(f"{said}; in this run's {count(processes)} no --gradient_accumulation_steps keeps "
                               f"it with {per_device_train_batch_size} per device ({wanted} is not a multiple of "
                               f"{per_step}). " + (f"Pass --per_device_train_batch_size {fits[0]}" if fits else
-                                                  f"Resume it in {n} processes") + " to keep it, or start a new run "
+                                                  f"Resume it in {count(n)}") + " to keep it, or start a new run "
                               "(another --output_dir) to train with another global batch.")
         if gradient_accumulation_steps not in (None, accumulation):  # the user's value is not overridden silently
             raise RecipeError(f"{said}; --gradient_accumulation_steps {gradient_accumulation_steps} would make it "
-                              f"{per_step * gradient_accumulation_steps} in this run's {processes} processes. Pass "
+                              f"{per_step * gradient_accumulation_steps} in this run's {count(processes)}. Pass "
                               f"--gradient_accumulation_steps {accumulation} or leave it out to keep it, or start a "
                               "new run (another --output_dir) to train with another global batch.")
         if (n, was) != (processes, accumulation):
-            accelerator.print(f"resuming a {n}-process checkpoint in {processes} process{'es' * (processes > 1)}: "
+            accelerator.print(f"resuming a {n}-process checkpoint in {count(processes)}: "
                               f"gradient accumulation {was} → {accumulation} keeps the global batch of {wanted}")
     return accumulation, {"num_processes": processes, "per_device_train_batch_size": per_device_train_batch_size,
                           "gradient_accumulation_steps": accumulation, "global_batch_size": per_step * accumulation}
