@@ -70,7 +70,7 @@ from transformers import get_scheduler  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.flops import lm_flops_per_token  # noqa: E402
 from shared.fsdp import (  # noqa: E402
     check_offload_fits_host_ram,
@@ -163,8 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="Samples (with --packing: rows of --max_length tokens) per process per forward pass.")
     training.add_argument("--per_device_eval_batch_size", type=positive_int,
                           help="Samples per evaluation batch (default: training's).")
-    training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
-                          help="Forward/backward passes per optimizer step.")
+    training.add_argument("--gradient_accumulation_steps", type=positive_int, help="Forward/backward passes per "
+                          "optimizer step (default: 1; on a resume, what keeps the checkpoint's global batch).")
     training.add_argument("--num_train_epochs", type=positive_int, default=1,
                           help="Passes over the training set (ignored with --max_train_steps).")
     training.add_argument("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps "
@@ -348,6 +348,8 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(accelerator,  # a resume: its global batch
+        checkpoint, args.per_device_train_batch_size, args.gradient_accumulation_steps, data_parallel_size)
     args.model_name_or_path = args.model_name_or_path or default_base_model(accelerator, output_dir, HERE)
     config, args.max_length = causal_lm_config(accelerator, args.model_name_or_path, args.max_length,
                                                args.load_in_4bit, args.trust_remote_code)
@@ -394,9 +396,8 @@ def main():
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
-        accelerator, model, tokenizer, raw_datasets["validation"], fmt,
-        0 if args.skip_eval else args.exact_match_samples, layout == "fsdp", args.seed)
+    exact_rows, exact_before = exact_match_before(accelerator, model, tokenizer, raw_datasets["validation"],
+        fmt, 0 if args.skip_eval else args.exact_match_samples, layout == "fsdp", args.seed)  # scored again at the end
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt,
                   "num_processes": accelerator.num_processes, "global_batch_size": global_batch_size,
@@ -404,7 +405,7 @@ def main():
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps,  # all states
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler,
                              load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora))  # LoRA
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
@@ -455,7 +456,7 @@ def main():
                     accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
                 if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
                     save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit,
-                                    layout=layout, history={"train/loss_curve": record.loss_curve})
+                                    layout=layout, history={"train/loss_curve": record.loss_curve}, batch=batch_shape)
         progress_bar.close()
 
         # ------------------------------------------------------------------------------- save
@@ -474,8 +475,7 @@ def main():
             "model": args.model_name_or_path, "method": method, "parallelism": parallelism.name, "data/format": fmt,
             "parallelism_requested": args.parallelism, "data/counts": counts, "global_batch_size": global_batch_size,
             "model/trainable_parameters": trainable, "model/total_parameters": total})
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.free_memory(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 
 

@@ -66,7 +66,7 @@ from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, wrap_at_blocks  # noqa: E402
 from lm_kit.data import lm_datasets  # noqa: E402
 from lm_kit.eval import NOT_EVALUATED, greedy_sample  # noqa: E402
-from lm_kit.eval import evaluate_lm  # noqa: E402  (pipeline_lm.py evaluates through its schedules instead)
+from lm_kit.eval import perplexity_results  # noqa: E402  (pipeline_lm.py evaluates through its schedules instead)
 from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model  # noqa: E402
 
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
@@ -184,6 +184,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     report.add_argument("--sample_prompt", default="def ", help="Prompt of the greedy sample printed at the end.")
     report.add_argument("--sample_tokens", type=int, default=24, help="Tokens the sample generates (0: no sample).")
     return parser.parse_args(argv)
+
+
+def evaluate_lm(accelerator, model, eval_dataloader) -> dict:
+    """Validation loss and perplexity over the whole validation set, each block once, in every mode.
+
+    Per-block sums go through ``gather_for_metrics``, which drops the samples the sharded loader repeats to give every
+    process a full last batch, so each block counts exactly once. (Not ``evaluate``'s perplexity metric: it loads a
+    model of its own by name and runs it on one device; this is the trained, prepared model's loss.)"""
+    model.eval()
+    loss_sum, num_tokens, num_blocks = 0.0, 0, 0
+    for batch in eval_dataloader:
+        input_ids = batch["input_ids"]
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, use_cache=False).logits  # no KV cache: nothing generates here
+        # Same loss as the model's own (shifted, float32), kept per block so blocks can be counted.
+        per_block = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:].to(logits.device), reduction="none").sum(dim=1)
+        tokens = torch.full_like(per_block, input_ids.shape[1] - 1)
+        per_block, tokens = accelerator.gather_for_metrics((per_block, tokens))
+        loss_sum += per_block.sum().item()  # sync point: .item() waits for the device
+        num_tokens += int(tokens.sum().item())
+        num_blocks += per_block.numel()
+    return perplexity_results(accelerator, loss_sum, num_tokens, num_blocks)
 
 
 def main():

@@ -63,9 +63,8 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared.fsdp import gathered_state_dict, wrap_at_blocks
-from shared.lora import add_lora
 from shared.model_split import dispatch_on_devices, find_block_list, parameter_bytes_per_device, plan_device_map
 from shared.model_split import split_devices
 from shared.results import RunRecord
@@ -135,7 +134,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add = parser.add_argument_group("training").add_argument
     add("--per_device_train_batch_size", type=positive_int, default=16, help="Samples per process per forward pass.")
     add("--per_device_eval_batch_size", type=positive_int, default=64, help="Samples per process per eval forward.")
-    add("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per step.")
+    add("--gradient_accumulation_steps", type=positive_int, help="Forward/backward passes per step (default: 1; on a "
+        "resume, what keeps the checkpoint's global batch in this process count).")
     add("--learning_rate", type=positive_float, default=2e-4, help="Peak AdamW learning rate.")
     add("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms).")
     add("--num_train_epochs", type=positive_int, default=2, help="Passes over the data (unless --max_train_steps).")
@@ -247,6 +247,37 @@ def split_model(model, model_name: str, device: torch.device, print_fn):
     return model, sorted(set(split_over), key=str)
 
 
+def add_lora(model: torch.nn.Module, model_name_or_path: str, r: int, alpha: float, dropout: float,
+             target_modules: list[str], task_type: str) -> torch.nn.Module:
+    """``get_peft_model`` with a LoRA adapter of rank ``r`` on ``target_modules`` (``["all-linear"]``: every linear
+    layer but the output head), the base frozen. ``task_type`` ``SEQ_CLS`` also trains and saves the classification
+    head, which starts from scratch. Target names that match no module are refused, naming them."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules[0] if target_modules == ["all-linear"] else target_modules
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as error:
+        raise RecipeError(f"--lora_target_modules {' '.join(target_modules)} matches no module of the model "
+                          f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names of the model's linear "
+                          "layers (such as q_proj v_proj, or query value).") from None
+    if Path(model_name_or_path).is_dir():
+        # adapter_config.json names its base: a local one by its absolute path, so that the adapter loads from any
+        # folder of this machine (a relative path, read from elsewhere, is taken for a Hub name).
+        model.peft_config["default"].base_model_name_or_path = str(Path(model_name_or_path).resolve())
+    return model
+
+
+def parameter_groups(model, weight_decay: float) -> list[dict]:
+    """The trained parameters (all of them, or LoRA's and the head's) in two AdamW groups: with ``weight_decay``, and
+    biases and norms without."""
+    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAMES))
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in trained if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0}]
+
+
 def save_model(accelerator, model, tokenizer, output_dir: Path, base_name: str, load: dict, lora: bool) -> None:
     """The model and tokenizer in Hugging Face format (``save_pretrained``, safetensors, with the label names). LoRA:
     the adapter (and head) in output_dir/adapter, and the merged model in output_dir itself, so that
@@ -329,7 +360,6 @@ def main():
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
         log_with=args.report_to,
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
         # Same shuffling whatever the process count, restored exactly on resume.
@@ -342,6 +372,10 @@ def main():
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")  # all agree
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
+    # A resume keeps its checkpoint's global batch: in another process count the accumulation makes it up (or refused).
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(accelerator, checkpoint,
+        args.per_device_train_batch_size, args.gradient_accumulation_steps, accelerator.num_processes)
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # micro-batches per optimizer step
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
@@ -369,13 +403,8 @@ def main():
         model, devices = split_model(model, args.model_name_or_path, accelerator.device, accelerator.print)
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAMES))  # not biases nor norms
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # all of them, or LoRA's and the head's
-    parameter_groups = [
-        {"params": [p for n, p in trained if n in decay], "weight_decay": args.weight_decay},
-        {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW(parameter_groups, lr=args.learning_rate, fused=fused_adamw(accelerator))
+    groups = parameter_groups(model, args.weight_decay)  # weight decay but on biases and norms
+    optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, fused=fused_adamw(accelerator))
     # Optimizer steps per epoch after sharding: each process sees 1/num_processes of the batches.
     batches_per_process = math.ceil(len(train_dataloader) / accelerator.num_processes)
     steps_per_epoch = math.ceil(batches_per_process / args.gradient_accumulation_steps)
@@ -400,15 +429,17 @@ def main():
     accelerator.init_trackers("transformer_finetune", scalars)  # --report_to's, if any
 
     # ---------------------------------------------------------------------- training loop
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
+    # The scheduler's own step count is brought to this run's process count (it steps once per process per step).
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler)
     completed_steps, curve = resume.completed_steps, resume.history.get("train/loss_curve")
     meter = {"warmup_steps": args.perf_warmup_steps, "devices": devices}
     # RunRecord (shared/results.py): the loss curve, step times and memory; it writes results.json when the block ends.
     with RunRecord(
         accelerator, "transformer_finetune", output_dir, run_config, model, optimizer, max_train_steps, curve, **meter
     ) as record:
-        checkpoints_dir, limit = output_dir / "checkpoints", args.checkpoints_total_limit
-        history = lambda: {"train/loss_curve": record.loss_curve}  # read at each save (waits for the device)
+        save_checkpoint_at = lambda step: save_checkpoint(  # the curve so far (reading it waits for the device)
+            accelerator, output_dir / "checkpoints", step, args.checkpoints_total_limit,
+            history={"train/loss_curve": record.loss_curve}, batch=batch_shape)
         step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
         token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
         for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -445,11 +476,11 @@ def main():
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {logs['train/loss']:.4f}")
                     accelerator.log(logs, step=completed_steps)
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, limit, history=history())
+                    save_checkpoint_at(completed_steps)
                 if completed_steps >= max_train_steps:
                     break
             if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-                save_checkpoint(accelerator, checkpoints_dir, completed_steps, limit, history=history())
+                save_checkpoint_at(completed_steps)
 
         # --------------------------------------------------------------------------- save
         # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.

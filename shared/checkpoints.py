@@ -4,7 +4,8 @@ leaves a ``.tmp`` folder, which resuming skips). ``progress.json`` also holds a 
 fingerprint (a hash of its size, first and last MiB: a truncated or overwritten file is caught without reading GBs),
 so a checkpoint damaged later (a full disk, a bad copy) is found before loading: ``latest`` skips it for the newest
 intact one and says so, an explicit path to it is refused naming the file. Resuming: ``find_checkpoint`` (every
-process agrees on the folder), then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip).
+process agrees on the folder), ``keep_global_batch`` (the same samples per optimizer step, whatever the process
+count), then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip).
 
 Why not Accelerate's own rotation (``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``): it
 deletes the oldest folder *before* writing the new one, into a folder that is complete as soon as it exists, so a run
@@ -35,14 +36,15 @@ LAYOUTS = {"replica": "whole model (single, ddp or device_map)", "fsdp": "model 
 
 def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike, completed_steps: int,
                     total_limit: int | None = None, write_state=None, layout: str = "replica",
-                    history: dict | None = None) -> Path:
+                    history: dict | None = None, batch: dict | None = None) -> Path:
     """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every RNG) to ``checkpoints_dir/step_N``,
     atomically; keeps the newest ``total_limit``; every process calls it. ``write_state(folder)`` replaces
     ``save_state`` (pipeline stages save their own weights). ``layout`` (``replica``: whole weights, resumable by
     single/ddp/device_map; ``fsdp``: shards; ``pipeline``: stages) goes into progress.json. With ``save_on_each_node``
     (machines without a shared disk) the main process of every machine completes its copy, as ``save_state`` writes
     one on each. ``history`` (JSON: e.g. ``{"train/loss_curve": [...]}``, the same on every process) goes into
-    progress.json and comes back as ``ResumePoint.history``, so a resumed run reports its whole curve."""
+    progress.json and comes back as ``ResumePoint.history``, so a resumed run reports its whole curve;
+    ``batch`` (the shape ``keep_global_batch`` returns) too, so that a resume in another process count keeps it."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
@@ -60,7 +62,7 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     accelerator.wait_for_everyone()
     if writes:
         progress = {"completed_steps": completed_steps, "layout": layout, "history": history or {},
-                    "manifest": manifest(tmp)}
+                    "batch": batch, "manifest": manifest(tmp)}
         size = sum(entry[0] for entry in progress["manifest"].values())
         kept = f"the newest {total_limit} kept" if total_limit else "all kept: --checkpoints_total_limit N keeps N"
         accelerator.print(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB; {kept})")
@@ -205,6 +207,39 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
     return found
 
 
+def keep_global_batch(accelerator: Accelerator, checkpoint: Path | None, per_device_train_batch_size: int,
+                      gradient_accumulation_steps: int | None, data_parallel_size: int) -> tuple[int, dict]:
+    """The accumulation to train with, and the batch's shape for ``save_checkpoint(batch=...)``: the one passed (None:
+    not passed, 1), or on resume the one that keeps the checkpoint's global batch in this run's process count, so that
+    it takes the same optimizer steps over the same samples. Refused where none does, or where a passed one
+    gives another global batch: the run would silently take other steps than the one it resumes."""
+    processes, per_step = accelerator.num_processes, per_device_train_batch_size * data_parallel_size
+    count = lambda k: f"{k} process{'es' * (k > 1)}"  # noqa: E731
+    saved = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("batch") if checkpoint else None
+    accumulation = saved["global_batch_size"] // per_step if saved else gradient_accumulation_steps or 1
+    if saved:
+        wanted, was, n = saved["global_batch_size"], saved["gradient_accumulation_steps"], saved["num_processes"]
+        said = (f"{checkpoint} was trained with a global batch of {wanted} samples per optimizer step "
+                f"({saved['per_device_train_batch_size']} per device x {count(n)} x {was} accumulation steps)")
+        fits = [b for b in range(per_device_train_batch_size, 0, -1) if wanted % (b * data_parallel_size) == 0]
+        if wanted % per_step:
+            raise RecipeError(f"{said}; in this run's {count(processes)} no --gradient_accumulation_steps keeps "
+                              f"it with {per_device_train_batch_size} per device ({wanted} is not a multiple of "
+                              f"{per_step}). " + (f"Pass --per_device_train_batch_size {fits[0]}" if fits else
+                                                  f"Resume it in {count(n)}") + " to keep it, or start a new run "
+                              "(another --output_dir) to train with another global batch.")
+        if gradient_accumulation_steps not in (None, accumulation):  # the user's value is not overridden silently
+            raise RecipeError(f"{said}; --gradient_accumulation_steps {gradient_accumulation_steps} would make it "
+                              f"{per_step * gradient_accumulation_steps} in this run's {count(processes)}. Pass "
+                              f"--gradient_accumulation_steps {accumulation} or leave it out to keep it, or start a "
+                              "new run (another --output_dir) to train with another global batch.")
+        if (n, was) != (processes, accumulation):
+            accelerator.print(f"resuming a {n}-process checkpoint in {count(processes)}: "
+                              f"gradient accumulation {was} → {accumulation} keeps the global batch of {wanted}")
+    return accumulation, {"num_processes": processes, "per_device_train_batch_size": per_device_train_batch_size,
+                          "gradient_accumulation_steps": accumulation, "global_batch_size": per_step * accumulation}
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     """Where training picks up: optimizer steps done, the epoch to continue, batches of it to skip, and the history
@@ -217,20 +252,31 @@ class ResumePoint:
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per_epoch: int,
-                    gradient_accumulation_steps: int, load_state=None) -> ResumePoint:
+                    gradient_accumulation_steps: int, lr_scheduler=None, load_state=None) -> ResumePoint:
     """Load ``checkpoint`` (from ``find_checkpoint``) and return where training picks up; ``ResumePoint()`` for None.
 
     ``accelerator.load_state`` restores the model, optimizer, scheduler, the sampler's seed and every process's RNG
     states (``load_state(folder)``, when given, replaces it: pipeline stages load their own files); the recipe then
     skips ``batches_to_skip`` batches of ``epoch`` with ``accelerator.skip_first_batches``, so the resumed run sees
-    exactly the batches it would have."""
+    exactly the batches it would have (counted in this run's batches: ``keep_global_batch`` kept the samples per
+    step). The prepared ``lr_scheduler`` of a run in another process count is brought to this run's count."""
     if checkpoint is None:
         return ResumePoint()
     (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
-    completed_steps = checkpoint_steps(checkpoint)
-    history = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("history", {})
+    completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
+    saved_processes = (progress.get("batch") or {}).get("num_processes", accelerator.num_processes)
+    if lr_scheduler is not None and not accelerator.split_batches and saved_processes != accelerator.num_processes:
+        # A prepared scheduler steps once per process per optimizer step (AcceleratedScheduler.step): its count is in
+        # the saving run's processes. In this run's, the learning rate goes on from where it was.
+        inner, ratio = lr_scheduler.scheduler, accelerator.num_processes / saved_processes
+        inner.last_epoch = round(inner.last_epoch * ratio)
+        inner._step_count = 1 + round((inner._step_count - 1) * ratio)  # 1 after the constructor's own step
+    history = progress.get("history", {})
     point = ResumePoint(completed_steps, completed_steps // steps_per_epoch,
                         (completed_steps % steps_per_epoch) * gradient_accumulation_steps, history)
+    # accumulate() syncs when its micro-batch count (accelerator.step, which load_state sets to the saving process's)
+    # is a multiple of the accumulation: counted again in this run's micro-batches, it groups them as it should.
+    accelerator.step = point.batches_to_skip
     accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping "
                       f"{point.batches_to_skip} batches)")
     return point

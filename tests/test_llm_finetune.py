@@ -6,6 +6,7 @@ hooks, collectives and FSDP2 path); benchmarks/gpu_check.py runs the CUDA side."
 import json
 import os
 import random
+import re
 import sys
 
 import numpy as np
@@ -154,7 +155,8 @@ def runs(base, base_96, tmp_path_factory):
             "--exact_match_samples",
             "4",
         ),
-        "2x4": ("ddp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4"),
+        # --checkpointing_steps 1: its step-1 checkpoint is resumed in 1 process below, and that run's in 2 again.
+        "2x4": ("ddp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4", "--checkpointing_steps", "1"),
         "1x4x2": (
             "single_gpu.yaml",
             *data,
@@ -291,6 +293,16 @@ def runs(base, base_96, tmp_path_factory):
             after="1x8",
         ),
     }
+    # Resumed in another process count: the 2x4 run's step-1 checkpoint in 1 process (accumulation 2, checkpointing),
+    # that run's step-2 checkpoint in 2 processes (accumulation 1); the 1x8 run's (global batch 8) in 2 processes at
+    # 8 per device, which no accumulation keeps: refused. Early steps: the cosine schedule's rates, read a few steps
+    # too far on, are the same at steps 3 and 5 of 4 (cos is symmetric), so a late resume would not see them.
+    step = lambda name, n: ("--resume_from_checkpoint", root / name / "checkpoints" / f"step_{n:06d}")  # noqa: E731
+    across = (*data, *EXACT, "--per_device_train_batch_size")
+    jobs["2x4_in_1"] = Job("single_gpu.yaml", RECIPE, (*across, "4", *step("2x4", 1), "--checkpointing_steps", "1"),
+                           after="2x4")
+    jobs["then_in_2"] = Job("ddp_2gpu.yaml", RECIPE, (*across, "4", *step("2x4_in_1", 2)), after="2x4_in_1")
+    jobs["indivisible"] = Job("ddp_2gpu.yaml", RECIPE, (*across, "8", *step("1x8", 2)), after="1x8")
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
@@ -306,10 +318,10 @@ def runs(base, base_96, tmp_path_factory):
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
     out = {}
     for name, run in finished.items():
-        assert run.returncode == 0, f"{name}: {run}"
+        assert (run.returncode != 0) == (name == "indivisible"), f"{name}: {run}"
         out[name] = {
             "dir": root / name,
-            "results": read_results(root / name),
+            "results": read_results(root / name) if run.returncode == 0 else None,
             "log": run.output,
             "observed": observed(root / "observed" / name, RECIPE),
         }
@@ -662,6 +674,27 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
         runs["resumed"]["results"]["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"], rtol=1e-6
     )
     assert max_relative_difference(adapter(runs["resumed"]), adapter(runs["1x8"])) <= 1e-6
+
+
+def test_a_resume_in_another_process_count_keeps_the_global_batch_and_ends_where_the_run_would(runs):
+    """2 -> 1 -> 2 processes: the accumulation makes up the processes (said once), the same 4 steps of 8
+    conversations and learning rates: the curve after each resume and the adapter are the uninterrupted run's."""
+    uninterrupted = runs["2x4"]
+    for name, was, at in (("2x4_in_1", "2-process checkpoint in 1 process: gradient accumulation 1 → 2", 1),
+                          ("then_in_2", "1-process checkpoint in 2 processes: gradient accumulation 2 → 1", 2)):
+        run, results = runs[name], runs[name]["results"]
+        assert run["log"].count(f"resuming a {was} keeps the global batch of 8") == 1, (name, run["log"][-3000:])
+        assert f"at step {at}" in run["log"], name
+        assert (results["global_batch_size"], results["completed_steps"]) == (8, 4), name
+        curve, reference = results["train/loss_curve"], uninterrupted["results"]["train/loss_curve"]
+        assert curve[:at] == reference[:at], name  # from the checkpoint
+        np.testing.assert_allclose(curve[at:], reference[at:], rtol=1e-5, err_msg=name)
+        assert max_relative_difference(adapter(run), adapter(uninterrupted)) <= 1e-5, name
+    log = runs["indivisible"]["log"]
+    # The recipe's error lines (torchrun's summary box quotes each process's too): one paragraph, from one process.
+    printed = [line for line in log.splitlines() if re.match(r"(\[rank \d+\] )?error: .* was trained with", line)]
+    assert len(printed) == 1, log[-3000:]
+    assert "8 is not a multiple of 16" in printed[0] and "Pass --per_device_train_batch_size 4 to keep" in printed[0]
 
 
 @pytest.mark.slow

@@ -188,6 +188,59 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
     assert "Nothing was loaded" in refused.value.message
 
 
+def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_to_pass(tmp_path):
+    """In-process, with stand-ins for the Accelerator: a checkpoint of global batch 32 (16 per device x 2 processes x
+    1), resumed in 1 process. The accumulation that keeps 32 is chosen and said once; a passed one that contradicts
+    it, or a per-device batch that no accumulation fits, is refused naming the flags; a checkpoint without a recorded
+    batch (older) is resumed as asked. The prepared scheduler's count (once per process per step) is rescaled."""
+    from shared.checkpoints import keep_global_batch, load_checkpoint
+
+    printed = []
+    processes = lambda n: SimpleNamespace(  # noqa: E731
+        num_processes=n,
+        project_configuration=SimpleNamespace(save_on_each_node=False),
+        is_main_process=True,
+        is_local_main_process=True,
+        wait_for_everyone=lambda: None,
+        print=lambda *args: printed.append(" ".join(map(str, args))),
+        split_batches=False,
+        load_state=lambda folder: None,
+    )
+    two = processes(2)
+    _, shape = keep_global_batch(two, None, 16, None, 2)
+    assert shape == {"num_processes": 2, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1,
+                     "global_batch_size": 32}
+    write_state = lambda folder: folder.mkdir(parents=True)  # noqa: E731
+    checkpoint = save_checkpoint(two, tmp_path, 3, write_state=write_state, batch=shape)
+    one = processes(1)
+    printed.clear()
+    assert keep_global_batch(one, checkpoint, 16, None, 1)[0] == 2
+    assert keep_global_batch(one, checkpoint, 8, 4, 1)[0] == 4  # a passed one that keeps it
+    assert printed[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "\
+                         "batch of 32"
+    with pytest.raises(RecipeError) as contradicts:
+        keep_global_batch(one, checkpoint, 16, 1, 1)
+    assert "--gradient_accumulation_steps 1 would make it 16" in contradicts.value.message
+    assert "Pass --gradient_accumulation_steps 2 or leave it out" in contradicts.value.message
+    with pytest.raises(RecipeError) as indivisible:
+        keep_global_batch(one, checkpoint, 12, None, 1)
+    assert f"{checkpoint} was trained with a global batch of 32" in indivisible.value.message
+    assert "(16 per device x 2 processes x 1 accumulation steps)" in indivisible.value.message
+    assert "32 is not a multiple of 12" in indivisible.value.message
+    assert "Pass --per_device_train_batch_size 8 to keep it" in indivisible.value.message
+    with pytest.raises(RecipeError) as odd:  # 3 processes: no per-device batch fits 32
+        keep_global_batch(processes(3), checkpoint, 16, None, 3)
+    assert "Resume it in 2 processes to keep it" in odd.value.message
+    older = save_checkpoint(two, tmp_path, 4, write_state=write_state)  # no batch recorded
+    assert keep_global_batch(one, older, 16, None, 1)[0] == 1 and keep_global_batch(one, older, 16, 3, 1)[0] == 3
+
+    # 3 steps in 2 processes: the scheduler stepped 6 times; in 1 process it is at 3 (and 6 again back in 2).
+    scheduler = SimpleNamespace(scheduler=SimpleNamespace(last_epoch=6, _step_count=7))
+    point = load_checkpoint(one, checkpoint, steps_per_epoch=10, gradient_accumulation_steps=2, lr_scheduler=scheduler)
+    assert (scheduler.scheduler.last_epoch, point.batches_to_skip, one.step) == (3, 6, 6)
+    assert scheduler.scheduler._step_count == 4  # the constructor's step, then one per step
+
+
 @pytest.mark.slow
 def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
     missing = launch(  # refused in 1 process: no launcher

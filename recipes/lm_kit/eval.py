@@ -20,29 +20,6 @@ def perplexity_results(accelerator, loss_sum: float, num_tokens: int, num_blocks
             "eval/num_tokens": num_tokens}
 
 
-def evaluate_lm(accelerator, model, eval_dataloader) -> dict:
-    """Validation loss and perplexity over the whole validation set, each block once, in every mode.
-
-    Per-block sums go through ``gather_for_metrics``, which drops the samples the sharded loader repeats to give every
-    process a full last batch, so each block counts exactly once. (Not ``evaluate``'s perplexity metric: it loads a
-    model of its own by name and runs it on one device; this is the trained, prepared model's loss.)"""
-    model.eval()
-    loss_sum, num_tokens, num_blocks = 0.0, 0, 0
-    for batch in eval_dataloader:
-        input_ids = batch["input_ids"]
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, use_cache=False).logits  # no KV cache: nothing generates here
-        # Same loss as the model's own (shifted, float32), kept per block so blocks can be counted.
-        per_block = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:].to(logits.device), reduction="none").sum(dim=1)
-        tokens = torch.full_like(per_block, input_ids.shape[1] - 1)
-        per_block, tokens = accelerator.gather_for_metrics((per_block, tokens))
-        loss_sum += per_block.sum().item()  # sync point: .item() waits for the device
-        num_tokens += int(tokens.sum().item())
-        num_blocks += per_block.numel()
-    return perplexity_results(accelerator, loss_sum, num_tokens, num_blocks)
-
-
 def greedy_sample(model, tokenizer, prompt: str, max_new_tokens: int, device: torch.device) -> dict:
     """``prompt`` and the ``max_new_tokens`` tokens ``model`` generates greedily after it (so that a test can
     regenerate the same text from the saved model), printed, as results.json's ``sample/prompt`` and ``sample/text``.
