@@ -149,7 +149,7 @@ def compare(before: dict, after: dict) -> list[str]:
     return differences
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     recording = commands.add_parser("record", help="launch the fixed set and write the fingerprints to PATH")
@@ -158,7 +158,7 @@ def main() -> None:
     comparing = commands.add_parser("compare", help="print every difference between two records; exit 1 if any")
     comparing.add_argument("before", type=Path)
     comparing.add_argument("after", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.command == "record":
         record(args.path, args.only)
         return
