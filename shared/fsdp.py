@@ -34,8 +34,8 @@ def keep_gathered_in_one_process(accelerator: Accelerator) -> None:
     kept to its backward. With one shard resharding frees only that copy (the compute-dtype weights) and costs a
     second all-gather in backward; under CPU offload the copies would put the whole model on the GPU. Call it in
     ``main()`` right after the Accelerator is built (a no-op in any other setup)."""
-    plugin = accelerator.state.fsdp_plugin
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
+        plugin = accelerator.state.fsdp_plugin  # (no plugin attribute at all without FSDP)
         if not isinstance(plugin.cpu_offload, CPUOffloadPolicy):
             plugin.reshard_after_forward = False
 
