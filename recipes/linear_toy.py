@@ -9,7 +9,7 @@ What the popular version gets wrong, and what this file does instead:
   (batch, batch) -> the targets are built as (batch, 1);
 - every process prints and saves -> ``accelerator.print`` and ``save_model`` act once, on the main process.
 
-Launch (from the repository root):
+One file, nothing else of this repository: copy it and run it. Launch (from the repository root):
     # CPU smoke run, or one GPU:
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/linear_toy.py
     # two GPUs, data parallel (on a CPU-only machine: 2 processes over gloo, same command):
@@ -17,26 +17,34 @@ Launch (from the repository root):
     # two GPUs, one process (a linear model has nothing to split: it trains on one device):
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/linear_toy.py
 
-Writes ``output_dir/model.safetensors`` and ``output_dir/results.json`` (losses, weights, speed, the config).
+Writes ``output_dir/model.safetensors`` and ``output_dir/results.json`` (losses, weights, speed, the config), and
+with ``--checkpointing_steps N`` a resumable checkpoint every N steps (``--resume_from_checkpoint latest``).
 """
 
 import argparse
+import json
 import math
-import sys
+import os
+import resource
+import time
 from pathlib import Path
 
 import torch
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-# The helper module: shared/ next to this file (a copied recipe) or one folder up (this repository), first on sys.path
-# so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
-from shared.results import RunRecord
-from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
-from shared.runtime import positive_float, positive_int, prepare_output_dir
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    if not float(text) > 0:  # (a ValueError: argparse says "invalid positive_float value")
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return float(text)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,14 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--seed", type=int, default=42, help="Seed for the data set, the initial weights and the shuffling.")
     add("--num_samples", type=positive_int, default=4096, help="Size of the generated training set.")
     add("--in_features", type=positive_int, default=8, help="Inputs per sample (number of true weights).")
-    add("--noise_std", type=float, default=0.1, help="Standard deviation of the noise added to the targets.")
     add("--per_device_train_batch_size", type=positive_int, default=32, help="Samples per process per forward pass.")
     add("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per step.")
     add("--num_train_epochs", type=positive_int, default=3, help="Passes over the data (unless --max_train_steps).")
     add("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
     add("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
-    add("--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's (bf16 works on CPU too).")
-    add_reliability_flags(parser)  # checkpoints, resume, --dist_timeout: one definition for every recipe
+    add("--checkpointing_steps", type=positive_int, default=None, help="Save a checkpoint every N optimizer steps.")
+    add("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' (the newest one saved).")
     return parser.parse_args(argv)
 
 
@@ -62,25 +69,20 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config gives real DDP over gloo instead
-    # of two silent independent runs, checks the process count, and writes hang dumps to output_dir/debug/.
-    accelerator = build_accelerator(
-        dist_timeout=args.dist_timeout,
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    # Without CUDA a plain Accelerator() under a 2-process config does NOT start DDP: each process would train alone
+    # on all the data. cpu=True joins them over gloo; the check below catches any other way to lose a process.
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.gradient_accumulation_steps,
         # Seedable sampler: one shuffle whatever the process count, so 2 processes match 1 process sample for sample.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
-    )
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    if accelerator.num_processes != (expected := int(os.environ.get("WORLD_SIZE", "1"))):
+        raise SystemExit(f"error: {expected} processes launched, {accelerator.num_processes} joined: each alone")
     set_seed(args.seed)
-    output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    # Every process agrees on the checkpoint to resume from (a collective), before any work.
-    checkpoints_dir = output_dir / "checkpoints"
-    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)
-    parallelism = choose_parallelism(accelerator, "auto", "recipes/linear_toy.py")
-    accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    if parallelism.name == "device_map":
-        accelerator.print("parallelism: a linear model is one layer and has nothing to split: it trains on one device")
+    output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"error: Cannot use --output_dir {args.output_dir!r}: {error.strerror}.") from None
     # Samples per optimizer step (with sequences, x sequence length gives the tokens).
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
@@ -91,18 +93,13 @@ def main():
     true_bias = torch.randn(1, generator=generator)
     inputs = torch.randn(args.num_samples, args.in_features, generator=generator)
     # Targets are (N, 1) to match the model's output: (N,) targets would broadcast to (N, N) in MSELoss.
-    noise = args.noise_std * torch.randn(args.num_samples, 1, generator=generator)
+    noise = 0.1 * torch.randn(args.num_samples, 1, generator=generator)  # its standard deviation: 0.1
     targets = inputs @ true_weight.T + true_bias + noise
     # Its own generator: a DataLoader without one draws from the global RNG whenever it starts iterating.
-    loader_generator = torch.Generator().manual_seed(args.seed)
-    dataset = TensorDataset(inputs, targets)
-    train_dataloader = DataLoader(dataset, args.per_device_train_batch_size, shuffle=True, generator=loader_generator)
+    train_dataloader = DataLoader(TensorDataset(inputs, targets), args.per_device_train_batch_size, shuffle=True,
+                                  generator=torch.Generator().manual_seed(args.seed))
     if len(train_dataloader) < accelerator.num_processes * args.gradient_accumulation_steps:
-        raise RecipeError(
-            f"One optimizer step needs {global_batch_size} samples ({args.per_device_train_batch_size} per device x "
-            f"{accelerator.num_processes} processes x {args.gradient_accumulation_steps} accumulation steps) but the "
-            f"data set has {args.num_samples}. Lower --per_device_train_batch_size or --gradient_accumulation_steps."
-        )
+        raise SystemExit(f"error: One optimizer step needs {global_batch_size} samples; --num_samples is smaller.")
 
     # ------------------------------------------------------------------------------ model
     model = torch.nn.Linear(args.in_features, 1)
@@ -119,79 +116,82 @@ def main():
     # accumulate() also steps on the last, shorter group of an epoch, hence the ceiling.
     steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
-    completed_steps = resume.completed_steps
-    config = {**vars(args), "num_processes": accelerator.num_processes, "global_batch_size": global_batch_size}
-    # RunRecord (shared/results.py): the loss curve, step times and memory; it writes results.json when the block ends.
-    curve = resume.history.get("train/loss_curve")
-    with RunRecord(accelerator, "linear_toy", output_dir, config, model, optimizer, max_train_steps, curve) as record:
-        loss_curve = record.loss_curve  # the global mean loss of every optimizer step
-        step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
-        for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
-            model.train()
-            # Reseeds the shuffling for this epoch: same order on every process and after a resume.
-            train_dataloader.set_epoch(epoch)
-            active_dataloader = train_dataloader
-            if epoch == resume.epoch and resume.batches_to_skip:
-                active_dataloader = accelerator.skip_first_batches(train_dataloader, resume.batches_to_skip)
-            for inputs_batch, targets_batch in record.timed(active_dataloader):
-                # accumulate() skips the gradient all-reduce on all but the last micro-batch of a step and
-                # steps the optimizer only then (no hand-rolled `step % gas == 0`).
-                with accelerator.accumulate(model):
-                    loss = torch.nn.functional.mse_loss(model(inputs_batch), targets_batch)
-                    step_loss += loss.detach() / args.gradient_accumulation_steps
-                    accelerator.backward(loss)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                if not accelerator.sync_gradients:
-                    continue
-                completed_steps += 1  # (this bookkeeping ends every recipe's step, on purpose: each loop reads whole)
-                # Sync point: reduce() and .item() wait for every process (cheap here; big models log every N steps).
-                record.step(completed_steps, accelerator.reduce(step_loss, "mean").item(), samples=global_batch_size)
-                step_loss.zero_()
-                if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
-                    accelerator.print(
-                        f"epoch {epoch} step {completed_steps}/{max_train_steps} train/loss {loss_curve[-1]:.5f}"
-                    )
-                if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                    save_checkpoint(
-                        accelerator,
-                        checkpoints_dir,
-                        completed_steps,
-                        args.checkpoints_total_limit,
-                        history={"train/loss_curve": loss_curve},
-                    )
-                if completed_steps >= max_train_steps:
-                    break
-            if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-                limit, history = args.checkpoints_total_limit, {"train/loss_curve": loss_curve}
-                save_checkpoint(accelerator, checkpoints_dir, completed_steps, limit, history=history)
+    completed_steps, loss_curve, step_times = 0, [], []  # loss: the global mean loss of every optimizer step
+    latest = max(checkpoints_dir.glob("step_*"), default=None, key=lambda path: int(path.name[5:]))  # None: start
+    checkpoint = latest if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
+    if checkpoint:  # the model, optimizer, sampler and RNG states, then how far the run got
+        accelerator.load_state(str(checkpoint))
+        loss_curve = json.loads((Path(checkpoint) / "loss_curve.json").read_text())
+        completed_steps = len(loss_curve)
+        accelerator.print(f"resumed from {checkpoint} at step {completed_steps}")
+    step_loss, started = torch.zeros((), device=accelerator.device), time.perf_counter()
+    for epoch in range(completed_steps // steps_per_epoch, math.ceil(max_train_steps / steps_per_epoch)):
+        model.train()
+        train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
+        skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps  # seen before the resume
+        active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        for inputs_batch, targets_batch in active_dataloader:
+            # accumulate() skips the gradient all-reduce on all but the last micro-batch of a step and
+            # steps the optimizer only then (no hand-rolled `step % gas == 0`).
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(inputs_batch), targets_batch)
+                step_loss += loss.detach() / args.gradient_accumulation_steps
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            # Sync point: reduce() and .item() wait for every process (cheap here; big models log every N steps).
+            loss_curve.append(accelerator.reduce(step_loss, "mean").item())
+            step_loss.zero_()
+            step_times.append(-started + (started := time.perf_counter()))  # this step's seconds
+            if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
+                accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
+            if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
+                folder = checkpoints_dir / f"step_{completed_steps}"  # every process saves its RNG state there
+                accelerator.save_state(str(folder))
+                if accelerator.is_main_process:  # the losses so far: their count is the steps done
+                    (folder / "loss_curve.json").write_text(json.dumps(loss_curve))
+            if completed_steps >= max_train_steps:
+                break
 
-        # --------------------------------------------------------------------- evaluation
-        learned = accelerator.unwrap_model(model)
-        learned_weight, learned_bias = learned.weight.detach().float().cpu()[0], learned.bias.detach().float().cpu()
-        weight_error = (learned_weight - true_weight[0]).abs().max().item()
-        accelerator.print(
-            f"true    weight: {[round(w, 4) for w in true_weight[0].tolist()]}  bias {true_bias.item():.4f}\n"
-            f"learned weight: {[round(w, 4) for w in learned_weight.tolist()]}  bias {learned_bias.item():.4f}\n"
-            f"max |learned - true| weight: {weight_error:.4f}; global batch size {global_batch_size} "
-            f"= {args.per_device_train_batch_size} per device x {accelerator.num_processes} processes x "
-            f"{args.gradient_accumulation_steps} accumulation steps"
-        )
+    # --------------------------------------------------------------------- evaluation
+    learned = accelerator.unwrap_model(model)
+    weight, bias = learned.weight.detach().float().cpu()[0], learned.bias.detach().float().cpu()
+    weight_error = (weight - true_weight[0]).abs().max().item()
+    accelerator.print(f"true    weight: {[round(w, 4) for w in true_weight[0].tolist()]}  bias {true_bias.item():.4f}")
+    accelerator.print(f"learned weight: {[round(w, 4) for w in weight.tolist()]}  bias {bias.item():.4f}")
+    accelerator.print(f"max |learned - true| weight: {weight_error:.4f}; global batch size {global_batch_size} = "
+                      f"{args.per_device_train_batch_size} per device x {accelerator.num_processes} processes x "
+                      f"{args.gradient_accumulation_steps} accumulation steps")
 
-        # --------------------------------------------------------------------------- save
-        accelerator.wait_for_everyone()
-        accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
-        # device_map asked for, one device used: the linear model is a single layer.
-        record.results["parallelism"] = "single" if parallelism.name == "device_map" else parallelism.name
-        record.results.update({"parallelism_requested": parallelism.name, "global_batch_size": global_batch_size})
-        record.results.update({"model/weight": learned_weight.tolist(), "model/bias": learned_bias.item()})
-        record.results.update({"true/weight": true_weight[0].tolist(), "true/bias": true_bias.item()})
-        record.results["eval/max_abs_weight_error"] = weight_error
+    # --------------------------------------------------------------------------- save
+    accelerator.wait_for_everyone()
+    accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
+    # Peak memory per process (a collective): CUDA's allocator, or the CPU process's peak resident set (KiB).
+    cuda, several = accelerator.device.type == "cuda", accelerator.num_processes > 1
+    peak = (str(accelerator.device), torch.cuda.max_memory_allocated(accelerator.device)) if cuda else (
+        "cpu", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peaks = {(f"rank{rank}/" if several else "") + name: round(size / 2**30, 4)
+             for rank, (name, size) in enumerate(gather_object([peak]))}
+    measured = step_times[2:]  # the first steps warm up (allocation, the first all-reduce)
+    results = {
+        "recipe": "linear_toy", "num_processes": accelerator.num_processes, "device": str(accelerator.device),
+        "distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
+        "distributed/backend": torch.distributed.get_backend() if several else None, "memory/peak_gib": peaks,
+        "parallelism": "ddp" if several else "single", "global_batch_size": global_batch_size,
+        "completed_steps": completed_steps, "train/loss": loss_curve[-1], "train/loss_curve": loss_curve,
+        "perf/step_time_s": sum(measured) / len(measured) if measured else None,
+        "perf/samples_per_sec": global_batch_size * len(measured) / sum(measured) if measured else None,
+        "model/weight": weight.tolist(), "model/bias": bias.item(),
+        "true/weight": true_weight[0].tolist(), "true/bias": true_bias.item(),
+        "eval/max_abs_weight_error": weight_error, "config": vars(args),
+    }
     if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
+        (output_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
-    # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can
-    # deadlock in the DDP reducer's destructor at interpreter exit (seen with torch 2.13 on CPU).
+    # Drop DDP while the process group lives: gloo can deadlock in DDP's destructor at exit (torch 2.13, CPU).
     model, optimizer, train_dataloader = accelerator.free_memory(model, optimizer, train_dataloader)
     accelerator.end_training()
 

@@ -43,6 +43,7 @@ fine-tune), the tokenizer, ``merged/`` with ``--merge_and_save``, ``results.json
 import argparse
 import contextlib
 import itertools
+import json
 import logging
 import math
 import statistics
@@ -53,6 +54,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate.utils import disable_fsdp_ram_efficient_loading
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -60,7 +62,6 @@ from tqdm.auto import tqdm
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
 # an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-from peft import LoraConfig  # noqa: E402
 from transformers import get_scheduler  # noqa: E402
 
 # The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
@@ -72,16 +73,18 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint  # noqa: E402
 from shared.flops import lm_flops_per_token  # noqa: E402
+from shared import hang_dump  # noqa: E402
 from shared.fsdp import (  # noqa: E402
     check_offload_fits_host_ram,
     gathered_state_dict,
+    keep_gathered_in_one_process,
+    trained_weights_only_in_checkpoints,
     wrap_at_blocks,
 )
 from llm_kit.loading import (  # noqa: E402
     causal_lm_config,
     default_base_model,
     load_base_model,
-    loaded_shard_sums,
     lora_model,
     parameter_counts,
     save_merged,
@@ -93,10 +96,14 @@ from shared.runtime import (  # noqa: E402
     build_accelerator,
     choose_parallelism,
     fused_adamw,
+    name_the_gpu,
     positive_float,
     positive_int,
     prepare_output_dir,
     quiet_library_logs,
+    report_recipe_errors,
+    stop_with_launcher,
+    use_fsdp_on_cpu,
 )
 from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
 from llm_kit.sharded_4bit import load_4bit_sharded  # noqa: E402
@@ -333,11 +340,16 @@ def main():
     lora, method = not args.full_finetune, "qlora" if args.load_in_4bit else "full" if args.full_finetune else "lora"
 
     # ------------------------------------------------------------------ Accelerator and seed
+    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
+    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision, log_with=args.report_to,
         # No gradient_accumulation_steps: the loop counts a step's answer tokens first, then syncs its last batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node))
+    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     if args.offline_default_settings:  # e.g. "the offline default model trains with --learning_rate 0.001 (...)"
@@ -356,8 +368,7 @@ def main():
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
 
     # ------------------------------------------------------------------------------- data
-    # main_process_first: the main process reads and tokenizes first (datasets caches it); the others read the cache.
-    with accelerator.main_process_first():
+    with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
         raw_datasets, fmt = load_raw_datasets(args.train_file, args.validation_file, args.dataset_name,
                                               args.dataset_config_name, args.validation_split_percentage, args.seed,
                                               args.max_train_samples, args.max_eval_samples)
@@ -372,12 +383,13 @@ def main():
     if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
-        lora_config = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                 target_modules=args.lora_target_modules, task_type="CAUSAL_LM")
-        model = lora_model(accelerator, model, lora_config, args.model_name_or_path)  # get_peft_model, and more
+        model = lora_model(model, args.model_name_or_path, r=args.lora_r, alpha=args.lora_alpha,  # get_peft_model
+                           dropout=args.lora_dropout, target_modules=args.lora_target_modules)
+        trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
+        disable_fsdp_ram_efficient_loading()  # env: done above; transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=fused_adamw(accelerator),
@@ -396,8 +408,8 @@ def main():
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    exact_rows, exact_before = exact_match_before(accelerator, model, tokenizer, raw_datasets["validation"],
-        fmt, 0 if args.skip_eval else args.exact_match_samples, layout == "fsdp", args.seed)  # scored again at the end
+    exact_rows, exact_before = exact_match_before(accelerator, model, tokenizer, raw_datasets["validation"], fmt,
+        0 if args.skip_eval else args.exact_match_samples, layout == "fsdp", args.seed)  # scored again at the end
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt,
                   "num_processes": accelerator.num_processes, "global_batch_size": global_batch_size,
@@ -412,72 +424,70 @@ def main():
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
     flops_per_token = lm_flops_per_token(config.hidden_size, config.num_hidden_layers, config.vocab_size, total,
                                          args.max_length, trainable if lora else None)  # LoRA: no frozen weight grads
-    with RunRecord(accelerator, "llm_finetune", output_dir, run_config, model, optimizer, max_train_steps,
-                   resume.history.get("train/loss_curve"), args.perf_warmup_steps,
-                   devices=sorted(set(split_over), key=str) or None, flops_per_token=flops_per_token) as record:
-        progress_bar = tqdm(total=max_train_steps, initial=completed_steps,  # after RunRecord printed the config
-                            disable=not accelerator.is_local_main_process)
-        for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
-            model.train()
-            train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
-            active_dataloader = train_dataloader
-            if epoch == resume.epoch and resume.batches_to_skip:
-                active_dataloader = accelerator.skip_first_batches(train_dataloader, resume.batches_to_skip)
-            batches = iter(record.timed(active_dataloader))
-            while completed_steps < max_train_steps and (
-                    micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))):
-                # Exact normalisation: the step's loss is the sum over *all* its answer tokens (every micro-batch,
-                # every process) over their count, known before the first backward (sync point: one all-reduce). DDP
-                # and FSDP average the gradients of N processes, each holding 1/N of the batch: hence the N.
-                step_tokens = accelerator.reduce(sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches), "sum")
-                step_loss = torch.zeros((), device=accelerator.device)
-                for index, batch in enumerate(micro_batches):
-                    # All micro-batches but the last skip the gradient all-reduce (DDP) / reduce-scatter (FSDP2).
-                    with accelerator.no_sync(model) if index < len(micro_batches) - 1 else contextlib.nullcontext():
-                        loss_sum, _ = token_losses(model, batch)
-                        accelerator.backward(loss_sum * data_parallel_size / step_tokens)
-                    step_loss += loss_sum.detach()
-                if args.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad()
-                completed_steps += 1
-                progress_bar.update(1)
-                # The global loss, tokens (padding aside) and samples stay on the device: only the log below reads.
-                sizes = sum(torch.stack([b["num_tokens"].sum(), (b["num_tokens"] > 0).sum()]) for b in micro_batches)
-                real_tokens, samples = accelerator.reduce(sizes, "sum")  # (packed rows: each process's samples differ)
-                record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens, samples=samples,
-                            tokens=real_tokens, answer_tokens=step_tokens)
-                if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                    since_last_log = completed_steps % args.logging_steps or args.logging_steps
-                    loss, lr = statistics.fmean(record.loss_curve[-since_last_log:]), lr_scheduler.get_last_lr()[0]
-                    progress_bar.set_postfix({"train/loss": f"{loss:.4f}"})
-                    accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
-                if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                    save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit,
-                                    layout=layout, history={"train/loss_curve": record.loss_curve}, batch=batch_shape)
-        progress_bar.close()
+    record = RunRecord(accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps,
+                       devices=sorted(set(split_over), key=str) or None)
+    accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
+    progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
+    for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
+        model.train()
+        train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
+        skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
+        active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        batches = iter(record.timed(active_dataloader))
+        while completed_steps < max_train_steps and (
+                micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))):
+            # Exact normalisation: the step's loss is the sum over *all* its answer tokens (every micro-batch,
+            # every process) over their count, known before the first backward (sync point: one all-reduce). DDP
+            # and FSDP average the gradients of N processes, each holding 1/N of the batch: hence the N.
+            step_tokens = accelerator.reduce(sum((b["labels"][:, 1:] != -100).sum() for b in micro_batches), "sum")
+            step_loss = torch.zeros((), device=accelerator.device)
+            for index, batch in enumerate(micro_batches):  # all but the last skip DDP's all-reduce / FSDP2's scatter
+                with accelerator.no_sync(model) if index < len(micro_batches) - 1 else contextlib.nullcontext():
+                    loss_sum, _ = token_losses(model, batch)
+                    accelerator.backward(loss_sum * data_parallel_size / step_tokens)
+                step_loss += loss_sum.detach()
+            if args.max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+            completed_steps += 1
+            progress_bar.update(1)
+            # The global loss, tokens (padding aside) and samples stay on the device: only the log below reads.
+            sizes = sum(torch.stack([b["num_tokens"].sum(), (b["num_tokens"] > 0).sum()]) for b in micro_batches)
+            real_tokens, samples = accelerator.reduce(sizes, "sum")  # (packed rows: each process's samples differ)
+            record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens, samples=samples,
+                        tokens=real_tokens, answer_tokens=step_tokens)
+            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
+                since_last_log = completed_steps % args.logging_steps or args.logging_steps
+                loss, lr = statistics.fmean(record.losses()[-since_last_log:]), lr_scheduler.get_last_lr()[0]  # sync
+                progress_bar.set_postfix({"train/loss": f"{loss:.4f}"})
+                accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
+            if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
+                save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit,
+                                layout=layout, history={"train/loss_curve": record.losses()}, batch=batch_shape)
+    progress_bar.close()
 
-        # ------------------------------------------------------------------------------- save
-        # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
-        save(accelerator, model, tokenizer, output_dir, trained_only=lora)
-        if args.merge_and_save and lora:
-            save_merged(accelerator, args.model_name_or_path, output_dir, tokenizer, args.trust_remote_code)
+    # ------------------------------------------------------------------------------- save
+    save(accelerator, model, tokenizer, output_dir, trained_only=lora)  # before the evaluation: it cannot lose them
+    if args.merge_and_save and lora:
+        save_merged(accelerator, args.model_name_or_path, output_dir, tokenizer, args.trust_remote_code)
 
-        # ------------------------------------------------------------------------- evaluation
-        record.results.update({
-            **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader),
-            "samples": generate_samples(accelerator, model, tokenizer, raw_datasets["validation"], fmt,
-                                        args.generate_samples, args.sample_tokens),  # (the others wait just below)
-            **exact_match_results(accelerator, model, tokenizer, exact_rows, fmt, exact_before),
-            **loaded_shard_sums(accelerator, model),  # a collective: what low-RAM loading gave each process
-            "model": args.model_name_or_path, "method": method, "parallelism": parallelism.name, "data/format": fmt,
-            "parallelism_requested": args.parallelism, "data/counts": counts, "global_batch_size": global_batch_size,
-            "model/trainable_parameters": trainable, "model/total_parameters": total})
-    model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
+    # ------------------------------------------------------------------------- evaluation
+    results = {"recipe": "llm_finetune", "config": run_config,
+        **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader),
+        "samples": generate_samples(accelerator, model, tokenizer, raw_datasets["validation"], fmt,
+                                    args.generate_samples, args.sample_tokens),  # (the others wait just below)
+        **exact_match_results(accelerator, model, tokenizer, exact_rows, fmt, exact_before),
+        "model": args.model_name_or_path, "method": method, "parallelism": parallelism.name, "data/format": fmt,
+        "parallelism_requested": args.parallelism, "data/counts": counts, "global_batch_size": global_batch_size,
+        "model/trainable_parameters": trainable, "model/total_parameters": total}
+    record.write(output_dir, results, model, optimizer, flops_per_token=flops_per_token)  # a collective
+    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.free_memory(
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    with report_recipe_errors():  # a bad input every process finds: its paragraph printed once, named to the launcher
+        main()

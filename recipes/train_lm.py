@@ -39,6 +39,7 @@ model-state bytes per process, the resolved config) and, with ``--checkpointing_
 """
 
 import argparse
+import json
 import logging
 import math
 import sys
@@ -75,14 +76,19 @@ from lm_kit.presets import MODEL_PRESETS  # noqa: E402
 from shared.model_split import plan_lm_split  # noqa: E402
 from shared.model_split import dispatch_on_devices, split_devices  # noqa: E402  (the device_map split)
 from shared.results import RunRecord  # noqa: E402
+from shared import hang_dump  # noqa: E402
 from shared.runtime import (  # noqa: E402
     add_reliability_flags,
     build_accelerator,
     choose_parallelism,
     fused_adamw,
+    name_the_gpu,
     positive_float,
     positive_int,
     prepare_output_dir,
+    report_recipe_errors,
+    stop_with_launcher,
+    use_fsdp_on_cpu,
 )
 
 
@@ -214,12 +220,14 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # (Repeated in every recipe on purpose.) build_accelerator: gloo without CUDA, process count checked, hang dumps.
+    # (Repeated in every recipe on purpose.) What acts process-wide, one line each; then the Accelerator.
+    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
+    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     ddp_hook = DDPCommunicationHookType(args.ddp_comm_hook)  # ddp: the gradients compressed for the all-reduce
     ddp_kwargs = DistributedDataParallelKwargs(bucket_cap_mb=args.ddp_bucket_cap_mb, comm_hook=ddp_hook)
     accelerator = build_accelerator(
-        dist_timeout=args.dist_timeout,
-        mixed_precision=args.mixed_precision,
+        dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --compile: prepare() compiles each decoder block (regional: the first block's compile serves all the others).
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if args.compile else None,
@@ -229,6 +237,7 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
         kwargs_handlers=[ddp_kwargs],  # ddp only: the gradient buckets and their compression
     )
+    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
     set_seed(args.seed)
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
@@ -290,76 +299,74 @@ def main():
     cpu_threads = torch.get_num_threads() if accelerator.device.type == "cpu" else None
     config = vars(args) | {"parallelism_resolved": parallelism.name, "max_train_steps_resolved": max_train_steps}
     config |= {"model_config": model_config.to_diff_dict(), "cpu_threads": cpu_threads}
-    # RunRecord (shared/results.py): loss curve, throughput, MFU, memory; it writes results.json when the block ends.
-    meter = {"warmup_steps": args.perf_warmup_steps, "flops_per_token": split.flops_per_token}
+    meter = {"warmup_steps": args.perf_warmup_steps}
     meter["devices"] = split_over or None  # a split's devices: the peak memory of each
     curve = resume.history.get("train/loss_curve")  # a resumed run goes on with its checkpoint's curve
     before = {"eval/perplexity_before_training": evaluate()["eval/perplexity"]} if args.eval_before_training else {}
-    with RunRecord(
-        accelerator, Path(__file__).stem, output_dir, config, model, optimizer, max_train_steps, curve, **meter
-    ) as record:
-        record.results |= {"parallelism": parallelism.name, **split.facts(), **data.facts, **before}
-        record.results |= {"parallelism_requested": args.parallelism, "device_map_devices": list(map(str, split_over))}
-        record.results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step}
-        # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-        save_checkpoint_at = lambda step: save_checkpoint(
-            accelerator, output_dir / "checkpoints", step, args.checkpoints_total_limit, layout=layout,
-            history={"train/loss_curve": record.loss_curve},
-        )
-        completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
-        for epoch in range(resume.epoch, num_train_epochs):
-            model.train()
-            train_dataloader.set_epoch(epoch)  # the shuffling seed is data_seed + epoch, also when skipping below
-            skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
-            active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-            for batch in record.timed(active_dataloader):  # timed: measures the wait for each batch
-                # accumulate(): a step per N batches. use_cache=False: no KV cache (memory; --compile: graph per layer)
-                with accelerator.accumulate(model):
-                    loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
-                    step_loss += loss.detach().float() / args.gradient_accumulation_steps
-                    accelerator.backward(loss)  # divides by gradient_accumulation_steps
-                    if accelerator.sync_gradients:
-                        if args.max_grad_norm > 0:
-                            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        lr_scheduler.step()
-                        optimizer.zero_grad()
+    record = RunRecord(accelerator, max_train_steps, curve, **meter)  # shared/results.py: losses, speed, memory
+    accelerator.print(f"config: {json.dumps(config, sort_keys=True, default=str)}")
+    results = {"recipe": Path(__file__).stem, "parallelism": parallelism.name, **split.facts(), **data.facts, **before}
+    results |= {"parallelism_requested": args.parallelism, "device_map_devices": list(map(str, split_over))}
+    results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "config": config}
+    # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
+    save_checkpoint_at = lambda step: save_checkpoint(accelerator, output_dir / "checkpoints", step,
+        args.checkpoints_total_limit, layout=layout, history={"train/loss_curve": record.losses()})
+    completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
+    for epoch in range(resume.epoch, num_train_epochs):
+        model.train()
+        train_dataloader.set_epoch(epoch)  # the shuffling seed is data_seed + epoch, also when skipping below
+        skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
+        active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        for batch in record.timed(active_dataloader):  # timed: measures the wait for each batch
+            # accumulate(): a step per N batches. use_cache=False: no KV cache (memory; --compile: graph per layer)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
+                step_loss += loss.detach().float() / args.gradient_accumulation_steps
+                accelerator.backward(loss)  # divides by gradient_accumulation_steps
                 if accelerator.sync_gradients:
-                    completed_steps += 1
-                    # The mean over the data-parallel processes' losses, left on the device: no sync in the step.
-                    loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
-                    step_loss.zero_()
-                    record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
-                    if completed_steps % max(1, max_train_steps // 10) == 0 or completed_steps == max_train_steps:
-                        loss = record.loss_curve[-1]  # Sync point: reading the curve waits for the device
-                        accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
-                    if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                        save_checkpoint_at(completed_steps)
-                if completed_steps >= max_train_steps:
-                    break
-            if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-                save_checkpoint_at(completed_steps)
+                    if args.max_grad_norm > 0:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+            if accelerator.sync_gradients:
+                completed_steps += 1
+                # The mean over the data-parallel processes' losses, left on the device: no sync in the step.
+                loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
+                step_loss.zero_()
+                record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
+                if completed_steps % max(1, max_train_steps // 10) == 0 or completed_steps == max_train_steps:
+                    loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
+                    accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
+                if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
+                    save_checkpoint_at(completed_steps)
+            if completed_steps >= max_train_steps:
+                break
+        if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
+            save_checkpoint_at(completed_steps)
 
-        # ------------------------------------------------------------------------------- save
-        # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
-        state_dict = gathered_state_dict(accelerator, model)  # the whole weights on the main process (fsdp: gathered)
-        final_model = accelerator.unwrap_model(model)
-        if accelerator.is_main_process:
-            if parallelism.name == "fsdp":  # a plain model to sample from: the sharded one cannot generate alone
-                final_model = whole_model(model_config, state_dict)
-            final_model.save_pretrained(output_dir, state_dict=state_dict)  # config.json + model.safetensors
-            data.tokenizer.save_pretrained(output_dir)
+    # ------------------------------------------------------------------------------- save
+    # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
+    state_dict = gathered_state_dict(accelerator, model)  # the whole weights on the main process (fsdp: gathered)
+    final_model = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        if parallelism.name == "fsdp":  # a plain model to sample from: the sharded one cannot generate alone
+            final_model = whole_model(model_config, state_dict)
+        final_model.save_pretrained(output_dir, state_dict=state_dict)  # config.json + model.safetensors
+        data.tokenizer.save_pretrained(output_dir)
 
-        # ------------------------------------------------------------------------- evaluation
-        # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
-        record.results |= NOT_EVALUATED if args.skip_eval else evaluate()
-        if accelerator.is_main_process and args.sample_tokens > 0:  # greedy: the saved model generates the same
-            prompt, tokens = args.sample_prompt, args.sample_tokens
-            record.results |= greedy_sample(final_model, data.tokenizer, prompt, tokens, accelerator.device)
+    # ------------------------------------------------------------------------- evaluation
+    # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
+    results |= NOT_EVALUATED if args.skip_eval else evaluate()
+    if accelerator.is_main_process and args.sample_tokens > 0:  # greedy: the saved model generates the same
+        prompt, tokens = args.sample_prompt, args.sample_tokens
+        results |= greedy_sample(final_model, data.tokenizer, prompt, tokens, accelerator.device)
+    record.write(output_dir, results, model, optimizer, flops_per_token=split.flops_per_token)  # a collective
     # Drop DDP while the process group lives: a gloo group gone first can deadlock DDP's reducer at exit (torch 2.13).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    with report_recipe_errors():  # a bad input every process finds: its paragraph printed once, named to the launcher
+        main()

@@ -54,27 +54,26 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
 from transformers.trainer_pt_utils import get_parameter_names
 
-# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
-# recipe's own helpers (classifier_kit/, next to this file) go first on sys.path, so that no installed package of
-# those names shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on
-# purpose (copyable).
+# shared/ (beside this file in a copy, or one folder up here) and this recipe's kit go first on sys.path, so that no
+# installed package of those names shadows them (this folder too, for an import that is not a run).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
-from classifier_kit.classification import read_labels
+from classifier_kit.classification import add_lora, read_labels
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
-from shared.fsdp import gathered_state_dict, wrap_at_blocks
+from shared import hang_dump
+from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from shared.model_split import dispatch_on_devices, find_block_list, parameter_bytes_per_device, plan_device_map
 from shared.model_split import split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir
-from shared.runtime import quiet_library_logs, stop_if_found, tokenizer_problem
+from shared.runtime import name_the_gpu, quiet_library_logs, report_recipe_errors, stop_if_found, stop_with_launcher
+from shared.runtime import tokenizer_problem, use_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 
-# The metric modules evaluate loads offline ship in classifier_kit/metrics/, beside this file.
-METRICS_DIR = HERE / "classifier_kit" / "metrics"
+METRICS_DIR = HERE / "classifier_kit" / "metrics"  # the metric modules evaluate loads offline
 # Each task's metric modules there, and their keys in results.json (for regression, GLUE's names on STS-B).
 METRICS = {
     "classification": {"accuracy": "eval/accuracy", "f1": "eval/f1"},
@@ -233,7 +232,7 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
 def split_model(model, model_name: str, device: torch.device, print_fn):
     """device_map: the model split over two devices by one dispatcher for every recipe that splits (shared/
     model_split.py): two GPUs, one GPU + the CPU, or two CPU "devices" (the same AlignDevicesHook per block as on
-    GPUs; tests read results.json's device_map/hooks)."""
+    GPUs)."""
     split_over = split_devices(device)
     try:
         plan = plan_device_map(model, len(split_over))
@@ -245,28 +244,6 @@ def split_model(model, model_name: str, device: torch.device, print_fn):
     print_fn("device_map: parameters per device (GiB): " + json.dumps(gib))
     print_fn("device_map: " + json.dumps({name: str(device) for name, device in device_map.items()}))
     return model, sorted(set(split_over), key=str)
-
-
-def add_lora(model: torch.nn.Module, model_name_or_path: str, r: int, alpha: float, dropout: float,
-             target_modules: list[str], task_type: str) -> torch.nn.Module:
-    """``get_peft_model`` with a LoRA adapter of rank ``r`` on ``target_modules`` (``["all-linear"]``: every linear
-    layer but the output head), the base frozen. ``task_type`` ``SEQ_CLS`` also trains and saves the classification
-    head, which starts from scratch. Target names that match no module are refused, naming them."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = target_modules[0] if target_modules == ["all-linear"] else target_modules
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
-    try:
-        model = get_peft_model(model, config)
-    except ValueError as error:
-        raise RecipeError(f"--lora_target_modules {' '.join(target_modules)} matches no module of the model "
-                          f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names of the model's linear "
-                          "layers (such as q_proj v_proj, or query value).") from None
-    if Path(model_name_or_path).is_dir():
-        # adapter_config.json names its base: a local one by its absolute path, so that the adapter loads from any
-        # folder of this machine (a relative path, read from elsewhere, is taken for a Hub name).
-        model.peft_config["default"].base_model_name_or_path = str(Path(model_name_or_path).resolve())
-    return model
 
 
 def parameter_groups(model, weight_decay: float) -> list[dict]:
@@ -356,15 +333,16 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # build_accelerator: real DDP over gloo without CUDA, the process count checked, hang dumps in output_dir/debug/.
-    accelerator = build_accelerator(
-        dist_timeout=args.dist_timeout,
-        mixed_precision=args.mixed_precision,
-        log_with=args.report_to,
-        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
-        # Same shuffling whatever the process count, restored exactly on resume.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-    )
+    # What acts process-wide, one line each; then the Accelerator (real DDP over gloo without CUDA, processes counted).
+    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
+    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    accelerator = build_accelerator(dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
+        log_with=args.report_to, project_config=ProjectConfiguration(project_dir=args.output_dir,
+        save_on_each_node=args.save_on_each_node),  # the seedable sampler: same order in any process count, on resume
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -390,8 +368,7 @@ def main():
     model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **load)
     start_at_the_mean(model, train_dataloader.dataset["labels"], regression, accelerator.print)  # before LoRA
     if args.gradient_checkpointing:
-        # Before the split and prepare() (FSDP wraps the layers). Non-reentrant: the reentrant version runs backward
-        # outside autograd's view of the layer, which breaks DDP and needs an input that requires grad.
+        # Before the split and prepare() (FSDP wraps the layers); non-reentrant: the reentrant one breaks DDP.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # SEQ_CLS: PEFT also trains (and saves) the classification head, which starts from scratch
         lora = (args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
@@ -415,13 +392,11 @@ def main():
     lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, num_training_steps=total_steps)
 
     # ------------------------------------------------------------------------------ prepare
-    if parallelism.name == "fsdp":
-        # FSDP shards one Transformer layer at a time (its class is read from the model).
+    if parallelism.name == "fsdp":  # FSDP shards one Transformer layer at a time (its class read from the model)
         block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules or ())))
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
-    )
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
     run_config = {**vars(args), "num_processes": accelerator.num_processes, "parallelism": parallelism.name,
                   "global_batch_size": global_batch_size, "max_train_steps": max_train_steps,
                   "mixed_precision": accelerator.mixed_precision}
@@ -432,76 +407,74 @@ def main():
     # The scheduler's own step count is brought to this run's process count (it steps once per process per step).
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler)
     completed_steps, curve = resume.completed_steps, resume.history.get("train/loss_curve")
-    meter = {"warmup_steps": args.perf_warmup_steps, "devices": devices}
-    # RunRecord (shared/results.py): the loss curve, step times and memory; it writes results.json when the block ends.
-    with RunRecord(
-        accelerator, "transformer_finetune", output_dir, run_config, model, optimizer, max_train_steps, curve, **meter
-    ) as record:
-        save_checkpoint_at = lambda step: save_checkpoint(  # the curve so far (reading it waits for the device)
-            accelerator, output_dir / "checkpoints", step, args.checkpoints_total_limit,
-            history={"train/loss_curve": record.loss_curve}, batch=batch_shape)
-        step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
-        token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
-        for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
-            model.train()
-            train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
-            active_dataloader = train_dataloader
-            if epoch == resume.epoch and resume.batches_to_skip:
-                active_dataloader = accelerator.skip_first_batches(train_dataloader, resume.batches_to_skip)
-            for batch in record.timed(active_dataloader):
-                token_counts[0] += batch["attention_mask"].sum()  # padding is wasted compute (--group_by_length)
-                token_counts[1] += batch["attention_mask"].numel()
-                labels = batch.pop("labels")
-                with accelerator.accumulate(model):
-                    logits = model(**batch).logits
-                    # The loss from the logits, not the model's own: under a device_map split a classifier's loss
-                    # inside forward() meets labels on the first device and logits on the last (a crash on 2 GPUs).
-                    loss = task_loss(logits, labels, regression)
-                    step_loss += loss.detach().float() / args.gradient_accumulation_steps
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients and args.max_grad_norm:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    lr_scheduler.step()
-                    optimizer.zero_grad()
-                if not accelerator.sync_gradients:
-                    continue
-                completed_steps += 1  # (this bookkeeping ends every recipe's step, on purpose: each loop reads whole)
-                # The global mean loss stays on the device: only the log below reads it (a sync point).
-                record.step(completed_steps, accelerator.reduce(step_loss, "mean"), samples=global_batch_size)
-                step_loss.zero_()
-                if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                    logs = {"train/loss": fmean(record.loss_curve[-args.logging_steps :])}  # since the last log
-                    logs["train/learning_rate"] = lr_scheduler.get_last_lr()[0]
-                    accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {logs['train/loss']:.4f}")
-                    accelerator.log(logs, step=completed_steps)
-                if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                    save_checkpoint_at(completed_steps)
-                if completed_steps >= max_train_steps:
-                    break
-            if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-                save_checkpoint_at(completed_steps)
+    record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # shared/results.py
+    accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
+    save = lambda: save_checkpoint(accelerator, output_dir / "checkpoints", completed_steps,
+        args.checkpoints_total_limit, history={"train/loss_curve": record.losses()}, batch=batch_shape)  # a sync
+    step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
+    token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
+    for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
+        model.train()
+        train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
+        skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
+        active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+        for batch in record.timed(active_dataloader):
+            token_counts[0] += batch["attention_mask"].sum()  # padding is wasted compute (--group_by_length)
+            token_counts[1] += batch["attention_mask"].numel()
+            labels = batch.pop("labels")
+            with accelerator.accumulate(model):
+                logits = model(**batch).logits
+                # The loss from the logits, not the model's own: under a device_map split a classifier's loss
+                # inside forward() meets labels on the first device and logits on the last (a crash on 2 GPUs).
+                loss = task_loss(logits, labels, regression)
+                step_loss += loss.detach().float() / args.gradient_accumulation_steps
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1  # (this bookkeeping ends every recipe's step, on purpose: each loop reads whole)
+            # The global mean loss stays on the device: only the log below reads it (a sync point).
+            record.step(completed_steps, accelerator.reduce(step_loss, "mean"), samples=global_batch_size)
+            step_loss.zero_()
+            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
+                logs = {"train/loss": fmean(record.losses()[-args.logging_steps :])}  # since the last log (sync point)
+                logs["train/learning_rate"] = lr_scheduler.get_last_lr()[0]
+                accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {logs['train/loss']:.4f}")
+                accelerator.log(logs, step=completed_steps)
+            if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
+                save()
+            if completed_steps >= max_train_steps:
+                break
+        if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
+            save()
 
-        # --------------------------------------------------------------------------- save
-        # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
-        save_model(accelerator, model, tokenizer, output_dir, args.model_name_or_path, load, lora=bool(args.lora_r))
+    # --------------------------------------------------------------------------- save
+    # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
+    save_model(accelerator, model, tokenizer, output_dir, args.model_name_or_path, load, lora=bool(args.lora_r))
 
-        # --------------------------------------------------------------------- evaluation
-        scores = evaluate_model(accelerator, model, [] if args.skip_eval else eval_dataloader, regression)
-        accelerator.print(f"eval: {scores} (baseline: {baseline})")
-        record.results.update({**scores, **baseline, "label_names": label_names, "model": args.model_name_or_path})
-        record.results.update(method="lora" if args.lora_r else "full", task=config.problem_type or "classification")
-        record.results.update({"model/trainable_parameters": trainable, "model/total_parameters": total})
-        record.results.update({"parallelism": parallelism.name, "global_batch_size": global_batch_size})
-        record.results["device_map_devices"] = [str(device) for device in devices] if devices else None
-        real, padded = accelerator.reduce(token_counts, "sum").tolist()
-        record.results["train/padding_fraction"] = 1 - real / max(padded, 1)
-        # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).
-        record.results["train/grad_scale"] = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+    # --------------------------------------------------------------------- evaluation
+    scores = evaluate_model(accelerator, model, [] if args.skip_eval else eval_dataloader, regression)
+    accelerator.print(f"eval: {scores} (baseline: {baseline})")
+    results = {"recipe": "transformer_finetune", **scores, **baseline, "label_names": label_names,
+               "model": args.model_name_or_path, "config": run_config}
+    results.update(method="lora" if args.lora_r else "full", task=config.problem_type or "classification")
+    results.update({"model/trainable_parameters": trainable, "model/total_parameters": total})
+    results.update({"parallelism": parallelism.name, "global_batch_size": global_batch_size})
+    results["device_map_devices"] = [str(device) for device in devices] if devices else None
+    real, padded = accelerator.reduce(token_counts, "sum").tolist()
+    results["train/padding_fraction"] = 1 - real / max(padded, 1)
+    # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).
+    results["train/grad_scale"] = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+    record.write(output_dir, results, model, optimizer)  # a collective: the main process writes results.json
     # Drop the DDP wrapper while the process group lives: gloo can deadlock in DDP's destructor at exit (torch 2.13).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 
 
 if __name__ == "__main__":
-    main()
+    with report_recipe_errors():  # a bad input every process finds: its paragraph printed once, named to the launcher
+        main()

@@ -1,4 +1,4 @@
-"""FSDP2 through Accelerate: what to shard, and proof that it was sharded. The launch config (``fsdp_2gpu.yaml``)
+"""FSDP2 through Accelerate: what to shard, and how. The launch config (``fsdp_2gpu.yaml``)
 does the work: ``accelerator.prepare`` applies torch's ``fully_shard`` to every block (the class ``wrap_at_blocks``
 reads from the model), the embeddings, the final norm + head, then the root; clipping, sharded ``save_state`` and
 ``get_state_dict`` (gathered) follow. On CPU ``shared.runtime.use_fsdp_on_cpu`` keeps Accelerate on this path."""
@@ -20,10 +20,8 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
     """Make FSDP shard ``model`` one block at a time: the class of the ``block_list`` ModuleList's blocks, found at run
     time, so one config serves every model (None when not under FSDP or the config names its own). Not the default
     (every ``_no_split_modules`` class): for BERT-like models that holds the embeddings too, which Accelerate then
-    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``. In one process it also
-    keeps each gathered block from its forward to its backward (``keep_gathered_in_one_process``)."""
+    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``."""
     plugin = accelerator.state.fsdp_plugin
-    keep_gathered_in_one_process(accelerator)
     if accelerator.distributed_type != DistributedType.FSDP or plugin.transformer_cls_names_to_wrap:
         return None
     block_class = type(model.get_submodule(block_list)[0]).__name__
@@ -34,9 +32,10 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
 def keep_gathered_in_one_process(accelerator: Accelerator) -> None:
     """FSDP2 in one process without offload: ``reshard_after_forward=False`` (ZeRO-2's), each block's gathered copy
     kept to its backward. With one shard resharding frees only that copy (the compute-dtype weights) and costs a
-    second all-gather in backward; under CPU offload the copies would put the whole model on the GPU. Call early."""
-    plugin = accelerator.state.fsdp_plugin
+    second all-gather in backward; under CPU offload the copies would put the whole model on the GPU. Call it in
+    ``main()`` right after the Accelerator is built (a no-op in any other setup)."""
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
+        plugin = accelerator.state.fsdp_plugin  # (no plugin attribute at all without FSDP)
         if not isinstance(plugin.cpu_offload, CPUOffloadPolicy):
             plugin.reshard_after_forward = False
 
@@ -82,33 +81,6 @@ def gathered_state_dict(accelerator: Accelerator, model: torch.nn.Module, traine
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         return get_model_state_dict(model, options=options)
     return accelerator.get_state_dict(model)
-
-
-def sharding_facts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """What this process holds: DTensor (FSDP2-sharded) parameters, its elements (``local_numel``) against the model's
-    (``global_numel``), the modules ``fully_shard`` was applied to (each block, embeddings, norm + head, root), and
-    where the shards and the optimizer state live: ``offloaded_parameters`` counts the parameters FSDP2 keeps on the
-    CPU (its CPUOffloadPolicy; torch has no public accessor, hence ``_get_fsdp_state``)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    parameters = list(model.parameters())
-    states = [module._get_fsdp_state() for module in model.modules() if isinstance(module, FSDPModule)]
-    # fully_shard([embeddings, norm, head]) gives several modules one state: count each group once.
-    groups = {id(state): state._fsdp_param_group for state in states if state._fsdp_param_group is not None}.values()
-    optimizer_values = [v for state in (optimizer.state.values() if optimizer else []) for v in state.values()]
-    return {
-        "parameters": len(parameters),
-        "dtensor_parameters": sum(isinstance(parameter, DTensor) for parameter in parameters),
-        # A DTensor's numel() is the global tensor's; to_local() is this process's shard.
-        "local_numel": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in parameters),
-        "global_numel": sum(parameter.numel() for parameter in parameters),
-        "fsdp_modules": len(states),
-        "offloaded_parameters": sum(fsdp_param.offload_to_cpu for group in groups for fsdp_param in group.fsdp_params),
-        "shard_devices": sorted({str((p.to_local() if isinstance(p, DTensor) else p).device) for p in parameters}),
-        "optimizer_state_devices": sorted({str(getattr(v, "device", "none")) for v in optimizer_values
-                                           if isinstance(v, torch.Tensor) and v.ndim}),
-    }
 
 
 def available_host_ram() -> tuple[int, str]:

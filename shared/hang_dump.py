@@ -1,7 +1,11 @@
 """Hang dumps: when a collective times out, or a rank makes no progress, every rank that can still run writes to
 ``<output_dir>/debug/`` its Python stacks (all threads, ``faulthandler``), the step and the collective it was waiting
 in; under NCCL torch's flight recorder adds its trace of the last collectives. A stopped or dead rank writes nothing,
-itself the clue: the others' dumps name the collective that waited for it. Active with 2+ processes only."""
+itself the clue: the others' dumps name the collective that waited for it. Active with 2+ processes only.
+
+A recipe starts it with one line at the top of ``main()``, before the Accelerator: ``hang_dump.start(output_dir /
+"debug", dist_timeout)``. That line sets NCCL's flight-recorder variables (NCCL reads them when the process group
+starts), registers a ``sys.excepthook``, and counts optimizer steps through torch's global optimizer step hook."""
 
 from __future__ import annotations
 
@@ -18,9 +22,10 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-# The rank whose RecipeError ended the run first, in the process group's store (set by shared.runtime.RecipeError).
-FAILED_RANK_KEY = "two_gpu_recipes/failed_rank"
+from .runtime import FAILED_RANK_KEY  # the rank whose RecipeError ended the run (shared.runtime.report_recipe_errors)
+
 # What gloo says when the process at the other end exited (NCCL: the watchdog reports a timeout instead).
 PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
@@ -30,10 +35,11 @@ HANG_ERRORS = ("timed out", "timeout", "connection "
 
 
 class HangDump:
-    """Start it before the Accelerator (NCCL reads its settings when the group starts); call ``step(completed_steps)``
-    after every optimizer step and ``phase(name)`` before long phases. After 0.8 x ``dist_timeout`` without either, a
-    watcher writes ``rank{R}_stalled.txt`` (a stuck rank leaves its stacks before the timeout kills the run); a process
-    dying of a collective error writes ``rank{R}_error.txt`` and one line on stderr that names the folder."""
+    """Start it before the Accelerator (NCCL reads its settings when the group starts). Every optimizer step counts as
+    progress (torch's global step hook). After 0.8 x ``dist_timeout`` without one, while the main thread waits in a
+    collective, a watcher writes ``rank{R}_stalled.txt`` (a stuck rank leaves its stacks before the timeout kills the
+    run); a process dying of a collective error writes ``rank{R}_error.txt`` and one line on stderr naming the
+    folder."""
 
     def __init__(self, debug_dir: str | os.PathLike, dist_timeout_s: float | None):
         self.folder, self.rank = Path(debug_dir).resolve(), int(os.environ.get("RANK", "0"))
@@ -59,6 +65,7 @@ class HangDump:
         atexit.register(self._remove_if_empty)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._on_uncaught
+        register_optimizer_step_post_hook(lambda optimizer, args, kwargs: self.step())
         if self.stall_after_s:  # a daemon: it never keeps a finished run alive
             threading.Thread(target=self._watch, name="hang-dump-watcher", daemon=True).start()
 
@@ -66,11 +73,10 @@ class HangDump:
         with contextlib.suppress(OSError):  # not empty, or another rank removed it first
             self.folder.rmdir()
 
-    def step(self, completed_steps: int) -> None:
-        self.completed_steps, self.current_phase, self.last_progress = completed_steps, "training", time.monotonic()
-
-    def phase(self, name: str) -> None:
-        self.current_phase, self.last_progress = name, time.monotonic()
+    def step(self) -> None:
+        """One more optimizer step of this process (steps skipped by fp16's scaler or before a resume not counted)."""
+        self.completed_steps, self.current_phase, self.last_progress = (self.completed_steps + 1, "training",
+                                                                        time.monotonic())
 
     def _watch(self) -> None:
         reported = None
@@ -78,9 +84,12 @@ class HangDump:
             time.sleep(min(1.0, self.stall_after_s / 4))
             idle = time.monotonic() - self.last_progress
             if idle > self.stall_after_s and reported != self.last_progress:
-                reported = self.last_progress
                 main = sys._current_frames().get(threading.main_thread().ident)
-                self._write("stalled", f"no progress for {idle:.0f} s", traceback.extract_stack(main) if main else [])
+                frames = traceback.extract_stack(main) if main else []
+                if waiting_in(frames).startswith("no collective"):  # a long evaluation or save, not a hang
+                    continue
+                reported = self.last_progress
+                self._write("stalled", f"no progress for {idle:.0f} s", frames)
 
     def _on_uncaught(self, kind, error, trace) -> None:
         text = f"{kind.__name__}: {error}"
@@ -123,7 +132,7 @@ class HangDump:
         return path
 
 
-# The run's one HangDump, started by ``start`` (shared.runtime.build_accelerator calls it before the process group).
+# The run's one HangDump, started by ``start`` (a recipe's main() calls it before the process group).
 _current: HangDump | None = None
 
 
@@ -135,18 +144,9 @@ def start(debug_dir: str | os.PathLike, dist_timeout_s: float | None) -> HangDum
     return _current
 
 
-def progress(completed_steps: int | None = None, phase: str | None = None) -> None:
-    """Tell the running HangDump (if any) that training made progress, or entered a long phase."""
-    if _current is not None:
-        if completed_steps is not None:
-            _current.step(completed_steps)
-        if phase is not None:
-            _current.phase(phase)
-
-
 def failed_rank() -> str:
     """``rank N`` when a RecipeError of rank N ended the run (it leaves its rank in the group's store, see
-    shared.runtime.RecipeError), else ``another process``."""
+    shared.runtime.report_recipe_errors), else ``another process``."""
     with contextlib.suppress(Exception):  # no group, no store, or the store went with the failed process
         store = torch.distributed.distributed_c10d._get_default_store()
         if store.check([FAILED_RANK_KEY]):

@@ -206,14 +206,6 @@ def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[to
     return model, device_map
 
 
-def execution_devices(model: nn.Module, device_map: dict) -> dict[str, str | None]:
-    """The execution device of the hook Accelerate attached to each planned module (None: no hook), for
-    ``results.json``: proof that a split really went through the hooks, on CPU as on GPUs."""
-    hooks = {name: getattr(model.get_submodule(name), "_hf_hook", None) for name in device_map}
-    return {name: str(hook.execution_device) if hasattr(hook, "execution_device") else None
-            for name, hook in hooks.items()}
-
-
 def parameter_bytes_per_device(model: nn.Module, plan: dict[str, int]) -> dict[int, int]:
     """Bytes of parameters each planned device holds (what the plan puts where, before training)."""
     totals: dict[int, int] = {}

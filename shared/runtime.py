@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,9 +27,6 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, gather_object
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from . import hang_dump
-from .hang_dump import FAILED_RANK_KEY
-
 CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml",
               "device_map": "model_sharding_2gpu.yaml", "pipeline": "pipeline_2gpu.yaml"}
 # What an earlier run leaves in its output_dir (the Hub scripts' check): a new run into it is refused unless asked.
@@ -39,12 +37,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
 
+# The rank whose RecipeError ended the run first, in the process group's store (read by shared.hang_dump).
+FAILED_RANK_KEY = "two_gpu_recipes/failed_rank"
+
+
 class RecipeError(SystemExit):
     """Bad input or setup, reported as one readable paragraph and a non-zero exit (no traceback). A ``SystemExit``:
-    ``raise RecipeError("...")`` anywhere prints it to stderr and exits with status 1, no wrapper around ``main()``.
-    Under a multi-process launch the first process to hit it prints it with its rank; the others, failing alike,
-    exit silently; ``printed=False`` exits with status 1 silently in any case (``stop_if_found``: the main process
-    prints it for all)."""
+    ``raise RecipeError("...")`` anywhere prints it to stderr and exits with status 1. ``printed=False`` exits with
+    status 1 silently (``stop_if_found``: the main process prints it for all). Under several processes each rank's
+    paragraph is one line of its own; ``report_recipe_errors`` around ``main()`` prints a paragraph every rank hits
+    once."""
 
     def __init__(self, message: str, printed: bool = True):
         self.message = " ".join(message.split())
@@ -53,26 +55,34 @@ class RecipeError(SystemExit):
         # newline in two writes, so the ranks' lines would run together: with several processes the newline is part
         # of the message (stderr is line-buffered, so each rank's line is written whole).
         prefix, end = ("[rank " + rank + "] ", "\n") if world_size > 1 else ("", "")
-        # Every process usually checks the same input and fails alike: the first of them on this machine prints the
-        # paragraph; the others exit with status 1, silently.
-        printed = printed and (world_size == 1 or _first_to_report(self.message))
         super().__init__(prefix + "error: " + self.message + end if printed else 1)
-        # Under torchrun (accelerate launch with 2+ processes) the launcher ends with a box naming the first process
-        # that failed; it shows this file's message as that failure's "traceback", so the paragraph that matters is
-        # also the last thing on the screen, instead of "To enable traceback see: ...".
+
+
+@contextlib.contextmanager
+def report_recipe_errors():
+    """Around ``main()``: a RecipeError that several processes hit alike (they check the same input) is printed by the
+    first of them on this machine, the others exit with status 1 silently (a marker file in the folder torchrun gives
+    this attempt's error files). Its paragraph also goes to torchrun's error file, so the launcher's closing box
+    names it as the root cause (instead of "To enable traceback see: ..."), and its rank to the process group's
+    store, which torchrun's agent holds: the other ranks, stopped by this one's exit, name it (shared.hang_dump)."""
+    try:
+        yield
+    except RecipeError as error:
+        if error.code == 1 or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            raise
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             with contextlib.suppress(OSError):
                 Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
-                    json.dumps({"message": "error: " + self.message, "timestamp": int(time.time())})
-                )
-        if world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # The others, stopped by this process's exit, name it (shared.hang_dump): the key goes to the group's
-            # store, which torchrun's agent holds, so it outlives this process.
+                    json.dumps({"message": "error: " + error.message, "timestamp": int(time.time())}))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
             with contextlib.suppress(Exception):
-                torch.distributed.distributed_c10d._get_default_store().set(FAILED_RANK_KEY, rank)
+                torch.distributed.distributed_c10d._get_default_store().set(FAILED_RANK_KEY, os.environ["RANK"])
+        if not first_to_report(error.message):
+            raise SystemExit(1) from None
+        raise
 
 
-def _first_to_report(message: str) -> bool:
+def first_to_report(message: str) -> bool:
     """True for the first process of this machine's launch to report ``message`` (an exclusive create of a marker
     file in the folder torchrun gives this attempt's error files); True when there is no such folder."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -226,19 +236,22 @@ def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -
                                          world_size=int(os.environ["WORLD_SIZE"]), **timeout)
 
 
+def name_the_gpu() -> None:
+    """One process on a GPU: Accelerate's device would be ``torch.device("cuda")``, with no index (several processes
+    get cuda:<local rank>); torch.cuda.set_device refuses it, and results would name the GPU "cuda" here and "cuda:0"
+    there. Sets ``ACCELERATE_TORCH_DEVICE`` (Accelerate's own override of the device it picks) to cuda:<current>,
+    before the Accelerator is built. A no-op without CUDA or with several processes."""
+    if torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if os.environ.get("ACCELERATE_TORCH_DEVICE", "cuda") == "cuda" and not os.environ.get("ACCELERATE_USE_CPU"):
+            os.environ["ACCELERATE_TORCH_DEVICE"] = f"cuda:{torch.cuda.current_device()}"
+
+
 def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -> Accelerator:
     """An Accelerator on CUDA when present and on the CPU over gloo otherwise, checked for size. Keyword arguments go
     to ``Accelerator``; ``cpu`` defaults to "no CUDA here" (a 2-process MULTI_GPU config then runs real DDP over gloo).
     ``dist_timeout`` (seconds) bounds every collective: a hung or dead peer fails the others after that long, with an
-    error naming the collective, instead of the backend's default (10 minutes for NCCL, 30 for gloo).
-
-    With a ``project_config`` it also starts the hang dumps in ``<project_dir>/debug/`` (shared.hang_dump): before the
-    process group, because NCCL reads the flight recorder's settings when the group starts. And first of all, the
-    process is made to die with its launcher (``stop_with_launcher``)."""
-    stop_with_launcher()
-    project_config = accelerator_kwargs.get("project_config")
-    if project_config is not None and project_config.project_dir:
-        hang_dump.start(Path(project_config.project_dir) / "debug", dist_timeout)
+    error naming the collective, instead of the backend's default (10 minutes for NCCL, 30 for gloo). Building it
+    starts the process group (a collective) under a multi-process launch."""
     cpu = accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (a backend given to 1 process makes Accelerate start a group)
         timeout = {"timeout": timedelta(seconds=dist_timeout)} if dist_timeout is not None else {}
@@ -249,13 +262,10 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     if not cpu and accelerator_kwargs.get("dataloader_config") is not None:
         # A prepared loader then copies each batch to the GPU with non_blocking=True. From the pinned memory the
         # recipes' loaders use on a GPU, the copy is queued behind the running step; from pageable memory CUDA would
-        # first wait for the GPU to finish everything queued: a sync point in every step.
-        accelerator_kwargs["dataloader_config"].non_blocking = True
-    if not cpu and torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        # One process: Accelerate's device would be torch.device("cuda"), with no index (several processes get
-        # cuda:<local rank>). torch.cuda.set_device refuses it, and results would name the GPU "cuda" here and "cuda:0"
-        # there. ACCELERATE_TORCH_DEVICE is Accelerate's own override of the device it picks.
-        os.environ.setdefault("ACCELERATE_TORCH_DEVICE", f"cuda:{torch.cuda.current_device()}")
+        # first wait for the GPU to finish everything queued: a sync point in every step. (A copy: the caller's
+        # configuration stays as it was.)
+        accelerator_kwargs["dataloader_config"] = dataclasses.replace(accelerator_kwargs["dataloader_config"],
+                                                                      non_blocking=True)
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
@@ -264,16 +274,11 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
                       "mixed_precision) does nothing on the CPU this run uses: Accelerate has no fp16 autocast there, "
                       "so it would train in fp32 and record fp16. Pass --mixed_precision bf16 (autocast on the CPU "
                       "too) or --mixed_precision no, or run fp16 on a CUDA GPU.")
-    if accelerator.device.type == "cuda":
-        if accelerator.device.index is None:  # the override came too late (a state built before) or was set to "cuda"
-            accelerator.state.device = torch.device("cuda", torch.cuda.current_device())
+    if accelerator.device.type == "cuda" and accelerator.device.index is not None:
         # Object collectives under NCCL (gather_object, the pipeline's state-dict gather) go through the *current* CUDA
         # device: unset, every rank uses cuda:0, or hangs. Accelerate sets it when it starts the group; this line also
         # covers a group started by join_restarted_elastic_group.
         torch.cuda.set_device(accelerator.device)
-    if cpu and fsdp_launch_config():
-        # cpu=True makes Accelerate drop an FSDP config and run plain DDP: switch it back to its FSDP2 path.
-        use_fsdp_on_cpu(accelerator)
     return accelerator
 
 
@@ -303,7 +308,10 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
     Accelerate (1.16) sets MULTI_CPU and drops the FSDP config: plain DDP, while the run looked like FSDP. torch's
     ``fully_shard`` and Accelerate's FSDP2 code work over gloo, so this sets the state a GPU launch gets (FSDP, with
     the config's plugin): the CPU tests then run Accelerate's own FSDP2 preparation, clipping, sharded checkpoints and
-    state-dict gathering, the code a GPU run uses. The price: two attributes of Accelerate's state, checked after."""
+    state-dict gathering, the code a GPU run uses. The price: two attributes of Accelerate's state, checked after.
+    A no-op unless the Accelerator runs on the CPU under an FSDP launch config."""
+    if accelerator.device.type != "cpu" or not fsdp_launch_config():
+        return
     plugin = FullyShardedDataParallelPlugin()  # read from the launch config's FSDP_* variables
     if plugin.fsdp_version != 2:
         raise RecipeError(f"On CPU only FSDP version 2 runs (torch's fully_shard over gloo); the launch config has "
@@ -381,14 +389,6 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
         "pipeline": f"{processes} processes, one pipeline stage each", "single": f"1 process on {accelerator.device}",
     }[requested]
     return Parallelism(requested, f"{reason} ({why})")
-
-
-def run_facts(accelerator: Accelerator) -> dict:
-    """What every results.json records about how the run was distributed: processes, backend, device."""
-    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
-            "distributed/backend": torch.distributed.get_backend() if initialized else None,
-            "device": str(accelerator.device)}
 
 
 def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str | None) -> Path:

@@ -117,6 +117,9 @@ class Launch:
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            # Test-only facts (FSDP2 sharding, device_map hooks...) taken from outside the recipe: see read_facts.
+            "OBSERVE_FACTS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), os.environ.get("PYTHONPATH")))),
             **(env or {}),
             RUN_MARKER: self.marker,
         }
@@ -208,6 +211,17 @@ def launch_ok(config, script, *args, **kwargs) -> Run:
 
 def read_results(output_dir: str | Path) -> dict:
     return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+def read_facts(output_dir: str | Path) -> dict:
+    """What tests/observer/facts.py saw in each process of the run that wrote ``output_dir``, by fact:
+    ``{"fsdp/sharding": {"rank0": ..., "rank1": ...}, "device_map/hooks": {"rank0": ...}, ...}``."""
+    facts: dict = {}
+    for path in sorted(Path(str(output_dir).rstrip("/") + ".observed").glob("facts-rank*.json")):
+        rank = path.stem.removeprefix("facts-")
+        for key, value in json.loads(path.read_text()).items():
+            facts.setdefault(key, {})[rank] = value
+    return facts
 
 
 def observer_env(folder: Path) -> dict:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from launch import Job, assert_offloaded_apart_from_plain, launch_all, observed, observer_env, read_results
+from launch import Job, assert_offloaded_apart_from_plain, launch_all, observed, observer_env, read_facts, read_results
 from safetensors.torch import load_file
 
 # The language model: tiny preset, 5 optimizer steps of 2 accumulated batches, 2 processes x 4 blocks
@@ -141,7 +141,7 @@ def test_fsdp_trains_like_ddp(runs):
 @pytest.mark.slow
 def test_parameters_are_sharded_dtensors(runs):
     """Every parameter is a DTensor and each process holds half of the model's elements."""
-    sharding = runs["fsdp"]["results"]["fsdp/sharding"]
+    sharding = read_facts(runs["fsdp"]["dir"])["fsdp/sharding"]  # seen by tests/observer
     assert set(sharding) == {"rank0", "rank1"}
     num_layers = runs["fsdp"]["results"]["config"]["model_config"]["num_hidden_layers"]
     for facts in sharding.values():
@@ -202,9 +202,10 @@ def test_cpu_offload_really_offloads_and_trains_like_fsdp(runs):
     and the steps are FSDP's (``assert_offloaded_apart_from_plain`` in tests/launch.py: what differs on which
     device)."""
     offload, fsdp = runs["offload"]["results"], runs["fsdp"]["results"]
-    for facts in offload["fsdp/sharding"].values():
+    offload_sharding = read_facts(runs["offload"]["dir"])["fsdp/sharding"]  # seen by tests/observer
+    for facts in offload_sharding.values():
         assert facts["dtensor_parameters"] == facts["parameters"]
-    assert_offloaded_apart_from_plain(offload["fsdp/sharding"], fsdp["fsdp/sharding"])
+    assert_offloaded_apart_from_plain(offload_sharding, read_facts(runs["fsdp"]["dir"])["fsdp/sharding"])
     np.testing.assert_allclose(offload["train/loss_curve"], fsdp["train/loss_curve"], rtol=1e-5)
     assert max_weight_difference(runs["offload"]["dir"], runs["fsdp"]["dir"]) <= 1e-5
 
@@ -234,7 +235,8 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
     results = runs["finetune"]["results"]
     assert (results["parallelism"], results["distributed_type"], results["completed_steps"]) == ("fsdp", "FSDP", 2)
     assert "fsdp: one unit per BertLayer" in runs["finetune"]["log"]
-    for facts in results["fsdp/sharding"].values():
+    sharding = read_facts(runs["finetune"]["dir"])["fsdp/sharding"]  # seen by tests/observer
+    for facts in sharding.values():
         assert (
             facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
         )
@@ -243,7 +245,7 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
     )
     assert not loading["missing_keys"] and not loading["unexpected_keys"]
     assert (
-        sum(parameter.numel() for parameter in model.parameters()) == results["fsdp/sharding"]["rank0"]["global_numel"]
+        sum(parameter.numel() for parameter in model.parameters()) == sharding["rank0"]["global_numel"]
     )
     assert model.config.id2label[0] == results["label_names"][0]
 

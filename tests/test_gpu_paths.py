@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, launch_ok, read_results, visible_gpus
+from launch import REPO, launch_ok, read_facts, read_results, visible_gpus
 
 sys.path.insert(0, str(REPO))
 import shared.runtime  # noqa: E402
@@ -39,9 +39,9 @@ def test_the_mfu_peak_table_knows_the_cards_users_have():
 def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
     """One process on a GPU: Accelerate's device is ``torch.device("cuda")``, with no index, which
     ``torch.cuda.set_device`` refuses (this crashed every 1-process GPU launch). A fake Accelerator that reports
-    exactly that, on a machine said to have one GPU: build_accelerator must give the run ``cuda:0`` (results.json,
-    memory keys, the split's devices) and set the current device by index. ``torch.cuda.set_device`` is replaced by
-    torch's own index check, which is what raised on the GPU."""
+    exactly that, on a machine said to have one GPU: name_the_gpu and build_accelerator must give the run ``cuda:0``
+    (results.json, memory keys, the split's devices) and set the current device by index. ``torch.cuda.set_device``
+    is replaced by torch's own index check, which is what raised on the GPU."""
     from accelerate.utils import DistributedType
 
     calls = []
@@ -57,7 +57,7 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             return self.state.device
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    # build_accelerator sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
+    # name_the_gpu sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
     # after the test (every later launch would inherit cuda:0).
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "unset")
     monkeypatch.setattr(shared.runtime, "Accelerator", OneProcessOnAGpu)
@@ -73,9 +73,9 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", override)
         else:
             monkeypatch.delenv("ACCELERATE_TORCH_DEVICE", raising=False)
+        shared.runtime.name_the_gpu()  # the recipe's line before build_accelerator
         accelerator = shared.runtime.build_accelerator()
         assert str(accelerator.device) == "cuda:0" and calls == [0], (override, accelerator.device, calls)
-        assert shared.runtime.run_facts(accelerator)["device"] == "cuda:0"
         from shared.model_split import split_devices
 
         assert [str(device) for device in split_devices(accelerator.device)] == ["cuda:0", "cpu"]
@@ -114,7 +114,7 @@ def test_the_model_sharding_config_splits_the_fine_tune_over_both_gpus(tmp_path)
         "cuda:0",
         "cuda:1",
     ]
-    assert results["device_map/hooks"] == results["device_map"]
+    assert read_facts(tmp_path)["device_map/hooks"]["rank0"] == results["device_map"]  # tests/observer
     assert set(results["memory/peak_gib"]) == {"cuda:0", "cuda:1"}
 
 

@@ -25,7 +25,7 @@ PIPELINE_COMMENT = "# (pipeline) "
 # A ceiling on today's shared/ so that it cannot grow further unnoticed. It is not yet the small core the project wants
 # (about 1,200 lines of what two or more recipes use): that comes from moving code to where it belongs, not from this
 # number.
-SHARED_LINE_BUDGET = 1700
+SHARED_LINE_BUDGET = 1580
 
 
 def lines_of(path: Path) -> list[str]:
@@ -156,30 +156,26 @@ def test_recipes_fit_their_line_limits(path):
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
 def test_instrumentation_is_behind_run_record(path):
-    """The results file, meter, MFU, memory facts and hang dumps are RunRecord's (shared/results.py): a recipe imports
-    nothing else of shared.results or shared.hang_dump, and calls into RunRecord in at most three places (entering
-    it, ``timed`` and ``step``; its own results go into ``record.results``)."""
+    """What a user sees of a run (loss curve, speed, memory, results.json) is RunRecord's (shared/results.py): a recipe
+    imports nothing else of shared.results and uses only ``timed``, ``step``, ``losses`` and ``write`` of it. What only
+    tests read (sharding facts, hooks, shard sums) is taken from outside (tests/observer), so no recipe names it."""
     tree = ast.parse(path.read_text())
     imported = {
         (node.module, alias.name)
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module in ("shared.results", "shared.hang_dump")
+        if isinstance(node, ast.ImportFrom) and node.module == "shared.results"
         for alias in node.names
     }
     assert imported <= {("shared.results", "RunRecord")}, f"{path.name} imports {sorted(imported)}"
-    calls = [
-        node
+    used = {
+        node.attr
         for node in ast.walk(tree)
-        if isinstance(node, ast.Call)
-        and (
-            (isinstance(node.func, ast.Name) and node.func.id == "RunRecord")
-            or (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "record")
-        )
-    ]
-    assert len(calls) <= 3, f"{path.name} calls RunRecord in {len(calls)} places: " + ", ".join(
-        f"line {call.lineno}" for call in calls
-    )
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "record"
+    }
+    assert used <= {"timed", "step", "losses", "write"}, f"{path.name} uses record.{sorted(used)}"
+    text = path.read_text()
+    for fact in ("fsdp/sharding", "device_map/hooks", "loading/shard_sums", "compile/compiled_modules"):
+        assert fact not in text, f"{path.name} names the test-only fact {fact}"
 
 
 def test_shared_is_small():

@@ -19,10 +19,9 @@ WRAPPED = "model, optimizer, train_dataloader = accelerator.prepare(model, optim
 
 
 def copy_project(destination: Path) -> Path:
-    """A user's project: the recipe with shared/ beside it, nothing else from this repository."""
+    """A user's project: the recipe alone (the tutorial's example is one file), nothing else from this repository."""
     destination.mkdir()
     shutil.copy(REPO / "recipes" / "linear_toy.py", destination / "train.py")
-    shutil.copytree(REPO / "shared", destination / "shared", ignore=shutil.ignore_patterns("__pycache__"))
     return destination / "train.py"
 
 
@@ -165,11 +164,9 @@ def test_equivalence_check_catches_a_model_not_wrapped_in_ddp(runs):
 
 
 def test_model_sharding_config_trains_on_one_device(tmp_path):
-    run = launch_ok("model_sharding_2gpu.yaml", "linear_toy.py", "--output_dir", tmp_path, "--max_train_steps", "5")
+    launch_ok("model_sharding_2gpu.yaml", "linear_toy.py", "--output_dir", tmp_path, "--max_train_steps", "5")
     results = read_results(tmp_path)
     assert results["num_processes"] == 1 and results["parallelism"] == "single"
-    if results["parallelism_requested"] == "device_map":  # only on a machine with >= 2 GPUs
-        assert "nothing to split" in run.output
 
 
 @pytest.mark.slow

@@ -19,9 +19,12 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
 from shared.checkpoints import PROGRESS_FILE, save_checkpoint  # noqa: E402
-from shared.runtime import RecipeError  # noqa: E402
+from shared.runtime import RecipeError, report_recipe_errors  # noqa: E402
 
-TOY = "linear_toy.py"
+# A small launched script that uses shared/'s checkpoints, resume, timeouts, hang dumps and refusals (the linear toy
+# as it was before it became one standalone file, recipes/linear_toy.py): what these tests exercise.
+TOY = REPO / "tests" / "scripts" / "reliable_toy.py"
+RECIPE_TOY = "linear_toy.py"  # the standalone tutorial example: plain Accelerate across two machines
 # Small batches over a big data set: many cheap steps, so a run lasts long enough to be interrupted.
 LONG = ("--num_samples", "200000", "--per_device_train_batch_size", "4")
 
@@ -292,9 +295,9 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     # Wherever the step was when rank 1 stopped: DDP's gradient all-reduce in backward, or the loss all-reduce after
     # it.
     assert facts["waiting_in"].startswith(("backward: the gradient all-reduce", "all_reduce")), facts
-    assert "linear_toy.py" in facts["waiting_in"]
+    assert "reliable_toy.py" in facts["waiting_in"]
     text = dump.read_text()
-    assert "Timed out waiting 5000ms" in text and "Python stacks of every thread" in text and "linear_toy.py" in text
+    assert "Timed out waiting 5000ms" in text and "Python stacks of every thread" in text and "reliable_toy.py" in text
     assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"
 
 
@@ -359,15 +362,15 @@ def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tm
     project = tmp_path / "project"
     project.mkdir()
     shutil.copytree(REPO / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
-    source = (REPO / "recipes" / TOY).read_text()
+    source = TOY.read_text()
     save_line = (  # the step's save call, after which the crash is injected
-        '                        history={"train/loss_curve": loss_curve},\n                    )\n'
+        '                    history={"train/loss_curve": loss_curve},\n                )\n'
     )
     assert source.count(save_line) == 1
     crash = (
-        "                    if completed_steps == 10 and accelerator.process_index == 1 and "
+        "                if completed_steps == 10 and accelerator.process_index == 1 and "
         '__import__("os").environ["TORCHELASTIC_RESTART_COUNT"] == "0":\n'
-        '                        __import__("os")._exit(13)  # injected one-time crash\n'
+        '                    __import__("os")._exit(13)  # injected one-time crash\n'
     )
     script = project / "train.py"
     script.write_text(source.replace(save_line, save_line + crash))
@@ -447,14 +450,14 @@ def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, back
     assert started["backend"] == "gloo"
 
 
-def two_machines(tmp_path, name: str, *args) -> list:
+def two_machines(tmp_path, name: str, *args, script=TOY) -> list:
     """Two launchers on 127.0.0.1, one process each, each with its own --output_dir (no shared disk), to the end.
     CPU processes on every machine: two launchers on one box would put both ranks on cuda:0, which NCCL refuses."""
     port = free_port()
     machines = [
         Launch(
             "multinode_2x2gpu.yaml",
-            TOY,
+            script,
             "--output_dir",
             tmp_path / f"{name}_machine{rank}",
             *args,
@@ -489,7 +492,8 @@ def one_machine(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_machines_on_localhost_match_one_machine_with_two_processes(tmp_path, one_machine):
-    for finished in two_machines(tmp_path, "run", *MACHINE_ARGS):
+    """The standalone recipes/linear_toy.py on two machines ends with the weights of the shared/-based toy on one."""
+    for finished in two_machines(tmp_path, "run", *MACHINE_ARGS, script=RECIPE_TOY):
         assert finished.returncode == 0, str(finished)
     two = read_results(tmp_path / "run_machine0")
     assert two["num_processes"] == 2
@@ -571,24 +575,35 @@ def test_every_rank_writes_its_error_as_a_line_of_its_own(monkeypatch):
     assert RecipeError("The batch is too small.").code == "error: The batch is too small."
 
 
+def reported(message: str):
+    """The exit code of a RecipeError raised inside ``report_recipe_errors`` (what a recipe's ``__main__`` does)."""
+    with pytest.raises(SystemExit) as stopped, report_recipe_errors():
+        raise RecipeError(message)
+    return stopped.value.code
+
+
 def test_an_error_every_rank_hits_is_printed_once(tmp_path, monkeypatch):
     """Every process checks the same input, so a bad input stopped a 2-process run with the paragraph twice. The
     first process of the launch to report it prints it; another with the same message exits 1 silently; a different
-    message is still printed, and a process raising its own message again (caught, then re-raised) prints it."""
+    message is still printed, and a process raising its own message again (caught, then re-raised) prints it. The
+    RecipeError itself writes nothing: ``report_recipe_errors`` around ``main()`` does."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     attempt = tmp_path / "attempt_0"
     for rank in (0, 1):
         (attempt / str(rank)).mkdir(parents=True)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "0" / "error.json"))
-    assert RecipeError("The batch is too small.").code == "[rank 0] error: The batch is too small.\n"
-    assert RecipeError("The batch is too small.").code == "[rank 0] error: The batch is too small.\n"  # re-raised
+    RecipeError("The batch is too small.")
+    assert not list(attempt.glob("recipe_error_*")) and not (attempt / "0" / "error.json").exists()
+    assert reported("The batch is too small.") == "[rank 0] error: The batch is too small.\n"
+    assert reported("The batch is too small.") == "[rank 0] error: The batch is too small.\n"  # re-raised
+    assert "The batch is too small." in (attempt / "0" / "error.json").read_text()  # the launcher's closing box
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(attempt / "1" / "error.json"))
     marker = next(attempt.glob("recipe_error_*"))
     marker.write_text("1")  # written by another process (pid 1)
-    assert RecipeError("The batch is too small.").code == 1
-    assert RecipeError("Rank 1's own problem.").code == "[rank 1] error: Rank 1's own problem.\n"
+    assert reported("The batch is too small.") == 1
+    assert reported("Rank 1's own problem.") == "[rank 1] error: Rank 1's own problem.\n"
 
 
 @pytest.mark.slow

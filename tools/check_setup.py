@@ -57,9 +57,12 @@ from shared.results import write_results  # noqa: E402
 from shared.runtime import (  # noqa: E402
     RecipeError,
     build_accelerator,
+    name_the_gpu,
     positive_float,
     positive_int,
     prepare_output_dir,
+    report_recipe_errors,
+    stop_with_launcher,
 )
 
 MB = 2**20  # nccl-tests labels sizes in powers of two ...
@@ -462,6 +465,8 @@ def main():
     args = parse_args()
 
     # ----------------------------------------------------------------------------- Accelerator
+    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so the report says cuda:0, not cuda
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config joins the
     # processes over gloo, and checks the process count. The timeout turns a hung link into an error.
     accelerator = build_accelerator(dist_timeout=args.dist_timeout)
@@ -722,4 +727,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    with report_recipe_errors():  # a problem every process finds: its paragraph printed once, named to the launcher
+        main()

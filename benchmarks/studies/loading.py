@@ -145,14 +145,16 @@ def worker(args) -> None:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
-    from shared.fsdp import wrap_at_blocks
+    from shared.fsdp import keep_gathered_in_one_process, wrap_at_blocks
     from shared.model_split import find_block_list
-    from shared.runtime import build_accelerator
+    from shared.runtime import build_accelerator, use_fsdp_on_cpu
     from llm_kit.sharded_4bit import empty_4bit_model, load_4bit_sharded
 
     accelerator = build_accelerator(
         mixed_precision="bf16", project_config=ProjectConfiguration(project_dir=str(args.output_dir))
     )
+    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward, as the recipe
     torch.set_num_threads(1)
     dtype = torch.bfloat16
     quantization = BitsAndBytesConfig(

@@ -14,9 +14,8 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared.fsdp import available_host_ram, trained_weights_only_in_checkpoints
+from shared.fsdp import available_host_ram
 from shared.model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
-from shared.results import per_rank
 from shared.runtime import RecipeError, main_process_alone
 
 from .sharded_4bit import empty_4bit_model
@@ -144,13 +143,17 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
     return model
 
 
-def lora_model(accelerator, model: torch.nn.Module, lora_config, name_or_path: str) -> torch.nn.Module:
-    """``get_peft_model(model, lora_config)``, refusing target modules that match nothing in one sentence that names
-    the flag, with ``adapter_config.json`` naming a local base by its absolute path (so that the adapter loads from any
-    folder of this machine: a relative path, read from elsewhere, is taken for a Hub name). From here on
-    ``save_state`` checkpoints hold the adapter, not a copy of the frozen base (13.5 GB for a 7B model): load them
-    with ``load_state(strict=False)`` (set up here, before ``prepare``: it acts at the first ``save_state``)."""
-    from peft import get_peft_model
+def lora_model(model: torch.nn.Module, name_or_path: str, *, r: int, alpha: float, dropout: float,
+               target_modules: list[str]) -> torch.nn.Module:
+    """``get_peft_model`` with a causal-LM LoRA adapter of rank ``r`` on ``target_modules``, refusing target modules
+    that match nothing in one sentence that names the flag, with ``adapter_config.json`` naming a local base by its
+    absolute path (so that the adapter loads from any folder of this machine: a relative path, read from elsewhere, is
+    taken for a Hub name). For checkpoints that hold the adapter only, see
+    ``shared.fsdp.trained_weights_only_in_checkpoints``."""
+    from peft import LoraConfig, get_peft_model
+
+    lora_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                             task_type="CAUSAL_LM")
 
     if lora_config.target_modules == {"all-linear"}:  # a one-word flag list: PEFT takes this one as a string
         lora_config.target_modules = "all-linear"
@@ -164,24 +167,12 @@ def lora_model(accelerator, model: torch.nn.Module, lora_config, name_or_path: s
             "v_proj.") from None
     if Path(name_or_path).is_dir():
         model.peft_config["default"].base_model_name_or_path = str(Path(name_or_path).resolve())
-    trained_weights_only_in_checkpoints(accelerator)
     return model
 
 
 def low_ram_loading(accelerator) -> bool:
     """True under FSDP2 when the launch config asks for low host-RAM loading (``fsdp_cpu_ram_efficient_loading``)."""
     return accelerator.is_fsdp2 and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true"
-
-
-def loaded_shard_sums(accelerator, model: torch.nn.Module) -> dict:
-    """With low host-RAM loading, what it gave each process, for results.json: the sum of every frozen weight's local
-    shard (tests compare them with the checkpoint's slices); else nothing. A collective: call it on every process,
-    after ``prepare``."""
-    if not low_ram_loading(accelerator):
-        return {}
-    local = {name: float((parameter.to_local() if hasattr(parameter, "to_local") else parameter).double().sum())
-             for name, parameter in model.named_parameters() if not parameter.requires_grad}
-    return {"loading/shard_sums": per_rank(local)}
 
 
 def parameter_counts(accelerator, model: torch.nn.Module, name_or_path: str) -> tuple[int, int]:

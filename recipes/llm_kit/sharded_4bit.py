@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
-import os
+import resource
 from pathlib import Path
 
 import torch
@@ -35,9 +35,7 @@ from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from shared.fsdp import keep_gathered_in_one_process
 from shared.model_split import find_block_list
-from shared.results import peak_memory_gib
 from shared.runtime import RecipeError
 
 
@@ -162,7 +160,8 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     """Load the weights of an ``empty_4bit_model`` (LoRA applied or not) one decoder layer at a time, each layer
     quantized on this process's device and sharded by FSDP2 before the next is read; then the embeddings, final norm
     and LM head, sharded as they load. Call it on every process after LoRA and before ``accelerator.prepare``, which
-    skips what is sharded already and shards the rest (an adapter on the embeddings, position embeddings)."""
+    skips what is sharded already and shards the rest (an adapter on the embeddings, position embeddings), and after
+    ``shared.fsdp.keep_gathered_in_one_process`` (its resharding policy is the one each unit gets here)."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 
@@ -171,13 +170,12 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     block_list = find_block_list(base, set(base._no_split_modules))  # e.g. model.layers
     files = checkpoint_files(model_name_or_path) if accelerator.is_main_process else {}
     plugin = accelerator.state.fsdp_plugin
-    keep_gathered_in_one_process(accelerator)  # as wrap_at_blocks will for the rest of the model
     # The arguments Accelerate's own FSDP2 preparation gives every unit (accelerate.utils.fsdp_utils).
     shard_kwargs = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
                     "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
     # Accelerate's low-RAM path would move the loaded shards to meta and broadcast rank 0's full state: done here.
+    # (The recipe turns FSDP_CPU_RAM_EFFICIENT_LOADING off too, for transformers, in its main().)
     plugin.cpu_ram_efficient_loading = False
-    os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
 
     tied = base.all_tied_weights_keys  # e.g. lm_head.weight -> the embedding's: not read, tied to it once loaded
 
@@ -230,7 +228,7 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     # What this process holds now (its shards, on the device or, offloaded, in host RAM), the quantization constants
     # beside them, and its host RAM peak so far: said once, by the main process.
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
-    peak = peak_memory_gib([torch.device("cpu")])["cpu"]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
     accelerator.print(f"QLoRA loaded one layer at a time ({len(blocks)} layers): this process holds "
                       f"{held / 2**30:.2f} GiB of weights (1/{accelerator.num_processes} of each) and every layer's "
                       f"quantization constants; host RAM peak so far {peak:.2f} GiB per process")

@@ -31,6 +31,11 @@ With OBSERVE_AVX512_BF16=1 as well, every ``Linear4bit`` built in the process ta
 it repack its weight in an eval-mode forward without gradients, so that a test sees that path on any CPU.
 ``bitsandbytes["avx512_bf16_claimed"]`` counts the layers told so.
 
+With OBSERVE_FACTS=1 (tests/launch.py sets it for every launch) and no OBSERVE_DIR, only this is observed: when the
+recipe hands its model to ``Accelerator.free_memory`` at the end, each process writes the test-only facts of
+``facts.py`` (FSDP2 sharding, device_map hooks, compiled modules, low-RAM shard sums) to
+``<output_dir>.observed/facts-rank<RANK>.json``.
+
 Patches are applied right after the module they patch is imported (a ``sys.meta_path`` finder), before anything else
 can bind the originals, and cost one Python call per saved tensor, file open or 4-bit call.
 """
@@ -42,6 +47,7 @@ import sys
 from importlib.machinery import PathFinder
 
 OBSERVE_DIR = os.environ.get("OBSERVE_DIR")
+OBSERVE_FACTS = OBSERVE_DIR or os.environ.get("OBSERVE_FACTS") == "1"
 record = {
     "opened": [],
     "saved_bytes": [],
@@ -177,7 +183,34 @@ def patch_accelerate(accelerator_module) -> None:
         record["at_prepare"].append(models)
         return original(self, *objects, **kwargs)
 
-    accelerator_class.prepare = prepare
+    accelerator_class.prepare = prepare if OBSERVE_DIR else accelerator_class.prepare
+    original_free_memory = accelerator_class.free_memory
+
+    def free_memory(self, *objects):
+        models = [candidate for candidate in objects if isinstance(candidate, torch.nn.Module)]
+        optimizers = [candidate for candidate in objects if isinstance(candidate, torch.optim.Optimizer)]
+        if models:
+            write_facts(self, models[0], optimizers[0] if optimizers else None)
+        return original_free_memory(self, *objects)
+
+    accelerator_class.free_memory = free_memory
+
+
+def write_facts(accelerator, model, optimizer) -> None:
+    """``facts.run_facts`` of this process, to ``<output_dir>.observed/facts-rank<RANK>.json`` (``--output_dir`` of the
+    script's own arguments)."""
+    from facts import run_facts  # tests/observer/facts.py, beside this file on PYTHONPATH
+
+    argv = sys.argv[1:]
+    output_dir = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--output_dir=")), None)
+    if "--output_dir" in argv[:-1]:
+        output_dir = argv[argv.index("--output_dir") + 1]
+    if output_dir is None:
+        return
+    folder = output_dir.rstrip("/\\") + ".observed"
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"facts-rank{os.environ.get('RANK', '0')}.json"), "w") as file:
+        json.dump(run_facts(accelerator, model, optimizer), file)
 
 
 PATCHES = {"safetensors": patch_safetensors, "torch": patch_torch, "bitsandbytes": patch_bitsandbytes,
@@ -215,3 +248,6 @@ def write() -> None:
 if OBSERVE_DIR:
     sys.meta_path.insert(0, PatchAfterImport())
     atexit.register(write)
+elif OBSERVE_FACTS:
+    PATCHES = {"accelerate.accelerator": patch_accelerate}
+    sys.meta_path.insert(0, PatchAfterImport())

@@ -9,8 +9,9 @@ import torch
 from accelerate.utils import gather_object
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.runtime import build_accelerator, run_facts  # noqa: E402
+from shared.runtime import build_accelerator, name_the_gpu  # noqa: E402
 
+name_the_gpu()
 accelerator = build_accelerator(dist_timeout=60)
 seen = gather_object(
     [
@@ -22,6 +23,7 @@ seen = gather_object(
     ]
 )
 if accelerator.is_main_process:
-    print("OBJECTS " + json.dumps({"ranks": seen, **run_facts(accelerator)}))
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    print("OBJECTS " + json.dumps({"ranks": seen, "distributed/backend": backend}))
 accelerator.wait_for_everyone()
 accelerator.end_training()

@@ -6,11 +6,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.hang_dump import HangDump  # noqa: E402
-from shared.runtime import RecipeError, build_accelerator  # noqa: E402
+from shared.runtime import RecipeError, build_accelerator, report_recipe_errors  # noqa: E402
 
 hang_dump = HangDump(Path(sys.argv[1]) / "debug", 60)
 accelerator = build_accelerator(dist_timeout=60)
-with accelerator.main_process_first():
+with report_recipe_errors(), accelerator.main_process_first():
     if accelerator.is_main_process:
         raise RecipeError("--train_file 'nope.jsonl' does not exist (the input only rank 0 reads first).")
 accelerator.end_training()
