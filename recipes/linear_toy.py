@@ -9,7 +9,7 @@ What the popular version gets wrong, and what this file does instead:
   (batch, batch) -> the targets are built as (batch, 1);
 - every process prints and saves -> ``accelerator.print`` and ``save_model`` act once, on the main process.
 
-One file, nothing else of this repository: copy it and run it. Launch (from the repository root):
+One file: copy recipes/linear_toy.py (and accelerate_configs/, which the launch lines name). Launch (from the root):
     # CPU smoke run, or one GPU:
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/linear_toy.py
     # two GPUs, data parallel (on a CPU-only machine: 2 processes over gloo, same command):

@@ -343,9 +343,8 @@ def main():
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
-    accelerator = build_accelerator(
+    accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
         dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision, log_with=args.report_to,
-        # No gradient_accumulation_steps: the loop counts a step's answer tokens first, then syncs its last batch.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node))
     use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
@@ -394,10 +393,10 @@ def main():
     # ------------------------------------------------------------------ optimizer and scheduler
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=fused_adamw(accelerator),
                                   lr=args.learning_rate, weight_decay=args.weight_decay, eps=args.adam_epsilon)
-    # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short).
+    # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short);
+    # the scheduler's steps times the processes: the prepared scheduler steps once per process per optimizer step.
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # Warm-up and training steps times the processes: the prepared scheduler steps once per process per step.
     lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.num_warmup_steps * accelerator.num_processes,
                                  max_train_steps * accelerator.num_processes)
 
@@ -483,8 +482,7 @@ def main():
         "parallelism_requested": args.parallelism, "data/counts": counts, "global_batch_size": global_batch_size,
         "model/trainable_parameters": trainable, "model/total_parameters": total}
     record.write(output_dir, results, model, optimizer, flops_per_token=flops_per_token)  # a collective
-    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.free_memory(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+    model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()
 
 
