@@ -356,6 +356,22 @@ def test_the_losses_are_trl_s(recipe):
     torch.testing.assert_close(ipo, (per_token - 5.0) ** 2)
 
 
+def test_long_prompts_are_cut_from_the_left_and_completions_to_what_max_length_leaves(base):
+    """The end of a long prompt (next to the answer) is kept; each completion gets what --max_length leaves."""
+    from transformers import AutoTokenizer
+
+    from shared.preference_data import tokenize_pair
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    row = {"prompt": "Is asyncio.run a class, a function or a method? " * 3, "chosen": "a function, of course " * 4,
+           "rejected": "a class"}
+    whole = tokenizer(row["prompt"])["input_ids"]
+    pair = tokenize_pair(row, "standard", tokenizer, max_length=20, max_prompt_length=8)
+    assert pair["prompt_ids"] == whole[-8:] and pair["prompt_cut"] and pair["completion_cut"]
+    chosen = tokenizer(row["chosen"], add_special_tokens=False)["input_ids"]
+    assert pair["chosen_ids"] == chosen[:12] and pair["rejected_ids"][-1] == tokenizer.eos_token_id
+
+
 # ----------------------------------------------------------------------------- refusals
 BAD_ROWS = [
     ({"prompt": "Q?", "chosen": "yes", "rejected": None}, "Row 2 of test has no 'rejected'"),
