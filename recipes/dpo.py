@@ -26,9 +26,10 @@ on larger models); fsdp_offload_2gpu.yaml: the shards and optimizer state in hos
 Launch (from the repository root):
     # CPU smoke run, or one GPU:
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/dpo.py --max_train_steps 20
-    # two GPUs, data parallel (on a CPU-only machine: 2 processes over gloo, same command), continuing an SFT adapter:
+    # two GPUs, data parallel (on a CPU-only machine: 2 processes over gloo, same command), continuing an SFT adapter
+    # (its base is the model) on your pairs:
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/dpo.py \\
-        --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --adapter_name_or_path outputs/llm_finetune
+        --adapter_name_or_path outputs/llm_finetune --train_file chats.jsonl
     # a full fine-tune sharded over two GPUs (the reference log-probs computed before training), or offloaded:
     accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/dpo.py \\
         --model_name_or_path ... --full_finetune --mixed_precision bf16 --gradient_checkpointing
