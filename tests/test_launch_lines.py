@@ -72,6 +72,10 @@ LAUNCHED_ELSEWHERE = {
     ("fsdp_2gpu.yaml", "llm_finetune.py"): "test_llm_finetune.py",
     ("fsdp_offload_2gpu.yaml", "llm_finetune.py"): "test_llm_finetune.py",
     ("model_sharding_2gpu.yaml", "llm_finetune.py"): "test_llm_finetune.py",
+    ("single_gpu.yaml", "dpo.py"): "test_dpo.py",
+    ("ddp_2gpu.yaml", "dpo.py"): "test_dpo.py",
+    ("fsdp_2gpu.yaml", "dpo.py"): "test_dpo.py",
+    ("fsdp_offload_2gpu.yaml", "dpo.py"): "test_dpo.py",
 }
 # Appended to a launched line (argparse keeps the last value of a flag, so these win over the line's sizes).
 LM_TINY = (

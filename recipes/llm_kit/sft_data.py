@@ -19,6 +19,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, data_file_builder, in_validation_split, split_by_column
@@ -52,11 +53,15 @@ def chat_tokenizer(accelerator, name_or_path: str, trust_remote_code: bool = Fal
 def load_raw_datasets(train_file: str | None = None, validation_file: str | None = None,
                       dataset_name: str | None = None, dataset_config_name: str | None = None,
                       validation_split_percentage: float = 5, seed: int = 0, max_train_samples: int | None = None,
-                      max_eval_samples: int | None = None) -> tuple[datasets.DatasetDict, str]:
+                      max_eval_samples: int | None = None, row_format=None,
+                      default_data=None) -> tuple[datasets.DatasetDict, str]:
     """``train`` and ``validation`` from the user's files, a Hub dataset, or the offline default (``stdlib_names``),
     every row checked, and their format (``data_format``); ``validation_split_percentage`` of train is held out when
     there is no validation split. At most ``max_train_samples`` / ``max_eval_samples`` of each (shuffled). Call it
-    under ``main_process_first``."""
+    under ``main_process_first``. Another recipe's data (``recipes/dpo.py``'s preference pairs) passes its own
+    ``row_format(dataset, source) -> format`` (checks every row, names the format) and ``default_data()``."""
+    row_format = row_format or (lambda dataset, source: check_rows(dataset, data_format(dataset.column_names), source)
+                                or data_format(dataset.column_names))
     if train_file:
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
         builder = data_file_builder(files, needs="at least one sample")
@@ -80,13 +85,13 @@ def load_raw_datasets(train_file: str | None = None, validation_file: str | None
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
     else:
-        raw = stdlib_names()
+        raw = (default_data or stdlib_names)()
     # Every row checked before anything is shuffled or split off, so that a bad row is named by its place in the file.
     for split in ("train", "validation") if train_file or dataset_name else ():
         if split in raw and len(raw[split]):
             given = train_file if split == "train" else validation_file
             source = f"--{split}_file {given!r}" if given else f"the {split} split of {dataset_name}"
-            check_rows(raw[split], data_format(raw["train"].column_names), source)
+            row_format(raw[split], source)
     if "validation" not in raw:
         raw = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
         raw["validation"] = raw.pop("test")
@@ -97,7 +102,7 @@ def load_raw_datasets(train_file: str | None = None, validation_file: str | None
         if limits[split]:
             raw[split] = raw[split].shuffle(seed=seed).select(range(min(limits[split], len(raw[split]))))
     raw = datasets.DatasetDict({"train": raw["train"], "validation": raw["validation"]})
-    return raw, data_format(raw["train"].column_names)
+    return raw, row_format(raw["train"].select(range(0)), "the training data")
 
 
 def unreadable(file: str, error: Exception) -> str:
@@ -125,16 +130,17 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
             check_conversation(messages, f"Row {number} of {source}")
 
 
-def check_conversation(messages, where: str) -> None:
-    """Refuse a ``messages`` value this recipe cannot learn from, in one paragraph that starts with ``where``."""
+def check_conversation(messages, where: str, column: str = "messages", answer: bool = True) -> None:
+    """Refuse a ``messages`` value this recipe cannot learn from, in one paragraph that starts with ``where``
+    (``column``: its column; ``answer=False``: a prompt, which needs no assistant turn)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
                                                  for m in messages):
-        raise RecipeError(f"{where}: 'messages' must be a list of {{role, content}} objects; got "
+        raise RecipeError(f"{where}: {column!r} must be a list of {{role, content}} objects; got "
                           f"{str(messages)[:200]}.")
     unknown = sorted({m["role"] for m in messages} - ROLES)
     if unknown:
         raise RecipeError(f"{where} has the role(s) {unknown}; the roles are {sorted(ROLES)}: {str(messages)[:200]}")
-    if not any(m["role"] == "assistant" for m in messages):
+    if answer and not any(m["role"] == "assistant" for m in messages):
         raise RecipeError(f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the "
                           "answer as {'role': 'assistant', 'content': ...}, or drop the row.")
 
@@ -263,6 +269,47 @@ def scored_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
     order = torch.sort((~scored).to(torch.uint8), dim=1, stable=True).indices[:, :count]
     targets = labels[:, 1:].gather(1, order)  # -100 wherever the position is not scored
     return {"loss_positions": torch.where(targets != -100, order, 0), "loss_targets": targets}
+
+
+def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token loss over the answer tokens of ``batch``, and per sample. Two savings, each equal to the plain
+    loss (full logits, then cross-entropy; tests/test_llm_finetune.py checks losses and gradients). Used by
+    ``recipes/llm_finetune.py`` and, for the sequence log-probs of preference pairs, ``recipes/dpo.py``:
+
+    - logits only where a loss is taken: transformers' ``logits_to_keep`` with the answer positions the collate
+      function found (``scored_positions``), so the LM head skips every prompt and padding position;
+    - the cross-entropy in fp32, ``chunk_tokens`` positions at a time, each chunk recomputed in backward
+      (checkpointed): the softmax that backward needs exists for one chunk at a time, not for the batch (with a 128k
+      vocabulary, 4,096 answer tokens would hold 2 GiB of it). The logits themselves are fp32 under mixed precision
+      (Accelerate converts a prepared model's outputs to fp32), bf16 or fp32 as the model computes them otherwise.
+
+    A model split over devices (one process, Accelerate's hooks): the hidden states end on the LM head's device, so
+    the positions go there, and ``shared.model_split.dispatch_on_devices`` has the hooks leave them where they are (the
+    model's own hook would move them to the first device): the same answer logits, not every position's (with a 128k
+    vocabulary, several GB of them, copied to the first device). A model that ignores ``logits_to_keep`` returns
+    every position's logits (checked by the shape): the answers' are then picked from them. ``use_cache=False``: a
+    cache would turn the packed mask off."""
+    inputs = {key: value for key, value in batch.items()
+              if key not in ("labels", "num_tokens", "loss_positions", "loss_targets")}
+    positions = batch["loss_positions"]
+    if getattr(model, "hf_device_map", None):  # placed by Accelerate's hooks: split, or 4-bit on one device
+        head = model.get_output_embeddings()
+        device = getattr(getattr(head, "_hf_hook", None), "execution_device", None)
+        positions = positions.to(head.weight.device if device is None else device)
+    logits = model(**inputs, use_cache=False, logits_to_keep=positions).logits
+    if logits.shape[:2] != positions.shape:  # every position's logits (rows, length, vocabulary): pick the answers'
+        logits = torch.take_along_dim(logits, positions.to(logits.device)[..., None], dim=1)
+    targets = batch["loss_targets"].to(logits.device).flatten()
+    logits = logits.flatten(0, 1)
+    losses = torch.cat([checkpoint(fp32_cross_entropy, chunk, target, use_reentrant=False)
+                        for chunk, target in zip(logits.split(chunk_tokens), targets.split(chunk_tokens))])
+    losses = losses.view(positions.shape)
+    return losses.sum(), losses.sum(dim=1)
+
+
+def fp32_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-position loss, in fp32 whatever the logits' dtype (bf16 rounding in the softmax would bias the loss)."""
+    return torch.nn.functional.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="none")
 
 
 def check_batches(train_dataloader, data_parallel_size: int) -> None:
