@@ -89,7 +89,7 @@ PRESETS = {
         "max_length": 256,
         "max_prompt_length": 128,
         "answer_chars": 700,
-        "gradient_accumulation_steps": 1,  # 4 pairs a step: ~0.5 s of CPU
+        "gradient_accumulation_steps": 1,  # 4 pairs (8 rows of ~220 tokens) a step: ~1.4 s of CPU here
         "max_train_steps": 12,
         "perf_warmup_steps": 3,
     },
@@ -110,15 +110,7 @@ PRESETS = {
         "perf_warmup_steps": 3,
     },
 }
-METRICS = (
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+METRICS = "loss rewards/chosen rewards/rejected rewards/accuracies rewards/margins logps/chosen logps/rejected".split()
 LOSS_TOLERANCE = 1e-4
 
 
@@ -205,27 +197,11 @@ def build_inputs(work: Path, s: dict) -> tuple[Path, Path, Path]:
 
 # ------------------------------------------------------------------------------------------ A: the recipe
 RECIPE_FLAGS = (
-    "max_length",
-    "max_prompt_length",
-    "lora_r",
-    "lora_alpha",
-    "lora_dropout",
-    "lora_target_modules",
-    "beta",
-    "loss_type",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "max_train_steps",
-    "learning_rate",
-    "lr_scheduler_type",
-    "num_warmup_steps",
-    "weight_decay",
-    "adam_epsilon",
-    "max_grad_norm",
-    "seed",
-    "logging_steps",
-    "perf_warmup_steps",
-)
+    "max_length max_prompt_length lora_r lora_alpha lora_dropout lora_target_modules beta loss_type "
+    "per_device_train_batch_size gradient_accumulation_steps max_train_steps learning_rate "
+    "lr_scheduler_type num_warmup_steps weight_decay adam_epsilon max_grad_norm seed logging_steps "
+    "perf_warmup_steps"
+).split()
 
 
 def launcher() -> list[str]:
@@ -267,36 +243,13 @@ def recipe_command(s: dict, out: Path, profile: int = -1) -> list[str]:
 def profile_summary(profiler) -> dict:
     """Self CPU time of one step by kind of operation, and the top operations."""
     kinds = {
-        "matmul": ("mm", "addmm", "bmm", "matmul", "linear"),
-        "attention": ("scaled_dot_product",),
+        "matmul": "mm addmm bmm matmul linear".split(),
+        "attention": "scaled_dot_product".split(),
         "log-softmax / cross-entropy / gather": (
-            "log_softmax",
-            "logsumexp",
-            "nll",
-            "cross_entropy",
-            "gather",
-            "_softmax",
-            "exp",
-            "topk",
-            "max",
-            "argmax",
-            "entropy",
+            "log_softmax logsumexp nll cross_entropy gather _softmax exp topk max argmax entropy".split()
         ),
-        "optimizer": ("adam",),
-        "autograd / copies": (
-            "copy_",
-            "clone",
-            "contiguous",
-            "to",
-            "cat",
-            "index",
-            "masked",
-            "where",
-            "zeros",
-            "fill",
-            "empty",
-            "item",
-        ),
+        "optimizer": "adam".split(),
+        "autograd / copies": "copy_ clone contiguous to cat index masked where zeros fill empty item".split(),
     }
     events = [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in profiler.key_averages()]
     total = sum(seconds for _, seconds, _ in events)
@@ -706,23 +659,34 @@ def markdown(report: dict) -> str:
     profiles = report.get("profile") or {}
     if all(profiles.get(name) for name in ("recipe", "trl")):
         kinds = list(profiles["recipe"]["by_kind_s"])
+        # The profiler's clock is each operation's wall time, which a shared machine inflates unevenly between
+        # launches: its shares within a side, times that side's measured CPU time per step, compare the sides.
+        step = {name: statistics.median(r[name]["perf/cpu_step_s"] for r in report["rounds"]) for name in profiles}
         lines += [
             "",
-            f"Where one step goes (torch.profiler, step {report['profile_step']}, self CPU seconds by kind "
-            "of operation):",
+            f"Where a step goes: torch.profiler around step {report['profile_step']} of round 0 (a warm-up step), "
+            "each kind of operation's share of the self time, and that share of the side's median CPU time per "
+            "measured step (the profiler's own seconds are wall time, inflated by the other jobs on this machine).",
             "",
-            "| side | total | " + " | ".join(kinds) + " |",
+            "| side | CPU s per step | " + " | ".join(kinds) + " |",
             "| --- |" + " --- |" * (len(kinds) + 1),
         ]
         lines += [
-            f"| {name} | {p['self_cpu_s']:.3f} | " + " | ".join(f"{p['by_kind_s'][k]:.3f}" for k in kinds) + " |"
+            f"| {name} | {step[name]:.3f} | "
+            + " | ".join(
+                f"{p['by_kind_s'][k] / p['self_cpu_s']:.0%} ({p['by_kind_s'][k] / p['self_cpu_s'] * step[name]:.3f})"
+                for k in kinds
+            )
+            + " |"
             for name, p in profiles.items()
         ]
         for name, p in profiles.items():
             lines += [
                 "",
                 f"Top operations, {name}: "
-                + "; ".join(f"{op['op']} {op['self_cpu_s']:.3f} s x{op['calls']}" for op in p["top"][:8])
+                + "; ".join(
+                    f"{op['op']} {op['self_cpu_s'] / p['self_cpu_s']:.0%} x{op['calls']}" for op in p["top"][:10]
+                )
                 + ".",
             ]
     return "\n".join(lines) + "\n"
