@@ -63,21 +63,21 @@ from tqdm.auto import tqdm
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
 # an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-from transformers import get_scheduler  # noqa: E402
+from transformers import get_scheduler
 
 # shared/ (beside this file in a copy, or one folder up here) and the LLM recipes' kit go first on sys.path, so that
 # no installed package of those names shadows them (this folder too, for an import that is not a run).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared import hang_dump  # noqa: E402
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process  # noqa: E402
-from shared.fsdp import trained_weights_only_in_checkpoints, wrap_at_blocks  # noqa: E402
-from llm_kit.loading import causal_lm_config, load_base_model, lora_model  # noqa: E402
-from llm_kit.loading import parameter_counts  # noqa: E402
-from shared.model_split import find_block_list  # noqa: E402
-from llm_kit.preference_data import (  # noqa: E402
+from shared import hang_dump
+from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
+from shared.fsdp import trained_weights_only_in_checkpoints, wrap_at_blocks
+from llm_kit.loading import causal_lm_config, load_base_model, lora_model
+from llm_kit.loading import parameter_counts
+from shared.model_split import find_block_list
+from llm_kit.preference_data import (
     as_sft_rows,
     collate_pairs,
     continued_adapter,
@@ -87,9 +87,9 @@ from llm_kit.preference_data import (  # noqa: E402
     stdlib_name_pairs,
     tokenize_pairs,
 )
-from shared.results import RunRecord  # noqa: E402
-from llm_kit.sharded_4bit import load_4bit_sharded  # noqa: E402
-from shared.runtime import (  # noqa: E402
+from shared.results import RunRecord
+from llm_kit.sharded_4bit import load_4bit_sharded
+from shared.runtime import (
     add_reliability_flags,
     build_accelerator,
     choose_parallelism,
@@ -103,8 +103,8 @@ from shared.runtime import (  # noqa: E402
     stop_with_launcher,
     use_fsdp_on_cpu,
 )
-from llm_kit.sft_data import chat_tokenizer, check_batches, load_raw_datasets, token_losses  # noqa: E402
-from llm_kit.sft_eval import exact_match_before, exact_match_results  # noqa: E402
+from llm_kit.sft_data import chat_tokenizer, check_batches, load_raw_datasets, token_losses
+from llm_kit.sft_eval import exact_match_before, exact_match_results
 
 # What the offline default (no --model_name_or_path) trains with unless a flag says otherwise.
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}

@@ -61,7 +61,7 @@ from tqdm.auto import tqdm
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
 # an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-from transformers import get_scheduler  # noqa: E402
+from transformers import get_scheduler
 
 # The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
 # recipe's own helpers (llm_kit/, next to this file) go first on sys.path, so that no installed package of those
@@ -70,17 +70,17 @@ from transformers import get_scheduler  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint  # noqa: E402
-from shared.flops import lm_flops_per_token  # noqa: E402
-from shared import hang_dump  # noqa: E402
-from shared.fsdp import (  # noqa: E402
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
+from shared.flops import lm_flops_per_token
+from shared import hang_dump
+from shared.fsdp import (
     check_offload_fits_host_ram,
     gathered_state_dict,
     keep_gathered_in_one_process,
     trained_weights_only_in_checkpoints,
     wrap_at_blocks,
 )
-from llm_kit.loading import (  # noqa: E402
+from llm_kit.loading import (
     causal_lm_config,
     default_base_model,
     load_base_model,
@@ -88,9 +88,9 @@ from llm_kit.loading import (  # noqa: E402
     parameter_counts,
     save_merged,
 )
-from shared.model_split import find_block_list, split_devices  # noqa: E402
-from shared.results import RunRecord  # noqa: E402
-from shared.runtime import (  # noqa: E402
+from shared.model_split import find_block_list, split_devices
+from shared.results import RunRecord
+from shared.runtime import (
     add_reliability_flags,
     build_accelerator,
     choose_parallelism,
@@ -104,9 +104,9 @@ from shared.runtime import (  # noqa: E402
     stop_with_launcher,
     use_fsdp_on_cpu,
 )
-from shared.sampling import LengthGroupedShuffledSampler  # noqa: E402
-from llm_kit.sharded_4bit import load_4bit_sharded  # noqa: E402
-from llm_kit.sft_data import (  # noqa: E402
+from shared.sampling import LengthGroupedShuffledSampler
+from llm_kit.sharded_4bit import load_4bit_sharded
+from llm_kit.sft_data import (
     best_fit_decreasing,
     chat_tokenizer,
     check_batches,
@@ -115,7 +115,7 @@ from llm_kit.sft_data import (  # noqa: E402
     token_losses,
     tokenize_datasets,
 )
-from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_samples  # noqa: E402
+from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_samples
 
 
 # What the offline default model (no --model_name_or_path) trains with unless a flag says otherwise.

@@ -67,7 +67,7 @@ from torch.utils.data import DataLoader
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
 # an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-from transformers import get_scheduler  # noqa: E402
+from transformers import get_scheduler
 
 # The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
 # recipe's own helpers (lm_kit/, next to this file) go first on sys.path, so that no installed package of those names
@@ -76,20 +76,20 @@ from transformers import get_scheduler  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from lm_kit.data import lm_datasets  # noqa: E402
-from lm_kit.eval import NOT_EVALUATED, greedy_sample  # noqa: E402
-from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model  # noqa: E402
+from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from lm_kit.data import lm_datasets
+from lm_kit.eval import NOT_EVALUATED, greedy_sample
+from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
 
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
-from lm_kit.presets import MODEL_PRESETS  # noqa: E402
-from shared.model_split import plan_lm_split  # noqa: E402
+from lm_kit.presets import MODEL_PRESETS
+from shared.model_split import plan_lm_split
 
 # New Code (pipeline) #
 # The pipeline's machinery around torch.distributed.pipelining (stage modules, schedules, stage checkpoints, the
 # cross-stage clip and the gather of the stages' weights).
-from lm_kit.pipeline import (  # noqa: E402
+from lm_kit.pipeline import (
     SCHEDULES,
     StageCheckpoints,
     build_pipeline,
@@ -104,9 +104,9 @@ from lm_kit.pipeline import (  # noqa: E402
 )
 
 # End New Code #
-from shared.results import RunRecord  # noqa: E402
-from shared import hang_dump  # noqa: E402
-from shared.runtime import (  # noqa: E402
+from shared.results import RunRecord
+from shared import hang_dump
+from shared.runtime import (
     add_reliability_flags,
     build_accelerator,
     choose_parallelism,

@@ -214,7 +214,7 @@ def keep_global_batch(accelerator: Accelerator, checkpoint: Path | None, per_dev
     it takes the same optimizer steps over the same samples. Refused where none does, or where a passed one
     gives another global batch: the run would silently take other steps than the one it resumes."""
     processes, per_step = accelerator.num_processes, per_device_train_batch_size * data_parallel_size
-    count = lambda k: f"{k} process{'es' * (k > 1)}"  # noqa: E731
+    count = lambda k: f"{k} process{'es' * (k > 1)}"
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("batch") if checkpoint else None
     accumulation = saved["global_batch_size"] // per_step if saved else gradient_accumulation_steps or 1
     if saved:

@@ -132,7 +132,7 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     """Bytes of model state this process holds: parameters, gradients (one per trainable parameter), optimizer state
     (the ZeRO accounting that decides whether a model fits; activations come on top). DDP holds all of it on every
     process, FSDP 1/N (a DTensor reports its *global* shape: its local shard is counted). Tied weights count once."""
-    local = lambda tensor: tensor.to_local() if hasattr(tensor, "to_local") else tensor  # noqa: E731
+    local = lambda tensor: tensor.to_local() if hasattr(tensor, "to_local") else tensor
     shards = {local(param).data_ptr(): (local(param), param.requires_grad) for param in model.parameters()}
     parameters = sum(shard.numel() * shard.element_size() for shard, _ in shards.values())
     gradients = sum(shard.numel() * shard.element_size() for shard, trained in shards.values() if trained)
@@ -188,8 +188,8 @@ class RunRecord:
         """A collective (every process gathers its numbers): ``results`` with the loss curve, perf/* and memory/*
         entries, written by the main process to ``output_dir/results.json``; also logged to the trackers."""
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
-        per_rank = lambda value: {f"rank{r}": item for r, item in enumerate(gather_object([value]))}  # noqa: E731
-        per_device = lambda peaks: {(f"{rank}/" if several else "") + device: round(gib, 4)  # noqa: E731
+        per_rank = lambda value: {f"rank{r}": item for r, item in enumerate(gather_object([value]))}
+        per_device = lambda peaks: {(f"{rank}/" if several else "") + device: round(gib, 4)
                                     for rank, peaks in per_rank(peaks).items() for device, gib in peaks.items()}
         curve = self.losses()
         if accelerator.is_fsdp2:  # after a forward without backward (an evaluation) FSDP2 leaves the root unsharded:

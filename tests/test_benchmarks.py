@@ -646,3 +646,47 @@ def test_a_study_finds_what_it_needs_in_the_library(tmp_path):
     ratio = paired_ratio([1.2, 1.1, 1.3, 1.25], [1.0, 1.0, 1.0, 1.0])
     assert ratio["median"] == pytest.approx(1.225) and ratio["interval"][0] <= 1.225 <= ratio["interval"][1]
     assert ratio["pooled"] == pytest.approx(1.225) and len(ratio["rounds"]) == 4
+
+
+def test_dpo_vs_trl_judges_only_equal_work_and_equal_losses(tmp_path, monkeypatch):
+    """studies/dpo_vs_trl.py gives a speed verdict only where both sides trained the same tokens per step (within
+    1 %) on identically tokenized pairs, and exits 1 when a step's loss differs by more than 1e-4 (the equality
+    claim), saying so in summary.md. Fabricated launches: nothing trains here."""
+    sys.path.insert(0, str(REPO / "benchmarks" / "studies"))
+    import dpo_vs_trl
+
+    def fake_side(out, warmup):
+        side, log = ("trl" if out.name.startswith("trl") else "recipe"), []
+        for step in (1, 2):
+            log.append({"step": step, **{f"train/{name}": 0.5 for name in dpo_vs_trl.METRICS}})
+        log[-1]["train/loss"] += loss_offset[side]
+        steps = [{"cpu_s": 0.1, "samples": 8, "tokens": tokens[side]}] * 6
+        ids = {"pairs_checked": 8, "pairs_prepared_by_trl": 8, "num_differing": 0, "differing": [],
+               "prompts_cut_by_recipe": 0}
+        return dpo_vs_trl.side(steps, warmup, [0.2] * 6, {"cpu": 1.0}, log) | {"ids_check": ids, "profile": None}
+
+    monkeypatch.setattr(dpo_vs_trl, "launch", lambda command, out, s: 1.0)
+    monkeypatch.setattr(dpo_vs_trl, "build_inputs", lambda work, s: (work / "m", work / "t", work / "v"))
+    monkeypatch.setattr(dpo_vs_trl, "recipe_side", fake_side)
+    monkeypatch.setattr(dpo_vs_trl, "trl_side", fake_side)
+    monkeypatch.setattr(dpo_vs_trl, "adapter_difference", lambda a, b: {"same_tensors": True, "tensors": 1,
+                                                                         "max_abs_diff": 0.0, "max_abs_value": 1.0,
+                                                                         "relative_diff": 0.0})
+    argv = ["--preset", "cpu-tiny", "--work_dir", str(tmp_path / "w"), "--output_dir"]
+
+    tokens, loss_offset = {"recipe": 1000, "trl": 1100}, {"recipe": 0.0, "trl": 0.0}
+    assert dpo_vs_trl.main([*argv, str(tmp_path / "unequal")]) == 1
+    report = json.loads((tmp_path / "unequal" / "dpo_vs_trl.json").read_text())
+    assert report["equal_work"]["equal"] is False and report["summary"] == []
+    assert "tokens per step: recipe 1,000 vs trl 1,100" in report["refused"]
+
+    tokens, loss_offset = {"recipe": 1000, "trl": 1000}, {"recipe": 0.0, "trl": 2e-4}
+    assert dpo_vs_trl.main([*argv, str(tmp_path / "loss")]) == 1
+    assert "BEYOND 0.0001" in (tmp_path / "loss" / "summary.md").read_text()
+
+    loss_offset = {"recipe": 0.0, "trl": 5e-5}
+    assert dpo_vs_trl.main([*argv, str(tmp_path / "equal")]) == 0
+    report = json.loads((tmp_path / "equal" / "dpo_vs_trl.json").read_text())
+    assert report["refused"] is None and report["equality"]["max_loss_abs_diff"] == pytest.approx(5e-5)
+    assert [row["key"] for row in report["summary"]][0] == "perf/samples_per_cpu_s"
+    assert all(row["interval"] is not None for row in report["summary"])  # 3 rounds

@@ -11,8 +11,8 @@ import torch
 from launch import REPO, launch_ok, read_facts, read_results, visible_gpus
 
 sys.path.insert(0, str(REPO))
-import shared.runtime  # noqa: E402
-from shared.flops import lm_flops_per_token, peak_bf16_flops  # noqa: E402
+import shared.runtime
+from shared.flops import lm_flops_per_token, peak_bf16_flops
 
 TWO_GPUS = pytest.mark.skipif(
     visible_gpus() < 2,

@@ -298,7 +298,7 @@ def runs(base, base_96, tmp_path_factory):
     # that run's step-2 checkpoint in 2 processes (accumulation 1); the 1x8 run's (global batch 8) in 2 processes at
     # 8 per device, which no accumulation keeps: refused. Early steps: the cosine schedule's rates, read a few steps
     # too far on, are the same at steps 3 and 5 of 4 (cos is symmetric), so a late resume would not see them.
-    step = lambda name, n: ("--resume_from_checkpoint", root / name / "checkpoints" / f"step_{n:06d}")  # noqa: E731
+    step = lambda name, n: ("--resume_from_checkpoint", root / name / "checkpoints" / f"step_{n:06d}")
     across = (*data, *EXACT, "--per_device_train_batch_size")
     jobs["2x4_in_1"] = Job("single_gpu.yaml", RECIPE, (*across, "4", *step("2x4", 1), "--checkpointing_steps", "1"),
                            after="2x4")

@@ -12,12 +12,12 @@ import pytest
 from launch import REPO
 
 sys.path.insert(0, str(REPO))
-from tools.planner.cli import main  # noqa: E402
-from tools.planner.fits import plan  # noqa: E402
-from tools.planner.memory import block_activation_bytes, lora_params_per_block, precision_profile  # noqa: E402
-from tools.planner.setups import split_blocks  # noqa: E402
-from tools.planner.shapes import preset_shape, read_config, shape_from_config  # noqa: E402
-from tools.planner.tables import CONSTANT_BYTES, GIB, MODEL_SIZES  # noqa: E402
+from tools.planner.cli import main
+from tools.planner.fits import plan
+from tools.planner.memory import block_activation_bytes, lora_params_per_block, precision_profile
+from tools.planner.setups import split_blocks
+from tools.planner.shapes import preset_shape, read_config, shape_from_config
+from tools.planner.tables import CONSTANT_BYTES, GIB, MODEL_SIZES
 
 TWO_24GB = dict(gpus=2, gpu_memory_gib=24, seq_len=1024, micro_batch=4, host_ram_gib=64)
 # The README's table: two 24 GB cards, sequence 1024, micro-batch 1, checkpointing, a 128 GiB host.

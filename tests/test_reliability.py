@@ -18,8 +18,8 @@ from launch import ONE_PROCESS, REPO, Job, Launch, launch, launch_all, launch_ok
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
-from shared.checkpoints import PROGRESS_FILE, save_checkpoint  # noqa: E402
-from shared.runtime import RecipeError, report_recipe_errors  # noqa: E402
+from shared.checkpoints import PROGRESS_FILE, save_checkpoint
+from shared.runtime import RecipeError, report_recipe_errors
 
 # A small launched script that uses shared/'s checkpoints, resume, timeouts, hang dumps and refusals (the linear toy
 # as it was before it became one standalone file, recipes/linear_toy.py): what these tests exercise.
@@ -199,7 +199,7 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
     from shared.checkpoints import keep_global_batch, load_checkpoint
 
     printed = []
-    processes = lambda n: SimpleNamespace(  # noqa: E731
+    processes = lambda n: SimpleNamespace(
         num_processes=n,
         project_configuration=SimpleNamespace(save_on_each_node=False),
         is_main_process=True,
@@ -213,7 +213,7 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
     _, shape = keep_global_batch(two, None, 16, None, 2)
     assert shape == {"num_processes": 2, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1,
                      "global_batch_size": 32}
-    write_state = lambda folder: folder.mkdir(parents=True)  # noqa: E731
+    write_state = lambda folder: folder.mkdir(parents=True)
     checkpoint = save_checkpoint(two, tmp_path, 3, write_state=write_state, batch=shape)
     one = processes(1)
     printed.clear()

@@ -53,8 +53,8 @@ from accelerate.utils import check_cuda_p2p_ib_support
 # shared/), first on sys.path so that no installed package named "shared" shadows it.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
-from shared.results import write_results  # noqa: E402
-from shared.runtime import (  # noqa: E402
+from shared.results import write_results
+from shared.runtime import (
     RecipeError,
     build_accelerator,
     name_the_gpu,

@@ -35,10 +35,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, get_s
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "recipes"))  # the LM recipes' kit, lm_kit/
-from lm_kit.data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer  # noqa: E402
-from lm_kit.model import optimizer_groups  # noqa: E402  (the recipes' own AdamW groups, not a copy)
-from lm_kit.presets import MODEL_PRESETS  # noqa: E402
-from shared.results import peak_memory_gib, percentile  # noqa: E402
+from lm_kit.data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer
+from lm_kit.model import optimizer_groups
+from lm_kit.presets import MODEL_PRESETS
+from shared.results import peak_memory_gib, percentile
 
 
 def parse_args(argv=None) -> argparse.Namespace:

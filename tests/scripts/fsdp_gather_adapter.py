@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks  # noqa: E402
-from shared.runtime import build_accelerator, use_fsdp_on_cpu  # noqa: E402
+from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
+from shared.runtime import build_accelerator, use_fsdp_on_cpu
 
 gathered = []
 redistribute = DTensor.redistribute
@@ -29,8 +29,8 @@ DTensor.redistribute = counting_redistribute
 accelerator = build_accelerator(dist_timeout=60)
 use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2
 keep_gathered_in_one_process(accelerator)
-from peft import LoraConfig, get_peft_model  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 torch.manual_seed(0)
 config = LlamaConfig(

@@ -9,7 +9,7 @@ import torch
 from accelerate.utils import gather_object
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.runtime import build_accelerator, name_the_gpu  # noqa: E402
+from shared.runtime import build_accelerator, name_the_gpu
 
 name_the_gpu()
 accelerator = build_accelerator(dist_timeout=60)

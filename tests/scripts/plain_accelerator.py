@@ -11,7 +11,7 @@ from pathlib import Path
 from accelerate import Accelerator
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))
-from shared.runtime import check_process_count  # noqa: E402
+from shared.runtime import check_process_count
 
 accelerator = Accelerator()
 check_process_count(accelerator)

@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.hang_dump import HangDump  # noqa: E402
-from shared.runtime import RecipeError, build_accelerator, report_recipe_errors  # noqa: E402
+from shared.hang_dump import HangDump
+from shared.runtime import RecipeError, build_accelerator, report_recipe_errors
 
 hang_dump = HangDump(Path(sys.argv[1]) / "debug", 60)
 accelerator = build_accelerator(dist_timeout=60)

@@ -226,7 +226,7 @@ def _hub_config(location: str):
     offline = not hub_reachable()
     try:
         return AutoConfig.from_pretrained(location, local_files_only=offline)
-    except Exception as error:  # noqa: BLE001 - transformers raises OSError, ValueError or hub errors
+    except Exception as error:
         if offline:
             raise ValueError(
                 f"--model_name_or_path {location}: not a local folder or file, and the Hugging Face Hub cannot be "
