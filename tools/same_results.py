@@ -129,6 +129,11 @@ def record(path: Path, only: list[str]) -> None:
     path.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
 
 
+def same(a, b) -> bool:
+    """Equal to the last digit; NaN (a metric a run does not compute, e.g. exact match under FSDP) equals NaN."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
 def compare(before: dict, after: dict) -> list[str]:
     differences = []
     for name in sorted(set(before) | set(after)):
@@ -141,7 +146,7 @@ def compare(before: dict, after: dict) -> list[str]:
                 differences.append(f"{name}: failed after:\n{new['failed']}")
             continue
         for key in sorted(set(old["results"]) | set(new["results"])):
-            if old["results"].get(key) != new["results"].get(key):
+            if not same(old["results"].get(key), new["results"].get(key)):
                 differences.append(f"{name} {key}: {old['results'].get(key)} -> {new['results'].get(key)}")
         for key in sorted(set(old["tensors"]) | set(new["tensors"])):
             if old["tensors"].get(key) != new["tensors"].get(key):
