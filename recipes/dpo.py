@@ -78,6 +78,7 @@ from llm_kit.loading import causal_lm_config, load_base_model, lora_model
 from llm_kit.loading import parameter_counts
 from shared.model_split import find_block_list
 from llm_kit.preference_data import (
+    SFT_DEFAULT,
     as_sft_rows,
     collate_pairs,
     continued_adapter,
@@ -106,8 +107,11 @@ from shared.runtime import (
 from llm_kit.sft_data import chat_tokenizer, check_batches, load_raw_datasets, token_losses
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
-# What the offline default (no --model_name_or_path) trains with unless a flag says otherwise.
+# What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: from the base, large
+# steps; continuing the SFT recipe's adapter, small ones (measured there: at 1e-3 the margin grows while the answers'
+# exact match falls from 72 % to 32 %; at 3e-5 the reward accuracy reaches 78.5 % and the exact match holds, 71 %).
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
+OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 3e-5}
 # TRL's metric names, in the order ``dpo_losses`` sums them (results.json: train/<name>, eval/<name>).
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -220,7 +224,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--validation_file needs --train_file")
     args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
     # The offline default model is small and barely pretrained: it learns visibly only with larger steps than an LLM.
-    settings = OFFLINE_DEFAULT_SETTINGS if not (args.model_name_or_path or args.adapter_name_or_path) else {}
+    sft = not args.full_finetune and Path(SFT_DEFAULT, "adapter_config.json").is_file()  # continued (starting_point)
+    settings = {} if args.model_name_or_path or args.adapter_name_or_path else (
+        OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
     chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
     for name, value in chosen.items():
         setattr(args, name, value)
