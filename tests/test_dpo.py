@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch, launch_all, read_results, visible_gpus
+from launch import REPO, Job, launch, launch_all, read_facts, read_results, visible_gpus
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -143,10 +143,10 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
             assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (name, key)
         assert max_relative_difference(adapter(runs[name]), adapter(runs["1x8"])) <= 1e-5, name
     assert runs["2x4"]["results"]["parallelism"] == "ddp" and runs["fsdp"]["results"]["parallelism"] == "fsdp"
-    for name in ("fsdp", "offload"):
-        for facts in runs[name]["results"]["fsdp/sharding"].values():
+    for name in ("fsdp", "offload"):  # seen by tests/observer
+        for facts in read_facts(runs[name]["dir"])["fsdp/sharding"].values():
             assert facts["dtensor_parameters"] == facts["parameters"] > 0, name
-    offloaded = runs["offload"]["results"]["fsdp/sharding"]
+    offloaded = read_facts(runs["offload"]["dir"])["fsdp/sharding"]
     assert all(facts["offloaded_parameters"] == facts["parameters"] for facts in offloaded.values())
 
 
