@@ -128,6 +128,7 @@ def max_relative_difference(a: dict, b: dict) -> float:
     return max(((a[name] - b[name]).norm() / a[name].norm()).item() for name in a)
 
 
+@pytest.mark.slow
 def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
     """The step loss is the mean over every pair of the global batch, whatever the processes and accumulation."""
     reference = runs["1x8"]["results"]
@@ -150,6 +151,7 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
     assert all(facts["offloaded_parameters"] == facts["parameters"] for facts in offloaded.values())
 
 
+@pytest.mark.slow
 def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(runs):
     results, two = runs["1x8"]["results"], runs["2x4"]["results"]
     assert [entry["step"] for entry in results["train/log"]] == [2, 4]
@@ -168,6 +170,7 @@ def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(runs):
     assert results["eval/exact_match_num_prompts"] == 4 and "exact match before training" in runs["1x8"]["log"]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
     resumed, full = runs["resumed"]["results"], runs["1x8"]["results"]
     assert resumed["resumed_from_step"] == 2
@@ -177,6 +180,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
     assert resumed["eval/loss"] == full["eval/loss"]
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_computes_the_reference_first_and_trains_one_model(runs):
     """IPO: at step 1 the policy is the precomputed reference (the same model, before any step), so every margin is
     0 and the loss is (0 - 1 / (2 beta))^2 = 25. The implicit prompts were found; the whole model is saved."""
@@ -190,6 +194,7 @@ def test_a_full_fine_tune_computes_the_reference_first_and_trains_one_model(runs
     assert results["model/trainable_parameters"] == results["model/total_parameters"]
 
 
+@pytest.mark.slow
 def test_an_sft_adapter_is_continued_against_its_frozen_copy(runs, base):
     """The reference is the SFT policy: at step 1 the margins are 0 (loss log 2, label smoothing or not); the saved
     adapter is the continued SFT adapter alone (its rank and targets, no reference copy), moved from where it

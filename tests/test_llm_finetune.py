@@ -678,6 +678,7 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
     assert max_relative_difference(adapter(runs["resumed"]), adapter(runs["1x8"])) <= 1e-6
 
 
+@pytest.mark.slow
 def test_a_resume_in_another_process_count_keeps_the_global_batch_and_ends_where_the_run_would(runs):
     """2 -> 1 -> 2 processes: the accumulation makes up the processes (said once), the same 4 steps of 8
     conversations and learning rates: the curve after each resume and the adapter are the uninterrupted run's."""

@@ -148,6 +148,7 @@ def across(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_resume_in_another_process_count_keeps_the_global_batch_and_ends_where_the_run_would(across):
     """2 -> 1 -> 2 processes: the accumulation makes up the processes (said once), the same 6 steps of 16 samples,
     the same place in the data and learning rates: the curve after each resume and the weights are the
@@ -173,6 +174,7 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_and_ends_where
         assert difference <= 1e-5, (name, difference)
 
 
+@pytest.mark.slow
 def test_a_resume_no_accumulation_can_keep_is_refused_naming_what_to_pass(across):
     log = across["indivisible"]["log"]
     # The recipe's error lines (torchrun's summary box quotes each process's too): one paragraph, from one process.
