@@ -233,7 +233,8 @@ def main():
     hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
-        dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # Not its checkpoint naming + total_limit: shared/checkpoints.py saves atomically and every process agrees.
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
@@ -314,8 +315,14 @@ def main():
     results |= pipeline.facts(stages_of_processes, split.stage_costs)  # the schedule, m, the ideal bubble
     # End New Code #
     # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-    save_checkpoint_at = lambda step: save_checkpoint(accelerator, output_dir / "checkpoints", step,
-        args.checkpoints_total_limit, layout=layout, history={"train/loss_curve": record.losses()})
+    save_checkpoint_at = lambda step: save_checkpoint(
+        accelerator,
+        output_dir / "checkpoints",
+        step,
+        args.checkpoints_total_limit,
+        layout=layout,
+        history={"train/loss_curve": record.losses()},
+    )
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, num_train_epochs):
         model.train()

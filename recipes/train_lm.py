@@ -206,7 +206,8 @@ def evaluate_lm(accelerator, model, eval_dataloader) -> dict:
             logits = model(input_ids=input_ids, use_cache=False).logits  # no KV cache: nothing generates here
         # Same loss as the model's own (shifted, float32), kept per block so blocks can be counted.
         per_block = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:].to(logits.device), reduction="none").sum(dim=1)
+            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:].to(logits.device), reduction="none"
+        ).sum(dim=1)
         tokens = torch.full_like(per_block, input_ids.shape[1] - 1)
         per_block, tokens = accelerator.gather_for_metrics((per_block, tokens))
         loss_sum += per_block.sum().item()  # sync point: .item() waits for the device
@@ -227,7 +228,8 @@ def main():
     ddp_hook = DDPCommunicationHookType(args.ddp_comm_hook)  # ddp: the gradients compressed for the all-reduce
     ddp_kwargs = DistributedDataParallelKwargs(bucket_cap_mb=args.ddp_bucket_cap_mb, comm_hook=ddp_hook)
     accelerator = build_accelerator(
-        dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --compile: prepare() compiles each decoder block (regional: the first block's compile serves all the others).
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if args.compile else None,
@@ -287,7 +289,8 @@ def main():
         accelerator.print(f"fsdp: one unit per {wrap_at_blocks(accelerator, model, split.block_list) or 'config'}")
         check_offload_fits_host_ram(accelerator, model)  # offload config: refuse now, not at an OOM mid-run
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
     evaluate = lambda: evaluate_lm(accelerator, model, eval_dataloader)
     # Restores the model, optimizer, scheduler, the sampler's seed and every process's RNG states.
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
@@ -309,8 +312,14 @@ def main():
     results |= {"parallelism_requested": args.parallelism, "device_map_devices": list(map(str, split_over))}
     results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "config": config}
     # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-    save_checkpoint_at = lambda step: save_checkpoint(accelerator, output_dir / "checkpoints", step,
-        args.checkpoints_total_limit, layout=layout, history={"train/loss_curve": record.losses()})
+    save_checkpoint_at = lambda step: save_checkpoint(
+        accelerator,
+        output_dir / "checkpoints",
+        step,
+        args.checkpoints_total_limit,
+        layout=layout,
+        history={"train/loss_curve": record.losses()},
+    )
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, num_train_epochs):
         model.train()

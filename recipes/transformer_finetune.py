@@ -101,13 +101,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dataset_config_name", help="The Hub data set's configuration, if it has several.")
     # One flag for one text or a pair, named in the order the model reads them: Accelerate's nlp_example and GLUE's
     # MRPC/RTE/MNLI/STS-B hold pairs in two columns (sentence1, sentence2), as transformers' run_glue reads them.
-    add("--text_column", nargs="+", default=["text"], metavar="COLUMN",
+    add(
+        "--text_column",
+        nargs="+",
+        default=["text"],
+        metavar="COLUMN",
         help="Column holding the text; two columns (--text_column sentence1 sentence2): a sentence pair, tokenized "
-        "together with the model's separator and token type ids.")
+        "together with the model's separator and token type ids.",
+    )
     add("--label_column", default="label", help="Column holding the label (names, integer ids, or scores).")
-    add("--task", choices=["auto", "classification", "regression"], default="auto",
+    add(
+        "--task",
+        choices=["auto", "classification", "regression"],
+        default="auto",
         help="regression: one output fitted to numeric labels with MSE (STS-B's 0-5 similarity scores). auto: "
-        "regression when the labels are numbers with a fractional part, else classification.")
+        "regression when the labels are numbers with a fractional part, else classification.",
+    )
     add("--max_length", type=positive_int, default=64, help="Truncate texts to this many tokens.")
     add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples.")
@@ -126,15 +135,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--lora_r", type=positive_int, help="Train a LoRA adapter of this rank (PEFT) and the head, not every weight.")
     add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
-    add("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a "
-        "dropped copy of every adapted layer's input, and its mask, for backward).")
+    add(
+        "--lora_dropout",
+        type=float,
+        default=0.0,
+        help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a "
+        "dropped copy of every adapted layer's input, and its mask, for backward).",
+    )
     add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
     add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
     add = parser.add_argument_group("training").add_argument
     add("--per_device_train_batch_size", type=positive_int, default=16, help="Samples per process per forward pass.")
     add("--per_device_eval_batch_size", type=positive_int, default=64, help="Samples per process per eval forward.")
-    add("--gradient_accumulation_steps", type=positive_int, help="Forward/backward passes per step (default: 1; on a "
-        "resume, what keeps the checkpoint's global batch in this process count).")
+    add(
+        "--gradient_accumulation_steps",
+        type=positive_int,
+        help="Forward/backward passes per step (default: 1; on a "
+        "resume, what keeps the checkpoint's global batch in this process count).",
+    )
     add("--learning_rate", type=positive_float, default=2e-4, help="Peak AdamW learning rate.")
     add("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms).")
     add("--num_train_epochs", type=positive_int, default=2, help="Passes over the data (unless --max_train_steps).")
@@ -214,8 +232,15 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
     # which would shift the dropout masks of a resumed run.
     # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
     generator, pinned = torch.Generator().manual_seed(args.seed), accelerator.device.type == "cuda"
-    train_dataloader = DataLoader(train_dataset, batch_size, shuffle=sampler is None, sampler=sampler,
-                                  collate_fn=collator, generator=generator, pin_memory=pinned)
+    train_dataloader = DataLoader(
+        train_dataset,
+        batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        collate_fn=collator,
+        generator=generator,
+        pin_memory=pinned,
+    )
     generator = torch.Generator().manual_seed(args.seed)
     eval_dataloader = DataLoader(
         eval_dataset, args.per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
@@ -251,8 +276,10 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     biases and norms without."""
     decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAMES))
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in trained if n in decay], "weight_decay": weight_decay},
-            {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in trained if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0},
+    ]
 
 
 def save_model(accelerator, model, tokenizer, output_dir: Path, base_name: str, load: dict, lora: bool) -> None:
@@ -337,10 +364,15 @@ def main():
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
-    accelerator = build_accelerator(dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
-        log_with=args.report_to, project_config=ProjectConfiguration(project_dir=args.output_dir,
-        save_on_each_node=args.save_on_each_node),  # the seedable sampler: same order in any process count, on resume
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = build_accelerator(
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
+        log_with=args.report_to,
+        project_config=ProjectConfiguration(
+            project_dir=args.output_dir, save_on_each_node=args.save_on_each_node
+        ),  # the seedable sampler: same order in any process count, on resume
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
     keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
@@ -351,8 +383,13 @@ def main():
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     # A resume keeps its checkpoint's global batch: in another process count the accumulation makes it up (or refused).
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(accelerator, checkpoint,
-        args.per_device_train_batch_size, args.gradient_accumulation_steps, accelerator.num_processes)
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
+        accelerator,
+        checkpoint,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        accelerator.num_processes,
+    )
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # micro-batches per optimizer step
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
@@ -396,10 +433,16 @@ def main():
         block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules or ())))
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    run_config = {**vars(args), "num_processes": accelerator.num_processes, "parallelism": parallelism.name,
-                  "global_batch_size": global_batch_size, "max_train_steps": max_train_steps,
-                  "mixed_precision": accelerator.mixed_precision}
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+    run_config = {
+        **vars(args),
+        "num_processes": accelerator.num_processes,
+        "parallelism": parallelism.name,
+        "global_batch_size": global_batch_size,
+        "max_train_steps": max_train_steps,
+        "mixed_precision": accelerator.mixed_precision,
+    }
     scalars = {key: value for key, value in run_config.items() if isinstance(value, (int, float, str, bool))}
     accelerator.init_trackers("transformer_finetune", scalars)  # --report_to's, if any
 
@@ -409,8 +452,14 @@ def main():
     completed_steps, curve = resume.completed_steps, resume.history.get("train/loss_curve")
     record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # shared/results.py
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
-    save = lambda: save_checkpoint(accelerator, output_dir / "checkpoints", completed_steps,
-        args.checkpoints_total_limit, history={"train/loss_curve": record.losses()}, batch=batch_shape)  # a sync
+    save = lambda: save_checkpoint(
+        accelerator,
+        output_dir / "checkpoints",
+        completed_steps,
+        args.checkpoints_total_limit,
+        history={"train/loss_curve": record.losses()},
+        batch=batch_shape,
+    )  # a sync
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
     token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -459,8 +508,14 @@ def main():
     # --------------------------------------------------------------------- evaluation
     scores = evaluate_model(accelerator, model, [] if args.skip_eval else eval_dataloader, regression)
     accelerator.print(f"eval: {scores} (baseline: {baseline})")
-    results = {"recipe": "transformer_finetune", **scores, **baseline, "label_names": label_names,
-               "model": args.model_name_or_path, "config": run_config}
+    results = {
+        "recipe": "transformer_finetune",
+        **scores,
+        **baseline,
+        "label_names": label_names,
+        "model": args.model_name_or_path,
+        "config": run_config,
+    }
     results.update(method="lora" if args.lora_r else "full", task=config.problem_type or "classification")
     results.update({"model/trainable_parameters": trainable, "model/total_parameters": total})
     results.update({"parallelism": parallelism.name, "global_batch_size": global_batch_size})

@@ -62,8 +62,11 @@ def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:
 
     def adapter_only(models, weights, folder):
         for index, model_weights in enumerate(weights):
-            trained = {name for name, parameter in accelerator.unwrap_model(models[index]).named_parameters()
-                       if parameter.requires_grad}
+            trained = {
+                name
+                for name, parameter in accelerator.unwrap_model(models[index]).named_parameters()
+                if parameter.requires_grad
+            }
             weights[index] = {name: tensor for name, tensor in model_weights.items() if name in trained}
 
     accelerator.register_save_state_pre_hook(adapter_only)

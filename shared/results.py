@@ -31,9 +31,12 @@ def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
     """Peak memory of this process per device, GiB. CUDA: ``max_memory_allocated`` (tensors only, what decides
     out-of-memory). CPU: the peak resident set size, with Python, libraries and buffers: compare CPU with CPU only."""
     scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is in KiB on Linux (bytes on macOS)
-    return {str(device) if device.type == "cuda" else "cpu": torch.cuda.max_memory_allocated(device) / GIB
-            if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
-            for device in devices}
+    return {
+        str(device) if device.type == "cuda" else "cpu": torch.cuda.max_memory_allocated(device) / GIB
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
+        for device in devices
+    }
 
 
 def percentile(values: list[float], q: int) -> float | None:
@@ -96,12 +99,14 @@ class ThroughputMeter:
         """The perf/* entries; ``perf/mfu`` on CUDA with ``flops_per_token``: achieved FLOP/s over the GPUs' peak."""
         self.sync()
         measured, steps = sum(self.step_times), len(self.step_times)
-        summary = {"perf/measured_steps": steps, "perf/step_time_p90_s": percentile(self.step_times, 90),
-                   "perf/step_time_s": statistics.median(self.step_times) if steps else None,
-                   "perf/samples_per_sec": self.samples / measured if measured else None,
-                   "perf/samples_per_step": self.samples / steps if steps else None,
-                   "perf/data_wait_fraction": sum(self.data_wait_times) / measured
-                   if measured and self._data_timed else None}
+        summary = {
+            "perf/measured_steps": steps,
+            "perf/step_time_p90_s": percentile(self.step_times, 90),
+            "perf/step_time_s": statistics.median(self.step_times) if steps else None,
+            "perf/samples_per_sec": self.samples / measured if measured else None,
+            "perf/samples_per_step": self.samples / steps if steps else None,
+            "perf/data_wait_fraction": sum(self.data_wait_times) / measured if measured and self._data_timed else None,
+        }
         if self.tokens:
             summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
             summary["perf/tokens_per_step"] = self.tokens / steps if steps else None
@@ -117,8 +122,9 @@ class ThroughputMeter:
         return summary
 
 
-def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict,
-                  filename: str = "results.json") -> Path:
+def write_results(
+    accelerator: Accelerator, output_dir: str | os.PathLike, results: dict, filename: str = "results.json"
+) -> Path:
     """Write ``output_dir/results.json`` from the main process, atomically (tmp file + rename): readers (tests,
     benchmarks, the compare tool) never see a half-written file."""
     path, tmp = Path(output_dir) / filename, Path(output_dir) / (filename + ".tmp")
@@ -136,19 +142,33 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     shards = {local(param).data_ptr(): (local(param), param.requires_grad) for param in model.parameters()}
     parameters = sum(shard.numel() * shard.element_size() for shard, _ in shards.values())
     gradients = sum(shard.numel() * shard.element_size() for shard, trained in shards.values() if trained)
-    optimizer_state = sum(local(value).numel() * local(value).element_size() for state in
-                          (optimizer.state.values() if optimizer else ()) for value in state.values()
-                          if isinstance(value, torch.Tensor))  # Adam's 0-d step counter too: it is state
-    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state,
-            "total": parameters + gradients + optimizer_state}
+    optimizer_state = sum(
+        local(value).numel() * local(value).element_size()
+        for state in (optimizer.state.values() if optimizer else ())
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )  # Adam's 0-d step counter too: it is state
+    return {
+        "parameters": parameters,
+        "gradients": gradients,
+        "optimizer": optimizer_state,
+        "total": parameters + gradients + optimizer_state,
+    }
 
 
 class RunRecord:
     """The loss curve, the throughput meter and peak memory of a run, written with the run's own results to
     ``results.json`` by ``write``. Build it after ``prepare``; ``loss_curve`` continues a resumed run's curve."""
 
-    def __init__(self, accelerator: Accelerator, max_train_steps: int, loss_curve: list[float] | None = None,
-                 warmup_steps: int = 2, devices: list[torch.device] | None = None, sync_every: int = 10):
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        max_train_steps: int,
+        loss_curve: list[float] | None = None,
+        warmup_steps: int = 2,
+        devices: list[torch.device] | None = None,
+        sync_every: int = 10,
+    ):
         self.accelerator, self.max_train_steps, self.sync_every = accelerator, max_train_steps, sync_every
         self.curve, self.unread = list(loss_curve or []), []
         self.resumed_from_step = len(self.curve)
@@ -183,14 +203,18 @@ class RunRecord:
         self.unread.clear()
         return self.curve
 
-    def write(self, output_dir: str | os.PathLike, results: dict, model, optimizer=None,
-              flops_per_token: float | None = None) -> Path:
+    def write(
+        self, output_dir: str | os.PathLike, results: dict, model, optimizer=None, flops_per_token: float | None = None
+    ) -> Path:
         """A collective (every process gathers its numbers): ``results`` with the loss curve, perf/* and memory/*
         entries, written by the main process to ``output_dir/results.json``; also logged to the trackers."""
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
         per_rank = lambda value: {f"rank{r}": item for r, item in enumerate(gather_object([value]))}
-        per_device = lambda peaks: {(f"{rank}/" if several else "") + device: round(gib, 4)
-                                    for rank, peaks in per_rank(peaks).items() for device, gib in peaks.items()}
+        per_device = lambda peaks: {
+            (f"{rank}/" if several else "") + device: round(gib, 4)
+            for rank, peaks in per_rank(peaks).items()
+            for device, gib in peaks.items()
+        }
         curve = self.losses()
         if accelerator.is_fsdp2:  # after a forward without backward (an evaluation) FSDP2 leaves the root unsharded:
             from torch.distributed.fsdp import FSDPModule  # resharded, the bytes are those training held
@@ -201,21 +225,30 @@ class RunRecord:
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         device_map = vars(unwrapped).get("hf_device_map") or getattr(base, "hf_device_map", None)
         initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-        results = {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
-                   "device": str(accelerator.device), "mixed_precision": accelerator.mixed_precision,
-                   "distributed/backend": torch.distributed.get_backend() if initialized else None,
-                   "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
-                   "completed_steps": len(curve), "resumed_from_step": self.resumed_from_step,
-                   "train/loss": curve[-1] if curve else None, "train/loss_curve": curve,
-                   **self.meter.summary(flops_per_token),
-                   "memory/peak_gib": per_device(self.train_peak or peak_memory_gib(self.meter.devices)),
-                   "memory/load_peak_gib": per_device(self.load_peak),  # host RAM too: loading and offload live there
-                   "memory/host_peak_gib": {rank: round(gib["cpu"], 4) for rank, gib in
-                                            per_rank(peak_memory_gib([torch.device("cpu")])).items()},
-                   "memory/model_state_bytes": per_rank(model_state_bytes(model, optimizer)), **results}
+        results = {
+            "num_processes": accelerator.num_processes,
+            "distributed_type": accelerator.distributed_type.value,
+            "device": str(accelerator.device),
+            "mixed_precision": accelerator.mixed_precision,
+            "distributed/backend": torch.distributed.get_backend() if initialized else None,
+            "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
+            "completed_steps": len(curve),
+            "resumed_from_step": self.resumed_from_step,
+            "train/loss": curve[-1] if curve else None,
+            "train/loss_curve": curve,
+            **self.meter.summary(flops_per_token),
+            "memory/peak_gib": per_device(self.train_peak or peak_memory_gib(self.meter.devices)),
+            "memory/load_peak_gib": per_device(self.load_peak),  # host RAM too: loading and offload live there
+            "memory/host_peak_gib": {
+                rank: round(gib["cpu"], 4) for rank, gib in per_rank(peak_memory_gib([torch.device("cpu")])).items()
+            },
+            "memory/model_state_bytes": per_rank(model_state_bytes(model, optimizer)),
+            **results,
+        }
         if accelerator.trackers:
-            accelerator.log({key: value for key, value in results.items() if isinstance(value, (int, float))},
-                            step=len(curve))
+            accelerator.log(
+                {key: value for key, value in results.items() if isinstance(value, (int, float))}, step=len(curve)
+            )
         path = write_results(accelerator, output_dir, results)
         # Sync point: no process tears down its connections while another still writes (gloo can abort at exit).
         accelerator.wait_for_everyone()

@@ -203,8 +203,10 @@ def test_compile_compiles_each_block_and_trains_like_eager(runs):
     it (or with the flag ignored) no module runs compiled; with a KV cache in the step each block would compile its
     own graph and past 8 fall back to eager (hence use_cache=False in the recipe's forward)."""
     compiled, eager = runs["compile"]["results"], runs["single"]["results"]
-    modules = {name: read_facts(runs[name]["dir"])["compile/compiled_modules"]["rank0"]  # seen by tests/observer
-               for name in ("compile", "single")}
+    modules = {
+        name: read_facts(runs[name]["dir"])["compile/compiled_modules"]["rank0"]  # seen by tests/observer
+        for name in ("compile", "single")
+    }
     assert modules["compile"] >= 4 and modules["single"] == 0  # the tiny's 4 blocks
     assert relative_difference(compiled["train/loss_curve"], eager["train/loss_curve"]) < 1e-5
     assert "recompile_limit" not in runs["compile"]["log"]

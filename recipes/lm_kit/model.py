@@ -27,19 +27,25 @@ def lm_config(args, num_stages: int, parallelism: str, check=None):
         preset = dict(MODEL_PRESETS[args.model_size])
         if num_layers:
             preset["num_hidden_layers"] = num_layers
-        config = LlamaConfig(**preset, num_key_value_heads=preset["num_attention_heads"], vocab_size=args.vocab_size,
-                             tie_word_embeddings=False)
+        config = LlamaConfig(
+            **preset,
+            num_key_value_heads=preset["num_attention_heads"],
+            vocab_size=args.vocab_size,
+            tie_word_embeddings=False,
+        )
     if block_size > config.max_position_embeddings:
         raise RecipeError(
             f"--block_size {block_size} is longer than the model's {config.max_position_embeddings} positions "
-            f"(max_position_embeddings). Use --block_size {config.max_position_embeddings} or less.")
+            f"(max_position_embeddings). Use --block_size {config.max_position_embeddings} or less."
+        )
     if check is not None:
         check(config)
     if config.num_hidden_layers < num_stages:
         raise RecipeError(
             f"The model has {config.num_hidden_layers} decoder layers but {parallelism} needs at least one per "
             f"stage ({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer "
-            "stages.")
+            "stages."
+        )
     return config
 
 
@@ -51,8 +57,9 @@ def build_lm(model_name_or_path: str | None, config, tokenizer, seed: int):
     set_seed(seed)
     if model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(model_name_or_path, config=config)
-    config.update({"vocab_size": len(tokenizer), "bos_token_id": tokenizer.eos_token_id,
-                   "eos_token_id": tokenizer.eos_token_id})
+    config.update(
+        {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.eos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    )
     return AutoModelForCausalLM.from_config(config)
 
 
