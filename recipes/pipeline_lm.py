@@ -247,17 +247,52 @@ def main():
     # New Code (pipeline) #
     parallelism = choose_parallelism(accelerator, "pipeline", "recipes/pipeline_lm.py")  # refuses 1 process, FSDP
     layout, num_processes = "pipeline", accelerator.num_processes  # checkpoints: each process saves its own stages
-    stages_per_process = check_pipeline_request(args, num_processes, eval_batch_size, accelerator.mixed_precision)
+    stages_per_process = check_pipeline_request(
+        pipeline_schedule=args.pipeline_schedule,
+        num_microbatches=args.num_microbatches,
+        stages_per_process=args.stages_per_process,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        eval_batch_size=eval_batch_size,
+        num_processes=num_processes,
+        mixed_precision=accelerator.mixed_precision,
+    )
     stages_of_processes = stage_layout(args.pipeline_schedule, num_processes, stages_per_process)  # [[0, 2], [1, 3]]
     num_stages, stage_indices = num_processes * stages_per_process, stages_of_processes[accelerator.process_index]
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
-    model_config = lm_config(args, num_stages, parallelism.name, partial(check_pipeline_model, stages_of_processes))
+    model_config = lm_config(  # the model's shape: bad sizes fail before any data
+        model_name_or_path=args.model_name_or_path,
+        model_size=args.model_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        num_stages=num_stages,
+        split_by=parallelism.name,
+        check=partial(check_pipeline_model, stages_of_processes),
+    )
     # End New Code #
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
 
     # ------------------------------------------------------------------------------- data
-    data = lm_datasets(accelerator, args, output_dir, checkpoint, data_parallel_size)  # text, tokenizer, blocks
+    data = lm_datasets(  # text, tokenizer, blocks
+        accelerator,
+        dataset_name=args.dataset_name,
+        dataset_config_name=args.dataset_config_name,
+        train_file=args.train_file,
+        validation_file=args.validation_file,
+        validation_split_percentage=args.validation_split_percentage,
+        corpus_max_mb=args.corpus_max_mb,
+        model_name_or_path=args.model_name_or_path,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        data_parallel_size=data_parallel_size,
+        output_dir=output_dir,
+        checkpoint=checkpoint,
+    )
     # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
     pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
     train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
@@ -291,7 +326,16 @@ def main():
     # No prepare(): it would wrap each stage in DDP (all-reducing the gradients of different parts of the model), shard
     # the data loaders (every stage works on every batch) and step the scheduler once per process.
     train_dataloader, eval_dataloader = unsharded([train_dataloader, eval_dataloader], accelerator.device, args.seed)
-    pipeline = build_pipeline(accelerator, args, model, stages_of_processes)  # the schedules of this process's stages
+    pipeline = build_pipeline(  # the schedules of this process's stages
+        accelerator,
+        model,
+        stages_of_processes,
+        pipeline_schedule=args.pipeline_schedule,
+        num_microbatches=args.num_microbatches,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        block_size=args.block_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
     StageCheckpoints.register(accelerator, model, optimizer, lr_scheduler, split.blocks_per_stage, stages_of_processes)
     evaluate = lambda: evaluate_pipeline(accelerator, pipeline, eval_dataloader, eval_batch_size)
     # End New Code #

@@ -251,11 +251,37 @@ def main():
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     num_stages = len(split_over) or 1
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
-    model_config = lm_config(args, num_stages, parallelism.name)  # the model's shape: bad sizes fail before any data
+    model_config = lm_config(  # the model's shape: bad sizes fail before any data
+        model_name_or_path=args.model_name_or_path,
+        model_size=args.model_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        num_stages=num_stages,
+        split_by=parallelism.name,
+    )
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
 
     # ------------------------------------------------------------------------------- data
-    data = lm_datasets(accelerator, args, output_dir, checkpoint, data_parallel_size)  # text, tokenizer, blocks
+    data = lm_datasets(  # text, tokenizer, blocks
+        accelerator,
+        dataset_name=args.dataset_name,
+        dataset_config_name=args.dataset_config_name,
+        train_file=args.train_file,
+        validation_file=args.validation_file,
+        validation_split_percentage=args.validation_split_percentage,
+        corpus_max_mb=args.corpus_max_mb,
+        model_name_or_path=args.model_name_or_path,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        data_parallel_size=data_parallel_size,
+        output_dir=output_dir,
+        checkpoint=checkpoint,
+    )
     # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
     pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
     train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)

@@ -648,7 +648,7 @@ def test_pipeline_requests_that_cannot_run_are_refused(pipeline_recipe, request_
     )
     with pytest.raises(RecipeError) as refused:
         pipeline_recipe.check_pipeline_request(
-            args, num_processes=2, eval_batch_size=args.num_microbatches, mixed_precision="no"
+            **vars(args), eval_batch_size=args.num_microbatches, num_processes=2, mixed_precision="no"
         )
     assert message in " ".join(refused.value.message.split())
 
@@ -663,7 +663,9 @@ def test_pipeline_requests_that_can_run_get_their_stages_per_process(pipeline_re
             num_microbatches=microbatches,
             stages_per_process=stages_per_process,
         )
-        return pipeline_recipe.check_pipeline_request(args, 2, 8, "no")
+        return pipeline_recipe.check_pipeline_request(
+            **vars(args), eval_batch_size=8, num_processes=2, mixed_precision="no"
+        )
 
     assert (stages("gpipe", 2), stages("1f1b"), stages("interleaved1f1b"), stages("zbv")) == (1, 1, 2, 2)
     assert stages("interleaved1f1b", 8, 4) == 4

@@ -53,13 +53,21 @@ PIPELINE_FILE = "pipeline.json"
 
 
 # ----------------------------------------------------------------------------- what runs where
-def check_pipeline_request(args, num_processes: int, eval_batch_size: int, mixed_precision: str) -> int:
-    """Refuse pipeline settings that cannot work, before any data or model work; return the stages per process.
-    ``args``: the recipe's ``pipeline_schedule``, ``num_microbatches``, ``stages_per_process`` and
-    ``per_device_train_batch_size``."""
-    microbatches, schedule = args.num_microbatches, args.pipeline_schedule
+def check_pipeline_request(
+    *,
+    pipeline_schedule: str,
+    num_microbatches: int,
+    stages_per_process: int | None,
+    per_device_train_batch_size: int,
+    eval_batch_size: int,
+    num_processes: int,
+    mixed_precision: str,
+) -> int:
+    """Refuse pipeline settings (the recipe's flags of those names) that cannot work, before any data or model work;
+    return the stages per process."""
+    microbatches, schedule = num_microbatches, pipeline_schedule
     for flag, size in (
-        ("--per_device_train_batch_size", args.per_device_train_batch_size),
+        ("--per_device_train_batch_size", per_device_train_batch_size),
         ("--per_device_eval_batch_size", eval_batch_size),
     ):
         if size % microbatches:
@@ -79,13 +87,13 @@ def check_pipeline_request(args, num_processes: int, eval_batch_size: int, mixed
             f"({num_processes}); got {microbatches}."
         )
     if schedule not in STAGE_LAYOUTS:
-        if args.stages_per_process not in (None, 1):
+        if stages_per_process not in (None, 1):
             raise RecipeError(
                 f"--pipeline_schedule {schedule} runs one stage per process, but --stages_per_process is "
-                f"{args.stages_per_process}: use --pipeline_schedule interleaved1f1b (or zbv, 2 stages) for several."
+                f"{stages_per_process}: use --pipeline_schedule interleaved1f1b (or zbv, 2 stages) for several."
             )
         return 1
-    stages_per_process = args.stages_per_process or 2
+    stages_per_process = stages_per_process or 2
     if schedule == "interleaved1f1b" and microbatches < num_processes:
         # torch runs it, but each micro-batch then travels the p x v stages mostly alone: no 1F1B steady state, and
         # not the bubble the interleaved schedule is for (Narayanan et al. assume m a multiple of p).
@@ -296,12 +304,22 @@ class Pipeline:
         return pipeline_facts(self.name, self.microbatches, stages_of_processes, stage_costs)
 
 
-def build_pipeline(accelerator, args, stage_modules: nn.ModuleList, stages_of_processes: list[list[int]]) -> Pipeline:
+def build_pipeline(
+    accelerator,
+    stage_modules: nn.ModuleList,
+    stages_of_processes: list[list[int]],
+    *,
+    pipeline_schedule: str,
+    num_microbatches: int,
+    per_device_train_batch_size: int,
+    block_size: int,
+    gradient_accumulation_steps: int,
+) -> Pipeline:
     """The schedules of ``--pipeline_schedule`` over ``--num_microbatches`` for this process's ``stage_modules``, and
     the ideal bubble, printed. The stages' input/output shapes are inferred on the first step, and gradients are
     scaled by the loss rather than by the schedule: ``scale_grads=True`` would divide *all* accumulated gradients by m
     after every ``step()``, so with gradient accumulation the earlier batches would be divided again."""
-    name, microbatches, device = args.pipeline_schedule, args.num_microbatches, accelerator.device
+    name, microbatches, device = pipeline_schedule, num_microbatches, accelerator.device
     stage_indices = stages_of_processes[accelerator.process_index]
     num_stages = sum(len(indices) for indices in stages_of_processes)
     stages = [
@@ -320,7 +338,7 @@ def build_pipeline(accelerator, args, stage_modules: nn.ModuleList, stages_of_pr
         eval_schedule = zbv_eval_schedule(stage_modules, stage_indices, num_stages, microbatches, device)
     # Each micro-batch's loss is divided by the predicted tokens of the whole optimizer step: (batch / m) x (block - 1)
     # x m x accumulation.
-    divisor = args.per_device_train_batch_size * (args.block_size - 1) * args.gradient_accumulation_steps
+    divisor = per_device_train_batch_size * (block_size - 1) * gradient_accumulation_steps
     bubble = ideal_bubble_slots(name, len(stages_of_processes), len(stage_indices))
     accelerator.print(
         f"pipeline: {name}, {num_stages} stages on {len(stages_of_processes)} processes "
