@@ -328,39 +328,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
+def dataloaders(
+    train_dataset,
+    eval_dataset,
+    tokenizer,
+    data_parallel_size: int,
+    *,
+    packing,
+    max_length,
+    group_by_length,
+    per_device_train_batch_size,
+    seed,
+    per_device_eval_batch_size,
+) -> tuple[DataLoader, ...]:
     """The training loader (shuffled samples, or batches of similar length; with --packing shuffled rows of
     --max_length tokens, each batch flattened into one row without padding), refused if it cannot give every
     data-parallel process a batch, and the evaluation loader (padded batches of samples, in order)."""
     sampler, collate_fn = None, partial(collate, pad_token_id=tokenizer.pad_token_id)
-    if args.packing:  # the loader's items are rows (lists of sample indices): it shuffles rows, a batch is rows
+    if packing:  # the loader's items are rows (lists of sample indices): it shuffles rows, a batch is rows
         samples, lengths = train_dataset, [len(ids) for ids in train_dataset["input_ids"]]
-        train_dataset, pad_token_id = best_fit_decreasing(lengths, args.max_length), tokenizer.pad_token_id
+        train_dataset, pad_token_id = best_fit_decreasing(lengths, max_length), tokenizer.pad_token_id
         collate_fn = lambda rows: collate([samples[i] for row in rows for i in row], pad_token_id, packing=True)
-        fill = sum(lengths) / (len(train_dataset) * args.max_length)  # a step computes the rows' empty ends too
+        fill = sum(lengths) / (len(train_dataset) * max_length)  # a step computes the rows' empty ends too
         PartialState().print(
             f"packing: {len(samples)} training samples in {len(train_dataset)} rows of up to "
-            f"{args.max_length} tokens, {fill:.1%} full"
+            f"{max_length} tokens, {fill:.1%} full"
         )
-    if args.group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
+    if group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
-        sampler = LengthGroupedShuffledSampler(lengths, args.per_device_train_batch_size, args.seed)
+        sampler = LengthGroupedShuffledSampler(lengths, per_device_train_batch_size, seed)
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
     # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
     pinned = torch.cuda.is_available()
     train_dataloader = DataLoader(
         train_dataset,
-        args.per_device_train_batch_size,
+        per_device_train_batch_size,
         shuffle=sampler is None,
         sampler=sampler,
-        generator=torch.Generator().manual_seed(args.seed),
+        generator=torch.Generator().manual_seed(seed),
         collate_fn=collate_fn,
         pin_memory=pinned,
     )
     check_batches(train_dataloader, data_parallel_size)
     eval_dataloader = DataLoader(
         eval_dataset,
-        args.per_device_eval_batch_size or args.per_device_train_batch_size,
+        per_device_eval_batch_size or per_device_train_batch_size,
         collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id),
         pin_memory=pinned,
     )
@@ -464,7 +476,18 @@ def main():
         train_dataset, eval_dataset, counts = tokenize_datasets(
             accelerator, raw_datasets, fmt, tokenizer, args.max_length
         )
-    train_dataloader, eval_dataloader = dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size)
+    train_dataloader, eval_dataloader = dataloaders(
+        train_dataset,
+        eval_dataset,
+        tokenizer,
+        data_parallel_size,
+        packing=args.packing,
+        max_length=args.max_length,
+        group_by_length=args.group_by_length,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+    )
 
     # ------------------------------------------------------------------------------ model
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []

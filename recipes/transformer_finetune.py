@@ -178,32 +178,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_data(args, accelerator):
+def load_data(
+    accelerator,
+    *,
+    train_file,
+    validation_file,
+    dataset_name,
+    dataset_config_name,
+    seed,
+    text_column,
+    label_column,
+    max_train_samples,
+    max_eval_samples,
+    task,
+):
     """The train/validation splits (checked, cut to --max_*_samples), regression or not, the label names (or None), and
     a function from a batch of label values to ids (the same mapping for both splits):
     classifier_kit/classification.py."""
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
-        source = (args.train_file, args.validation_file, args.dataset_name, args.dataset_config_name)
-        raw_datasets = load_splits(*source, seed=args.seed)
-    check_columns(raw_datasets, args.text_column, args.label_column)
-    for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
+        source = (train_file, validation_file, dataset_name, dataset_config_name)
+        raw_datasets = load_splits(*source, seed=seed)
+    check_columns(raw_datasets, text_column, label_column)
+    for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
         if limit:  # a shuffled subset
-            raw_datasets[split] = raw_datasets[split].shuffle(seed=args.seed)
+            raw_datasets[split] = raw_datasets[split].shuffle(seed=seed)
             raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
-    task, reason = choose_task(raw_datasets, args.label_column, args.task)
+    task, reason = choose_task(raw_datasets, label_column, task)
     accelerator.print(f"task: {task} ({reason})")
-    label_names, label_ids = read_labels(raw_datasets, args.label_column, regression=task == "regression")
+    label_names, label_ids = read_labels(raw_datasets, label_column, regression=task == "regression")
     accelerator.print(f"data: {len(label_names)} labels: {label_names}" if label_names else "data: scores")
     return raw_datasets, task == "regression", label_names, label_ids
 
 
-def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
+def get_dataloaders(
+    accelerator,
+    raw_datasets,
+    label_ids,
+    config,
+    *,
+    tokenizer_name,
+    model_name_or_path,
+    trust_remote_code,
+    pad_to_max_length,
+    text_column,
+    max_length,
+    label_column,
+    per_device_train_batch_size,
+    seed,
+    group_by_length,
+    per_device_eval_batch_size,
+):
     """The tokenizer, and tokenized, dynamically padded batches: each batch padded to its own longest text
     (--pad_to_max_length: every text to --max_length) by transformers' DataCollatorWithPadding; --group_by_length
     batches similar lengths together (shared/sampling.py)."""
-    tokenizer_name = args.tokenizer_name or args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=args.trust_remote_code)
+    tokenizer_name = tokenizer_name or model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         # Decoder-only models (Llama, Qwen, GPT-2) often have no pad token; batches need one. The model pools the last
         # token that is not padding, so it must know the id too (config.pad_token_id), and the padding goes right.
@@ -212,10 +242,10 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
     tokenizer.padding_side, config.pad_token_id = "right", tokenizer.pad_token_id
 
     def tokenize(batch):
-        padding = "max_length" if args.pad_to_max_length else False  # False: the collator pads each batch
-        texts = [batch[column] for column in args.text_column]  # a pair: tokenizer(text, text_pair), longest-first cut
-        encoded = tokenizer(*texts, truncation=True, max_length=args.max_length, padding=padding)
-        return {**encoded, "labels": label_ids(batch[args.label_column])}
+        padding = "max_length" if pad_to_max_length else False  # False: the collator pads each batch
+        texts = [batch[column] for column in text_column]  # a pair: tokenizer(text, text_pair), longest-first cut
+        encoded = tokenizer(*texts, truncation=True, max_length=max_length, padding=padding)
+        return {**encoded, "labels": label_ids(batch[label_column])}
 
     with accelerator.main_process_first():
         columns = raw_datasets["train"].column_names
@@ -226,12 +256,12 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
     collator = DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
     )
-    lengths, batch_size = [len(ids) for ids in train_dataset["input_ids"]], args.per_device_train_batch_size
-    sampler = LengthGroupedShuffledSampler(lengths, batch_size, args.seed) if args.group_by_length else None
+    lengths, batch_size = [len(ids) for ids in train_dataset["input_ids"]], per_device_train_batch_size
+    sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if group_by_length else None
     # Their own generators: a DataLoader without one draws a seed from the global RNG each time it starts iterating,
     # which would shift the dropout masks of a resumed run.
     # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
-    generator, pinned = torch.Generator().manual_seed(args.seed), accelerator.device.type == "cuda"
+    generator, pinned = torch.Generator().manual_seed(seed), accelerator.device.type == "cuda"
     train_dataloader = DataLoader(
         train_dataset,
         batch_size,
@@ -241,9 +271,9 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
         generator=generator,
         pin_memory=pinned,
     )
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(seed)
     eval_dataloader = DataLoader(
-        eval_dataset, args.per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
+        eval_dataset, per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
     )
     if len(train_dataloader) < accelerator.num_processes:
         raise RecipeError(
@@ -394,10 +424,38 @@ def main():
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
-    raw_datasets, regression, label_names, label_ids = load_data(args, accelerator)  # regression: no label names
+    raw_datasets, regression, label_names, label_ids = load_data(
+        accelerator,
+        train_file=args.train_file,
+        validation_file=args.validation_file,
+        dataset_name=args.dataset_name,
+        dataset_config_name=args.dataset_config_name,
+        seed=args.seed,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+        task=args.task,
+    )  # regression: no label names
     # The model's config, named labels included (checked before any tokenizing: a bad model name fails fast).
     config = load_model_config(args.model_name_or_path, label_names, args.max_length, args.trust_remote_code)
-    tokenizer, train_dataloader, eval_dataloader = get_dataloaders(args, accelerator, raw_datasets, label_ids, config)
+    tokenizer, train_dataloader, eval_dataloader = get_dataloaders(
+        accelerator,
+        raw_datasets,
+        label_ids,
+        config,
+        tokenizer_name=args.tokenizer_name,
+        model_name_or_path=args.model_name_or_path,
+        trust_remote_code=args.trust_remote_code,
+        pad_to_max_length=args.pad_to_max_length,
+        text_column=args.text_column,
+        max_length=args.max_length,
+        label_column=args.label_column,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        group_by_length=args.group_by_length,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+    )
     baseline = baselines(train_dataloader.dataset["labels"], eval_dataloader.dataset["labels"], regression)
 
     # ------------------------------------------------------------------------------ model

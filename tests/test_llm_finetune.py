@@ -921,7 +921,18 @@ def test_packed_rows_give_each_sample_the_loss_it_has_padded(recipe, base):
     ]
     dataset = datasets.Dataset.from_list(samples)
     args = module.parse_args(["--packing", "--max_length", "64", "--per_device_train_batch_size", "8"])
-    train_dataloader, _ = module.dataloaders(dataset, dataset, tokenizer, args, 1)  # the recipe's loader
+    train_dataloader, _ = module.dataloaders(  # the recipe's loader
+        dataset,
+        dataset,
+        tokenizer,
+        1,
+        packing=args.packing,
+        max_length=args.max_length,
+        group_by_length=args.group_by_length,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+    )
     rows, lengths = train_dataloader.dataset, [len(sample["input_ids"]) for sample in samples]
     assert len(rows) < len(samples) and all(sum(lengths[index] for index in row) <= 64 for row in rows)
     (packed,) = list(train_dataloader)  # every row in one batch of up to 8 rows
