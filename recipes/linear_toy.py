@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per step.")
     add("--num_train_epochs", type=positive_int, default=3, help="Passes over the data (unless --max_train_steps).")
     add("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
+    add("--logging_steps", type=positive_int, default=50, help="Print the loss every N optimizer steps.")
     add("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
     add("--checkpointing_steps", type=positive_int, default=None, help="Save a checkpoint every N optimizer steps.")
     add("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' (the newest one saved).")
@@ -122,8 +123,7 @@ def main():
     checkpoint = latest if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
     if checkpoint:  # the model, optimizer, sampler and RNG states, then how far the run got
         accelerator.load_state(str(checkpoint))
-        loss_curve = json.loads((Path(checkpoint) / "loss_curve.json").read_text())
-        completed_steps = len(loss_curve)
+        completed_steps = len(loss_curve := json.loads((Path(checkpoint) / "loss_curve.json").read_text()))
         accelerator.print(f"resumed from {checkpoint} at step {completed_steps}")
     step_loss, started = torch.zeros((), device=accelerator.device), time.perf_counter()
     for epoch in range(completed_steps // steps_per_epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -146,7 +146,7 @@ def main():
             loss_curve.append(accelerator.reduce(step_loss, "mean").item())
             step_loss.zero_()
             step_times.append(-started + (started := time.perf_counter()))  # this step's seconds
-            if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
+            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
             if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
                 folder = checkpoints_dir / f"step_{completed_steps}"  # every process saves its RNG state there

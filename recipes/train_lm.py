@@ -159,6 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per step.")
     training.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training set.")
     training.add_argument("--max_train_steps", type=positive_int, help="Stop after N steps (overrides the epochs).")
+    training.add_argument("--logging_steps", type=positive_int, default=10, help="Print train/loss every N steps.")
     training.add_argument("--learning_rate", type=positive_float, default=1e-3, help="Peak AdamW learning rate.")
     training.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (matrices only).")
     training.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm (0: no).")
@@ -370,7 +371,7 @@ def main():
                 loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
                 step_loss.zero_()
                 record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
-                if completed_steps % max(1, max_train_steps // 10) == 0 or completed_steps == max_train_steps:
+                if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
