@@ -543,7 +543,7 @@ def main():
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
-            completed_steps += 1  # (this bookkeeping ends every recipe's step, on purpose: each loop reads whole)
+            completed_steps += 1
             # The global mean loss stays on the device: only the log below reads it (a sync point).
             record.step(completed_steps, accelerator.reduce(step_loss, "mean"), samples=global_batch_size)
             step_loss.zero_()
