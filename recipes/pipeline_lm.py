@@ -260,7 +260,6 @@ def main():
     stages_of_processes = stage_layout(args.pipeline_schedule, num_processes, stages_per_process)  # [[0, 2], [1, 3]]
     num_stages, stage_indices = num_processes * stages_per_process, stages_of_processes[accelerator.process_index]
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
     model_config = lm_config(  # the model's shape: bad sizes fail before any data
         model_name_or_path=args.model_name_or_path,
         model_size=args.model_size,
@@ -290,7 +289,9 @@ def main():
         max_eval_samples=args.max_eval_samples,
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        data_parallel_size=data_parallel_size,
+        # New Code (pipeline) #
+        data_parallel_size=1,  # every process reads every batch: a pipeline shards the model, not the data
+        # End New Code #
         output_dir=output_dir,
         checkpoint=checkpoint,
     )
@@ -315,11 +316,15 @@ def main():
     groups = optimizer_groups(model, args.weight_decay)  # weight decay on matrices only; fused: one kernel
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused_adamw(accelerator))
     # (pipeline) Every process sees every batch (the loader is not sharded); accumulate() also steps on an epoch's end.
-    steps_per_epoch = math.ceil(len(train_dataloader) // data_parallel_size / args.gradient_accumulation_steps)
+    # New Code (pipeline) #
+    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    # End New Code #
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_train_epochs = math.ceil(max_train_steps / steps_per_epoch)
     # (pipeline) The scheduler is not prepared (see below): it steps once per optimizer step.
-    warmup, total = args.num_warmup_steps * data_parallel_size, max_train_steps * data_parallel_size
+    # New Code (pipeline) #
+    warmup, total = args.num_warmup_steps, max_train_steps
+    # End New Code #
     lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
     # ------------------------------------------------------------------------------ prepare
@@ -344,7 +349,9 @@ def main():
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
 
     # ---------------------------------------------------------------------- training loop
-    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
+    # New Code (pipeline) #
+    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    # End New Code #
     tokens_per_step = global_batch_size * args.block_size
     cpu_threads = torch.get_num_threads() if accelerator.device.type == "cpu" else None
     config = vars(args) | {"parallelism_resolved": parallelism.name, "max_train_steps_resolved": max_train_steps}
@@ -392,7 +399,9 @@ def main():
             if accelerator.sync_gradients:
                 completed_steps += 1
                 # (pipeline) The sum: only the process with the last stage has the loss, the others 0.
-                loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
+                # New Code (pipeline) #
+                loss = accelerator.reduce(step_loss, reduction="sum")
+                # End New Code #
                 step_loss.zero_()
                 record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
