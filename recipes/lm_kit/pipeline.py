@@ -27,10 +27,10 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from shared.model_split import block_ranges
 from shared.runtime import RecipeError
 
 from .eval import perplexity_results
+from .split import block_ranges
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
              "zbv": ScheduleZBVZeroBubble}
