@@ -141,12 +141,3 @@ def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[to
     model = dispatch_model(model, device_map, main_device=main, force_hooks=True, skip_keys=["logits_to_keep"])
     model.hf_device_map = dict(device_map)
     return model, device_map
-
-
-def parameter_bytes_per_device(model: nn.Module, plan: dict[str, int]) -> dict[int, int]:
-    """Bytes of parameters each planned device holds (what the plan puts where, before training)."""
-    totals: dict[int, int] = {}
-    for name, index in plan.items():
-        size = sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters())
-        totals[index] = totals.get(index, 0) + size
-    return totals
