@@ -77,7 +77,6 @@ from shared.fsdp import (
     check_offload_fits_host_ram,
     gathered_state_dict,
     keep_gathered_in_one_process,
-    trained_weights_only_in_checkpoints,
     wrap_at_blocks,
 )
 from llm_kit.loading import (
@@ -87,6 +86,7 @@ from llm_kit.loading import (
     lora_model,
     parameter_counts,
     save_merged,
+    trained_weights_only_in_checkpoints,
 )
 from shared.model_split import find_block_list, split_devices
 from shared.results import RunRecord
