@@ -73,9 +73,9 @@ sys.path.insert(0, str(HERE))
 from shared import hang_dump
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
-from shared.fsdp import trained_weights_only_in_checkpoints, wrap_at_blocks
+from shared.fsdp import wrap_at_blocks
 from llm_kit.loading import causal_lm_config, load_base_model, lora_model
-from llm_kit.loading import parameter_counts
+from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
 from llm_kit.preference_data import (
     SFT_DEFAULT,

@@ -73,13 +73,7 @@ sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared.flops import lm_flops_per_token
 from shared import hang_dump
-from shared.fsdp import (
-    check_offload_fits_host_ram,
-    gathered_state_dict,
-    keep_gathered_in_one_process,
-    trained_weights_only_in_checkpoints,
-    wrap_at_blocks,
-)
+from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from llm_kit.loading import (
     causal_lm_config,
     default_base_model,
@@ -87,6 +81,7 @@ from llm_kit.loading import (
     lora_model,
     parameter_counts,
     save_merged,
+    trained_weights_only_in_checkpoints,
 )
 from shared.model_split import find_block_list, split_devices
 from shared.results import RunRecord

@@ -84,7 +84,7 @@ from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
 from lm_kit.presets import MODEL_PRESETS
-from shared.model_split import plan_lm_split
+from lm_kit.split import plan_lm_split
 
 # New Code (pipeline) #
 # The pipeline's machinery around torch.distributed.pipelining (stage modules, schedules, stage checkpoints, the

@@ -73,7 +73,7 @@ from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
 from lm_kit.presets import MODEL_PRESETS
-from shared.model_split import plan_lm_split
+from lm_kit.split import plan_lm_split
 from shared.model_split import dispatch_on_devices, split_devices
 from shared.results import RunRecord
 from shared import hang_dump

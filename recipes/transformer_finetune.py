@@ -61,11 +61,11 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
 from classifier_kit.classification import add_lora, read_labels
+from classifier_kit.device_map import parameter_bytes_per_device
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared import hang_dump
 from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
-from shared.model_split import dispatch_on_devices, find_block_list, parameter_bytes_per_device, plan_device_map
-from shared.model_split import split_devices
+from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir

@@ -131,11 +131,12 @@ def test_lora_parameters_are_the_ones_peft_creates(model_size):
 
 def test_split_is_the_recipes():
     """small: the recipe's docstring says 5 blocks + 2 with the LM head (vocabulary 8192, 256 tokens);
-    and the split equals shared.model_split's plan for the real model."""
+    and the split equals the recipe's plan for the real model (lm_kit/split.py)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.model_split import blocks_per_part, lm_head_cost_in_blocks, plan_device_map
+    from lm_kit.split import blocks_per_part
+    from shared.model_split import lm_head_cost_in_blocks, plan_device_map
 
     shape = preset_shape("small", vocab_size=8192)
     assert split_blocks(shape, 2, 256) == [5, 2]

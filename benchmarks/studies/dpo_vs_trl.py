@@ -297,19 +297,19 @@ class StepClock:
 
 
 def clocked_recipe(argv: list[str]) -> None:
-    """A: the recipe, unchanged, with its own command line (runpy), plus StepClock at each optimizer step (the
-    ThroughputMeter's step, which its RunRecord calls once per step); written to OUTPUT_DIR/cpu_clock.json."""
+    """A: the recipe, unchanged, with its own command line (runpy), plus StepClock at each optimizer step
+    (``RunRecord.step``, which the recipe calls once per step); written to OUTPUT_DIR/cpu_clock.json."""
     import runpy
 
     from shared import results
 
-    clock, measure = StepClock(int(argv[0])), results.ThroughputMeter.step
+    clock, measure = StepClock(int(argv[0])), results.RunRecord.step
 
-    def step(self, samples, tokens=0, answer_tokens=0, **kwargs) -> None:
-        measure(self, samples, tokens, answer_tokens, **kwargs)
+    def step(self, completed_steps, loss, samples, tokens=0, answer_tokens=0) -> None:
+        measure(self, completed_steps, loss, samples, tokens, answer_tokens)
         clock.tick(samples, tokens)  # a CPU run: reading the counts waits for nothing
 
-    results.ThroughputMeter.step = step
+    results.RunRecord.step = step
     sys.argv = argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
     out = Path(sys.argv[sys.argv.index("--output_dir") + 1])
@@ -488,7 +488,7 @@ def side(steps: list[dict], warmup: int, wall: list[float], peak: dict, train_lo
 
 def recipe_side(out: Path, warmup: int) -> dict:
     clock, results = json.loads((out / "cpu_clock.json").read_text()), json.loads((out / "results.json").read_text())
-    # The recipe's own wall-clock pairs/s over its measured steps; per-step wall times are its ThroughputMeter's.
+    # The recipe's own wall-clock pairs/s over its measured steps; per-step wall times are its RunRecord's.
     wall = [0.0] * warmup + [results["perf/samples_per_step"] / results["perf/samples_per_sec"]] * (
         len(clock["steps"]) - warmup
     )

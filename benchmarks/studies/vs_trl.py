@@ -292,21 +292,21 @@ def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation
 def clocked_recipe(argv: list[str]) -> None:
     """A on a CPU: the recipe, run unchanged with its own command line (``lib.launch.run_as_main``, as
     ``profile_recipe.py`` runs it), with one addition: each optimizer step's CPU time of this process
-    (``time.process_time``) is recorded beside the wall clock of its ``ThroughputMeter``, in
+    (``time.process_time``) is recorded beside the wall clock of its ``RunRecord``, in
     ``OUTPUT_DIR/cpu_clock_rank{R}.json``. On a machine that other processes share, a step's wall time counts the time
     they held the core; its CPU time does not."""
     from shared import results
 
     steps, last = [], [time.process_time()]
-    measure = results.ThroughputMeter.step
+    measure = results.RunRecord.step
 
-    def step(self, samples: int, tokens=0, answer_tokens=0, **kwargs) -> None:
-        measure(self, samples, tokens, answer_tokens, **kwargs)
+    def step(self, completed_steps: int, loss, samples: int, tokens=0, answer_tokens=0) -> None:
+        measure(self, completed_steps, loss, samples, tokens, answer_tokens)
         now = time.process_time()  # (a CPU run: reading the token count here waits for nothing)
         steps.append({"cpu_s": now - last[0], "samples": int(samples), "tokens": int(tokens)})
         last[0] = now
 
-    results.ThroughputMeter.step = step
+    results.RunRecord.step = step
     run_as_main(argv)
     out = Path(argv[argv.index("--output_dir") + 1])
     (out / f"cpu_clock_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(steps) + "\n")
@@ -394,7 +394,7 @@ def trl_worker(args) -> None:
 
     class StepMeter(TrainerCallback):
         """Times optimizer steps end to end (the previous step's end to this one's) and adds up the batches each
-        trained on, skipping the first ``warmup`` steps: the recipe's ThroughputMeter, as a callback."""
+        trained on, skipping the first ``warmup`` steps: the recipe's RunRecord clock, as a callback."""
 
         def __init__(self, warmup: int):
             self.warmup, self.seen, self.step_times, self.cpu_times, self.logs = warmup, 0, [], [], []

@@ -278,7 +278,7 @@ def continued_adapter(model, adapter: str):
     """``model`` with the SFT ``adapter`` loaded twice: ``default``, trained, and ``reference``, a frozen copy (a few
     MB) that ``reference_policy`` switches to, so that the reference is the SFT policy (disabling the adapter would
     give the bare base). TRL does the same (its ``ref`` adapter). Checkpoints hold ``default`` only (what requires
-    grad: ``shared.fsdp.trained_weights_only_in_checkpoints``, called in the recipe)."""
+    grad: ``llm_kit.loading.trained_weights_only_in_checkpoints``, called in the recipe)."""
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(model, adapter, adapter_name="default", is_trainable=True)

@@ -32,10 +32,10 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from shared.model_split import block_ranges
 from shared.runtime import RecipeError
 
 from .eval import perplexity_results
+from .split import block_ranges
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
