@@ -163,9 +163,8 @@ def resolve_checkpoint(
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
         raise RecipeError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint "
-            "folder "
-            f"(e.g. {Path(checkpoints_dir) / 'step_000100'}) or 'latest'."
+            f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint folder (e.g. "
+            f"{Path(checkpoints_dir) / 'step_000100'}) or 'latest'."
         )
     if not (path / PROGRESS_FILE).is_file():
         raise RecipeError(
@@ -274,9 +273,8 @@ def keep_global_batch(
         fits = [b for b in range(per_device_train_batch_size, 0, -1) if wanted % (b * data_parallel_size) == 0]
         if wanted % per_step:
             raise RecipeError(
-                f"{said}; in this run's {count(processes)} no --gradient_accumulation_steps keeps "
-                f"it with {per_device_train_batch_size} per device ({wanted} is not a multiple of "
-                f"{per_step}). "
+                f"{said}; in this run's {count(processes)} no --gradient_accumulation_steps keeps it with "
+                f"{per_device_train_batch_size} per device ({wanted} is not a multiple of {per_step}). "
                 + (f"Pass --per_device_train_batch_size {fits[0]}" if fits else f"Resume it in {count(n)}")
                 + " to keep it, or start a new run "
                 "(another --output_dir) to train with another global batch."

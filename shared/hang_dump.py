@@ -126,11 +126,8 @@ class HangDump:
             waiting = json.loads(path.with_suffix(".json").read_text())["waiting_in"]
             print(
                 f"[rank {self.rank}] error: a collective failed at step {self.completed_steps} "
-                f"({self.current_phase}), "
-                f"waiting in {waiting}: {str(error).splitlines()[0][:300]}. Every rank that could still run wrote "
-                "its "
-                f"stacks, step and collective to {self.folder}/ (this one: "
-                f"{path.name}).",
+                f"({self.current_phase}), waiting in {waiting}: {str(error).splitlines()[0][:300]}. Every rank that "
+                f"could still run wrote its stacks, step and collective to {self.folder}/ (this one: {path.name}).",
                 file=sys.stderr,
                 flush=True,
             )

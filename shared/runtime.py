@@ -413,19 +413,15 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
         )
     if requested != "fsdp" and fsdp:
         raise RecipeError(
-            f"The launch config is FSDP but --parallelism is {requested}: FSDP is not combined with "
-            f"{requested} here (Accelerate would shard the model anyway). Use --parallelism fsdp (or "
-            "auto), "
-            f"or launch {requested} with its own config: {launch}"
+            f"The launch config is FSDP but --parallelism is {requested}: FSDP is not combined with {requested} here "
+            f"(Accelerate would shard the model anyway). Use --parallelism fsdp (or auto), or launch {requested} "
+            f"with its own config: {launch}"
         )
     if requested == "device_map" and processes > 1:
         raise RecipeError(
-            "--parallelism device_map splits the model inside one process, but this launch has "
-            f"{processes} "
-            "processes: Accelerate refuses to train a device_map model in a distributed mode (and each "
-            "process "
-            f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only "
-            "machine too)."
+            f"--parallelism device_map splits the model inside one process, but this launch has {processes} "
+            "processes: Accelerate refuses to train a device_map model in a distributed mode (and each process "
+            f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only machine too)."
         )
     if compile and requested == "device_map":
         raise RecipeError(
@@ -442,20 +438,15 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
             f"{what}, but this launch has {processes} process. Launch it with 2: {launch} (on a "
             "CPU-only machine too: 2 gloo processes)."
         )
+    on_cpu = 'two CPU "devices" (the GPU code path: same hooks, not faster)'
+    devices = f"{gpus} GPUs" if gpus >= 2 else "1 GPU and the CPU" if gpus == 1 else on_cpu
+    one_process = " (1 process: FSDP2's full code path, nothing to shard over)" if processes == 1 else ""
     reason = {
-        "fsdp": f"{processes} process(es), each holding 1/{processes} of every parameter, gradient and optimizer state"
-        + (" (1 process: FSDP2's full code path, nothing to shard over)" if processes == 1 else ""),
+        "fsdp": f"{processes} process(es), each holding 1/{processes} of every parameter, gradient and optimizer "
+        f"state{one_process}",
         "ddp": f"{processes} processes ({accelerator.distributed_type.value}), each a full replica, gradients "
         "averaged",
-        "device_map": "1 process, the model split over "
-        ""
-        + (
-            f"{gpus} GPUs"
-            if gpus >= 2
-            else "1 GPU and the CPU"
-            if gpus == 1
-            else 'two CPU "devices" (the GPU code path: same hooks, not faster)'
-        ),
+        "device_map": f"1 process, the model split over {devices}",
         "pipeline": f"{processes} processes, one pipeline stage each",
         "single": f"1 process on {accelerator.device}",
     }[requested]

@@ -133,7 +133,7 @@ def python_files(folder: Path) -> list[Path]:
 KITS = sorted(path for path in (REPO / "recipes").glob("*_kit") if path.is_dir())
 
 
-# A recipe reads as the training story (STYLE.md): at most this many statements and comment lines per file and per
+# A recipe reads as the training story: at most this many statements and comment lines per file and per
 # main() (Accelerate's nlp_example.py is ~210 lines, nanoGPT's train.py 336). Counted as statements, not physical
 # lines, because ruff's formatter spreads one call over as many lines as it needs; the linear toy, copied as a single
 # file, is held to 200 physical lines as well.

@@ -60,3 +60,18 @@ def run_as_main(argv: list[str]) -> None:
     the caller patched what it measures)."""
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
+
+
+def run_as_main_after_each_step(argv: list[str], after_step) -> None:
+    """``run_as_main``, with ``after_step(samples, tokens)`` called after each of the recipe's optimizer steps (its
+    ``RunRecord.step``, which every recipe calls once per step with the step's global counts)."""
+    from shared import results
+
+    record_step = results.RunRecord.step
+
+    def step(self, completed_steps, loss, samples, tokens=0, answer_tokens=0) -> None:
+        record_step(self, completed_steps, loss, samples, tokens, answer_tokens)
+        after_step(samples, tokens)
+
+    results.RunRecord.step = step
+    run_as_main(argv)

@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # lib/, shared/, the recipes' kits
 # The benchmarks' library, in one place (benchmarks/lib once merged: lib.records, lib.stats, lib.machine).
 from lib.machine import LIBRARIES, library_versions, machine_info  # CPU model and flags, versions: as every record
+from lib.launch import run_as_main_after_each_step  # the recipe unchanged, a clock after each step
 from lib.sides import adapter_difference, value_of  # the two sides compared
 from lib.records import equal_work, unequal_work_text  # work per step, the equal-work check
 from lib.stats import bootstrap_interval  # 95 % interval of a median ratio
@@ -299,20 +300,9 @@ class StepClock:
 def clocked_recipe(argv: list[str]) -> None:
     """A: the recipe, unchanged, with its own command line (runpy), plus StepClock at each optimizer step
     (``RunRecord.step``, which the recipe calls once per step); written to OUTPUT_DIR/cpu_clock.json."""
-    import runpy
-
-    from shared import results
-
-    clock, measure = StepClock(int(argv[0])), results.RunRecord.step
-
-    def step(self, completed_steps, loss, samples, tokens=0, answer_tokens=0) -> None:
-        measure(self, completed_steps, loss, samples, tokens, answer_tokens)
-        clock.tick(samples, tokens)  # a CPU run: reading the counts waits for nothing
-
-    results.RunRecord.step = step
-    sys.argv = argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
-    out = Path(sys.argv[sys.argv.index("--output_dir") + 1])
+    clock = StepClock(int(argv[0]))
+    run_as_main_after_each_step(argv[1:], clock.tick)  # a CPU run: reading the counts waits for nothing
+    out = Path(argv[1:][argv[1:].index("--output_dir") + 1])
     (out / "cpu_clock.json").write_text(json.dumps({"steps": clock.steps, "profile": clock.summary}) + "\n")
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # lib/, shared/, the recipes' kits
-from lib.launch import accelerate_launch, launch_and_wait, run_as_main
+from lib.launch import accelerate_launch, launch_and_wait, run_as_main_after_each_step
 from lib.machine import (
     LIBRARIES,
     library_versions,
@@ -295,19 +295,14 @@ def clocked_recipe(argv: list[str]) -> None:
     (``time.process_time``) is recorded beside the wall clock of its ``RunRecord``, in
     ``OUTPUT_DIR/cpu_clock_rank{R}.json``. On a machine that other processes share, a step's wall time counts the time
     they held the core; its CPU time does not."""
-    from shared import results
-
     steps, last = [], [time.process_time()]
-    measure = results.RunRecord.step
 
-    def step(self, completed_steps: int, loss, samples: int, tokens=0, answer_tokens=0) -> None:
-        measure(self, completed_steps, loss, samples, tokens, answer_tokens)
+    def after_step(samples: int, tokens) -> None:
         now = time.process_time()  # (a CPU run: reading the token count here waits for nothing)
         steps.append({"cpu_s": now - last[0], "samples": int(samples), "tokens": int(tokens)})
         last[0] = now
 
-    results.RunRecord.step = step
-    run_as_main(argv)
+    run_as_main_after_each_step(argv, after_step)
     out = Path(argv[argv.index("--output_dir") + 1])
     (out / f"cpu_clock_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(steps) + "\n")
 

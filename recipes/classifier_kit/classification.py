@@ -232,9 +232,9 @@ def load_model_config(name: str, label_names: list[str] | None, max_length: int,
         ) from None
     if max_length > getattr(config, "max_position_embeddings", max_length):
         raise RecipeError(
-            f"--max_length {max_length} is beyond what {name!r} can take (max_position_embeddings="
-            f"{config.max_position_embeddings}). Use --max_length {config.max_position_embeddings} or "
-            "less."
+            f"--max_length {max_length} is beyond what {name!r} can take "
+            f"(max_position_embeddings={config.max_position_embeddings}). Use --max_length "
+            f"{config.max_position_embeddings} or less."
         )
     return config
 

@@ -365,9 +365,8 @@ def check_batches(train_dataloader, data_parallel_size: int) -> None:
     samples, batches, size = len(train_dataloader.dataset), len(train_dataloader), train_dataloader.batch_size
     if batches < data_parallel_size:
         raise RecipeError(
-            f"{samples} training samples make {batches} batch(es) of {size}, fewer than the "
-            f"{data_parallel_size} processes: some would get none. Lower --per_device_train_batch_size "
-            "or add data."
+            f"{samples} training samples make {batches} batch(es) of {size}, fewer than the {data_parallel_size} "
+            "processes: some would get none. Lower --per_device_train_batch_size or add data."
         )
 
 

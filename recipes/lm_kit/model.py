@@ -51,8 +51,8 @@ def lm_config(
         check(config)
     if config.num_hidden_layers < num_stages:
         raise RecipeError(
-            f"The model has {config.num_hidden_layers} decoder layers but {split_by} needs at least one per "
-            f"stage ({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer "
+            f"The model has {config.num_hidden_layers} decoder layers but {split_by} needs at least one per stage "
+            f"({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer "
             "stages."
         )
     return config
