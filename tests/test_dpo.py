@@ -361,6 +361,66 @@ def test_the_losses_are_trl_s(recipe):
     torch.testing.assert_close(ipo, (per_token - 5.0) ** 2)
 
 
+def completion_token_logps(model, pair, column) -> torch.Tensor:
+    """The log-prob of each completion token of one sequence, from full logits (the prompt's are not taken)."""
+    ids = torch.tensor([pair["prompt_ids"] + pair[column]])
+    with torch.no_grad():
+        logps = model(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(1, ids[0, 1:, None])[:, 0]
+    return logps[len(pair["prompt_ids"]) - 1:]
+
+
+def test_rpo_adds_the_nll_of_the_chosen_completion_tokens(recipe, base):
+    """--rpo_alpha: TRL's RPO (1.16: loss_type ["sigmoid", "sft"] with loss_weights [1, alpha]; before 1.0:
+    rpo_alpha): the mean sigmoid loss over the pairs plus alpha x the policy's mean NLL over the chosen completion
+    tokens (``-chosen_per_token_logps[chosen_mask].mean()``), here from full logits one sequence at a time: no prompt
+    token, no rejected row. Two pairs get longer chosen answers, so that the mean per token differs from the mean per
+    pair; split into micro-batches of 2 and 4 pairs, the shares sum to the same loss and gradient (the mean over the
+    step's tokens, not a mean of the micro-batches' means); ``metric_means`` reports the NLL as nll_loss."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from llm_kit.preference_data import collate_pairs
+
+    _, pairs = pair_batches(base)
+    pairs = [{**pair, "chosen_ids": pair["chosen_ids"] * (3 if i < 2 else 1)} for i, pair in enumerate(pairs[:6])]
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
+    alpha, kw = 0.7, {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0}
+    policy = {c: [completion_token_logps(model, p, c) for p in pairs] for c in ("chosen_ids", "rejected_ids")}
+    with model.disable_adapter():
+        reference = {c: [completion_token_logps(model, p, c).sum() for p in pairs] for c in policy}
+    chosen, rejected = ([logps.sum() - ref for logps, ref in zip(policy[c], reference[c])] for c in policy)
+    dpo = -torch.nn.functional.logsigmoid(0.1 * (torch.stack(chosen) - torch.stack(rejected))).mean()
+    nll = -torch.cat(policy["chosen_ids"]).mean()
+    assert abs(nll + torch.stack([logps.mean() for logps in policy["chosen_ids"]]).mean()) > 1e-3  # per token
+
+    def step(micro_batches):
+        model.zero_grad()
+        counts = sum(recipe.step_counts(batch) for batch in micro_batches)
+        total, sums = 0, 0
+        for batch in micro_batches:
+            ref = recipe.reference_logps(OneProcess, model, batch, None)
+            loss, per_pair = recipe.step_loss(model, batch, ref, *counts, rpo_alpha=alpha, **kw)
+            loss.backward()
+            total, sums = total + loss.detach(), sums + per_pair.sum(dim=0)
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+        return total, recipe.metric_means(sums, len(pairs), alpha), grads
+
+    whole, metrics, grads = step([collate_pairs(pairs, 0)])
+    torch.testing.assert_close(whole, dpo + alpha * nll, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics[-1], nll, rtol=1e-5, atol=1e-6)  # nll_loss
+    torch.testing.assert_close(metrics[0], dpo + alpha * nll, rtol=1e-5, atol=1e-6)  # loss: the objective
+    split, split_metrics, split_grads = step([collate_pairs(pairs[:2], 0), collate_pairs(pairs[2:], 0)])
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(split_metrics, metrics, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(split_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    without, _ = recipe.step_loss(model, collate_pairs(pairs, 0), reference=torch.stack(
+        [*reference["chosen_ids"], *reference["rejected_ids"]]), step_pairs=6, step_tokens=1, rpo_alpha=None, **kw)
+    torch.testing.assert_close(without, dpo, rtol=1e-5, atol=1e-6)  # off by default: DPO alone
+
+
 def test_long_prompts_are_cut_from_the_left_and_completions_to_what_max_length_leaves(base):
     """The end of a long prompt (next to the answer) is kept; each completion gets what --max_length leaves."""
     from transformers import AutoTokenizer
