@@ -173,8 +173,9 @@ def lm(name: str, setup: str, size: str, shape: dict, *extra: str, minutes: floa
     }
 
 
-def llm(name: str, config: str, base: Path, *extra: str, gradient_checkpointing: bool = True, needs=(),
-        launch_args=()) -> dict:
+def llm(
+    name: str, config: str, base: Path, *extra: str, gradient_checkpointing: bool = True, needs=(), launch_args=()
+) -> dict:
     """A recipes/llm_finetune.py check on the base model the lm-base check saved (offline: no Hub model here)."""
     args = ["--model_name_or_path", str(base), "--max_train_steps", "20", "--max_length", "512"]
     # --learning_rate 1e-3 (the README's offline line): at the default 2e-4 a few steps on the one-word offline
@@ -200,8 +201,17 @@ def llm(name: str, config: str, base: Path, *extra: str, gradient_checkpointing:
 
 def after(name: str, what: str, minutes: float, needs=()) -> dict:
     """A step this script runs itself once the launches are done (phase "after"), with its own estimate."""
-    return {"name": name, "phase": "after", "recipe": None, "config": None, "script": None, "args": [], "what": what,
-            "minutes": minutes, "needs": list(needs)}
+    return {
+        "name": name,
+        "phase": "after",
+        "recipe": None,
+        "config": None,
+        "script": None,
+        "args": [],
+        "what": what,
+        "minutes": minutes,
+        "needs": list(needs),
+    }
 
 
 def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gpu")) -> list[dict]:
@@ -268,8 +278,15 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
                 # QLoRA under FSDP2 as each GPU of fsdp_2gpu.yaml / fsdp_offload_2gpu.yaml runs it, in one process:
                 # CUDA's 4-bit kernels under FSDP2's bf16 policy, which the CPU tests cannot run.
                 *(
-                    llm(f"llm-qlora-{setup}-1process", config, base_dir, "--load_in_4bit", *bf16,
-                        launch_args=("--num_processes", "1"), needs=["llm-qlora-bf16"])
+                    llm(
+                        f"llm-qlora-{setup}-1process",
+                        config,
+                        base_dir,
+                        "--load_in_4bit",
+                        *bf16,
+                        launch_args=("--num_processes", "1"),
+                        needs=["llm-qlora-bf16"],
+                    )
                     for setup, config in (("fsdp", "fsdp_2gpu.yaml"), ("fsdp-offload", "fsdp_offload_2gpu.yaml"))
                 ),
             ],
@@ -312,15 +329,27 @@ def checks(gpus: int, tiny: bool, output_dir: Path = Path("benchmarks/results/gp
         ]
     phases.append((alone, "alone"))
     ran_after = [
-        after("llm-qlora-bf16-reload", "llm-qlora-bf16's adapter reloaded on the 4-bit and the bf16 base",
-              AFTER_MINUTES["reload"], needs=["llm-qlora-bf16"]),
-        after("qlora-split", "QLoRA split over cuda:0 + the CPU: a weights-dominant base built, then one launch "
-              "(qlora_split_verdict)", AFTER_MINUTES["split"]),
+        after(
+            "llm-qlora-bf16-reload",
+            "llm-qlora-bf16's adapter reloaded on the 4-bit and the bf16 base",
+            AFTER_MINUTES["reload"],
+            needs=["llm-qlora-bf16"],
+        ),
+        after(
+            "qlora-split",
+            "QLoRA split over cuda:0 + the CPU: a weights-dominant base built, then one launch (qlora_split_verdict)",
+            AFTER_MINUTES["split"],
+        ),
         after("planner-peaks", "tools/plan.py's peak for each LM run", AFTER_MINUTES["planner"]),
     ]
     if gpus < 2:
-        ran_after.append(after("two-rank-probe", "two gloo ranks on one device: the collectives DDP and FSDP2 need",
-                               AFTER_MINUTES["probe"]))
+        ran_after.append(
+            after(
+                "two-rank-probe",
+                "two gloo ranks on one device: the collectives DDP and FSDP2 need",
+                AFTER_MINUTES["probe"],
+            )
+        )
     phases.append((ran_after, "after"))
     plan = [{**check, "phase": phase} for group, phase in phases for check in group]
     if tiny:  # fp16 needs a GPU; on CPU the rehearsal keeps fp32 and test sizes
@@ -358,21 +387,52 @@ def perf_checks(tiny: bool) -> list[dict]:
         {**fast, "name": "finetune-recommended", "args": fast["args"] + FINETUNE[4:6] + bf16},
     ]
     if tiny:
-        finetunes = [{**run, "args": run["args"] + ["--max_train_steps", "4", "--perf_warmup_steps", "1",
-                                                    "--max_train_samples", "64", "--max_length", "64"]}
-                     for run in finetunes]
+        finetunes = [
+            {
+                **run,
+                "args": run["args"]
+                + [
+                    "--max_train_steps",
+                    "4",
+                    "--perf_warmup_steps",
+                    "1",
+                    "--max_train_samples",
+                    "64",
+                    "--max_length",
+                    "64",
+                ],
+            }
+            for run in finetunes
+        ]
     plan = [
         lm("lm-single", "single:single+bf16", size, shape, *bf16, minutes=MINUTES["lm-speed"]),
-        lm("lm-single-compile", "single:single+bf16+compile", size, shape, *bf16, "--compile",
-           minutes=MINUTES["lm-compile"]),
-        lm("lm-fsdp-1process-speed", "fsdp:fsdp-1process+bf16", size, shape, *bf16,
-           launch_args=("--num_processes", "1"), minutes=MINUTES["lm-speed"]),
+        lm(
+            "lm-single-compile",
+            "single:single+bf16+compile",
+            size,
+            shape,
+            *bf16,
+            "--compile",
+            minutes=MINUTES["lm-compile"],
+        ),
+        lm(
+            "lm-fsdp-1process-speed",
+            "fsdp:fsdp-1process+bf16",
+            size,
+            shape,
+            *bf16,
+            launch_args=("--num_processes", "1"),
+            minutes=MINUTES["lm-speed"],
+        ),
         *({**run, "minutes": MINUTES["finetune"], "needs": []} for run in finetunes),
     ]
     ran_after = [
         after("planner-peaks", "tools/plan.py's peak for each LM run", AFTER_MINUTES["planner"]),
-        after("vs_trl", "benchmarks/studies/vs_trl.py --preset gpu-1b --repeats 2 --max_train_steps 20 "
-              "(--tiny: cpu-tiny)", MINUTES["vs_trl"]),
+        after(
+            "vs_trl",
+            "benchmarks/studies/vs_trl.py --preset gpu-1b --repeats 2 --max_train_steps 20 (--tiny: cpu-tiny)",
+            MINUTES["vs_trl"],
+        ),
     ]
     return [{**check, "phase": "alone"} for check in plan] + [{**step, "phase": "after"} for step in ran_after]
 
@@ -660,10 +720,15 @@ def split_peaks_verdict(name: str, results: dict, whole_gib: float, limit: float
     for device, gib in [*loading.items(), *training.items()]:
         if device.split("/")[-1].startswith("cuda"):  # "cuda:0", or "rank1/cuda:1" in a multi-process record
             peaks[device] = max(gib, peaks.get(device, 0.0))
-    ok = bool(peaks) and any(d.split("/")[-1].startswith("cuda") for d in loading) and max(peaks.values()) <= (
-        limit * whole_gib)
-    line = (f"peaks {peaks} GiB (loading {loading}, training {training}); the whole 4-bit model is {whole_gib:.4f} "
-            f"GiB, allowed <= {limit} of it ({limit * whole_gib:.4f})")
+    ok = (
+        bool(peaks)
+        and any(d.split("/")[-1].startswith("cuda") for d in loading)
+        and max(peaks.values()) <= (limit * whole_gib)
+    )
+    line = (
+        f"peaks {peaks} GiB (loading {loading}, training {training}); the whole 4-bit model is {whole_gib:.4f} "
+        f"GiB, allowed <= {limit} of it ({limit * whole_gib:.4f})"
+    )
     return verdict(name, ok, line, limit, peaks=peaks, whole_4bit_gib=whole_gib)
 
 
@@ -802,8 +867,10 @@ def judge(plan: list[dict], records: dict, output_dir: Path, cuda: bool) -> list
             verdicts.append(compare_less_memory(name, with_gc, without_gc, TOLERANCE["gradient-checkpointing-saving"]))
     if "llm-qlora-bf16-reload" in names:
         verdicts += qlora_verdicts(records, output_dir)
-    for candidate, what in (("llm-qlora-fsdp-1process", "FSDP2"), ("llm-qlora-fsdp-offload-1process",
-                                                                    "FSDP2 + CPU offload")):
+    for candidate, what in (
+        ("llm-qlora-fsdp-1process", "FSDP2"),
+        ("llm-qlora-fsdp-offload-1process", "FSDP2 + CPU offload"),
+    ):
         if {candidate, "llm-qlora-bf16"} <= names:
             name = f"QLoRA under {what} in 1 process = one-GPU QLoRA"
             verdicts.append(curves(name, candidate, "llm-qlora-bf16", TOLERANCE["qlora-fsdp"]))
@@ -845,8 +912,9 @@ def speed_ratio(name: str, candidate: dict | None, reference: dict | None, key: 
         return target(name, None, floor, f"a run is missing or has no {key}")
     work = equal_work({"candidate": work_per_step(candidate), "reference": work_per_step(reference)})
     if work["equal"] is False:
-        return target(name, None, floor, f"not judged: unequal work per step ({unequal_work_text(work)})",
-                      equal_work=work)
+        return target(
+            name, None, floor, f"not judged: unequal work per step ({unequal_work_text(work)})", equal_work=work
+        )
     ratio = candidate[key] / reference[key]
     p90 = reference.get("perf/step_time_p90_s"), candidate.get("perf/step_time_p90_s")
     spread = p90[0] / p90[1] if all(p90) else None
@@ -880,13 +948,29 @@ def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None)
     pair = ("lm-single-compile", "lm-single")
     verdicts.append(planned(speed_ratio("LM --compile / eager", compiled, eager, "perf/tokens_per_sec", 1.0), *pair))
     if compiled and eager:  # the same training: inductor's fused kernels round differently, nothing more
-        verdicts.append(compare_curves("LM --compile = eager", compiled.get("train/loss_curve"),
-                                       eager.get("train/loss_curve"), **TOLERANCE["compile"]))
-    fsdp = speed_ratio("LM FSDP2 in 1 process / single", results("lm-fsdp-1process-speed"), eager,
-                       "perf/tokens_per_sec", TARGETS["fsdp-1process"])
+        verdicts.append(
+            compare_curves(
+                "LM --compile = eager",
+                compiled.get("train/loss_curve"),
+                eager.get("train/loss_curve"),
+                **TOLERANCE["compile"],
+            )
+        )
+    fsdp = speed_ratio(
+        "LM FSDP2 in 1 process / single",
+        results("lm-fsdp-1process-speed"),
+        eager,
+        "perf/tokens_per_sec",
+        TARGETS["fsdp-1process"],
+    )
     verdicts.append(planned(fsdp, "lm-fsdp-1process-speed", "lm-single"))
-    finetune = speed_ratio("fine-tune recommended flags / plain loop", results("finetune-recommended"),
-                           results("finetune-plain"), "perf/samples_per_sec", TARGETS["finetune-vs-plain"])
+    finetune = speed_ratio(
+        "fine-tune recommended flags / plain loop",
+        results("finetune-recommended"),
+        results("finetune-plain"),
+        "perf/samples_per_sec",
+        TARGETS["finetune-vs-plain"],
+    )
     verdicts.append(planned(finetune, "finetune-recommended", "finetune-plain"))
     if vs_trl is None:
         verdicts.append(skipped("LLM recipe / TRL SFTTrainer", "vs_trl.py not in this plan (--only)"))
@@ -898,11 +982,19 @@ def judge_perf(records: dict, output_dir: Path, cuda: bool, vs_trl: dict | None)
         ratios = {row["key"]: row for row in vs_trl["summary"]}
         speed, loss = ratios.get("perf/tokens_per_sec", {}), ratios.get("eval/loss", {})
         ok_loss = loss.get("median") is not None and loss["median"] <= TARGETS["llm-vs-trl-loss"]
-        line = (f"{speed.get('median') or 0:.3f}x tokens/s [{speed.get('interval')}] at validation loss "
-                f"{loss.get('median') or 0:.4f}x TRL's (targets >= {TARGETS['llm-vs-trl']}x, loss <= "
-                f"{TARGETS['llm-vs-trl-loss']}x)")
-        row = target("LLM recipe / TRL SFTTrainer", speed.get("median"), TARGETS["llm-vs-trl"], line,
-                     interval=speed.get("interval"), loss_ratio=loss.get("median"))
+        line = (
+            f"{speed.get('median') or 0:.3f}x tokens/s [{speed.get('interval')}] at validation loss "
+            f"{loss.get('median') or 0:.4f}x TRL's (targets >= {TARGETS['llm-vs-trl']}x, loss <= "
+            f"{TARGETS['llm-vs-trl-loss']}x)"
+        )
+        row = target(
+            "LLM recipe / TRL SFTTrainer",
+            speed.get("median"),
+            TARGETS["llm-vs-trl"],
+            line,
+            interval=speed.get("interval"),
+            loss_ratio=loss.get("median"),
+        )
         if row["status"] == "pass" and not ok_loss:  # faster at a worse loss does not count
             row["status"] = "below target"
         verdicts.append(row)
@@ -919,10 +1011,23 @@ def run_vs_trl(output_dir: Path, tiny: bool, timeout: float) -> dict:
         return {"error": "TRL is not installed here (bundle it: bash ../shared/device/bundle.sh trl==1.16.0)"}
     out = output_dir / "vs_trl"
     study = REPO / "benchmarks" / "studies" / "vs_trl.py"
-    command = [sys.executable, str(study), "--output_dir", str(out), "--repeats", "2", "--breakdown_repeats", "0",
-               "--work_dir", str(output_dir / "work" / "vs_trl")]
-    command += ["--preset", "cpu-tiny", "--max_train_steps", "4", "--perf_warmup_steps", "1"] if tiny else [
-        "--preset", "gpu-1b", "--max_train_steps", "20"]
+    command = [
+        sys.executable,
+        str(study),
+        "--output_dir",
+        str(out),
+        "--repeats",
+        "2",
+        "--breakdown_repeats",
+        "0",
+        "--work_dir",
+        str(output_dir / "work" / "vs_trl"),
+    ]
+    command += (
+        ["--preset", "cpu-tiny", "--max_train_steps", "4", "--perf_warmup_steps", "1"]
+        if tiny
+        else ["--preset", "gpu-1b", "--max_train_steps", "20"]
+    )
     print("  " + " ".join(command).replace(str(REPO) + "/", ""), flush=True)
     try:
         done = subprocess.run(command, cwd=REPO, timeout=timeout, capture_output=True, text=True)

@@ -73,9 +73,9 @@ sys.path.insert(0, str(HERE))
 from shared import hang_dump
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
-from shared.fsdp import trained_weights_only_in_checkpoints, wrap_at_blocks
+from shared.fsdp import wrap_at_blocks
 from llm_kit.loading import causal_lm_config, load_base_model, lora_model
-from llm_kit.loading import parameter_counts
+from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
 from llm_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, precompute_reference
 from llm_kit.preference_data import preference_format, reference_logps, sequence_logps, starting_point
@@ -107,117 +107,232 @@ OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
 OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0}
 # TRL's metric names (results.json: train/<name>, eval/<name>), as ``metric_means`` orders them; nll_loss: the
 # policy's loss on the chosen completion tokens (what --rpo_alpha weighs; TRL before 1.0 logs it with rpo_alpha).
-METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected", "nll_loss")
+METRICS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "nll_loss",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     data = parser.add_argument_group("data")
-    data.add_argument("--train_file", help="Preference pairs (.jsonl/.json, .csv, .parquet): prompt + chosen + "
-                      "rejected (strings or messages), or chosen + rejected conversations sharing their prompt turns.")
-    data.add_argument("--validation_file", help="Validation pairs, same format (default: held out from the training "
-                      "data, --validation_split_percentage).")
-    data.add_argument("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. "
-                      "'trl-lib/ultrafeedback_binarized'.")
+    data.add_argument(
+        "--train_file",
+        help="Preference pairs (.jsonl/.json, .csv, .parquet): prompt + chosen + "
+        "rejected (strings or messages), or chosen + rejected conversations sharing their prompt turns.",
+    )
+    data.add_argument(
+        "--validation_file",
+        help="Validation pairs, same format (default: held out from the training "
+        "data, --validation_split_percentage).",
+    )
+    data.add_argument(
+        "--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/ultrafeedback_binarized'."
+    )
     data.add_argument("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
-    data.add_argument("--validation_split_percentage", type=positive_float, default=5,
-                      help="Share of the training data held out for validation when there is no validation split.")
-    data.add_argument("--max_length", type=positive_int, default=512,
-                      help="Prompt + completion tokens at most: completions are cut to what the prompt leaves.")
-    data.add_argument("--max_prompt_length", type=positive_int, help="Cut longer prompts from the left, keeping their "
-                      "end (default: half of --max_length). Counted and reported.")
+    data.add_argument(
+        "--validation_split_percentage",
+        type=positive_float,
+        default=5,
+        help="Share of the training data held out for validation when there is no validation split.",
+    )
+    data.add_argument(
+        "--max_length",
+        type=positive_int,
+        default=512,
+        help="Prompt + completion tokens at most: completions are cut to what the prompt leaves.",
+    )
+    data.add_argument(
+        "--max_prompt_length",
+        type=positive_int,
+        help="Cut longer prompts from the left, keeping their "
+        "end (default: half of --max_length). Counted and reported.",
+    )
     data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")
     data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation pairs.")
     model = parser.add_argument_group("model")
-    model.add_argument("--model_name_or_path", help="Local folder or Hub name of a causal LM. Default: the base of "
-                       "--adapter_name_or_path; offline: outputs/train_lm, pretrained first if missing.")
-    model.add_argument("--adapter_name_or_path", help="A LoRA adapter to continue (e.g. outputs/llm_finetune, what "
-                       "llm_finetune.py saved): trained on, and its frozen copy is the reference. Its own rank and "
-                       "targets are kept (--lora_* apply to a new adapter only).")
-    model.add_argument("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds "
-                       "none.")
+    model.add_argument(
+        "--model_name_or_path",
+        help="Local folder or Hub name of a causal LM. Default: the base of "
+        "--adapter_name_or_path; offline: outputs/train_lm, pretrained first if missing.",
+    )
+    model.add_argument(
+        "--adapter_name_or_path",
+        help="A LoRA adapter to continue (e.g. outputs/llm_finetune, what "
+        "llm_finetune.py saved): trained on, and its frozen copy is the reference. Its own rank and "
+        "targets are kept (--lora_* apply to a new adapter only).",
+    )
+    model.add_argument(
+        "--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none."
+    )
     model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
-    model.add_argument("--parallelism", choices=["auto", "single", "ddp", "fsdp", "device_map"], default="auto",
-                       help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; else single).")
-    model.add_argument("--full_finetune", action="store_true", help="Train every weight instead of a LoRA adapter "
-                       "(the reference log-probs are then computed before training).")
-    model.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 with double "
-                       "quantization (bitsandbytes), a LoRA adapter on top.")
-    model.add_argument("--precompute_reference", action=argparse.BooleanOptionalAction, help="Compute the reference "
-                       "log-probs of every pair in one pass before training and keep them (always on with "
-                       "--full_finetune; pointless with LoRA, whose reference costs no memory).")
+    model.add_argument(
+        "--parallelism",
+        choices=["auto", "single", "ddp", "fsdp", "device_map"],
+        default="auto",
+        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; else single).",
+    )
+    model.add_argument(
+        "--full_finetune",
+        action="store_true",
+        help="Train every weight instead of a LoRA adapter "
+        "(the reference log-probs are then computed before training).",
+    )
+    model.add_argument(
+        "--load_in_4bit",
+        action="store_true",
+        help="QLoRA: the base model in 4-bit NF4 with double quantization (bitsandbytes), a LoRA adapter on top.",
+    )
+    model.add_argument(
+        "--precompute_reference",
+        action=argparse.BooleanOptionalAction,
+        help="Compute the reference "
+        "log-probs of every pair in one pass before training and keep them (always on with "
+        "--full_finetune; pointless with LoRA, whose reference costs no memory).",
+    )
     model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
-    model.add_argument("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by "
-                       "alpha / r.")
+    model.add_argument(
+        "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
+    )
     model.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
-    model.add_argument("--lora_target_modules", nargs="+", default=["all-linear"], help="Module names (or suffixes) "
-                       "to adapt; 'all-linear': every linear layer but the output head.")
-    model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute each decoder block's "
-                       "activations in backward: less memory, ~1/3 more compute.")
+    model.add_argument(
+        "--lora_target_modules",
+        nargs="+",
+        default=["all-linear"],
+        help="Module names (or suffixes) to adapt; 'all-linear': every linear layer but the output head.",
+    )
+    model.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
+    )
     dpo = parser.add_argument_group("DPO")
-    dpo.add_argument("--loss_type", choices=["sigmoid", "ipo"], default="sigmoid", help="sigmoid: DPO's "
-                     "-log sigmoid(beta * margin); ipo: (margin per token - 1 / (2 beta))^2, TRL's IPO (log-probs "
-                     "averaged over each completion's tokens).")
-    dpo.add_argument("--beta", type=positive_float, default=0.1, help="How far the policy may move from the "
-                     "reference: higher stays closer (IPO: its tau).")
-    dpo.add_argument("--label_smoothing", type=float, default=0.0, help="sigmoid only: the share of pairs taken to "
-                     "be mislabelled (conservative DPO: -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)).")
-    dpo.add_argument("--rpo_alpha", type=float, help="RPO (arXiv:2404.19733): add rpo_alpha x the NLL of the chosen "
-                     "completions, the mean over every chosen completion token of the step's global batch (TRL's "
-                     "rpo_alpha before 1.0, per batch on each process; 1.16: loss_type ['sigmoid', 'sft'] with "
-                     "loss_weights [1, alpha]). Keeps the right answer likely while DPO pushes both down. Default: "
-                     "off (0 too); offline, continuing the SFT adapter: 5.")
+    dpo.add_argument(
+        "--loss_type",
+        choices=["sigmoid", "ipo"],
+        default="sigmoid",
+        help="sigmoid: DPO's "
+        "-log sigmoid(beta * margin); ipo: (margin per token - 1 / (2 beta))^2, TRL's IPO (log-probs "
+        "averaged over each completion's tokens).",
+    )
+    dpo.add_argument(
+        "--beta",
+        type=positive_float,
+        default=0.1,
+        help="How far the policy may move from the reference: higher stays closer (IPO: its tau).",
+    )
+    dpo.add_argument(
+        "--label_smoothing",
+        type=float,
+        default=0.0,
+        help="sigmoid only: the share of pairs taken to "
+        "be mislabelled (conservative DPO: -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)).",
+    )
+    dpo.add_argument(
+        "--rpo_alpha",
+        type=float,
+        help="RPO (arXiv:2404.19733): add rpo_alpha x the NLL of the chosen "
+        "completions, the mean over every chosen completion token of the step's global batch (TRL's "
+        "rpo_alpha before 1.0, per batch on each process; 1.16: loss_type ['sigmoid', 'sft'] with "
+        "loss_weights [1, alpha]). Keeps the right answer likely while DPO pushes both down. Default: "
+        "off (0 too); offline, continuing the SFT adapter: 5.",
+    )
     training = parser.add_argument_group("training")
-    training.add_argument("--per_device_train_batch_size", type=positive_int, default=4,
-                          help="Pairs per process per forward pass (each forward holds 2x as many sequences).")
-    training.add_argument("--per_device_eval_batch_size", type=positive_int,
-                          help="Pairs per evaluation batch (default: training's).")
-    training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
-                          help="Forward/backward passes per optimizer step.")
-    training.add_argument("--num_train_epochs", type=positive_int, default=1,
-                          help="Passes over the training set (ignored with --max_train_steps).")
-    training.add_argument("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps "
-                          "(default: --num_train_epochs; offline default: 200).")
-    training.add_argument("--learning_rate", type=positive_float, help="Peak AdamW learning rate (default: 5e-5 "
-                          "with LoRA, TRL's 1e-6 for a full fine-tune; offline default: 1e-3, continuing the SFT "
-                          "adapter 1e-4).")
+    training.add_argument(
+        "--per_device_train_batch_size",
+        type=positive_int,
+        default=4,
+        help="Pairs per process per forward pass (each forward holds 2x as many sequences).",
+    )
+    training.add_argument(
+        "--per_device_eval_batch_size", type=positive_int, help="Pairs per evaluation batch (default: training's)."
+    )
+    training.add_argument(
+        "--gradient_accumulation_steps",
+        type=positive_int,
+        default=1,
+        help="Forward/backward passes per optimizer step.",
+    )
+    training.add_argument(
+        "--num_train_epochs",
+        type=positive_int,
+        default=1,
+        help="Passes over the training set (ignored with --max_train_steps).",
+    )
+    training.add_argument(
+        "--max_train_steps",
+        type=positive_int,
+        help="Stop after this many optimizer steps (default: --num_train_epochs; offline default: 200).",
+    )
+    training.add_argument(
+        "--learning_rate",
+        type=positive_float,
+        help="Peak AdamW learning rate (default: 5e-5 "
+        "with LoRA, TRL's 1e-6 for a full fine-tune; offline default: 1e-3, continuing the SFT "
+        "adapter 1e-4).",
+    )
     training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
     training.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
-    training.add_argument("--lr_scheduler_type", default="cosine",
-                          help="transformers.get_scheduler name: linear, cosine, constant, ...")
-    training.add_argument("--num_warmup_steps", type=int, default=0,
-                          help="Linear learning-rate warm-up, in optimizer steps.")
-    training.add_argument("--max_grad_norm", type=float, default=1.0,
-                          help="Clip the gradient norm to this (0 disables).")
-    training.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"],
-                          help="Override the config's mixed precision.")
+    training.add_argument(
+        "--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ..."
+    )
+    training.add_argument(
+        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
+    )
+    training.add_argument(
+        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables)."
+    )
+    training.add_argument(
+        "--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision."
+    )
     training.add_argument("--seed", type=int, default=42, help="Seed for the LoRA initialisation and shuffling.")
     output = parser.add_argument_group("output")
-    output.add_argument("--output_dir", default="outputs/dpo", help="Adapter (or model), tokenizer, results.json, "
-                        "checkpoints.")
-    output.add_argument("--exact_match_samples", type=int, help="Score greedy answers to N (shuffled) validation "
-                        "prompts against the chosen answers, before and after training (default: 100 when the "
-                        "answers are short, else none; 0 skips; not under FSDP).")
+    output.add_argument(
+        "--output_dir", default="outputs/dpo", help="Adapter (or model), tokenizer, results.json, checkpoints."
+    )
+    output.add_argument(
+        "--exact_match_samples",
+        type=int,
+        help="Score greedy answers to N (shuffled) validation "
+        "prompts against the chosen answers, before and after training (default: 100 when the "
+        "answers are short, else none; 0 skips; not under FSDP).",
+    )
     output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
-    output.add_argument("--logging_steps", type=positive_int, default=10,
-                        help="Log the loss and TRL's reward metrics every N optimizer steps.")
+    output.add_argument(
+        "--logging_steps",
+        type=positive_int,
+        default=10,
+        help="Log the loss and TRL's reward metrics every N optimizer steps.",
+    )
     output.add_argument("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN).")
-    output.add_argument("--perf_warmup_steps", type=int, default=1,
-                        help="Optimizer steps left out of the throughput numbers.")
+    output.add_argument(
+        "--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers."
+    )
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
     if args.full_finetune and (args.load_in_4bit or args.adapter_name_or_path):
-        parser.error("--full_finetune trains every weight of the model; --load_in_4bit and --adapter_name_or_path "
-                     "train a LoRA adapter: choose one")
+        parser.error(
+            "--full_finetune trains every weight of the model; --load_in_4bit and --adapter_name_or_path "
+            "train a LoRA adapter: choose one"
+        )
     if args.precompute_reference and not args.full_finetune:
-        parser.error("--precompute_reference is for full fine-tunes: with LoRA the reference is the same model with "
-                     "the adapter switched off (or the frozen copy of --adapter_name_or_path), which costs no memory "
-                     "and no pass before training. Leave the flag out.")
+        parser.error(
+            "--precompute_reference is for full fine-tunes: with LoRA the reference is the same model with "
+            "the adapter switched off (or the frozen copy of --adapter_name_or_path), which costs no memory "
+            "and no pass before training. Leave the flag out."
+        )
     if args.precompute_reference is False and args.full_finetune:
-        parser.error("--no-precompute_reference would need a second, frozen copy of the model as the reference; this "
-                     "recipe keeps one model and computes the reference log-probs before training (the same loss, "
-                     "tested). Leave the flag out.")
+        parser.error(
+            "--no-precompute_reference would need a second, frozen copy of the model as the reference; this "
+            "recipe keeps one model and computes the reference log-probs before training (the same loss, "
+            "tested). Leave the flag out."
+        )
     if args.label_smoothing and (args.loss_type != "sigmoid" or not 0 <= args.label_smoothing < 0.5):
         parser.error("--label_smoothing is a share of mislabelled pairs in [0, 0.5), for --loss_type sigmoid only")
     if args.rpo_alpha is not None and not args.rpo_alpha >= 0:
@@ -227,8 +342,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
     # The offline default model is small and barely pretrained: it learns visibly only with larger steps than an LLM.
     sft = not args.full_finetune and Path(SFT_DEFAULT, "adapter_config.json").is_file()  # continued (starting_point)
-    settings = {} if args.model_name_or_path or args.adapter_name_or_path else (
-        OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
+    settings = (
+        {}
+        if args.model_name_or_path or args.adapter_name_or_path
+        else (OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
+    )
     chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
     for name, value in chosen.items():
         setattr(args, name, value)
@@ -239,8 +357,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, batch: dict, beta: float, loss_type: str,
-               label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+def dpo_losses(
+    policy: torch.Tensor, reference: torch.Tensor, batch: dict, beta: float, loss_type: str, label_smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-pair loss, and ``METRICS`` per pair (pairs x 7, detached), as TRL 1.16's DPOTrainer computes them
     (trl/trainer/dpo_trainer.py, ``_compute_loss``): margin = (policy - reference) of chosen minus that of rejected;
     sigmoid: -log sigmoid(beta * margin), with label smoothing -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)
@@ -256,8 +375,16 @@ def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, batch: dict, beta:
         losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
     chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
     chosen_logps, rejected_logps = policy.detach().chunk(2)
-    per_pair = [losses.detach(), chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
-                chosen_rewards - rejected_rewards, chosen_logps, rejected_logps, chosen_tokens]
+    per_pair = [
+        losses.detach(),
+        chosen_rewards,
+        rejected_rewards,
+        (chosen_rewards > rejected_rewards).float(),
+        chosen_rewards - rejected_rewards,
+        chosen_logps,
+        rejected_logps,
+        chosen_tokens,
+    ]
     return losses, torch.stack(per_pair, dim=1).float()
 
 
@@ -271,8 +398,9 @@ def step_counts(batch: dict) -> torch.Tensor:
     return torch.stack([(batch["index"] >= 0).sum(), completion_tokens(batch).chunk(2)[0].sum()])
 
 
-def step_loss(model, batch: dict, reference: torch.Tensor, step_pairs, step_tokens, rpo_alpha: float | None,
-              **loss_kw) -> tuple[torch.Tensor, torch.Tensor]:
+def step_loss(
+    model, batch: dict, reference: torch.Tensor, step_pairs, step_tokens, rpo_alpha: float | None, **loss_kw
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's forward on a micro-batch, its share of its optimizer step's loss, and its per-pair columns
     (``dpo_losses``): its DPO losses over the step's pairs plus, with ``rpo_alpha`` (RPO), that times its chosen
     completion tokens' loss over the step's chosen tokens. Summed over the step's micro-batches and processes: the
@@ -305,9 +433,11 @@ def evaluate(accelerator, model, eval_dataloader, precomputed, rpo_alpha, **loss
         sums, pairs = sums + per_pair.sum(dim=0), pairs + len(per_pair)
     results = {f"eval/{name}": value for name, value in zip(METRICS, metric_means(sums, pairs, rpo_alpha).tolist())}
     if pairs:
-        accelerator.print(f"eval: loss {results['eval/loss']:.4f}, reward accuracy "
-                          f"{results['eval/rewards/accuracies']:.1%}, margin {results['eval/rewards/margins']:.4f} on "
-                          f"{pairs} validation pairs")
+        accelerator.print(
+            f"eval: loss {results['eval/loss']:.4f}, reward accuracy "
+            f"{results['eval/rewards/accuracies']:.1%}, margin {results['eval/rewards/margins']:.4f} on "
+            f"{pairs} validation pairs"
+        )
     return {**results, "eval/num_pairs": pairs}
 
 
@@ -316,8 +446,14 @@ def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size
     pairs in order, and the training pairs in order for the reference pass of a full fine-tune."""
     collate_fn, pinned = partial(collate_pairs, pad_token_id=tokenizer.pad_token_id), torch.cuda.is_available()
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
-    train_dataloader = DataLoader(train_dataset, args.per_device_train_batch_size, shuffle=True, collate_fn=collate_fn,
-                                  generator=torch.Generator().manual_seed(args.seed), pin_memory=pinned)
+    train_dataloader = DataLoader(
+        train_dataset,
+        args.per_device_train_batch_size,
+        shuffle=True,
+        collate_fn=collate_fn,
+        generator=torch.Generator().manual_seed(args.seed),
+        pin_memory=pinned,
+    )
     check_batches(train_dataloader, data_parallel_size)
     eval_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
     eval_dataloader = DataLoader(eval_dataset, eval_size, collate_fn=collate_fn, pin_memory=pinned)
@@ -332,8 +468,13 @@ def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) ->
     accelerator.wait_for_everyone()
     state_dict = gathered_state_dict(accelerator, model, trained_only=trained_only)
     kwargs = {"selected_adapters": ["default"]} if trained_only else {}
-    accelerator.unwrap_model(model).save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
-                                                    save_function=accelerator.save, state_dict=state_dict, **kwargs)
+    accelerator.unwrap_model(model).save_pretrained(
+        output_dir,
+        is_main_process=accelerator.is_main_process,
+        save_function=accelerator.save,
+        state_dict=state_dict,
+        **kwargs,
+    )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
     accelerator.print(f"saved the {'adapter' if trained_only else 'model'} and the tokenizer to {output_dir}")
@@ -349,9 +490,12 @@ def main():
     hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's pairs, then syncs
-        dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision, log_with=args.report_to,
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
+        log_with=args.report_to,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node))
+        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
+    )
     use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
     keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
@@ -363,35 +507,70 @@ def main():
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.adapter_name_or_path, args.model_name_or_path = starting_point(  # the adapter to continue (offline: the SFT
-        accelerator, args.adapter_name_or_path, args.model_name_or_path, lora, output_dir, HERE,  # recipe's) and
-        args.offline_default_settings)  # its base, or the offline base; prints the offline default's settings
-    config, args.max_length = causal_lm_config(accelerator, args.model_name_or_path, args.max_length,
-                                               args.load_in_4bit, args.trust_remote_code)
+        accelerator,
+        args.adapter_name_or_path,
+        args.model_name_or_path,
+        lora,
+        output_dir,
+        HERE,  # recipe's) and
+        args.offline_default_settings,
+    )  # its base, or the offline base; prints the offline default's settings
+    config, args.max_length = causal_lm_config(
+        accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
+    )
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
 
     # ------------------------------------------------------------------------------- data
     # main_process_first: the main process reads and tokenizes first (datasets caches it); the others read the cache.
     with accelerator.main_process_first():
         raw_datasets, fmt = load_raw_datasets(  # every row checked by preference_format, which names the format
-            args.train_file, args.validation_file, args.dataset_name, args.dataset_config_name,
-            args.validation_split_percentage, args.seed, args.max_train_samples, args.max_eval_samples,
-            partial(preference_format, tokenizer=tokenizer, max_length=args.max_length,
-                    max_prompt_length=args.max_prompt_length), default_data=stdlib_name_pairs)
-        train_dataset, eval_dataset, counts = tokenize_pairs(accelerator, raw_datasets, fmt, tokenizer,
-                                                             args.max_length, args.max_prompt_length)
+            args.train_file,
+            args.validation_file,
+            args.dataset_name,
+            args.dataset_config_name,
+            args.validation_split_percentage,
+            args.seed,
+            args.max_train_samples,
+            args.max_eval_samples,
+            partial(
+                preference_format,
+                tokenizer=tokenizer,
+                max_length=args.max_length,
+                max_prompt_length=args.max_prompt_length,
+            ),
+            default_data=stdlib_name_pairs,
+        )
+        train_dataset, eval_dataset, counts = tokenize_pairs(
+            accelerator, raw_datasets, fmt, tokenizer, args.max_length, args.max_prompt_length
+        )
     train_dataloader, eval_dataloader, reference_dataloader = dataloaders(
-        train_dataset, eval_dataset, tokenizer, args, data_parallel_size)
+        train_dataset, eval_dataset, tokenizer, args, data_parallel_size
+    )
 
     # ------------------------------------------------------------------------------ model
-    model = load_base_model(accelerator, args.model_name_or_path, config, lora, args.load_in_4bit, [],
-                            args.max_length, args.trust_remote_code)
+    model = load_base_model(
+        accelerator,
+        args.model_name_or_path,
+        config,
+        lora,
+        args.load_in_4bit,
+        [],
+        args.max_length,
+        args.trust_remote_code,
+    )
     if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.adapter_name_or_path:  # trained "default" + frozen "reference" copy: the reference is the SFT policy
         model = continued_adapter(model, args.adapter_name_or_path)  # PeftModel.from_pretrained x 2
     elif lora:  # a new adapter (get_peft_model): the reference is the base, the adapter switched off
-        model = lora_model(model, args.model_name_or_path, r=args.lora_r, alpha=args.lora_alpha,
-                           dropout=args.lora_dropout, target_modules=args.lora_target_modules)
+        model = lora_model(
+            model,
+            args.model_name_or_path,
+            r=args.lora_r,
+            alpha=args.lora_alpha,
+            dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+        )
     if lora:
         trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
@@ -400,36 +579,66 @@ def main():
         disable_fsdp_ram_efficient_loading()  # env: transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=fused_adamw(accelerator),
-                                  lr=args.learning_rate, weight_decay=args.weight_decay, eps=args.adam_epsilon)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        fused=fused_adamw(accelerator),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        eps=args.adam_epsilon,
+    )
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # Warm-up and training steps times the processes: the prepared scheduler steps once per process per step.
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.num_warmup_steps * accelerator.num_processes,
-                                 max_train_steps * accelerator.num_processes)
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        args.num_warmup_steps * accelerator.num_processes,
+        max_train_steps * accelerator.num_processes,
+    )
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
         wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, reference_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, reference_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, eval_dataloader, reference_dataloader, lr_scheduler
+    )
     # A full fine-tune's reference: the model as loaded, before any step (and before a resume loads trained weights).
-    precomputed = {split: precompute_reference(accelerator, model, loader) if args.precompute_reference else None
-                   for split, loader in (("train", reference_dataloader), ("eval", eval_dataloader))}
+    precomputed = {
+        split: precompute_reference(accelerator, model, loader) if args.precompute_reference else None
+        for split, loader in (("train", reference_dataloader), ("eval", eval_dataloader))
+    }
     sft_rows, sft_fmt = as_sft_rows(raw_datasets["validation"], fmt)
     exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
-        accelerator, model, tokenizer, sft_rows, sft_fmt, 0 if args.skip_eval else args.exact_match_samples,
-        layout == "fsdp", args.seed)
+        accelerator,
+        model,
+        tokenizer,
+        sft_rows,
+        sft_fmt,
+        0 if args.skip_eval else args.exact_match_samples,
+        layout == "fsdp",
+        args.seed,
+    )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt,
-                  "global_batch_size": global_batch_size, "max_train_steps": max_train_steps}
+    run_config = {
+        **vars(args),
+        "method": method,
+        "parallelism": parallelism.name,
+        "data_format": fmt,
+        "global_batch_size": global_batch_size,
+        "max_train_steps": max_train_steps,
+    }
     accelerator.init_trackers("dpo", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
     loss_kw = {name: getattr(args, name) for name in ("beta", "loss_type", "label_smoothing", "rpo_alpha")}
 
     # ---------------------------------------------------------------------- training loop
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps,  # all states
-                             load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora))  # LoRA
+    resume = load_checkpoint(
+        accelerator,
+        checkpoint,
+        steps_per_epoch,
+        args.gradient_accumulation_steps,  # all states
+        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
+    )  # LoRA
     completed_steps, log, window, logs = resume.completed_steps, resume.history.get("train/log", []), [], {}
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -443,7 +652,8 @@ def main():
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         batches = iter(record.timed(active_dataloader))
         while completed_steps < max_train_steps and (
-                micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))):
+            micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))
+        ):
             # The step's loss: the mean over *all* its pairs (RPO's NLL: over all their chosen tokens), counted before
             # the first backward (sync point: an all-reduce). DDP/FSDP average N processes' gradients: hence the N.
             step_pairs, step_tokens = accelerator.reduce(sum(step_counts(b) for b in micro_batches), "sum")
@@ -471,8 +681,14 @@ def main():
                 log.append({"step": completed_steps, **logs})
                 accelerator.log(logs, step=completed_steps)
             if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit,
-                                layout=layout, history={"train/loss_curve": record.losses(), "train/log": log})
+                save_checkpoint(
+                    accelerator,
+                    checkpoints_dir,
+                    completed_steps,
+                    args.checkpoints_total_limit,
+                    layout=layout,
+                    history={"train/loss_curve": record.losses(), "train/log": log},
+                )
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save
@@ -480,12 +696,21 @@ def main():
     save(accelerator, model, tokenizer, output_dir, trained_only=lora)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {"recipe": "dpo", "config": run_config, "train/log": log, "method": method, "data/counts": counts,
+    results = {
+        "recipe": "dpo",
+        "config": run_config,
+        "train/log": log,
+        "method": method,
+        "data/counts": counts,
         **{key: value for key, value in logs.items() if key != "train/loss"},  # the last logged window's TRL metrics
         **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader, precomputed["eval"], **loss_kw),
         **exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before),
-        "parallelism": parallelism.name, "data/format": fmt, "global_batch_size": global_batch_size,
-        "model/trainable_parameters": trainable, "model/total_parameters": total}
+        "parallelism": parallelism.name,
+        "data/format": fmt,
+        "global_batch_size": global_batch_size,
+        "model/trainable_parameters": trainable,
+        "model/total_parameters": total,
+    }
     record.write(output_dir, results, model, optimizer)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()

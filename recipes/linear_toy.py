@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per step.")
     add("--num_train_epochs", type=positive_int, default=3, help="Passes over the data (unless --max_train_steps).")
     add("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
+    add("--logging_steps", type=positive_int, default=50, help="Print the loss every N optimizer steps.")
     add("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
     add("--checkpointing_steps", type=positive_int, default=None, help="Save a checkpoint every N optimizer steps.")
     add("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' (the newest one saved).")
@@ -71,10 +72,12 @@ def main():
     # ------------------------------------------------------------------ Accelerator and seed
     # Without CUDA a plain Accelerator() under a 2-process config does NOT start DDP: each process would train alone
     # on all the data. cpu=True joins them over gloo; the check below catches any other way to lose a process.
+    # Seedable sampler: one shuffle whatever the process count, so 2 processes match 1 process sample for sample.
+    seedable = DataLoaderConfiguration(use_seedable_sampler=True)
+    cpu = not torch.cuda.is_available()
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(), gradient_accumulation_steps=args.gradient_accumulation_steps,
-        # Seedable sampler: one shuffle whatever the process count, so 2 processes match 1 process sample for sample.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+        cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps, dataloader_config=seedable
+    )
     if accelerator.num_processes != (expected := int(os.environ.get("WORLD_SIZE", "1"))):
         raise SystemExit(f"error: {expected} processes launched, {accelerator.num_processes} joined: each alone")
     set_seed(args.seed)
@@ -89,15 +92,15 @@ def main():
     # ------------------------------------------------------------------------------- data
     # Built identically on every process from the seed, so no process needs to send it to another.
     generator = torch.Generator().manual_seed(args.seed)
-    true_weight = torch.randn(1, args.in_features, generator=generator)
-    true_bias = torch.randn(1, generator=generator)
+    true_weight, true_bias = torch.randn(1, args.in_features, generator=generator), torch.randn(1, generator=generator)
     inputs = torch.randn(args.num_samples, args.in_features, generator=generator)
     # Targets are (N, 1) to match the model's output: (N,) targets would broadcast to (N, N) in MSELoss.
-    noise = 0.1 * torch.randn(args.num_samples, 1, generator=generator)  # its standard deviation: 0.1
-    targets = inputs @ true_weight.T + true_bias + noise
+    targets = inputs @ true_weight.T + true_bias + 0.1 * torch.randn(args.num_samples, 1, generator=generator)
     # Its own generator: a DataLoader without one draws from the global RNG whenever it starts iterating.
-    train_dataloader = DataLoader(TensorDataset(inputs, targets), args.per_device_train_batch_size, shuffle=True,
-                                  generator=torch.Generator().manual_seed(args.seed))
+    shuffling = torch.Generator().manual_seed(args.seed)
+    train_dataloader = DataLoader(
+        TensorDataset(inputs, targets), args.per_device_train_batch_size, shuffle=True, generator=shuffling
+    )
     if len(train_dataloader) < accelerator.num_processes * args.gradient_accumulation_steps:
         raise SystemExit(f"error: One optimizer step needs {global_batch_size} samples; --num_samples is smaller.")
 
@@ -108,8 +111,7 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
 
     # ------------------------------------------------------------------------------ prepare
-    # Wraps the model in DDP (when there are several processes), moves it to the device, and shards
-    # the data loader so each process gets a different slice of every global batch.
+    # DDP around the model (several processes), on the device; each process gets its own slice of every global batch.
     model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
 
     # ---------------------------------------------------------------------- training loop
@@ -121,8 +123,7 @@ def main():
     checkpoint = latest if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
     if checkpoint:  # the model, optimizer, sampler and RNG states, then how far the run got
         accelerator.load_state(str(checkpoint))
-        loss_curve = json.loads((Path(checkpoint) / "loss_curve.json").read_text())
-        completed_steps = len(loss_curve)
+        completed_steps = len(loss_curve := json.loads((Path(checkpoint) / "loss_curve.json").read_text()))
         accelerator.print(f"resumed from {checkpoint} at step {completed_steps}")
     step_loss, started = torch.zeros((), device=accelerator.device), time.perf_counter()
     for epoch in range(completed_steps // steps_per_epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -131,8 +132,7 @@ def main():
         skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps  # seen before the resume
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         for inputs_batch, targets_batch in active_dataloader:
-            # accumulate() skips the gradient all-reduce on all but the last micro-batch of a step and
-            # steps the optimizer only then (no hand-rolled `step % gas == 0`).
+            # accumulate(): no all-reduce but on a step's last micro-batch, the only one that steps (no `step % gas`).
             with accelerator.accumulate(model):
                 loss = torch.nn.functional.mse_loss(model(inputs_batch), targets_batch)
                 step_loss += loss.detach() / args.gradient_accumulation_steps
@@ -146,7 +146,7 @@ def main():
             loss_curve.append(accelerator.reduce(step_loss, "mean").item())
             step_loss.zero_()
             step_times.append(-started + (started := time.perf_counter()))  # this step's seconds
-            if completed_steps % max(1, max_train_steps // 5) == 0 or completed_steps == max_train_steps:
+            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
             if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
                 folder = checkpoints_dir / f"step_{completed_steps}"  # every process saves its RNG state there
@@ -162,32 +162,32 @@ def main():
     weight_error = (weight - true_weight[0]).abs().max().item()
     accelerator.print(f"true    weight: {[round(w, 4) for w in true_weight[0].tolist()]}  bias {true_bias.item():.4f}")
     accelerator.print(f"learned weight: {[round(w, 4) for w in weight.tolist()]}  bias {bias.item():.4f}")
-    accelerator.print(f"max |learned - true| weight: {weight_error:.4f}; global batch size {global_batch_size} = "
-                      f"{args.per_device_train_batch_size} per device x {accelerator.num_processes} processes x "
-                      f"{args.gradient_accumulation_steps} accumulation steps")
+    accelerator.print(
+        f"max |learned - true| weight: {weight_error:.4f}; global batch size {global_batch_size} = "
+        f"{args.per_device_train_batch_size} per device x {accelerator.num_processes} processes x "
+        f"{args.gradient_accumulation_steps} accumulation steps"
+    )
 
     # --------------------------------------------------------------------------- save
     accelerator.wait_for_everyone()
     accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
-    # Peak memory per process (a collective): CUDA's allocator, or the CPU process's peak resident set (KiB).
+    # Peak memory per process (a collective): CUDA's allocator, or the CPU process's peak resident set (Linux: KiB).
     cuda, several = accelerator.device.type == "cuda", accelerator.num_processes > 1
-    peak = (str(accelerator.device), torch.cuda.max_memory_allocated(accelerator.device)) if cuda else (
-        "cpu", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    peaks = {(f"rank{rank}/" if several else "") + name: round(size / 2**30, 4)
-             for rank, (name, size) in enumerate(gather_object([peak]))}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = (str(accelerator.device), torch.cuda.max_memory_allocated(accelerator.device)) if cuda else ("cpu", rss)
+    gathered = gather_object([peak])
+    peaks = {(f"rank{r}/" if several else "") + n: round(b / 2**30, 4) for r, (n, b) in enumerate(gathered)}
     measured = step_times[2:]  # the first steps warm up (allocation, the first all-reduce)
-    results = {
-        "recipe": "linear_toy", "num_processes": accelerator.num_processes, "device": str(accelerator.device),
-        "distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision,
-        "distributed/backend": torch.distributed.get_backend() if several else None, "memory/peak_gib": peaks,
-        "parallelism": "ddp" if several else "single", "global_batch_size": global_batch_size,
-        "completed_steps": completed_steps, "train/loss": loss_curve[-1], "train/loss_curve": loss_curve,
-        "perf/step_time_s": sum(measured) / len(measured) if measured else None,
-        "perf/samples_per_sec": global_batch_size * len(measured) / sum(measured) if measured else None,
-        "model/weight": weight.tolist(), "model/bias": bias.item(),
-        "true/weight": true_weight[0].tolist(), "true/bias": true_bias.item(),
-        "eval/max_abs_weight_error": weight_error, "config": vars(args),
-    }
+    results = {"recipe": "linear_toy", "parallelism": "ddp" if several else "single", "config": vars(args)}
+    results |= {"num_processes": accelerator.num_processes, "device": str(accelerator.device)}
+    results |= {"distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision}
+    results |= {"distributed/backend": torch.distributed.get_backend() if several else None, "memory/peak_gib": peaks}
+    results |= {"perf/step_time_s": sum(measured) / len(measured) if measured else None}
+    results |= {"perf/samples_per_sec": global_batch_size * len(measured) / sum(measured) if measured else None}
+    results |= {"global_batch_size": global_batch_size, "completed_steps": completed_steps}
+    results |= {"train/loss": loss_curve[-1], "train/loss_curve": loss_curve}
+    results |= {"eval/max_abs_weight_error": weight_error, "model/weight": weight.tolist(), "model/bias": bias.item()}
+    results |= {"true/weight": true_weight[0].tolist(), "true/bias": true_bias.item()}
     if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
         (output_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
         print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")

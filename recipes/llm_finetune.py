@@ -73,13 +73,7 @@ sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared.flops import lm_flops_per_token
 from shared import hang_dump
-from shared.fsdp import (
-    check_offload_fits_host_ram,
-    gathered_state_dict,
-    keep_gathered_in_one_process,
-    trained_weights_only_in_checkpoints,
-    wrap_at_blocks,
-)
+from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from llm_kit.loading import (
     causal_lm_config,
     default_base_model,
@@ -87,6 +81,7 @@ from llm_kit.loading import (
     lora_model,
     parameter_counts,
     save_merged,
+    trained_weights_only_in_checkpoints,
 )
 from shared.model_split import find_block_list, split_devices
 from shared.results import RunRecord
@@ -125,99 +120,192 @@ OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 600, "learning_rate": 1e-3}
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     data = parser.add_argument_group("data")
-    data.add_argument("--train_file", help="Training data (.jsonl/.json, .csv, .parquet): messages, prompt + "
-                      "completion or text.")
-    data.add_argument("--validation_file", help="Validation data, same format (default: held out from the training "
-                      "data, --validation_split_percentage).")
+    data.add_argument(
+        "--train_file", help="Training data (.jsonl/.json, .csv, .parquet): messages, prompt + completion or text."
+    )
+    data.add_argument(
+        "--validation_file",
+        help="Validation data, same format (default: held out from the training data, --validation_split_percentage).",
+    )
     data.add_argument("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/Capybara'.")
     data.add_argument("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
-    data.add_argument("--validation_split_percentage", type=positive_float, default=5,
-                      help="Share of the training data held out for validation when there is no validation split.")
-    data.add_argument("--max_length", type=positive_int, default=512,
-                      help="Truncate samples to this many tokens (counted and reported).")
+    data.add_argument(
+        "--validation_split_percentage",
+        type=positive_float,
+        default=5,
+        help="Share of the training data held out for validation when there is no validation split.",
+    )
+    data.add_argument(
+        "--max_length",
+        type=positive_int,
+        default=512,
+        help="Truncate samples to this many tokens (counted and reported).",
+    )
     data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
-    data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation "
-                      "samples.")
-    data.add_argument("--packing", action="store_true", help="Pack the training samples into rows of --max_length "
-                      "tokens (best fit decreasing, as TRL's packing=True); a batch is --per_device_train_batch_size "
-                      "rows, flattened into one without padding: each sample keeps its positions and attends only to "
-                      "itself, the same losses (a block-diagonal mask: fastest with flash attention).")
-    data.add_argument("--group_by_length", action="store_true",
-                      help="Batch samples of similar length together (less padding).")
+    data.add_argument(
+        "--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples."
+    )
+    data.add_argument(
+        "--packing",
+        action="store_true",
+        help="Pack the training samples into rows of --max_length "
+        "tokens (best fit decreasing, as TRL's packing=True); a batch is --per_device_train_batch_size "
+        "rows, flattened into one without padding: each sample keeps its positions and attends only to "
+        "itself, the same losses (a block-diagonal mask: fastest with flash attention).",
+    )
+    data.add_argument(
+        "--group_by_length", action="store_true", help="Batch samples of similar length together (less padding)."
+    )
     model = parser.add_argument_group("model")
-    model.add_argument("--model_name_or_path", help="Local folder or Hub name of a causal LM. Default: "
-                       "outputs/train_lm, pretrained first if missing.")
-    model.add_argument("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds "
-                       "none.")
+    model.add_argument(
+        "--model_name_or_path",
+        help="Local folder or Hub name of a causal LM. Default: outputs/train_lm, pretrained first if missing.",
+    )
+    model.add_argument(
+        "--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none."
+    )
     model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
-    model.add_argument("--parallelism", choices=["auto", "single", "ddp", "fsdp", "device_map"], default="auto",
-                       help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing "
-                       ">= 2 GPUs: device_map; else single).")
+    model.add_argument(
+        "--parallelism",
+        choices=["auto", "single", "ddp", "fsdp", "device_map"],
+        default="auto",
+        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing "
+        ">= 2 GPUs: device_map; else single).",
+    )
     model.add_argument("--full_finetune", action="store_true", help="Train every weight instead of a LoRA adapter.")
-    model.add_argument("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 with double "
-                       "quantization (bitsandbytes), a LoRA adapter on top.")
+    model.add_argument(
+        "--load_in_4bit",
+        action="store_true",
+        help="QLoRA: the base model in 4-bit NF4 with double quantization (bitsandbytes), a LoRA adapter on top.",
+    )
     model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
-    model.add_argument("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by "
-                       "alpha / r.")
-    model.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (PEFT's default: "
-                       "0; > 0 keeps a dropped copy of every adapted layer's input, and its mask, for backward).")
-    model.add_argument("--lora_target_modules", nargs="+", default=["all-linear"], help="Module names (or suffixes) "
-                       "to adapt; 'all-linear': every linear layer but the output head.")
-    model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute each decoder block's "
-                       "activations in backward: less memory, ~1/3 more compute.")
+    model.add_argument(
+        "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
+    )
+    model.add_argument(
+        "--lora_dropout",
+        type=float,
+        default=0.0,
+        help="Dropout on the LoRA path (PEFT's default: "
+        "0; > 0 keeps a dropped copy of every adapted layer's input, and its mask, for backward).",
+    )
+    model.add_argument(
+        "--lora_target_modules",
+        nargs="+",
+        default=["all-linear"],
+        help="Module names (or suffixes) to adapt; 'all-linear': every linear layer but the output head.",
+    )
+    model.add_argument(
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
+    )
     training = parser.add_argument_group("training")
-    training.add_argument("--per_device_train_batch_size", type=positive_int, default=4,
-                          help="Samples (with --packing: rows of --max_length tokens) per process per forward pass.")
-    training.add_argument("--per_device_eval_batch_size", type=positive_int,
-                          help="Samples per evaluation batch (default: training's).")
-    training.add_argument("--gradient_accumulation_steps", type=positive_int, help="Forward/backward passes per "
-                          "optimizer step (default: 1; on a resume, what keeps the checkpoint's global batch).")
-    training.add_argument("--num_train_epochs", type=positive_int, default=1,
-                          help="Passes over the training set (ignored with --max_train_steps).")
-    training.add_argument("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps "
-                          "(default: --num_train_epochs; with the offline default model: 600).")
-    training.add_argument("--learning_rate", type=positive_float, help="Peak AdamW learning rate (default 2e-4: "
-                          "LoRA 1e-4..3e-4, full ~1e-5; with the offline default model: 1e-3).")
+    training.add_argument(
+        "--per_device_train_batch_size",
+        type=positive_int,
+        default=4,
+        help="Samples (with --packing: rows of --max_length tokens) per process per forward pass.",
+    )
+    training.add_argument(
+        "--per_device_eval_batch_size", type=positive_int, help="Samples per evaluation batch (default: training's)."
+    )
+    training.add_argument(
+        "--gradient_accumulation_steps",
+        type=positive_int,
+        help="Forward/backward passes per "
+        "optimizer step (default: 1; on a resume, what keeps the checkpoint's global batch).",
+    )
+    training.add_argument(
+        "--num_train_epochs",
+        type=positive_int,
+        default=1,
+        help="Passes over the training set (ignored with --max_train_steps).",
+    )
+    training.add_argument(
+        "--max_train_steps",
+        type=positive_int,
+        help="Stop after this many optimizer steps "
+        "(default: --num_train_epochs; with the offline default model: 600).",
+    )
+    training.add_argument(
+        "--learning_rate",
+        type=positive_float,
+        help="Peak AdamW learning rate (default 2e-4: "
+        "LoRA 1e-4..3e-4, full ~1e-5; with the offline default model: 1e-3).",
+    )
     training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
-    training.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon: the update is "
-                          "m / (sqrt(v) + epsilon), so it also sets how much a near-zero gradient moves a weight.")
-    training.add_argument("--lr_scheduler_type", default="cosine",
-                          help="transformers.get_scheduler name: linear, cosine, constant, ...")
-    training.add_argument("--num_warmup_steps", type=int, default=0,
-                          help="Linear learning-rate warm-up, in optimizer steps.")
-    training.add_argument("--max_grad_norm", type=float, default=1.0,
-                          help="Clip the gradient norm to this (0 disables).")
-    training.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"],
-                          help="Override the config's mixed precision.")
-    training.add_argument("--seed", type=int, default=42,
-                          help="Seed for the LoRA initialisation, shuffling and dropout.")
+    training.add_argument(
+        "--adam_epsilon",
+        type=positive_float,
+        default=1e-8,
+        help="AdamW's epsilon: the update is "
+        "m / (sqrt(v) + epsilon), so it also sets how much a near-zero gradient moves a weight.",
+    )
+    training.add_argument(
+        "--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ..."
+    )
+    training.add_argument(
+        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
+    )
+    training.add_argument(
+        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables)."
+    )
+    training.add_argument(
+        "--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision."
+    )
+    training.add_argument(
+        "--seed", type=int, default=42, help="Seed for the LoRA initialisation, shuffling and dropout."
+    )
     output = parser.add_argument_group("output")
-    output.add_argument("--output_dir", default="outputs/llm_finetune",
-                        help="Adapter (or model), tokenizer, results.json, checkpoints.")
-    output.add_argument("--merge_and_save", action="store_true", help="Also write the base model with the adapter "
-                        "merged in to output_dir/merged (QLoRA: into a 16/32-bit copy).")
-    output.add_argument("--generate_samples", type=int, default=0,
-                        help="After training, print answers to the first N validation prompts.")
-    output.add_argument("--sample_tokens", type=int, default=48,
-                        help="Tokens to generate per answer with --generate_samples.")
-    output.add_argument("--exact_match_samples", type=int, help="Score greedy answers to N (shuffled) validation "
-                        "prompts by exact match, before and after training (default: 100 when the answers are short, "
-                        "a median of at most 8 tokens as in the offline data, else none; 0 skips; not under FSDP).")
+    output.add_argument(
+        "--output_dir",
+        default="outputs/llm_finetune",
+        help="Adapter (or model), tokenizer, results.json, checkpoints.",
+    )
+    output.add_argument(
+        "--merge_and_save",
+        action="store_true",
+        help="Also write the base model with the adapter "
+        "merged in to output_dir/merged (QLoRA: into a 16/32-bit copy).",
+    )
+    output.add_argument(
+        "--generate_samples",
+        type=int,
+        default=0,
+        help="After training, print answers to the first N validation prompts.",
+    )
+    output.add_argument(
+        "--sample_tokens", type=int, default=48, help="Tokens to generate per answer with --generate_samples."
+    )
+    output.add_argument(
+        "--exact_match_samples",
+        type=int,
+        help="Score greedy answers to N (shuffled) validation "
+        "prompts by exact match, before and after training (default: 100 when the answers are short, "
+        "a median of at most 8 tokens as in the offline data, else none; 0 skips; not under FSDP).",
+    )
     output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
-    output.add_argument("--logging_steps", type=positive_int, default=10,
-                        help="Log train/loss every N optimizer steps.")
-    output.add_argument("--skip_eval", action="store_true",
-                        help="Skip the final evaluation (eval/* are NaN): speed benchmarks.")
-    output.add_argument("--perf_warmup_steps", type=int, default=1,
-                        help="Optimizer steps left out of the throughput numbers.")
+    output.add_argument(
+        "--logging_steps", type=positive_int, default=10, help="Log train/loss every N optimizer steps."
+    )
+    output.add_argument(
+        "--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): speed benchmarks."
+    )
+    output.add_argument(
+        "--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers."
+    )
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
     if args.full_finetune and args.load_in_4bit:
-        parser.error("--load_in_4bit trains a LoRA adapter on a frozen 4-bit model; it cannot be combined with "
-                     "--full_finetune")
+        parser.error(
+            "--load_in_4bit trains a LoRA adapter on a frozen 4-bit model; it cannot be combined with --full_finetune"
+        )
     if args.packing and args.group_by_length:
-        parser.error("--group_by_length batches samples of similar length; --packing fills rows of --max_length "
-                     "tokens, all of about one length: choose one")
+        parser.error(
+            "--group_by_length batches samples of similar length; --packing fills rows of --max_length "
+            "tokens, all of about one length: choose one"
+        )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     # The offline default model is small and barely pretrained: it learns visibly only with more and larger steps
@@ -227,36 +315,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in chosen.items():
         setattr(args, name, value)
     settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
-    args.offline_default_settings = settings and (f"the offline default model trains with {settings} (what makes it "
-                                                  "learn visibly; pass either flag to change it)")
+    args.offline_default_settings = settings and (
+        f"the offline default model trains with {settings} (what makes it "
+        "learn visibly; pass either flag to change it)"
+    )
     args.learning_rate = args.learning_rate or 2e-4
     return args
 
 
-def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
+def dataloaders(
+    train_dataset,
+    eval_dataset,
+    tokenizer,
+    data_parallel_size: int,
+    *,
+    packing,
+    max_length,
+    group_by_length,
+    per_device_train_batch_size,
+    seed,
+    per_device_eval_batch_size,
+) -> tuple[DataLoader, ...]:
     """The training loader (shuffled samples, or batches of similar length; with --packing shuffled rows of
     --max_length tokens, each batch flattened into one row without padding), refused if it cannot give every
     data-parallel process a batch, and the evaluation loader (padded batches of samples, in order)."""
     sampler, collate_fn = None, partial(collate, pad_token_id=tokenizer.pad_token_id)
-    if args.packing:  # the loader's items are rows (lists of sample indices): it shuffles rows, a batch is rows
+    if packing:  # the loader's items are rows (lists of sample indices): it shuffles rows, a batch is rows
         samples, lengths = train_dataset, [len(ids) for ids in train_dataset["input_ids"]]
-        train_dataset, pad_token_id = best_fit_decreasing(lengths, args.max_length), tokenizer.pad_token_id
+        train_dataset, pad_token_id = best_fit_decreasing(lengths, max_length), tokenizer.pad_token_id
         collate_fn = lambda rows: collate([samples[i] for row in rows for i in row], pad_token_id, packing=True)
-        fill = sum(lengths) / (len(train_dataset) * args.max_length)  # a step computes the rows' empty ends too
-        PartialState().print(f"packing: {len(samples)} training samples in {len(train_dataset)} rows of up to "
-                             f"{args.max_length} tokens, {fill:.1%} full")
-    if args.group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
+        fill = sum(lengths) / (len(train_dataset) * max_length)  # a step computes the rows' empty ends too
+        PartialState().print(
+            f"packing: {len(samples)} training samples in {len(train_dataset)} rows of up to "
+            f"{max_length} tokens, {fill:.1%} full"
+        )
+    if group_by_length:  # ours, not transformers' LengthGroupedSampler: that has no set_epoch (resumes differ)
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
-        sampler = LengthGroupedShuffledSampler(lengths, args.per_device_train_batch_size, args.seed)
+        sampler = LengthGroupedShuffledSampler(lengths, per_device_train_batch_size, seed)
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
     # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
     pinned = torch.cuda.is_available()
-    train_dataloader = DataLoader(train_dataset, args.per_device_train_batch_size, shuffle=sampler is None,
-                                  sampler=sampler, generator=torch.Generator().manual_seed(args.seed),
-                                  collate_fn=collate_fn, pin_memory=pinned)
+    train_dataloader = DataLoader(
+        train_dataset,
+        per_device_train_batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(seed),
+        collate_fn=collate_fn,
+        pin_memory=pinned,
+    )
     check_batches(train_dataloader, data_parallel_size)
-    eval_dataloader = DataLoader(eval_dataset, args.per_device_eval_batch_size or args.per_device_train_batch_size,
-                                 collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id), pin_memory=pinned)
+    eval_dataloader = DataLoader(
+        eval_dataset,
+        per_device_eval_batch_size or per_device_train_batch_size,
+        collate_fn=partial(collate, pad_token_id=tokenizer.pad_token_id),
+        pin_memory=pinned,
+    )
     return train_dataloader, eval_dataloader
 
 
@@ -266,8 +380,9 @@ def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) ->
     shard of FSDP2, every device of a split), for LoRA only the adapter's."""
     accelerator.wait_for_everyone()
     state_dict = gathered_state_dict(accelerator, model, trained_only=trained_only)
-    accelerator.unwrap_model(model).save_pretrained(output_dir, is_main_process=accelerator.is_main_process,
-                                                    save_function=accelerator.save, state_dict=state_dict)
+    accelerator.unwrap_model(model).save_pretrained(
+        output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
+    )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
     accelerator.print(f"saved the {'adapter' if trained_only else 'model'} and the tokenizer to {output_dir}")
@@ -288,10 +403,16 @@ def evaluate(accelerator, model, eval_dataloader) -> dict:
         num_samples += len(tokens)
     loss = loss_sum / num_tokens if num_tokens else math.nan
     perplexity = math.exp(loss) if num_tokens else math.nan
-    accelerator.print(f"eval: loss {loss:.4f}, perplexity {perplexity:.2f} on the answer tokens of {num_samples} "
-                      f"validation samples ({num_tokens} tokens)")
-    return {"eval/loss": loss, "eval/perplexity": perplexity, "eval/num_samples": num_samples,
-            "eval/num_tokens": num_tokens}
+    accelerator.print(
+        f"eval: loss {loss:.4f}, perplexity {perplexity:.2f} on the answer tokens of {num_samples} "
+        f"validation samples ({num_tokens} tokens)"
+    )
+    return {
+        "eval/loss": loss,
+        "eval/perplexity": perplexity,
+        "eval/num_samples": num_samples,
+        "eval/num_tokens": num_tokens,
+    }
 
 
 def main():
@@ -304,9 +425,12 @@ def main():
     hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
-        dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision, log_with=args.report_to,
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
+        log_with=args.report_to,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node))
+        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
+    )
     use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
     keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
@@ -319,31 +443,71 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(accelerator,  # a resume: its global batch
-        checkpoint, args.per_device_train_batch_size, args.gradient_accumulation_steps, data_parallel_size)
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
+        accelerator,  # a resume: its global batch
+        checkpoint,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        data_parallel_size,
+    )
     args.model_name_or_path = args.model_name_or_path or default_base_model(accelerator, output_dir, HERE)
-    config, args.max_length = causal_lm_config(accelerator, args.model_name_or_path, args.max_length,
-                                               args.load_in_4bit, args.trust_remote_code)
+    config, args.max_length = causal_lm_config(
+        accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
+    )
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
 
     # ------------------------------------------------------------------------------- data
     with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
-        raw_datasets, fmt = load_raw_datasets(args.train_file, args.validation_file, args.dataset_name,
-                                              args.dataset_config_name, args.validation_split_percentage, args.seed,
-                                              args.max_train_samples, args.max_eval_samples)
-        train_dataset, eval_dataset, counts = tokenize_datasets(accelerator, raw_datasets, fmt, tokenizer,
-                                                                args.max_length)
-    train_dataloader, eval_dataloader = dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size)
+        raw_datasets, fmt = load_raw_datasets(
+            args.train_file,
+            args.validation_file,
+            args.dataset_name,
+            args.dataset_config_name,
+            args.validation_split_percentage,
+            args.seed,
+            args.max_train_samples,
+            args.max_eval_samples,
+        )
+        train_dataset, eval_dataset, counts = tokenize_datasets(
+            accelerator, raw_datasets, fmt, tokenizer, args.max_length
+        )
+    train_dataloader, eval_dataloader = dataloaders(
+        train_dataset,
+        eval_dataset,
+        tokenizer,
+        data_parallel_size,
+        packing=args.packing,
+        max_length=args.max_length,
+        group_by_length=args.group_by_length,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+    )
 
     # ------------------------------------------------------------------------------ model
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
-    model = load_base_model(accelerator, args.model_name_or_path, config, lora, args.load_in_4bit, split_over,
-                            args.max_length, args.trust_remote_code, args.merge_and_save and lora)
+    model = load_base_model(
+        accelerator,
+        args.model_name_or_path,
+        config,
+        lora,
+        args.load_in_4bit,
+        split_over,
+        args.max_length,
+        args.trust_remote_code,
+        args.merge_and_save and lora,
+    )
     if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if lora:
-        model = lora_model(model, args.model_name_or_path, r=args.lora_r, alpha=args.lora_alpha,  # get_peft_model
-                           dropout=args.lora_dropout, target_modules=args.lora_target_modules)
+        model = lora_model(
+            model,
+            args.model_name_or_path,
+            r=args.lora_r,
+            alpha=args.lora_alpha,  # get_peft_model
+            dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+        )
         trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
@@ -351,14 +515,23 @@ def main():
         disable_fsdp_ram_efficient_loading()  # env: done above; transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=fused_adamw(accelerator),
-                                  lr=args.learning_rate, weight_decay=args.weight_decay, eps=args.adam_epsilon)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        fused=fused_adamw(accelerator),
+        lr=args.learning_rate,
+        weight_decay=args.weight_decay,
+        eps=args.adam_epsilon,
+    )
     # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short);
     # the scheduler's steps times the processes: the prepared scheduler steps once per process per optimizer step.
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.num_warmup_steps * accelerator.num_processes,
-                                 max_train_steps * accelerator.num_processes)
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler_type,
+        optimizer,
+        args.num_warmup_steps * accelerator.num_processes,
+        max_train_steps * accelerator.num_processes,
+    )
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
@@ -366,25 +539,58 @@ def main():
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    exact_rows, exact_before = exact_match_before(accelerator, model, tokenizer, raw_datasets["validation"], fmt,
-        0 if args.skip_eval else args.exact_match_samples, layout == "fsdp", args.seed)  # scored again at the end
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+    exact_rows, exact_before = exact_match_before(
+        accelerator,
+        model,
+        tokenizer,
+        raw_datasets["validation"],
+        fmt,
+        0 if args.skip_eval else args.exact_match_samples,
+        layout == "fsdp",
+        args.seed,
+    )  # scored again at the end
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt,
-                  "num_processes": accelerator.num_processes, "global_batch_size": global_batch_size,
-                  "max_train_steps": max_train_steps, "mixed_precision": accelerator.mixed_precision}
+    run_config = {
+        **vars(args),
+        "method": method,
+        "parallelism": parallelism.name,
+        "data_format": fmt,
+        "num_processes": accelerator.num_processes,
+        "global_batch_size": global_batch_size,
+        "max_train_steps": max_train_steps,
+        "mixed_precision": accelerator.mixed_precision,
+    }
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler,
-                             load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora))  # LoRA
+    resume = load_checkpoint(
+        accelerator,
+        checkpoint,
+        steps_per_epoch,
+        args.gradient_accumulation_steps,
+        lr_scheduler,
+        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
+    )  # LoRA
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
-    flops_per_token = lm_flops_per_token(config.hidden_size, config.num_hidden_layers, config.vocab_size, total,
-                                         args.max_length, trainable if lora else None)  # LoRA: no frozen weight grads
-    record = RunRecord(accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps,
-                       devices=sorted(set(split_over), key=str) or None)
+    flops_per_token = lm_flops_per_token(
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.vocab_size,
+        total,
+        args.max_length,
+        trainable if lora else None,
+    )  # LoRA: no frozen weight grads
+    record = RunRecord(
+        accelerator,
+        max_train_steps,
+        resume.history.get("train/loss_curve"),
+        args.perf_warmup_steps,
+        devices=sorted(set(split_over), key=str) or None,
+    )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -394,7 +600,8 @@ def main():
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         batches = iter(record.timed(active_dataloader))
         while completed_steps < max_train_steps and (
-                micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))):
+            micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))
+        ):
             # Exact normalisation: the step's loss is the sum over *all* its answer tokens (every micro-batch,
             # every process) over their count, known before the first backward (sync point: one all-reduce). DDP
             # and FSDP average the gradients of N processes, each holding 1/N of the batch: hence the N.
@@ -415,16 +622,28 @@ def main():
             # The global loss, tokens (padding aside) and samples stay on the device: only the log below reads.
             sizes = sum(torch.stack([b["num_tokens"].sum(), (b["num_tokens"] > 0).sum()]) for b in micro_batches)
             real_tokens, samples = accelerator.reduce(sizes, "sum")  # (packed rows: each process's samples differ)
-            record.step(completed_steps, accelerator.reduce(step_loss, "sum") / step_tokens, samples=samples,
-                        tokens=real_tokens, answer_tokens=step_tokens)
+            record.step(
+                completed_steps,
+                accelerator.reduce(step_loss, "sum") / step_tokens,
+                samples=samples,
+                tokens=real_tokens,
+                answer_tokens=step_tokens,
+            )
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 since_last_log = completed_steps % args.logging_steps or args.logging_steps
                 loss, lr = statistics.fmean(record.losses()[-since_last_log:]), lr_scheduler.get_last_lr()[0]  # sync
                 progress_bar.set_postfix({"train/loss": f"{loss:.4f}"})
                 accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
             if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                save_checkpoint(accelerator, checkpoints_dir, completed_steps, args.checkpoints_total_limit,
-                                layout=layout, history={"train/loss_curve": record.losses()}, batch=batch_shape)
+                save_checkpoint(
+                    accelerator,
+                    checkpoints_dir,
+                    completed_steps,
+                    args.checkpoints_total_limit,
+                    layout=layout,
+                    history={"train/loss_curve": record.losses()},
+                    batch=batch_shape,
+                )
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save
@@ -433,14 +652,24 @@ def main():
         save_merged(accelerator, args.model_name_or_path, output_dir, tokenizer, args.trust_remote_code)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {"recipe": "llm_finetune", "config": run_config,
+    results = {
+        "recipe": "llm_finetune",
+        "config": run_config,
         **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader),
-        "samples": generate_samples(accelerator, model, tokenizer, raw_datasets["validation"], fmt,
-                                    args.generate_samples, args.sample_tokens),  # (the others wait just below)
+        "samples": generate_samples(
+            accelerator, model, tokenizer, raw_datasets["validation"], fmt, args.generate_samples, args.sample_tokens
+        ),  # (the others wait just below)
         **exact_match_results(accelerator, model, tokenizer, exact_rows, fmt, exact_before),
-        "model": args.model_name_or_path, "method": method, "parallelism": parallelism.name, "data/format": fmt,
-        "parallelism_requested": args.parallelism, "data/counts": counts, "global_batch_size": global_batch_size,
-        "model/trainable_parameters": trainable, "model/total_parameters": total}
+        "model": args.model_name_or_path,
+        "method": method,
+        "parallelism": parallelism.name,
+        "data/format": fmt,
+        "parallelism_requested": args.parallelism,
+        "data/counts": counts,
+        "global_batch_size": global_batch_size,
+        "model/trainable_parameters": trainable,
+        "model/total_parameters": total,
+    }
     record.write(output_dir, results, model, optimizer, flops_per_token=flops_per_token)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()

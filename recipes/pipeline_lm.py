@@ -84,7 +84,7 @@ from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
 from lm_kit.presets import MODEL_PRESETS
-from shared.model_split import plan_lm_split
+from lm_kit.split import plan_lm_split
 
 # New Code (pipeline) #
 # The pipeline's machinery around torch.distributed.pipelining (stage modules, schedules, stage checkpoints, the
@@ -190,6 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per step.")
     training.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training set.")
     training.add_argument("--max_train_steps", type=positive_int, help="Stop after N steps (overrides the epochs).")
+    training.add_argument("--logging_steps", type=positive_int, default=10, help="Print train/loss every N steps.")
     training.add_argument("--learning_rate", type=positive_float, default=1e-3, help="Peak AdamW learning rate.")
     training.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (matrices only).")
     training.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm (0: no).")
@@ -233,7 +234,8 @@ def main():
     hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
-        dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # Not its checkpoint naming + total_limit: shared/checkpoints.py saves atomically and every process agrees.
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
@@ -246,17 +248,53 @@ def main():
     # New Code (pipeline) #
     parallelism = choose_parallelism(accelerator, "pipeline", "recipes/pipeline_lm.py")  # refuses 1 process, FSDP
     layout, num_processes = "pipeline", accelerator.num_processes  # checkpoints: each process saves its own stages
-    stages_per_process = check_pipeline_request(args, num_processes, eval_batch_size, accelerator.mixed_precision)
+    stages_per_process = check_pipeline_request(
+        pipeline_schedule=args.pipeline_schedule,
+        num_microbatches=args.num_microbatches,
+        stages_per_process=args.stages_per_process,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        eval_batch_size=eval_batch_size,
+        num_processes=num_processes,
+        mixed_precision=accelerator.mixed_precision,
+    )
     stages_of_processes = stage_layout(args.pipeline_schedule, num_processes, stages_per_process)  # [[0, 2], [1, 3]]
     num_stages, stage_indices = num_processes * stages_per_process, stages_of_processes[accelerator.process_index]
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
-    model_config = lm_config(args, num_stages, parallelism.name, partial(check_pipeline_model, stages_of_processes))
+    model_config = lm_config(  # the model's shape: bad sizes fail before any data
+        model_name_or_path=args.model_name_or_path,
+        model_size=args.model_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        num_stages=num_stages,
+        split_by=parallelism.name,
+        check=partial(check_pipeline_model, stages_of_processes),
+    )
     # End New Code #
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
 
     # ------------------------------------------------------------------------------- data
-    data = lm_datasets(accelerator, args, output_dir, checkpoint, data_parallel_size)  # text, tokenizer, blocks
+    data = lm_datasets(  # text, tokenizer, blocks
+        accelerator,
+        dataset_name=args.dataset_name,
+        dataset_config_name=args.dataset_config_name,
+        train_file=args.train_file,
+        validation_file=args.validation_file,
+        validation_split_percentage=args.validation_split_percentage,
+        corpus_max_mb=args.corpus_max_mb,
+        model_name_or_path=args.model_name_or_path,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # New Code (pipeline) #
+        data_parallel_size=1,  # every process reads every batch: a pipeline shards the model, not the data
+        # End New Code #
+        output_dir=output_dir,
+        checkpoint=checkpoint,
+    )
     # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
     pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
     train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
@@ -278,11 +316,15 @@ def main():
     groups = optimizer_groups(model, args.weight_decay)  # weight decay on matrices only; fused: one kernel
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused_adamw(accelerator))
     # (pipeline) Every process sees every batch (the loader is not sharded); accumulate() also steps on an epoch's end.
-    steps_per_epoch = math.ceil(len(train_dataloader) // data_parallel_size / args.gradient_accumulation_steps)
+    # New Code (pipeline) #
+    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    # End New Code #
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     num_train_epochs = math.ceil(max_train_steps / steps_per_epoch)
     # (pipeline) The scheduler is not prepared (see below): it steps once per optimizer step.
-    warmup, total = args.num_warmup_steps * data_parallel_size, max_train_steps * data_parallel_size
+    # New Code (pipeline) #
+    warmup, total = args.num_warmup_steps, max_train_steps
+    # End New Code #
     lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
     # ------------------------------------------------------------------------------ prepare
@@ -290,7 +332,16 @@ def main():
     # No prepare(): it would wrap each stage in DDP (all-reducing the gradients of different parts of the model), shard
     # the data loaders (every stage works on every batch) and step the scheduler once per process.
     train_dataloader, eval_dataloader = unsharded([train_dataloader, eval_dataloader], accelerator.device, args.seed)
-    pipeline = build_pipeline(accelerator, args, model, stages_of_processes)  # the schedules of this process's stages
+    pipeline = build_pipeline(  # the schedules of this process's stages
+        accelerator,
+        model,
+        stages_of_processes,
+        pipeline_schedule=args.pipeline_schedule,
+        num_microbatches=args.num_microbatches,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        block_size=args.block_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+    )
     StageCheckpoints.register(accelerator, model, optimizer, lr_scheduler, split.blocks_per_stage, stages_of_processes)
     evaluate = lambda: evaluate_pipeline(accelerator, pipeline, eval_dataloader, eval_batch_size)
     # End New Code #
@@ -298,7 +349,9 @@ def main():
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
 
     # ---------------------------------------------------------------------- training loop
-    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
+    # New Code (pipeline) #
+    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    # End New Code #
     tokens_per_step = global_batch_size * args.block_size
     cpu_threads = torch.get_num_threads() if accelerator.device.type == "cpu" else None
     config = vars(args) | {"parallelism_resolved": parallelism.name, "max_train_steps_resolved": max_train_steps}
@@ -314,8 +367,14 @@ def main():
     results |= pipeline.facts(stages_of_processes, split.stage_costs)  # the schedule, m, the ideal bubble
     # End New Code #
     # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-    save_checkpoint_at = lambda step: save_checkpoint(accelerator, output_dir / "checkpoints", step,
-        args.checkpoints_total_limit, layout=layout, history={"train/loss_curve": record.losses()})
+    save_checkpoint_at = lambda step: save_checkpoint(
+        accelerator,
+        output_dir / "checkpoints",
+        step,
+        args.checkpoints_total_limit,
+        layout=layout,
+        history={"train/loss_curve": record.losses()},
+    )
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, num_train_epochs):
         model.train()
@@ -340,10 +399,12 @@ def main():
             if accelerator.sync_gradients:
                 completed_steps += 1
                 # (pipeline) The sum: only the process with the last stage has the loss, the others 0.
-                loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
+                # New Code (pipeline) #
+                loss = accelerator.reduce(step_loss, reduction="sum")
+                # End New Code #
                 step_loss.zero_()
                 record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
-                if completed_steps % max(1, max_train_steps // 10) == 0 or completed_steps == max_train_steps:
+                if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:

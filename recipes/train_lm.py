@@ -73,7 +73,7 @@ from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
 # Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
 from lm_kit.presets import MODEL_PRESETS
-from shared.model_split import plan_lm_split
+from lm_kit.split import plan_lm_split
 from shared.model_split import dispatch_on_devices, split_devices
 from shared.results import RunRecord
 from shared import hang_dump
@@ -159,6 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per step.")
     training.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training set.")
     training.add_argument("--max_train_steps", type=positive_int, help="Stop after N steps (overrides the epochs).")
+    training.add_argument("--logging_steps", type=positive_int, default=10, help="Print train/loss every N steps.")
     training.add_argument("--learning_rate", type=positive_float, default=1e-3, help="Peak AdamW learning rate.")
     training.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (matrices only).")
     training.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm (0: no).")
@@ -206,7 +207,8 @@ def evaluate_lm(accelerator, model, eval_dataloader) -> dict:
             logits = model(input_ids=input_ids, use_cache=False).logits  # no KV cache: nothing generates here
         # Same loss as the model's own (shifted, float32), kept per block so blocks can be counted.
         per_block = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:].to(logits.device), reduction="none").sum(dim=1)
+            logits[:, :-1].float().transpose(1, 2), input_ids[:, 1:].to(logits.device), reduction="none"
+        ).sum(dim=1)
         tokens = torch.full_like(per_block, input_ids.shape[1] - 1)
         per_block, tokens = accelerator.gather_for_metrics((per_block, tokens))
         loss_sum += per_block.sum().item()  # sync point: .item() waits for the device
@@ -227,7 +229,8 @@ def main():
     ddp_hook = DDPCommunicationHookType(args.ddp_comm_hook)  # ddp: the gradients compressed for the all-reduce
     ddp_kwargs = DistributedDataParallelKwargs(bucket_cap_mb=args.ddp_bucket_cap_mb, comm_hook=ddp_hook)
     accelerator = build_accelerator(
-        dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # --compile: prepare() compiles each decoder block (regional: the first block's compile serves all the others).
         dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if args.compile else None,
@@ -249,11 +252,37 @@ def main():
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     num_stages = len(split_over) or 1
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
-    model_config = lm_config(args, num_stages, parallelism.name)  # the model's shape: bad sizes fail before any data
+    model_config = lm_config(  # the model's shape: bad sizes fail before any data
+        model_name_or_path=args.model_name_or_path,
+        model_size=args.model_size,
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        num_stages=num_stages,
+        split_by=parallelism.name,
+    )
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
 
     # ------------------------------------------------------------------------------- data
-    data = lm_datasets(accelerator, args, output_dir, checkpoint, data_parallel_size)  # text, tokenizer, blocks
+    data = lm_datasets(  # text, tokenizer, blocks
+        accelerator,
+        dataset_name=args.dataset_name,
+        dataset_config_name=args.dataset_config_name,
+        train_file=args.train_file,
+        validation_file=args.validation_file,
+        validation_split_percentage=args.validation_split_percentage,
+        corpus_max_mb=args.corpus_max_mb,
+        model_name_or_path=args.model_name_or_path,
+        vocab_size=args.vocab_size,
+        block_size=args.block_size,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        data_parallel_size=data_parallel_size,
+        output_dir=output_dir,
+        checkpoint=checkpoint,
+    )
     # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
     pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
     train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
@@ -287,7 +316,8 @@ def main():
         accelerator.print(f"fsdp: one unit per {wrap_at_blocks(accelerator, model, split.block_list) or 'config'}")
         check_offload_fits_host_ram(accelerator, model)  # offload config: refuse now, not at an OOM mid-run
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
     evaluate = lambda: evaluate_lm(accelerator, model, eval_dataloader)
     # Restores the model, optimizer, scheduler, the sampler's seed and every process's RNG states.
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
@@ -309,8 +339,14 @@ def main():
     results |= {"parallelism_requested": args.parallelism, "device_map_devices": list(map(str, split_over))}
     results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "config": config}
     # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-    save_checkpoint_at = lambda step: save_checkpoint(accelerator, output_dir / "checkpoints", step,
-        args.checkpoints_total_limit, layout=layout, history={"train/loss_curve": record.losses()})
+    save_checkpoint_at = lambda step: save_checkpoint(
+        accelerator,
+        output_dir / "checkpoints",
+        step,
+        args.checkpoints_total_limit,
+        layout=layout,
+        history={"train/loss_curve": record.losses()},
+    )
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, num_train_epochs):
         model.train()
@@ -335,7 +371,7 @@ def main():
                 loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
                 step_loss.zero_()
                 record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
-                if completed_steps % max(1, max_train_steps // 10) == 0 or completed_steps == max_train_steps:
+                if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:

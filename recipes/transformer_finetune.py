@@ -61,11 +61,11 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
 from classifier_kit.classification import add_lora, read_labels
+from classifier_kit.device_map import parameter_bytes_per_device
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared import hang_dump
 from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
-from shared.model_split import dispatch_on_devices, find_block_list, parameter_bytes_per_device, plan_device_map
-from shared.model_split import split_devices
+from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir
@@ -101,13 +101,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dataset_config_name", help="The Hub data set's configuration, if it has several.")
     # One flag for one text or a pair, named in the order the model reads them: Accelerate's nlp_example and GLUE's
     # MRPC/RTE/MNLI/STS-B hold pairs in two columns (sentence1, sentence2), as transformers' run_glue reads them.
-    add("--text_column", nargs="+", default=["text"], metavar="COLUMN",
+    add(
+        "--text_column",
+        nargs="+",
+        default=["text"],
+        metavar="COLUMN",
         help="Column holding the text; two columns (--text_column sentence1 sentence2): a sentence pair, tokenized "
-        "together with the model's separator and token type ids.")
+        "together with the model's separator and token type ids.",
+    )
     add("--label_column", default="label", help="Column holding the label (names, integer ids, or scores).")
-    add("--task", choices=["auto", "classification", "regression"], default="auto",
+    add(
+        "--task",
+        choices=["auto", "classification", "regression"],
+        default="auto",
         help="regression: one output fitted to numeric labels with MSE (STS-B's 0-5 similarity scores). auto: "
-        "regression when the labels are numbers with a fractional part, else classification.")
+        "regression when the labels are numbers with a fractional part, else classification.",
+    )
     add("--max_length", type=positive_int, default=64, help="Truncate texts to this many tokens.")
     add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples.")
@@ -126,15 +135,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--lora_r", type=positive_int, help="Train a LoRA adapter of this rank (PEFT) and the head, not every weight.")
     add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
-    add("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a "
-        "dropped copy of every adapted layer's input, and its mask, for backward).")
+    add(
+        "--lora_dropout",
+        type=float,
+        default=0.0,
+        help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a "
+        "dropped copy of every adapted layer's input, and its mask, for backward).",
+    )
     add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
     add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
     add = parser.add_argument_group("training").add_argument
     add("--per_device_train_batch_size", type=positive_int, default=16, help="Samples per process per forward pass.")
     add("--per_device_eval_batch_size", type=positive_int, default=64, help="Samples per process per eval forward.")
-    add("--gradient_accumulation_steps", type=positive_int, help="Forward/backward passes per step (default: 1; on a "
-        "resume, what keeps the checkpoint's global batch in this process count).")
+    add(
+        "--gradient_accumulation_steps",
+        type=positive_int,
+        help="Forward/backward passes per step (default: 1; on a "
+        "resume, what keeps the checkpoint's global batch in this process count).",
+    )
     add("--learning_rate", type=positive_float, default=2e-4, help="Peak AdamW learning rate.")
     add("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms).")
     add("--num_train_epochs", type=positive_int, default=2, help="Passes over the data (unless --max_train_steps).")
@@ -160,32 +178,62 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_data(args, accelerator):
+def load_data(
+    accelerator,
+    *,
+    train_file,
+    validation_file,
+    dataset_name,
+    dataset_config_name,
+    seed,
+    text_column,
+    label_column,
+    max_train_samples,
+    max_eval_samples,
+    task,
+):
     """The train/validation splits (checked, cut to --max_*_samples), regression or not, the label names (or None), and
     a function from a batch of label values to ids (the same mapping for both splits):
     classifier_kit/classification.py."""
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
-        source = (args.train_file, args.validation_file, args.dataset_name, args.dataset_config_name)
-        raw_datasets = load_splits(*source, seed=args.seed)
-    check_columns(raw_datasets, args.text_column, args.label_column)
-    for split, limit in (("train", args.max_train_samples), ("validation", args.max_eval_samples)):
+        source = (train_file, validation_file, dataset_name, dataset_config_name)
+        raw_datasets = load_splits(*source, seed=seed)
+    check_columns(raw_datasets, text_column, label_column)
+    for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
         if limit:  # a shuffled subset
-            raw_datasets[split] = raw_datasets[split].shuffle(seed=args.seed)
+            raw_datasets[split] = raw_datasets[split].shuffle(seed=seed)
             raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
-    task, reason = choose_task(raw_datasets, args.label_column, args.task)
+    task, reason = choose_task(raw_datasets, label_column, task)
     accelerator.print(f"task: {task} ({reason})")
-    label_names, label_ids = read_labels(raw_datasets, args.label_column, regression=task == "regression")
+    label_names, label_ids = read_labels(raw_datasets, label_column, regression=task == "regression")
     accelerator.print(f"data: {len(label_names)} labels: {label_names}" if label_names else "data: scores")
     return raw_datasets, task == "regression", label_names, label_ids
 
 
-def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
+def get_dataloaders(
+    accelerator,
+    raw_datasets,
+    label_ids,
+    config,
+    *,
+    tokenizer_name,
+    model_name_or_path,
+    trust_remote_code,
+    pad_to_max_length,
+    text_column,
+    max_length,
+    label_column,
+    per_device_train_batch_size,
+    seed,
+    group_by_length,
+    per_device_eval_batch_size,
+):
     """The tokenizer, and tokenized, dynamically padded batches: each batch padded to its own longest text
     (--pad_to_max_length: every text to --max_length) by transformers' DataCollatorWithPadding; --group_by_length
     batches similar lengths together (shared/sampling.py)."""
-    tokenizer_name = args.tokenizer_name or args.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=args.trust_remote_code)
+    tokenizer_name = tokenizer_name or model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         # Decoder-only models (Llama, Qwen, GPT-2) often have no pad token; batches need one. The model pools the last
         # token that is not padding, so it must know the id too (config.pad_token_id), and the padding goes right.
@@ -194,10 +242,10 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
     tokenizer.padding_side, config.pad_token_id = "right", tokenizer.pad_token_id
 
     def tokenize(batch):
-        padding = "max_length" if args.pad_to_max_length else False  # False: the collator pads each batch
-        texts = [batch[column] for column in args.text_column]  # a pair: tokenizer(text, text_pair), longest-first cut
-        encoded = tokenizer(*texts, truncation=True, max_length=args.max_length, padding=padding)
-        return {**encoded, "labels": label_ids(batch[args.label_column])}
+        padding = "max_length" if pad_to_max_length else False  # False: the collator pads each batch
+        texts = [batch[column] for column in text_column]  # a pair: tokenizer(text, text_pair), longest-first cut
+        encoded = tokenizer(*texts, truncation=True, max_length=max_length, padding=padding)
+        return {**encoded, "labels": label_ids(batch[label_column])}
 
     with accelerator.main_process_first():
         columns = raw_datasets["train"].column_names
@@ -208,17 +256,24 @@ def get_dataloaders(args, accelerator, raw_datasets, label_ids, config):
     collator = DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
     )
-    lengths, batch_size = [len(ids) for ids in train_dataset["input_ids"]], args.per_device_train_batch_size
-    sampler = LengthGroupedShuffledSampler(lengths, batch_size, args.seed) if args.group_by_length else None
+    lengths, batch_size = [len(ids) for ids in train_dataset["input_ids"]], per_device_train_batch_size
+    sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if group_by_length else None
     # Their own generators: a DataLoader without one draws a seed from the global RNG each time it starts iterating,
     # which would shift the dropout masks of a resumed run.
     # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
-    generator, pinned = torch.Generator().manual_seed(args.seed), accelerator.device.type == "cuda"
-    train_dataloader = DataLoader(train_dataset, batch_size, shuffle=sampler is None, sampler=sampler,
-                                  collate_fn=collator, generator=generator, pin_memory=pinned)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator, pinned = torch.Generator().manual_seed(seed), accelerator.device.type == "cuda"
+    train_dataloader = DataLoader(
+        train_dataset,
+        batch_size,
+        shuffle=sampler is None,
+        sampler=sampler,
+        collate_fn=collator,
+        generator=generator,
+        pin_memory=pinned,
+    )
+    generator = torch.Generator().manual_seed(seed)
     eval_dataloader = DataLoader(
-        eval_dataset, args.per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
+        eval_dataset, per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
     )
     if len(train_dataloader) < accelerator.num_processes:
         raise RecipeError(
@@ -251,8 +306,10 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     biases and norms without."""
     decay = set(get_parameter_names(model, [torch.nn.LayerNorm], NO_DECAY_NAMES))
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    return [{"params": [p for n, p in trained if n in decay], "weight_decay": weight_decay},
-            {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0}]
+    return [
+        {"params": [p for n, p in trained if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0},
+    ]
 
 
 def save_model(accelerator, model, tokenizer, output_dir: Path, base_name: str, load: dict, lora: bool) -> None:
@@ -337,10 +394,15 @@ def main():
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
-    accelerator = build_accelerator(dist_timeout=args.dist_timeout, mixed_precision=args.mixed_precision,
-        log_with=args.report_to, project_config=ProjectConfiguration(project_dir=args.output_dir,
-        save_on_each_node=args.save_on_each_node),  # the seedable sampler: same order in any process count, on resume
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    accelerator = build_accelerator(
+        dist_timeout=args.dist_timeout,
+        mixed_precision=args.mixed_precision,
+        log_with=args.report_to,
+        project_config=ProjectConfiguration(
+            project_dir=args.output_dir, save_on_each_node=args.save_on_each_node
+        ),  # the seedable sampler: same order in any process count, on resume
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+    )
     use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
     keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
@@ -351,16 +413,49 @@ def main():
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     # A resume keeps its checkpoint's global batch: in another process count the accumulation makes it up (or refused).
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(accelerator, checkpoint,
-        args.per_device_train_batch_size, args.gradient_accumulation_steps, accelerator.num_processes)
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
+        accelerator,
+        checkpoint,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        accelerator.num_processes,
+    )
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # micro-batches per optimizer step
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
-    raw_datasets, regression, label_names, label_ids = load_data(args, accelerator)  # regression: no label names
+    raw_datasets, regression, label_names, label_ids = load_data(
+        accelerator,
+        train_file=args.train_file,
+        validation_file=args.validation_file,
+        dataset_name=args.dataset_name,
+        dataset_config_name=args.dataset_config_name,
+        seed=args.seed,
+        text_column=args.text_column,
+        label_column=args.label_column,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+        task=args.task,
+    )  # regression: no label names
     # The model's config, named labels included (checked before any tokenizing: a bad model name fails fast).
     config = load_model_config(args.model_name_or_path, label_names, args.max_length, args.trust_remote_code)
-    tokenizer, train_dataloader, eval_dataloader = get_dataloaders(args, accelerator, raw_datasets, label_ids, config)
+    tokenizer, train_dataloader, eval_dataloader = get_dataloaders(
+        accelerator,
+        raw_datasets,
+        label_ids,
+        config,
+        tokenizer_name=args.tokenizer_name,
+        model_name_or_path=args.model_name_or_path,
+        trust_remote_code=args.trust_remote_code,
+        pad_to_max_length=args.pad_to_max_length,
+        text_column=args.text_column,
+        max_length=args.max_length,
+        label_column=args.label_column,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        group_by_length=args.group_by_length,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+    )
     baseline = baselines(train_dataloader.dataset["labels"], eval_dataloader.dataset["labels"], regression)
 
     # ------------------------------------------------------------------------------ model
@@ -396,10 +491,16 @@ def main():
         block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules or ())))
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler)
-    run_config = {**vars(args), "num_processes": accelerator.num_processes, "parallelism": parallelism.name,
-                  "global_batch_size": global_batch_size, "max_train_steps": max_train_steps,
-                  "mixed_precision": accelerator.mixed_precision}
+        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
+    )
+    run_config = {
+        **vars(args),
+        "num_processes": accelerator.num_processes,
+        "parallelism": parallelism.name,
+        "global_batch_size": global_batch_size,
+        "max_train_steps": max_train_steps,
+        "mixed_precision": accelerator.mixed_precision,
+    }
     scalars = {key: value for key, value in run_config.items() if isinstance(value, (int, float, str, bool))}
     accelerator.init_trackers("transformer_finetune", scalars)  # --report_to's, if any
 
@@ -409,8 +510,14 @@ def main():
     completed_steps, curve = resume.completed_steps, resume.history.get("train/loss_curve")
     record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # shared/results.py
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
-    save = lambda: save_checkpoint(accelerator, output_dir / "checkpoints", completed_steps,
-        args.checkpoints_total_limit, history={"train/loss_curve": record.losses()}, batch=batch_shape)  # a sync
+    save = lambda: save_checkpoint(
+        accelerator,
+        output_dir / "checkpoints",
+        completed_steps,
+        args.checkpoints_total_limit,
+        history={"train/loss_curve": record.losses()},
+        batch=batch_shape,
+    )  # a sync
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
     token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -436,7 +543,7 @@ def main():
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
-            completed_steps += 1  # (this bookkeeping ends every recipe's step, on purpose: each loop reads whole)
+            completed_steps += 1
             # The global mean loss stays on the device: only the log below reads it (a sync point).
             record.step(completed_steps, accelerator.reduce(step_loss, "mean"), samples=global_batch_size)
             step_loss.zero_()
@@ -459,8 +566,14 @@ def main():
     # --------------------------------------------------------------------- evaluation
     scores = evaluate_model(accelerator, model, [] if args.skip_eval else eval_dataloader, regression)
     accelerator.print(f"eval: {scores} (baseline: {baseline})")
-    results = {"recipe": "transformer_finetune", **scores, **baseline, "label_names": label_names,
-               "model": args.model_name_or_path, "config": run_config}
+    results = {
+        "recipe": "transformer_finetune",
+        **scores,
+        **baseline,
+        "label_names": label_names,
+        "model": args.model_name_or_path,
+        "config": run_config,
+    }
     results.update(method="lora" if args.lora_r else "full", task=config.problem_type or "classification")
     results.update({"model/trainable_parameters": trainable, "model/total_parameters": total})
     results.update({"parallelism": parallelism.name, "global_batch_size": global_batch_size})

@@ -30,13 +30,23 @@ from .runtime import RecipeError
 
 PROGRESS_FILE = "progress.json"
 FINGERPRINT_BYTES = 2**20  # hashed at each end of every file
-LAYOUTS = {"replica": "whole model (single, ddp or device_map)", "fsdp": "model in FSDP shards (fsdp)",
-           "pipeline": "model in pipeline stages (recipes/pipeline_lm.py)"}
+LAYOUTS = {
+    "replica": "whole model (single, ddp or device_map)",
+    "fsdp": "model in FSDP shards (fsdp)",
+    "pipeline": "model in pipeline stages (recipes/pipeline_lm.py)",
+}
 
 
-def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike, completed_steps: int,
-                    total_limit: int | None = None, write_state=None, layout: str = "replica",
-                    history: dict | None = None, batch: dict | None = None) -> Path:
+def save_checkpoint(
+    accelerator: Accelerator,
+    checkpoints_dir: str | os.PathLike,
+    completed_steps: int,
+    total_limit: int | None = None,
+    write_state=None,
+    layout: str = "replica",
+    history: dict | None = None,
+    batch: dict | None = None,
+) -> Path:
     """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every RNG) to ``checkpoints_dir/step_N``,
     atomically; keeps the newest ``total_limit``; every process calls it. ``write_state(folder)`` replaces
     ``save_state`` (pipeline stages save their own weights). ``layout`` (``replica``: whole weights, resumable by
@@ -61,8 +71,13 @@ def save_checkpoint(accelerator: Accelerator, checkpoints_dir: str | os.PathLike
     # Sync point: every process must have written its part before the folder is declared complete.
     accelerator.wait_for_everyone()
     if writes:
-        progress = {"completed_steps": completed_steps, "layout": layout, "history": history or {},
-                    "batch": batch, "manifest": manifest(tmp)}
+        progress = {
+            "completed_steps": completed_steps,
+            "layout": layout,
+            "history": history or {},
+            "batch": batch,
+            "manifest": manifest(tmp),
+        }
         size = sum(entry[0] for entry in progress["manifest"].values())
         kept = f"the newest {total_limit} kept" if total_limit else "all kept: --checkpoints_total_limit N keeps N"
         accelerator.print(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB; {kept})")
@@ -98,8 +113,11 @@ def fingerprint(path: Path) -> str:
 
 def manifest(folder: Path) -> dict:
     """``{relative path: [size, fingerprint]}`` for every file under ``folder``."""
-    return {str(path.relative_to(folder)): [path.stat().st_size, fingerprint(path)]
-            for path in sorted(folder.rglob("*")) if path.is_file()}
+    return {
+        str(path.relative_to(folder)): [path.stat().st_size, fingerprint(path)]
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
 
 
 def damage(checkpoint: Path) -> str | None:
@@ -129,8 +147,9 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
     return sorted((p for p in checkpoints_dir.glob("step_*") if (p / PROGRESS_FILE).is_file()), key=checkpoint_steps)
 
 
-def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.PathLike,
-                       skipped: list | None = None) -> Path | None:
+def resolve_checkpoint(
+    resume_from_checkpoint: str, checkpoints_dir: str | os.PathLike, skipped: list | None = None
+) -> Path | None:
     """The folder this process would resume from: a path, or ``latest`` (the newest complete and intact one; None if
     none yet; the damaged ones it passed over are appended to ``skipped``, with why)."""
     if resume_from_checkpoint == "latest":
@@ -143,24 +162,34 @@ def resolve_checkpoint(resume_from_checkpoint: str, checkpoints_dir: str | os.Pa
         return None
     path = Path(resume_from_checkpoint)
     if not path.is_dir():
-        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint "
-                          "folder "
-                          f"(e.g. {Path(checkpoints_dir) / 'step_000100'}) or 'latest'.")
+        raise RecipeError(
+            f"--resume_from_checkpoint {resume_from_checkpoint!r} does not exist. Pass a checkpoint "
+            "folder "
+            f"(e.g. {Path(checkpoints_dir) / 'step_000100'}) or 'latest'."
+        )
     if not (path / PROGRESS_FILE).is_file():
-        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no "
-                          f"{PROGRESS_FILE}: "
-                          "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or "
-                          "'latest', which skips incomplete ones.")
+        raise RecipeError(
+            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no "
+            f"{PROGRESS_FILE}: "
+            "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or "
+            "'latest', which skips incomplete ones."
+        )
     problem = damage(path)
     if problem:
-        raise RecipeError(f"--resume_from_checkpoint {resume_from_checkpoint!r} is damaged: {problem}, so loading "
-                          "it would fail or resume from wrong weights. Nothing was loaded. Pass an earlier "
-                          "checkpoint, or 'latest', which skips damaged ones.")
+        raise RecipeError(
+            f"--resume_from_checkpoint {resume_from_checkpoint!r} is damaged: {problem}, so loading "
+            "it would fail or resume from wrong weights. Nothing was loaded. Pass an earlier "
+            "checkpoint, or 'latest', which skips damaged ones."
+        )
     return path
 
 
-def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None, checkpoints_dir: str | os.PathLike,
-                    layout: str = "replica") -> Path | None:
+def find_checkpoint(
+    accelerator: Accelerator,
+    resume_from_checkpoint: str | None,
+    checkpoints_dir: str | os.PathLike,
+    layout: str = "replica",
+) -> Path | None:
     """The checkpoint every process resumes from, or None (start fresh). A collective: call it on every process.
 
     Each process looks on its own disk; machines without a shared one can see different things (machine 0 the
@@ -176,18 +205,29 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
         found, problem = None, error.message
     for reason in skipped:
         accelerator.print(f"--resume_from_checkpoint latest: skipping the damaged checkpoint {reason}")
-    mine = {"rank": accelerator.process_index, "machine": os.environ.get("GROUP_RANK", "0"), "problem": problem,
-            "host": socket.gethostname(), "steps": checkpoint_steps(found) if found else None,
-            "folder": str(found or Path(checkpoints_dir).resolve())}
+    mine = {
+        "rank": accelerator.process_index,
+        "machine": os.environ.get("GROUP_RANK", "0"),
+        "problem": problem,
+        "host": socket.gethostname(),
+        "steps": checkpoint_steps(found) if found else None,
+        "folder": str(found or Path(checkpoints_dir).resolve()),
+    }
     everyone = gather_object([mine])
     if len({entry["problem"] for entry in everyone}) == 1 and problem:  # every process sees the same bad input
         raise RecipeError(problem)
     if any(entry["problem"] for entry in everyone) or len({entry["steps"] for entry in everyone}) > 1:
         seen = "; ".join(
             f"machine {e['machine']} (rank {e['rank']}, host {e['host']}): "
-            + (e["problem"] if e["problem"] else f"step {e['steps']} in {e['folder']}" if e["steps"] is not None
-               else f"no complete checkpoint in {e['folder']}")
-            for e in everyone)
+            + (
+                e["problem"]
+                if e["problem"]
+                else f"step {e['steps']} in {e['folder']}"
+                if e["steps"] is not None
+                else f"no complete checkpoint in {e['folder']}"
+            )
+            for e in everyone
+        )
         raise RecipeError(
             "The processes disagree on the checkpoint to resume from (--resume_from_checkpoint "
             f"{resume_from_checkpoint}): "
@@ -198,17 +238,25 @@ def find_checkpoint(accelerator: Accelerator, resume_from_checkpoint: str | None
         )
     theirs = json.loads((found / PROGRESS_FILE).read_text()).get("layout", layout) if found else layout
     if found is None:
-        accelerator.print(f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, "
-                          "starting fresh")
+        accelerator.print(
+            f"--resume_from_checkpoint latest: no complete checkpoint in {checkpoints_dir} yet, starting fresh"
+        )
     elif theirs != layout:
-        raise RecipeError(f"{found} holds a {LAYOUTS[theirs]} and cannot be resumed by this run, which trains with a "
-                          f"{LAYOUTS[layout]}. Resume it with the recipe and parallelism that wrote it, or start a "
-                          "new run from that run's saved model (--model_name_or_path).")
+        raise RecipeError(
+            f"{found} holds a {LAYOUTS[theirs]} and cannot be resumed by this run, which trains with a "
+            f"{LAYOUTS[layout]}. Resume it with the recipe and parallelism that wrote it, or start a "
+            "new run from that run's saved model (--model_name_or_path)."
+        )
     return found
 
 
-def keep_global_batch(accelerator: Accelerator, checkpoint: Path | None, per_device_train_batch_size: int,
-                      gradient_accumulation_steps: int | None, data_parallel_size: int) -> tuple[int, dict]:
+def keep_global_batch(
+    accelerator: Accelerator,
+    checkpoint: Path | None,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int | None,
+    data_parallel_size: int,
+) -> tuple[int, dict]:
     """The accumulation to train with, and the batch's shape for ``save_checkpoint(batch=...)``: the one passed (None:
     not passed, 1), or on resume the one that keeps the checkpoint's global batch in this run's process count, so that
     it takes the same optimizer steps over the same samples. Refused where none does, or where a passed one
@@ -219,25 +267,38 @@ def keep_global_batch(accelerator: Accelerator, checkpoint: Path | None, per_dev
     accumulation = saved["global_batch_size"] // per_step if saved else gradient_accumulation_steps or 1
     if saved:
         wanted, was, n = saved["global_batch_size"], saved["gradient_accumulation_steps"], saved["num_processes"]
-        said = (f"{checkpoint} was trained with a global batch of {wanted} samples per optimizer step "
-                f"({saved['per_device_train_batch_size']} per device x {count(n)} x {was} accumulation steps)")
+        said = (
+            f"{checkpoint} was trained with a global batch of {wanted} samples per optimizer step "
+            f"({saved['per_device_train_batch_size']} per device x {count(n)} x {was} accumulation steps)"
+        )
         fits = [b for b in range(per_device_train_batch_size, 0, -1) if wanted % (b * data_parallel_size) == 0]
         if wanted % per_step:
-            raise RecipeError(f"{said}; in this run's {count(processes)} no --gradient_accumulation_steps keeps "
-                              f"it with {per_device_train_batch_size} per device ({wanted} is not a multiple of "
-                              f"{per_step}). " + (f"Pass --per_device_train_batch_size {fits[0]}" if fits else
-                                                  f"Resume it in {count(n)}") + " to keep it, or start a new run "
-                              "(another --output_dir) to train with another global batch.")
+            raise RecipeError(
+                f"{said}; in this run's {count(processes)} no --gradient_accumulation_steps keeps "
+                f"it with {per_device_train_batch_size} per device ({wanted} is not a multiple of "
+                f"{per_step}). "
+                + (f"Pass --per_device_train_batch_size {fits[0]}" if fits else f"Resume it in {count(n)}")
+                + " to keep it, or start a new run "
+                "(another --output_dir) to train with another global batch."
+            )
         if gradient_accumulation_steps not in (None, accumulation):  # the user's value is not overridden silently
-            raise RecipeError(f"{said}; --gradient_accumulation_steps {gradient_accumulation_steps} would make it "
-                              f"{per_step * gradient_accumulation_steps} in this run's {count(processes)}. Pass "
-                              f"--gradient_accumulation_steps {accumulation} or leave it out to keep it, or start a "
-                              "new run (another --output_dir) to train with another global batch.")
+            raise RecipeError(
+                f"{said}; --gradient_accumulation_steps {gradient_accumulation_steps} would make it "
+                f"{per_step * gradient_accumulation_steps} in this run's {count(processes)}. Pass "
+                f"--gradient_accumulation_steps {accumulation} or leave it out to keep it, or start a "
+                "new run (another --output_dir) to train with another global batch."
+            )
         if (n, was) != (processes, accumulation):
-            accelerator.print(f"resuming a {n}-process checkpoint in {count(processes)}: "
-                              f"gradient accumulation {was} → {accumulation} keeps the global batch of {wanted}")
-    return accumulation, {"num_processes": processes, "per_device_train_batch_size": per_device_train_batch_size,
-                          "gradient_accumulation_steps": accumulation, "global_batch_size": per_step * accumulation}
+            accelerator.print(
+                f"resuming a {n}-process checkpoint in {count(processes)}: "
+                f"gradient accumulation {was} → {accumulation} keeps the global batch of {wanted}"
+            )
+    return accumulation, {
+        "num_processes": processes,
+        "per_device_train_batch_size": per_device_train_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "global_batch_size": per_step * accumulation,
+    }
 
 
 @dataclass(frozen=True)
@@ -251,8 +312,14 @@ class ResumePoint:
     history: dict = field(default_factory=dict)
 
 
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per_epoch: int,
-                    gradient_accumulation_steps: int, lr_scheduler=None, load_state=None) -> ResumePoint:
+def load_checkpoint(
+    accelerator: Accelerator,
+    checkpoint: Path | None,
+    steps_per_epoch: int,
+    gradient_accumulation_steps: int,
+    lr_scheduler=None,
+    load_state=None,
+) -> ResumePoint:
     """Load ``checkpoint`` (from ``find_checkpoint``) and return where training picks up; ``ResumePoint()`` for None.
 
     ``accelerator.load_state`` restores the model, optimizer, scheduler, the sampler's seed and every process's RNG
@@ -272,11 +339,17 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path | None, steps_per
         inner.last_epoch = round(inner.last_epoch * ratio)
         inner._step_count = 1 + round((inner._step_count - 1) * ratio)  # 1 after the constructor's own step
     history = progress.get("history", {})
-    point = ResumePoint(completed_steps, completed_steps // steps_per_epoch,
-                        (completed_steps % steps_per_epoch) * gradient_accumulation_steps, history)
+    point = ResumePoint(
+        completed_steps,
+        completed_steps // steps_per_epoch,
+        (completed_steps % steps_per_epoch) * gradient_accumulation_steps,
+        history,
+    )
     # accumulate() syncs when its micro-batch count (accelerator.step, which load_state sets to the saving process's)
     # is a multiple of the accumulation: counted again in this run's micro-batches, it groups them as it should.
     accelerator.step = point.batches_to_skip
-    accelerator.print(f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping "
-                      f"{point.batches_to_skip} batches)")
+    accelerator.print(
+        f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping "
+        f"{point.batches_to_skip} batches)"
+    )
     return point

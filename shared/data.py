@@ -26,13 +26,13 @@ def data_file_builder(files: dict[str, str], needs: str) -> str:
     for split, file in files.items():
         if not Path(file).is_file():
             raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
-        if not Path(file).stat().st_size or (Path(file).suffix.lower() != ".parquet"
-                                             and not Path(file).read_bytes().strip()):
+        if not Path(file).stat().st_size or (
+            Path(file).suffix.lower() != ".parquet" and not Path(file).read_bytes().strip()
+        ):
             raise RecipeError(f"--{split}_file {file!r} is empty: it needs {needs}.")
     suffixes = {Path(file).suffix.lower() for file in files.values()}
     if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
-        raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got "
-                          f"{sorted(files.values())}.")
+        raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got {sorted(files.values())}.")
     return DATA_FILE_BUILDERS[suffixes.pop()]
 
 
@@ -48,5 +48,11 @@ def in_validation_split(group: str, validation_percent: int) -> bool:
 
 def split_by_column(rows: datasets.Dataset) -> datasets.DatasetDict:
     """``train`` and ``validation`` by the ``split`` column, which goes."""
-    return datasets.DatasetDict({split: rows.filter(lambda value, wanted=split: value == wanted, input_columns="split")
-                                 .remove_columns("split") for split in ("train", "validation")})
+    return datasets.DatasetDict(
+        {
+            split: rows.filter(lambda value, wanted=split: value == wanted, input_columns="split").remove_columns(
+                "split"
+            )
+            for split in ("train", "validation")
+        }
+    )

@@ -8,14 +8,31 @@ the benchmark runner reads it too."""
 # whitepaper, 71). MFU is measured against this peak whatever the run's precision. Matched in order against
 # torch.cuda.get_device_name(), so the specific names come first.
 PEAK_BF16_FLOPS = [
-    ("H200 NVL", 835e12), ("H200", 989e12), ("GH200", 989e12),
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),  # plain "H100 80GB HBM3" is the SXM part
-    ("H800 PCIe", 756e12), ("H800", 989e12), ("H20", 148e12),
-    ("B200", 2250e12), ("B100", 1750e12),
-    ("A100", 312e12), ("A800", 312e12),  # 40 and 80 GB, SXM and PCIe: the same tensor-core peak
-    ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12),
-    ("RTX 6000 Ada", 364e12), ("RTX A6000", 155e12),
-    ("RTX 4090", 165e12), ("RTX 4080", 97e12), ("RTX 3090 Ti", 80e12), ("RTX 3090", 71e12), ("RTX 3080", 60e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # plain "H100 80GB HBM3" is the SXM part
+    ("H800 PCIe", 756e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("A100", 312e12),
+    ("A800", 312e12),  # 40 and 80 GB, SXM and PCIe: the same tensor-core peak
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 6000 Ada", 364e12),
+    ("RTX A6000", 155e12),
+    ("RTX 4090", 165e12),
+    ("RTX 4080", 97e12),
+    ("RTX 3090 Ti", 80e12),
+    ("RTX 3090", 71e12),
+    ("RTX 3080", 60e12),
 ]
 
 
@@ -24,8 +41,14 @@ def peak_bf16_flops(gpu_name: str) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS if key.lower() in gpu_name.lower()), None)
 
 
-def lm_flops_per_token(hidden_size: int, num_layers: int, vocab_size: int, num_parameters: int,
-                       sequence_length: int, trained_parameters: int | None = None) -> float:
+def lm_flops_per_token(
+    hidden_size: int,
+    num_layers: int,
+    vocab_size: int,
+    num_parameters: int,
+    sequence_length: int,
+    trained_parameters: int | None = None,
+) -> float:
     """Training FLOPs per token of a decoder LM, 6N + 12 L H S (PaLM, Chowdhery et al. 2022, appendix B): N = the
     parameters less the input embedding (a lookup, no multiply-adds; an untied LM head is a matmul and stays in N), 2
     FLOPs per parameter forward and 4 backward; 12 L H S the attention scores and their weighted sum (QK^T and AV),

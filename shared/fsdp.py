@@ -40,35 +40,6 @@ def keep_gathered_in_one_process(accelerator: Accelerator) -> None:
             plugin.reshard_after_forward = False
 
 
-def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:
-    """LoRA: ``save_state`` checkpoints hold the trained weights (the adapter), not the frozen base (13.5 GB for a
-    7B model in bf16, at every save, and every rank's share of it under FSDP); ``load_state(strict=False)`` puts them
-    back. Call once, before or after ``prepare`` (it acts at the first ``save_state``).
-
-    Under FSDP2 Accelerate writes the model with ``save_fsdp_model``/``load_fsdp_model``, which take
-    ``adapter_only=True`` (PEFT's adapter state dict, still sharded: nothing is gathered, each rank writes its shard of
-    the adapter), but ``save_state``/``load_state`` cannot pass it (Accelerate 1.16): this sets it for this process.
-    Elsewhere ``save_state`` hands its weights to a pre-hook, which keeps those that require grad."""
-    if accelerator.is_fsdp2:
-        import functools
-
-        import accelerate.accelerator
-
-        for name in ("save_fsdp_model", "load_fsdp_model"):
-            function = getattr(accelerate.accelerator, name)
-            if not isinstance(function, functools.partial):
-                setattr(accelerate.accelerator, name, functools.partial(function, adapter_only=True))
-        return
-
-    def adapter_only(models, weights, folder):
-        for index, model_weights in enumerate(weights):
-            trained = {name for name, parameter in accelerator.unwrap_model(models[index]).named_parameters()
-                       if parameter.requires_grad}
-            weights[index] = {name: tensor for name, tensor in model_weights.items() if name in trained}
-
-    accelerator.register_save_state_pre_hook(adapter_only)
-
-
 def gathered_state_dict(accelerator: Accelerator, model: torch.nn.Module, trained_only: bool = False) -> dict:
     """The model's full weights on the main process, for ``save_pretrained`` (a collective: every process calls it).
     ``trained_only`` (LoRA): under FSDP2 only the parameters that require grad are gathered, with torch's

@@ -30,8 +30,16 @@ from .runtime import FAILED_RANK_KEY  # the rank whose RecipeError ended the run
 PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
 # "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
-HANG_ERRORS = ("timed out", "timeout", "connection "
-                                       "closed", "connection reset", "broken pipe", "nccl", "gloo", "processgroup")
+HANG_ERRORS = (
+    "timed out",
+    "timeout",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "nccl",
+    "gloo",
+    "processgroup",
+)
 
 
 class HangDump:
@@ -75,8 +83,11 @@ class HangDump:
 
     def step(self) -> None:
         """One more optimizer step of this process (steps skipped by fp16's scaler or before a resume not counted)."""
-        self.completed_steps, self.current_phase, self.last_progress = (self.completed_steps + 1, "training",
-                                                                        time.monotonic())
+        self.completed_steps, self.current_phase, self.last_progress = (
+            self.completed_steps + 1,
+            "training",
+            time.monotonic(),
+        )
 
     def _watch(self) -> None:
         reported = None
@@ -98,8 +109,12 @@ class HangDump:
             # and a dump of a process that was only waiting for it.
             # sys.__stderr__: torch's own excepthook (around this one) collects sys.stderr to prefix it, and prints
             # nothing of it when this one exits the process.
-            print(f"[rank {self.rank}] stopped: {failed_rank()} ended first, at step {self.completed_steps} "
-                  f"({self.current_phase}); its error, if it had one, is above.", file=sys.__stderr__, flush=True)
+            print(
+                f"[rank {self.rank}] stopped: {failed_rank()} ended first, at step {self.completed_steps} "
+                f"({self.current_phase}); its error, if it had one, is above.",
+                file=sys.__stderr__,
+                flush=True,
+            )
             sys.stdout.flush()
             # The failed process exits first (its exit is what the launcher reports as the root cause, with its
             # paragraph) and the launcher reads this line before it stops reading our output.
@@ -109,19 +124,31 @@ class HangDump:
             details = "".join(traceback.format_exception(kind, error, trace))
             path = self._write("error", text, traceback.extract_tb(trace), details)
             waiting = json.loads(path.with_suffix(".json").read_text())["waiting_in"]
-            print(f"[rank {self.rank}] error: a collective failed at step {self.completed_steps} "
-                  f"({self.current_phase}), "
-                  f"waiting in {waiting}: {str(error).splitlines()[0][:300]}. Every rank that could still run wrote "
-                  "its "
-                  f"stacks, step and collective to {self.folder}/ (this one: "
-                  f"{path.name}).", file=sys.stderr, flush=True)
+            print(
+                f"[rank {self.rank}] error: a collective failed at step {self.completed_steps} "
+                f"({self.current_phase}), "
+                f"waiting in {waiting}: {str(error).splitlines()[0][:300]}. Every rank that could still run wrote "
+                "its "
+                f"stacks, step and collective to {self.folder}/ (this one: "
+                f"{path.name}).",
+                file=sys.stderr,
+                flush=True,
+            )
         self._previous_hook(kind, error, trace)
 
     def _write(self, event: str, reason: str, frames, error_text: str = "") -> Path:
         """``rank{R}_{event}.txt`` (reason, step, collective, every thread's stack) and a ``.json`` of the facts."""
-        facts = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "event": event, "reason": reason,
-                 "step": self.completed_steps, "phase": self.current_phase, "waiting_in": waiting_in(frames),
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        facts = {
+            "rank": self.rank,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "event": event,
+            "reason": reason,
+            "step": self.completed_steps,
+            "phase": self.current_phase,
+            "waiting_in": waiting_in(frames),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"rank{self.rank}_{event}.txt"
         with open(path, "w") as dump:

@@ -7,13 +7,9 @@ CPU and two CPU "devices" in tests: every planned module gets Accelerate's ``Ali
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from accelerate import dispatch_model
 from torch import nn
-
-from .flops import lm_flops_per_token
 
 # Softmax + cross-entropy per token and vocabulary entry, in "FLOP equivalents" of matmuls. Measured in the pipeline on
 # CPU (1 thread, fp32, small preset, vocabulary 8192, 256 tokens): LM head + loss cost 3.1 decoder blocks, the head's
@@ -25,8 +21,10 @@ def find_block_list(model: nn.Module, block_classes: set[str]) -> str:
     """Name of the ``ModuleList`` that holds the Transformer blocks (e.g. ``bert.encoder.layer``); blocks FSDP2 has
     sharded already (class ``FSDPLlamaDecoderLayer``, a subclass) count as their own class."""
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and module and all(
-            block_classes & {cls.__name__ for cls in type(m).__mro__} for m in module
+        if (
+            isinstance(module, nn.ModuleList)
+            and module
+            and all(block_classes & {cls.__name__ for cls in type(m).__mro__} for m in module)
         ):
             return name
     raise ValueError(f"no ModuleList of {sorted(block_classes)} found in {type(model).__name__}")
@@ -59,8 +57,13 @@ def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
     return parts
 
 
-def plan_device_map(model: nn.Module, num_devices: int, block_classes: set[str] | None = None,
-                    first_cost: float = 0.0, last_cost: float = 0.0) -> dict[str, int]:
+def plan_device_map(
+    model: nn.Module,
+    num_devices: int,
+    block_classes: set[str] | None = None,
+    first_cost: float = 0.0,
+    last_cost: float = 0.0,
+) -> dict[str, int]:
     """Split ``model`` over ``num_devices``, whole blocks only, balanced by compute: ``{module_name: device_index}``
     covering every parameter once. ``first_cost``/``last_cost``: the compute of the modules before/after the blocks, in
     blocks (an embedding lookup ~0; an LM head over a large vocabulary can cost more than a block)."""
@@ -68,8 +71,9 @@ def plan_device_map(model: nn.Module, num_devices: int, block_classes: set[str] 
     block_list = find_block_list(model, block_classes)
     num_blocks = len(model.get_submodule(block_list))
     if num_blocks < num_devices:
-        raise ValueError(f"{type(model).__name__} has {num_blocks} blocks, fewer than the {num_devices} devices to "
-                         "split over")
+        raise ValueError(
+            f"{type(model).__name__} has {num_blocks} blocks, fewer than the {num_devices} devices to split over"
+        )
     # The modules before/after the blocks share a device with the first/last block: their cost is folded in.
     block_costs = [1.0] * num_blocks
     block_costs[0] += first_cost
@@ -119,65 +123,6 @@ def lm_head_cost_in_blocks(model: nn.Module, block_list: str, sequence_length: i
     return (2 * head.weight.numel() + LOSS_COST_PER_VOCAB_ENTRY * head.weight.shape[0]) / block
 
 
-def blocks_per_part(plan: dict[str, int], block_list: str) -> list[int]:
-    """``{"model.layers.0": 0, ..., "model.layers.6": 1, ...}`` -> ``[5, 2]``: blocks each part runs."""
-    prefix = block_list + "."
-    parts = [part for name, part in plan.items() if name.startswith(prefix) and name[len(prefix):].isdigit()]
-    return [parts.count(part) for part in range(max(plan.values()) + 1)]
-
-
-def block_ranges(counts: list[int]) -> list[range]:
-    """``[5, 2]`` -> ``[range(0, 5), range(5, 7)]``: the block indices each part owns."""
-    starts = [sum(counts[:part]) for part in range(len(counts))]
-    return [range(start, start + count) for start, count in zip(starts, counts)]
-
-
-@dataclass(frozen=True)
-class LMSplit:
-    """A causal LM's split into parts (stages): ``plan`` (``{module_name: part}``), the ``block_list`` it cuts, the
-    blocks each part runs, each part's estimated compute in blocks; the model's parameter count and training FLOPs per
-    token (``shared.flops``, for MFU); and a line that says so."""
-
-    plan: dict[str, int]
-    block_list: str
-    blocks_per_stage: list[int]
-    stage_costs: list[float]
-    num_parameters: int
-    flops_per_token: float
-    description: str
-
-    def facts(self) -> dict:
-        """What results.json records of the model and its split."""
-        return {"model/num_parameters": self.num_parameters, "num_stages": len(self.blocks_per_stage),
-                "blocks_per_stage": self.blocks_per_stage,
-                "stage_cost_share": [cost / sum(self.stage_costs) for cost in self.stage_costs]}
-
-
-def plan_lm_split(model: nn.Module, num_parts: int, sequence_length: int) -> LMSplit:
-    """The one plan of both LM recipes for every kind of split (device_map, pipeline stages): whole decoder blocks,
-    balanced by estimated compute, with the embeddings on the first part and the final norm + LM head (+ loss, which
-    ``lm_head_cost_in_blocks`` counts at ``sequence_length``) on the last. One part: the model unsplit. Call it on
-    the whole model, before any split or ``prepare``."""
-    block_list = find_block_list(model, set(model._no_split_modules))
-    head_cost = lm_head_cost_in_blocks(model, block_list, sequence_length)
-    plan = plan_device_map(model, num_parts, last_cost=head_cost)
-    counts = blocks_per_part(plan, block_list)
-    costs = [count + (head_cost if part == num_parts - 1 else 0) for part, count in enumerate(counts)]
-    config, num_parameters = model.config, sum(parameter.numel() for parameter in model.parameters())
-    flops = lm_flops_per_token(config.hidden_size, config.num_hidden_layers, config.vocab_size, num_parameters,
-                               sequence_length)
-    size = f"model: {num_parameters / 1e6:.1f}M parameters"
-    if num_parts == 1:
-        return LMSplit(plan, block_list, counts, costs, num_parameters, flops,
-                       f"{size}, {counts[0]} decoder blocks, unsplit")
-    parts = [f"blocks {blocks.start}-{blocks.stop - 1}" for blocks in block_ranges(counts)]
-    parts[0], parts[-1] = "embeddings + " + parts[0], parts[-1] + " + norm + LM head"
-    description = (f"{size}; split by estimated compute (the LM head and loss count as {head_cost:.1f} blocks): "
-                   + "; ".join(f"stage {part}: {text} ({cost / sum(costs):.0%})"
-                               for part, (text, cost) in enumerate(zip(parts, costs))))
-    return LMSplit(plan, block_list, counts, costs, num_parameters, flops, description)
-
-
 def split_devices(device: torch.device) -> list[torch.device]:
     """The devices a one-process split uses: every GPU when there are 2+; one GPU and the CPU (a real two-device split:
     slow, the second part in host RAM); two CPU "devices" without a GPU (the same hooks and moves, for tests)."""
@@ -198,18 +143,12 @@ def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[to
     device_map=...)`` sets) makes ``accelerator.prepare`` leave the placement alone and refuse a distributed mode."""
     device_map = {name: devices[part] for name, part in plan.items()}
     embeddings = model.get_input_embeddings()
-    main = next(device for name, device in device_map.items()
-                if any(module is embeddings for module in model.get_submodule(name).modules()))
+    main = next(
+        device
+        for name, device in device_map.items()
+        if any(module is embeddings for module in model.get_submodule(name).modules())
+    )
     # skip_keys: a causal LM picks the hidden states of the positions in logits_to_keep on its last device, not main.
     model = dispatch_model(model, device_map, main_device=main, force_hooks=True, skip_keys=["logits_to_keep"])
     model.hf_device_map = dict(device_map)
     return model, device_map
-
-
-def parameter_bytes_per_device(model: nn.Module, plan: dict[str, int]) -> dict[int, int]:
-    """Bytes of parameters each planned device holds (what the plan puts where, before training)."""
-    totals: dict[int, int] = {}
-    for name, index in plan.items():
-        size = sum(p.numel() * p.element_size() for p in model.get_submodule(name).parameters())
-        totals[index] = totals.get(index, 0) + size
-    return totals

@@ -31,9 +31,12 @@ def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
     """Peak memory of this process per device, GiB. CUDA: ``max_memory_allocated`` (tensors only, what decides
     out-of-memory). CPU: the peak resident set size, with Python, libraries and buffers: compare CPU with CPU only."""
     scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is in KiB on Linux (bytes on macOS)
-    return {str(device) if device.type == "cuda" else "cpu": torch.cuda.max_memory_allocated(device) / GIB
-            if device.type == "cuda" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
-            for device in devices}
+    return {
+        str(device) if device.type == "cuda" else "cpu": torch.cuda.max_memory_allocated(device) / GIB
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
+        for device in devices
+    }
 
 
 def percentile(values: list[float], q: int) -> float | None:
@@ -43,82 +46,9 @@ def percentile(values: list[float], q: int) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-class ThroughputMeter:
-    """Times optimizer steps, skipping the first ``warmup_steps``. CUDA runs behind the host, and a sync in every step
-    would stop it queueing the next one: ``sync()`` waits for the devices every few steps and gives each step of the
-    window since the last sync the window's mean time. Sample and token counts may be device tensors, read then too."""
-
-    def __init__(self, accelerator: Accelerator, warmup_steps: int = 1, devices: list[torch.device] | None = None):
-        self.accelerator, self.warmup_steps, self.devices = accelerator, warmup_steps, devices or [accelerator.device]
-        self.step_times, self.data_wait_times = [], []  # per measured step: seconds, and seconds in next(dataloader)
-        self.samples = self.tokens = self.answer_tokens = self.steps_seen = 0
-        self._waiting, self._data_timed, self._window, self._last = 0.0, False, [], time.perf_counter()
-
-    def timed(self, dataloader):
-        """``dataloader``'s batches, the time each ``next()`` takes added to the current step's data wait."""
-        self._data_timed, iterator = True, iter(dataloader)
-        while True:
-            start = time.perf_counter()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            finally:
-                self._waiting += time.perf_counter() - start
-            yield batch
-
-    def step(self, samples: int, tokens=0, answer_tokens=0, sync: bool = True) -> None:
-        """After each optimizer step, the *global* counts (``answer_tokens``: those a fine-tune's loss is on)."""
-        self.steps_seen += 1
-        self._window.append((samples, tokens, answer_tokens, self._waiting))
-        self._waiting = 0.0
-        if sync or self.steps_seen == self.warmup_steps:
-            self.sync()
-
-    def sync(self) -> None:
-        """Sync point: wait for the devices, then share the window's time out among its steps."""
-        if not self._window:
-            return
-        for device in self.devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        now = time.perf_counter()
-        seconds, first = (now - self._last) / len(self._window), self.steps_seen - len(self._window) + 1
-        for number, (samples, tokens, answer_tokens, waited) in enumerate(self._window, first):
-            if number > self.warmup_steps:
-                self.step_times.append(seconds)
-                self.data_wait_times.append(waited)
-                self.samples, self.tokens = self.samples + int(samples), self.tokens + int(tokens)
-                self.answer_tokens += int(answer_tokens)
-        self._window, self._last = [], now
-
-    def summary(self, flops_per_token: float | None = None) -> dict:
-        """The perf/* entries; ``perf/mfu`` on CUDA with ``flops_per_token``: achieved FLOP/s over the GPUs' peak."""
-        self.sync()
-        measured, steps = sum(self.step_times), len(self.step_times)
-        summary = {"perf/measured_steps": steps, "perf/step_time_p90_s": percentile(self.step_times, 90),
-                   "perf/step_time_s": statistics.median(self.step_times) if steps else None,
-                   "perf/samples_per_sec": self.samples / measured if measured else None,
-                   "perf/samples_per_step": self.samples / steps if steps else None,
-                   "perf/data_wait_fraction": sum(self.data_wait_times) / measured
-                   if measured and self._data_timed else None}
-        if self.tokens:
-            summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
-            summary["perf/tokens_per_step"] = self.tokens / steps if steps else None
-        if self.answer_tokens:
-            summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
-        gpus = [device for device in self.devices if device.type == "cuda"]
-        if flops_per_token and gpus and summary.get("perf/tokens_per_sec"):
-            name = torch.cuda.get_device_name(gpus[0])
-            summary["perf/gpu_name"], summary["perf/peak_flops_per_device"] = name, peak_bf16_flops(name)
-            if summary["perf/peak_flops_per_device"]:  # every process drives len(gpus) GPUs (2 in a device_map split)
-                used = summary["perf/peak_flops_per_device"] * self.accelerator.num_processes * len(gpus)
-                summary["perf/mfu"] = summary["perf/tokens_per_sec"] * flops_per_token / used
-        return summary
-
-
-def write_results(accelerator: Accelerator, output_dir: str | os.PathLike, results: dict,
-                  filename: str = "results.json") -> Path:
+def write_results(
+    accelerator: Accelerator, output_dir: str | os.PathLike, results: dict, filename: str = "results.json"
+) -> Path:
     """Write ``output_dir/results.json`` from the main process, atomically (tmp file + rename): readers (tests,
     benchmarks, the compare tool) never see a half-written file."""
     path, tmp = Path(output_dir) / filename, Path(output_dir) / (filename + ".tmp")
@@ -136,61 +66,144 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     shards = {local(param).data_ptr(): (local(param), param.requires_grad) for param in model.parameters()}
     parameters = sum(shard.numel() * shard.element_size() for shard, _ in shards.values())
     gradients = sum(shard.numel() * shard.element_size() for shard, trained in shards.values() if trained)
-    optimizer_state = sum(local(value).numel() * local(value).element_size() for state in
-                          (optimizer.state.values() if optimizer else ()) for value in state.values()
-                          if isinstance(value, torch.Tensor))  # Adam's 0-d step counter too: it is state
-    return {"parameters": parameters, "gradients": gradients, "optimizer": optimizer_state,
-            "total": parameters + gradients + optimizer_state}
+    optimizer_state = sum(
+        local(value).numel() * local(value).element_size()
+        for state in (optimizer.state.values() if optimizer else ())
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )  # Adam's 0-d step counter too: it is state
+    return {
+        "parameters": parameters,
+        "gradients": gradients,
+        "optimizer": optimizer_state,
+        "total": parameters + gradients + optimizer_state,
+    }
 
 
 class RunRecord:
-    """The loss curve, the throughput meter and peak memory of a run, written with the run's own results to
-    ``results.json`` by ``write``. Build it after ``prepare``; ``loss_curve`` continues a resumed run's curve."""
+    """The loss curve, the clock and peak memory of a run, written with the run's own results to ``results.json`` by
+    ``write``. Build it after ``prepare``; ``loss_curve`` continues a resumed run's curve.
 
-    def __init__(self, accelerator: Accelerator, max_train_steps: int, loss_curve: list[float] | None = None,
-                 warmup_steps: int = 2, devices: list[torch.device] | None = None, sync_every: int = 10):
+    The clock times optimizer steps, skipping the first ``warmup_steps``. CUDA runs behind the host, and a sync in
+    every step would stop it queueing the next one: every ``sync_every`` steps the record waits for the devices, reads
+    the window's losses and sample and token counts (device tensors or numbers) and gives each step of the window since
+    the last sync the window's mean time."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        max_train_steps: int,
+        loss_curve: list[float] | None = None,
+        warmup_steps: int = 2,
+        devices: list[torch.device] | None = None,
+        sync_every: int = 10,
+    ):
         self.accelerator, self.max_train_steps, self.sync_every = accelerator, max_train_steps, sync_every
+        self.warmup_steps, self.devices = warmup_steps, devices or [accelerator.device]
         self.curve, self.unread = list(loss_curve or []), []
         self.resumed_from_step = len(self.curve)
-        self.meter = ThroughputMeter(accelerator, warmup_steps=warmup_steps, devices=devices)
+        self.step_times, self.data_wait_times = [], []  # per measured step: seconds, and seconds in next(dataloader)
+        self.samples = self.tokens = self.answer_tokens = self.steps_seen = 0
+        self._waiting, self._data_timed, self._window, self._last = 0.0, False, [], time.perf_counter()
         # Loading and prepare are done: their peak per device, apart from training's (on CUDA the counter restarts).
-        self.load_peak, self.train_peak = peak_memory_gib(self.meter.devices), None
-        for device in self.meter.devices:
+        self.load_peak, self.train_peak = peak_memory_gib(self.devices), None
+        for device in self.devices:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
 
     def timed(self, dataloader):
-        """The batches of ``dataloader``, each one's wait measured (``perf/data_wait_fraction``)."""
-        return self.meter.timed(dataloader)
+        """``dataloader``'s batches, the time each ``next()`` takes added to the current step's data wait
+        (``perf/data_wait_fraction``)."""
+        self._data_timed, iterator = True, iter(dataloader)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self._waiting += time.perf_counter() - start
+            yield batch
 
     def step(self, completed_steps: int, loss, samples: int, tokens=0, answer_tokens=0) -> None:
-        """After each optimizer step: its global loss and the whole global batch's samples/tokens. Tensors still on the
-        device are read (a sync point) every ``sync_every`` steps, at the last step and in ``losses()``."""
+        """After each optimizer step: its global loss and the whole global batch's samples/tokens (``answer_tokens``:
+        those a fine-tune's loss is on). Tensors still on the device are read (a sync point) every ``sync_every``
+        steps, at the last step and in ``losses()``."""
         if isinstance(loss, numbers.Number) and not self.unread:  # read by the recipe already (its sync is done)
             self.curve.append(float(loss))
         else:
             self.unread.append(loss)
-        self.meter.step(samples, tokens, answer_tokens, sync=False)
+        self.steps_seen += 1
+        self._window.append((samples, tokens, answer_tokens, self._waiting))
+        self._waiting = 0.0
+        if self.steps_seen == self.warmup_steps:  # the clock starts after the warm-up steps
+            self._sync()
         if completed_steps >= self.max_train_steps or len(self.unread) >= self.sync_every:
             self.losses()
         if completed_steps >= self.max_train_steps:  # training's peak, before the save and the evaluation
-            self.train_peak = peak_memory_gib(self.meter.devices)
+            self.train_peak = peak_memory_gib(self.devices)
 
     def losses(self) -> list[float]:
         """Every optimizer step's global loss so far. Sync point: the device finishes the queued steps."""
-        self.meter.sync()
+        self._sync()
         self.curve.extend(float(loss) for loss in self.unread)
         self.unread.clear()
         return self.curve
 
-    def write(self, output_dir: str | os.PathLike, results: dict, model, optimizer=None,
-              flops_per_token: float | None = None) -> Path:
+    def _sync(self) -> None:
+        """Sync point: wait for the devices, then share the window's time out among its steps."""
+        if not self._window:
+            return
+        for device in self.devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        seconds, first = (now - self._last) / len(self._window), self.steps_seen - len(self._window) + 1
+        for number, (samples, tokens, answer_tokens, waited) in enumerate(self._window, first):
+            if number > self.warmup_steps:
+                self.step_times.append(seconds)
+                self.data_wait_times.append(waited)
+                self.samples, self.tokens = self.samples + int(samples), self.tokens + int(tokens)
+                self.answer_tokens += int(answer_tokens)
+        self._window, self._last = [], now
+
+    def _perf(self, flops_per_token: float | None = None) -> dict:
+        """The perf/* entries; ``perf/mfu`` on CUDA with ``flops_per_token``: achieved FLOP/s over the GPUs' peak."""
+        measured, steps = sum(self.step_times), len(self.step_times)
+        summary = {
+            "perf/measured_steps": steps,
+            "perf/step_time_p90_s": percentile(self.step_times, 90),
+            "perf/step_time_s": statistics.median(self.step_times) if steps else None,
+            "perf/samples_per_sec": self.samples / measured if measured else None,
+            "perf/samples_per_step": self.samples / steps if steps else None,
+            "perf/data_wait_fraction": sum(self.data_wait_times) / measured if measured and self._data_timed else None,
+        }
+        if self.tokens:
+            summary["perf/tokens_per_sec"] = self.tokens / measured if measured else None
+            summary["perf/tokens_per_step"] = self.tokens / steps if steps else None
+        if self.answer_tokens:
+            summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
+        gpus = [device for device in self.devices if device.type == "cuda"]
+        if flops_per_token and gpus and summary.get("perf/tokens_per_sec"):
+            name = torch.cuda.get_device_name(gpus[0])
+            summary["perf/gpu_name"], summary["perf/peak_flops_per_device"] = name, peak_bf16_flops(name)
+            if summary["perf/peak_flops_per_device"]:  # every process drives len(gpus) GPUs (2 in a device_map split)
+                used = summary["perf/peak_flops_per_device"] * self.accelerator.num_processes * len(gpus)
+                summary["perf/mfu"] = summary["perf/tokens_per_sec"] * flops_per_token / used
+        return summary
+
+    def write(
+        self, output_dir: str | os.PathLike, results: dict, model, optimizer=None, flops_per_token: float | None = None
+    ) -> Path:
         """A collective (every process gathers its numbers): ``results`` with the loss curve, perf/* and memory/*
         entries, written by the main process to ``output_dir/results.json``; also logged to the trackers."""
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
         per_rank = lambda value: {f"rank{r}": item for r, item in enumerate(gather_object([value]))}
-        per_device = lambda peaks: {(f"{rank}/" if several else "") + device: round(gib, 4)
-                                    for rank, peaks in per_rank(peaks).items() for device, gib in peaks.items()}
+        per_device = lambda peaks: {
+            (f"{rank}/" if several else "") + device: round(gib, 4)
+            for rank, peaks in per_rank(peaks).items()
+            for device, gib in peaks.items()
+        }
         curve = self.losses()
         if accelerator.is_fsdp2:  # after a forward without backward (an evaluation) FSDP2 leaves the root unsharded:
             from torch.distributed.fsdp import FSDPModule  # resharded, the bytes are those training held
@@ -201,21 +214,30 @@ class RunRecord:
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         device_map = vars(unwrapped).get("hf_device_map") or getattr(base, "hf_device_map", None)
         initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
-        results = {"num_processes": accelerator.num_processes, "distributed_type": accelerator.distributed_type.value,
-                   "device": str(accelerator.device), "mixed_precision": accelerator.mixed_precision,
-                   "distributed/backend": torch.distributed.get_backend() if initialized else None,
-                   "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
-                   "completed_steps": len(curve), "resumed_from_step": self.resumed_from_step,
-                   "train/loss": curve[-1] if curve else None, "train/loss_curve": curve,
-                   **self.meter.summary(flops_per_token),
-                   "memory/peak_gib": per_device(self.train_peak or peak_memory_gib(self.meter.devices)),
-                   "memory/load_peak_gib": per_device(self.load_peak),  # host RAM too: loading and offload live there
-                   "memory/host_peak_gib": {rank: round(gib["cpu"], 4) for rank, gib in
-                                            per_rank(peak_memory_gib([torch.device("cpu")])).items()},
-                   "memory/model_state_bytes": per_rank(model_state_bytes(model, optimizer)), **results}
+        results = {
+            "num_processes": accelerator.num_processes,
+            "distributed_type": accelerator.distributed_type.value,
+            "device": str(accelerator.device),
+            "mixed_precision": accelerator.mixed_precision,
+            "distributed/backend": torch.distributed.get_backend() if initialized else None,
+            "device_map": {name: str(device) for name, device in device_map.items()} if device_map else None,
+            "completed_steps": len(curve),
+            "resumed_from_step": self.resumed_from_step,
+            "train/loss": curve[-1] if curve else None,
+            "train/loss_curve": curve,
+            **self._perf(flops_per_token),
+            "memory/peak_gib": per_device(self.train_peak or peak_memory_gib(self.devices)),
+            "memory/load_peak_gib": per_device(self.load_peak),  # host RAM too: loading and offload live there
+            "memory/host_peak_gib": {
+                rank: round(gib["cpu"], 4) for rank, gib in per_rank(peak_memory_gib([torch.device("cpu")])).items()
+            },
+            "memory/model_state_bytes": per_rank(model_state_bytes(model, optimizer)),
+            **results,
+        }
         if accelerator.trackers:
-            accelerator.log({key: value for key, value in results.items() if isinstance(value, (int, float))},
-                            step=len(curve))
+            accelerator.log(
+                {key: value for key, value in results.items() if isinstance(value, (int, float))}, step=len(curve)
+            )
         path = write_results(accelerator, output_dir, results)
         # Sync point: no process tears down its connections while another still writes (gloo can abort at exit).
         accelerator.wait_for_everyone()

@@ -27,14 +27,33 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, gather_object
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml",
-              "device_map": "model_sharding_2gpu.yaml", "pipeline": "pipeline_2gpu.yaml"}
+CONFIG_FOR = {
+    "single": "single_gpu.yaml",
+    "ddp": "ddp_2gpu.yaml",
+    "fsdp": "fsdp_2gpu.yaml",
+    "device_map": "model_sharding_2gpu.yaml",
+    "pipeline": "pipeline_2gpu.yaml",
+}
 # What an earlier run leaves in its output_dir (the Hub scripts' check): a new run into it is refused unless asked.
-RUN_OUTPUTS = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-               "adapter_model.safetensors", "results.json")
+RUN_OUTPUTS = (
+    "config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "adapter_model.safetensors",
+    "results.json",
+)
 # Any of these in a model folder is a tokenizer transformers can load (one file names the rest).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json",
-                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+)
 
 
 # The rank whose RecipeError ended the run first, in the process group's store (read by shared.hang_dump).
@@ -73,7 +92,8 @@ def report_recipe_errors():
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             with contextlib.suppress(OSError):
                 Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(
-                    json.dumps({"message": "error: " + error.message, "timestamp": int(time.time())}))
+                    json.dumps({"message": "error: " + error.message, "timestamp": int(time.time())})
+                )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             with contextlib.suppress(Exception):
                 torch.distributed.distributed_c10d._get_default_store().set(FAILED_RANK_KEY, os.environ["RANK"])
@@ -156,22 +176,42 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     """The flags every recipe shares for surviving a long run: checkpoints, resume, the collective timeout, and saving
     on machines without a shared disk (one definition, so their names, defaults and help agree everywhere)."""
     group = parser.add_argument_group("checkpoints and reliability")
-    group.add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
-                       help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, "
-                       "or 'epoch'.")
-    group.add_argument("--checkpoints_total_limit", type=positive_int, default=None,
-                       help="Keep only the newest N complete checkpoints (default: all; each save prints its size).")
-    group.add_argument("--resume_from_checkpoint", default=None,
-                       help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; "
-                       "starts fresh if there is none).")
-    group.add_argument("--overwrite_output_dir", action="store_true",
-                       help="Write into an --output_dir that holds an earlier run's model, results or checkpoints "
-                       "(refused otherwise, unless resuming).")
-    group.add_argument("--save_on_each_node", action="store_true",
-                       help="Machines without a shared disk: every machine saves its own copy of each checkpoint.")
-    group.add_argument("--dist_timeout", type=positive_float, default=600,
-                       help="Seconds any collective may wait for the other processes before the run fails with an "
-                       "error naming it (hang dumps go to output_dir/debug/).")
+    group.add_argument(
+        "--checkpointing_steps",
+        type=steps_or_epoch,
+        default=None,
+        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.",
+    )
+    group.add_argument(
+        "--checkpoints_total_limit",
+        type=positive_int,
+        default=None,
+        help="Keep only the newest N complete checkpoints (default: all; each save prints its size).",
+    )
+    group.add_argument(
+        "--resume_from_checkpoint",
+        default=None,
+        help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; "
+        "starts fresh if there is none).",
+    )
+    group.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Write into an --output_dir that holds an earlier run's model, results or checkpoints "
+        "(refused otherwise, unless resuming).",
+    )
+    group.add_argument(
+        "--save_on_each_node",
+        action="store_true",
+        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.",
+    )
+    group.add_argument(
+        "--dist_timeout",
+        type=positive_float,
+        default=600,
+        help="Seconds any collective may wait for the other processes before the run fails with an "
+        "error naming it (hang dumps go to output_dir/debug/).",
+    )
 
 
 def check_process_count(accelerator: Accelerator) -> None:
@@ -232,8 +272,13 @@ def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = torch.distributed.TCPStore(address, port, is_master=False, **timeout)
     store = torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store)
-    torch.distributed.init_process_group(backend=distributed_backend(cpu), store=store, rank=int(os.environ["RANK"]),
-                                         world_size=int(os.environ["WORLD_SIZE"]), **timeout)
+    torch.distributed.init_process_group(
+        backend=distributed_backend(cpu),
+        store=store,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        **timeout,
+    )
 
 
 def name_the_gpu() -> None:
@@ -264,16 +309,19 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
         # recipes' loaders use on a GPU, the copy is queued behind the running step; from pageable memory CUDA would
         # first wait for the GPU to finish everything queued: a sync point in every step. (A copy: the caller's
         # configuration stays as it was.)
-        accelerator_kwargs["dataloader_config"] = dataclasses.replace(accelerator_kwargs["dataloader_config"],
-                                                                      non_blocking=True)
+        accelerator_kwargs["dataloader_config"] = dataclasses.replace(
+            accelerator_kwargs["dataloader_config"], non_blocking=True
+        )
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         # Accelerate has no fp16 autocast on the CPU: the run would be fp32 throughout, recorded as fp16.
-        stop_if_found("Mixed precision fp16 (--mixed_precision fp16, or the launch config's "
-                      "mixed_precision) does nothing on the CPU this run uses: Accelerate has no fp16 autocast there, "
-                      "so it would train in fp32 and record fp16. Pass --mixed_precision bf16 (autocast on the CPU "
-                      "too) or --mixed_precision no, or run fp16 on a CUDA GPU.")
+        stop_if_found(
+            "Mixed precision fp16 (--mixed_precision fp16, or the launch config's "
+            "mixed_precision) does nothing on the CPU this run uses: Accelerate has no fp16 autocast there, "
+            "so it would train in fp32 and record fp16. Pass --mixed_precision bf16 (autocast on the CPU "
+            "too) or --mixed_precision no, or run fp16 on a CUDA GPU."
+        )
     if accelerator.device.type == "cuda" and accelerator.device.index is not None:
         # Object collectives under NCCL (gather_object, the pipeline's state-dict gather) go through the *current* CUDA
         # device: unset, every rank uses cuda:0, or hangs. Accelerate sets it when it starts the group; this line also
@@ -314,8 +362,10 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
         return
     plugin = FullyShardedDataParallelPlugin()  # read from the launch config's FSDP_* variables
     if plugin.fsdp_version != 2:
-        raise RecipeError(f"On CPU only FSDP version 2 runs (torch's fully_shard over gloo); the launch config has "
-                          f"fsdp_version {plugin.fsdp_version}. Use accelerate_configs/fsdp_2gpu.yaml.")
+        raise RecipeError(
+            f"On CPU only FSDP version 2 runs (torch's fully_shard over gloo); the launch config has "
+            f"fsdp_version {plugin.fsdp_version}. Use accelerate_configs/fsdp_2gpu.yaml."
+        )
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)  # what AcceleratorState does on GPUs
     if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # the offload config, unpinned (pinned memory needs a GPU)
@@ -324,9 +374,11 @@ def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
     accelerator.state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # collectives read it from here
     if not accelerator.is_fsdp2:
-        raise RecipeError("Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state "
-                          "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from "
-                          "requirements.txt.")
+        raise RecipeError(
+            "Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state "
+            "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from "
+            "requirements.txt."
+        )
 
 
 # How the model is trained (``single``, ``ddp``, ``fsdp``, ``device_map``, ``pipeline``), and why.
@@ -355,38 +407,57 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
     config = CONFIG_FOR.get(requested, CONFIG_FOR["single"])
     launch = f"accelerate launch --config_file accelerate_configs/{config} {recipe}"
     if requested == "fsdp" and not fsdp:
-        raise RecipeError(f"--parallelism fsdp needs the FSDP launch config, which says how to shard (this launch is "
-                          f"{accelerator.distributed_type.value}): {launch}")
+        raise RecipeError(
+            f"--parallelism fsdp needs the FSDP launch config, which says how to shard (this launch is "
+            f"{accelerator.distributed_type.value}): {launch}"
+        )
     if requested != "fsdp" and fsdp:
-        raise RecipeError(f"The launch config is FSDP but --parallelism is {requested}: FSDP is not combined with "
-                          f"{requested} here (Accelerate would shard the model anyway). Use --parallelism fsdp (or "
-                          "auto), "
-                          f"or launch {requested} with its own config: {launch}")
+        raise RecipeError(
+            f"The launch config is FSDP but --parallelism is {requested}: FSDP is not combined with "
+            f"{requested} here (Accelerate would shard the model anyway). Use --parallelism fsdp (or "
+            "auto), "
+            f"or launch {requested} with its own config: {launch}"
+        )
     if requested == "device_map" and processes > 1:
-        raise RecipeError("--parallelism device_map splits the model inside one process, but this launch has "
-                          f"{processes} "
-                          "processes: Accelerate refuses to train a device_map model in a distributed mode (and each "
-                          "process "
-                          f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only "
-                          "machine too).")
+        raise RecipeError(
+            "--parallelism device_map splits the model inside one process, but this launch has "
+            f"{processes} "
+            "processes: Accelerate refuses to train a device_map model in a distributed mode (and each "
+            "process "
+            f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only "
+            "machine too)."
+        )
     if compile and requested == "device_map":
-        raise RecipeError("--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map: "
-                          "leave --compile out, or launch another way.")
+        raise RecipeError(
+            "--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map: "
+            "leave --compile out, or launch another way."
+        )
     if requested in ("ddp", "pipeline") and processes < 2:
-        what = ("A pipeline runs one stage per process" if requested == "pipeline"
-                else "--parallelism ddp needs 2 or more processes")
-        raise RecipeError(f"{what}, but this launch has {processes} process. Launch it with 2: {launch} (on a "
-                          "CPU-only machine too: 2 gloo processes).")
+        what = (
+            "A pipeline runs one stage per process"
+            if requested == "pipeline"
+            else "--parallelism ddp needs 2 or more processes"
+        )
+        raise RecipeError(
+            f"{what}, but this launch has {processes} process. Launch it with 2: {launch} (on a "
+            "CPU-only machine too: 2 gloo processes)."
+        )
     reason = {
         "fsdp": f"{processes} process(es), each holding 1/{processes} of every parameter, gradient and optimizer state"
-                + (" (1 process: FSDP2's full code path, nothing to shard over)" if processes == 1 else ""),
+        + (" (1 process: FSDP2's full code path, nothing to shard over)" if processes == 1 else ""),
         "ddp": f"{processes} processes ({accelerator.distributed_type.value}), each a full replica, gradients "
-               "averaged",
+        "averaged",
         "device_map": "1 process, the model split over "
-                      "" + (f"{gpus} GPUs" if gpus >= 2 else "1 GPU and the CPU" if gpus == 1
-                                                             else 'two CPU "devices" (the GPU code path: same hooks, '
-                                                                  'not faster)'),
-        "pipeline": f"{processes} processes, one pipeline stage each", "single": f"1 process on {accelerator.device}",
+        ""
+        + (
+            f"{gpus} GPUs"
+            if gpus >= 2
+            else "1 GPU and the CPU"
+            if gpus == 1
+            else 'two CPU "devices" (the GPU code path: same hooks, not faster)'
+        ),
+        "pipeline": f"{processes} processes, one pipeline stage each",
+        "single": f"1 process on {accelerator.device}",
     }[requested]
     return Parallelism(requested, f"{reason} ({why})")
 
@@ -399,17 +470,21 @@ def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str |
     found = [name for name in RUN_OUTPUTS if (output_dir / name).is_file()]
     found += ["checkpoints/"] if any((output_dir / "checkpoints").glob("step_*")) else []
     if found and not (overwrite or resuming):
-        problem = (f"--output_dir {str(path)!r} already holds an earlier run's output ({', '.join(found)}), which "
-                   "this run would overwrite. Pass --overwrite_output_dir to replace it, --resume_from_checkpoint "
-                   "latest to continue that run, or another --output_dir.")
+        problem = (
+            f"--output_dir {str(path)!r} already holds an earlier run's output ({', '.join(found)}), which "
+            "this run would overwrite. Pass --overwrite_output_dir to replace it, --resume_from_checkpoint "
+            "latest to continue that run, or another --output_dir."
+        )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / f".write_test_{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as error:
-        problem = (f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can write "
-                   "to; it is created if missing.")
+        problem = (
+            f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can write "
+            "to; it is created if missing."
+        )
     stop_if_found(problem)
     return output_dir
 
@@ -424,7 +499,9 @@ def tokenizer_problem(model_name_or_path: str, tokenizer_name: str | None) -> st
         return None
     flag = "--tokenizer_name" if tokenizer_name else "--model_name_or_path"
     held = ", ".join(sorted(path.name for path in folder.iterdir())[:8]) or "nothing"
-    return (f"{flag} {source!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ...; it holds: "
-            f"{held}), so the text cannot be turned into the tokens the model was trained on. Pass --tokenizer_name "
-            "with the folder or Hub name of the model's tokenizer (e.g. the model it was fine-tuned from), or save "
-            f"the tokenizer into {source!r} (tokenizer.save_pretrained).")
+    return (
+        f"{flag} {source!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:4])}, ...; it holds: "
+        f"{held}), so the text cannot be turned into the tokens the model was trained on. Pass --tokenizer_name "
+        "with the folder or Hub name of the model's tokenizer (e.g. the model it was fine-tuned from), or save "
+        f"the tokenizer into {source!r} (tokenizer.save_pretrained)."
+    )

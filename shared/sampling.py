@@ -30,7 +30,7 @@ class LengthGroupedShuffledSampler(Sampler[int]):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = get_length_grouped_indices(self.lengths, self.batch_size, self.mega_batch_batches, generator)
         # Mega-batches hold whole batches, so only the last batch of all can be short.
-        batches = [order[i:i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         full = [batch for batch in batches if len(batch) == self.batch_size]
         short = [batch for batch in batches if len(batch) < self.batch_size]
         full = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]

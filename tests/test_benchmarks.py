@@ -302,17 +302,29 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     import gpu_check
 
     runs = {
-        "lm-single": {"perf/tokens_per_sec": 1000.0, "perf/mfu": 0.30, "perf/step_time_p90_s": 1.1,
-                      "train/loss_curve": [7.0, 6.51]},
-        "lm-single-compile": {"perf/tokens_per_sec": 1500.0, "perf/mfu": 0.46, "perf/step_time_p90_s": 0.7,
-                              "train/loss_curve": [7.0, 6.5]},
+        "lm-single": {
+            "perf/tokens_per_sec": 1000.0,
+            "perf/mfu": 0.30,
+            "perf/step_time_p90_s": 1.1,
+            "train/loss_curve": [7.0, 6.51],
+        },
+        "lm-single-compile": {
+            "perf/tokens_per_sec": 1500.0,
+            "perf/mfu": 0.46,
+            "perf/step_time_p90_s": 0.7,
+            "train/loss_curve": [7.0, 6.5],
+        },
         "lm-fsdp-1process-speed": {"perf/tokens_per_sec": 900.0, "perf/step_time_p90_s": 1.2},
         "finetune-recommended": {"perf/samples_per_sec": 140.0, "perf/step_time_p90_s": 0.2},
     }
     records = {name: fabricated_run(tmp_path, name, **results) for name, results in runs.items()}
     records["finetune-plain"] = {"status": "failed", "reason": "exit code 1"}
-    vs_trl = {"summary": [{"key": "perf/tokens_per_sec", "median": 1.4, "interval": [1.3, 1.5]},
-                          {"key": "eval/loss", "median": 1.05}]}
+    vs_trl = {
+        "summary": [
+            {"key": "perf/tokens_per_sec", "median": 1.4, "interval": [1.3, 1.5]},
+            {"key": "eval/loss", "median": 1.05},
+        ]
+    }
     verdicts = {row["comparison"]: row for row in gpu_check.judge_perf(records, tmp_path, True, vs_trl)}
     status = {name: row["status"] for name, row in verdicts.items()}
     assert status == {
@@ -327,7 +339,8 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     assert "0.900x" in verdicts["LM FSDP2 in 1 process / single"]["line"]
     assert "1.0500x TRL's" in verdicts["LLM recipe / TRL SFTTrainer"]["line"]
     (tmp_path / "work" / "lm-single-compile" / "results.json").write_text(
-        json.dumps({"perf/tokens_per_sec": 1500.0, "train/loss_curve": [7.0, 5.0]}))  # a compile that trains otherwise
+        json.dumps({"perf/tokens_per_sec": 1500.0, "train/loss_curve": [7.0, 5.0]})
+    )  # a compile that trains otherwise
     rows = {row["comparison"]: row for row in gpu_check.judge_perf(records, tmp_path, True, vs_trl)}
     assert rows["LM --compile = eager"]["status"] == "fail" and "5 vs 6.51" in rows["LM --compile = eager"]["line"]
     vs_trl["summary"][1]["median"] = 1.0
@@ -412,9 +425,9 @@ def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):
         "QLoRA under FSDP2 in 1 process = one-GPU QLoRA": "pass",
         "QLoRA under FSDP2 + CPU offload in 1 process = one-GPU QLoRA": "fail",
     }
-    assert "0.3 at point 2 (2.3 vs 2)" in verdicts["QLoRA under FSDP2 + CPU offload in 1 process = one-GPU QLoRA"][
-        "line"
-    ]
+    assert (
+        "0.3 at point 2 (2.3 vs 2)" in verdicts["QLoRA under FSDP2 + CPU offload in 1 process = one-GPU QLoRA"]["line"]
+    )
     assert "0.4 at point 2 (1.4 vs 1)" in verdicts["finetune fp16 = fp32"]["line"]
     assert "scale 1.0" in verdicts["fp16 GradScaler scales"]["line"]
     assert "inf at point 1" in verdicts["finetune device_map = single"]["line"]
@@ -468,9 +481,20 @@ def record(group: str, setup: str, round_: int, recipe: str = "train_lm", proces
     """A runner record with made-up numbers: each round the setup runs 10 % faster than its reference would."""
     from lib.records import SCHEMA
 
-    return {"schema": SCHEMA, "status": "ok", "_input": "", "run_id": f"{setup}-{round_}", "group": group,
-            "setup": setup, "round": round_, "recipe": recipe, "processes": processes, "perf/step_time_s": 1.0,
-            "perf/samples_per_sec": 10.0 + round_, **fields}
+    return {
+        "schema": SCHEMA,
+        "status": "ok",
+        "_input": "",
+        "run_id": f"{setup}-{round_}",
+        "group": group,
+        "setup": setup,
+        "round": round_,
+        "recipe": recipe,
+        "processes": processes,
+        "perf/step_time_s": 1.0,
+        "perf/samples_per_sec": 10.0 + round_,
+        **fields,
+    }
 
 
 @pytest.mark.parametrize(
@@ -479,8 +503,14 @@ def record(group: str, setup: str, round_: int, recipe: str = "train_lm", proces
         # The recipe against raw PyTorch: the same blocks, but the recipe's steps hold half the tokens.
         ("lm-tiny-data_parallel", "raw_ddp", "ddp", "train_lm", "perf/tokens_per_step", (8192, 4096)),
         # Pipeline vs the naive split over the same batch, but 2,048 tokens per step on one side.
-        ("lm-small-pipeline-gpipe", "device_map", "pipeline-gpipe-m2", "pipeline_lm", "perf/tokens_per_step",
-         (4096, 2048)),
+        (
+            "lm-small-pipeline-gpipe",
+            "device_map",
+            "pipeline-gpipe-m2",
+            "pipeline_lm",
+            "perf/tokens_per_step",
+            (4096, 2048),
+        ),
         # The fine-tune against its plain loop: 32 vs 16 samples per step.
         ("finetune-equal-accuracy", "ddp+fixed", "ddp", "transformer_finetune", "perf/samples_per_step", (32, 16)),
     ],
@@ -492,8 +522,11 @@ def test_a_ratio_of_unequal_work_per_step_is_refused(group, reference, setup, re
     import compare
 
     def rows(a, b):
-        records = [record(group, name, r, recipe, **{work: value}) for r in range(3)
-                   for name, value in ((reference, a), (setup, b))]
+        records = [
+            record(group, name, r, recipe, **{work: value})
+            for r in range(3)
+            for name, value in ((reference, a), (setup, b))
+        ]
         found = [row for row in compare.ratios(compare.configurations(records)) if row["setup"] == setup]
         return found, compare.markdown(records)
 
@@ -517,8 +550,11 @@ def test_ddp_scaling_compares_the_work_of_each_process():
         group = "lm-tiny-data_parallel"
         records = [record(group, "single", r, processes=1, **{"perf/tokens_per_step": 4096}) for r in range(3)]
         records += [record(group, "ddp", r, **{"perf/tokens_per_step": ddp_tokens}) for r in range(3)]
-        return next(row for row in compare.ratios(compare.configurations(records))
-                    if row["comparison"] == "ddp scaling efficiency")
+        return next(
+            row
+            for row in compare.ratios(compare.configurations(records))
+            if row["comparison"] == "ddp scaling efficiency"
+        )
 
     judged = row(8192)
     assert judged["equal_work"]["tokens_per_step"] == {"reference": 4096, "setup": 4096} and judged["ratio"]
@@ -535,24 +571,46 @@ def test_vs_trl_refuses_to_judge_sides_of_unequal_work(tmp_path, monkeypatch):
 
     def launch(command, out, settings, results_name):
         side = "trl" if "--trl_worker" in command else "recipe"
-        results = {"perf/tokens_per_sec": 1000.0, "perf/samples_per_sec": 10.0, "perf/step_time_s": 0.1,
-                   "perf/tokens_per_step": tokens[side], "perf/samples_per_step": 8.0,
-                   "memory/peak_gib": {"cpu": 1.0}, "eval/loss": 2.0, "bench/wall_s": 10.0, "bench/foreign_share": 0.0,
-                   "num_processes": 1}
+        results = {
+            "perf/tokens_per_sec": 1000.0,
+            "perf/samples_per_sec": 10.0,
+            "perf/step_time_s": 0.1,
+            "perf/tokens_per_step": tokens[side],
+            "perf/samples_per_step": 8.0,
+            "memory/peak_gib": {"cpu": 1.0},
+            "eval/loss": 2.0,
+            "bench/wall_s": 10.0,
+            "bench/foreign_share": 0.0,
+            "num_processes": 1,
+        }
         if side == "recipe":
             return {**results, "train/loss_curve": [3.0] * 20}
-        return {**results, "eval/trl_eval_loss": 2.0, "train/loss_log": [(10, 3.0), (20, 3.0)],
-                "labels_check": {"samples_checked": 1, "num_differing": 0, "differing": []}, "torch_threads": 1,
-                "trl/optim": "adamw_torch_fused", "trl/padding_free": True, "model/trainable_parameters": 1,
-                **cpu_clock}
+        return {
+            **results,
+            "eval/trl_eval_loss": 2.0,
+            "train/loss_log": [(10, 3.0), (20, 3.0)],
+            "labels_check": {"samples_checked": 1, "num_differing": 0, "differing": []},
+            "torch_threads": 1,
+            "trl/optim": "adamw_torch_fused",
+            "trl/padding_free": True,
+            "model/trainable_parameters": 1,
+            **cpu_clock,
+        }
 
-    cpu_clock = {"perf/cpu_s": 1.0, "perf/cpu_step_s": [0.1] * 20, "perf/samples_per_cpu_s": 1.0,
-                 "perf/tokens_per_cpu_s": 1.0}
+    cpu_clock = {
+        "perf/cpu_s": 1.0,
+        "perf/cpu_step_s": [0.1] * 20,
+        "perf/samples_per_cpu_s": 1.0,
+        "perf/tokens_per_cpu_s": 1.0,
+    }
     monkeypatch.setattr(vs_trl, "launch", launch)
     monkeypatch.setattr(vs_trl, "build_inputs", lambda work, settings: (work / "model", work / "t", work / "v"))
     monkeypatch.setattr(vs_trl, "recipe_cpu_clock", lambda out, warmup: cpu_clock)
-    monkeypatch.setattr(vs_trl, "adapter_difference", lambda a, b: {"same_tensors": True, "max_abs_diff": 0.0,
-                                                                     "relative_diff": 0.0, "tensors": 1})
+    monkeypatch.setattr(
+        vs_trl,
+        "adapter_difference",
+        lambda a, b: {"same_tensors": True, "max_abs_diff": 0.0, "relative_diff": 0.0, "tensors": 1},
+    )
     argv = ["--preset", "cpu-tiny", "--repeats", "3", "--breakdown_repeats", "0", "--work_dir", str(tmp_path / "w")]
 
     tokens = {"recipe": 437.0, "trl": 15835.0}
@@ -661,17 +719,30 @@ def test_dpo_vs_trl_judges_only_equal_work_and_equal_losses(tmp_path, monkeypatc
             log.append({"step": step, **{f"train/{name}": 0.5 for name in dpo_vs_trl.METRICS}})
         log[-1]["train/loss"] += loss_offset[side]
         steps = [{"cpu_s": 0.1, "samples": 8, "tokens": tokens[side]}] * 6
-        ids = {"pairs_checked": 8, "pairs_prepared_by_trl": 8, "num_differing": 0, "differing": [],
-               "prompts_cut_by_recipe": 0}
+        ids = {
+            "pairs_checked": 8,
+            "pairs_prepared_by_trl": 8,
+            "num_differing": 0,
+            "differing": [],
+            "prompts_cut_by_recipe": 0,
+        }
         return dpo_vs_trl.side(steps, warmup, [0.2] * 6, {"cpu": 1.0}, log) | {"ids_check": ids, "profile": None}
 
     monkeypatch.setattr(dpo_vs_trl, "launch", lambda command, out, s: 1.0)
     monkeypatch.setattr(dpo_vs_trl, "build_inputs", lambda work, s: (work / "m", work / "t", work / "v"))
     monkeypatch.setattr(dpo_vs_trl, "recipe_side", fake_side)
     monkeypatch.setattr(dpo_vs_trl, "trl_side", fake_side)
-    monkeypatch.setattr(dpo_vs_trl, "adapter_difference", lambda a, b: {"same_tensors": True, "tensors": 1,
-                                                                         "max_abs_diff": 0.0, "max_abs_value": 1.0,
-                                                                         "relative_diff": 0.0})
+    monkeypatch.setattr(
+        dpo_vs_trl,
+        "adapter_difference",
+        lambda a, b: {
+            "same_tensors": True,
+            "tensors": 1,
+            "max_abs_diff": 0.0,
+            "max_abs_value": 1.0,
+            "relative_diff": 0.0,
+        },
+    )
     argv = ["--preset", "cpu-tiny", "--work_dir", str(tmp_path / "w"), "--output_dir"]
 
     tokens, loss_offset = {"recipe": 1000, "trl": 1100}, {"recipe": 0.0, "trl": 0.0}

@@ -74,5 +74,5 @@ def test_fsdp_headers_describe_the_qlora_loader_the_recipe_uses():
     for path in CONFIG_FILES:
         header = path.read_text().split("\ncompute_environment:")[0]
         if "QLoRA" in header and load_config_from_file(str(path)).distributed_type == DistributedType.FSDP:
-            qlora = header[header.index("QLoRA"):]
+            qlora = header[header.index("QLoRA") :]
             assert "recipes/llm_kit/sharded_4bit.py" in qlora and "one decoder layer at a time" in qlora, path.name

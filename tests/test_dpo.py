@@ -18,8 +18,18 @@ sys.path.insert(0, str(REPO))
 RECIPE = "dpo.py"
 # LoRA without dropout, 4 steps, AdamW's epsilon large enough that the weights read out the gradients compared
 # (as tests/test_llm_finetune.py), a high learning rate so that 4 steps move the rewards; with RPO's NLL term.
-EXACT = ("--max_train_steps", "4", "--adam_epsilon", "1e-4", "--learning_rate", "1e-2", "--logging_steps", "2",
-         "--rpo_alpha", "0.5")
+EXACT = (
+    "--max_train_steps",
+    "4",
+    "--adam_epsilon",
+    "1e-4",
+    "--learning_rate",
+    "1e-2",
+    "--logging_steps",
+    "2",
+    "--rpo_alpha",
+    "0.5",
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +53,18 @@ def base(tmp_path_factory):
     tokenizer.pad_token = None
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=len(tokenizer), tie_word_embeddings=False,
-                         max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     rows = [dict(row) for row in stdlib_name_pairs()["train"].shuffle(seed=0).select(range(40))]
     # A system turn on every third pair, so that prompts differ in length.
@@ -57,12 +75,20 @@ def base(tmp_path_factory):
     write_jsonl(folder / "pairs_validation.jsonl", rows[32:])
     implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
     write_jsonl(folder / "implicit.jsonl", implicit[:32])
-    strings = [{"prompt": r["prompt"][-1]["content"], "chosen": r["chosen"][0]["content"],
-                "rejected": r["rejected"][0]["content"]} for r in rows]
+    strings = [
+        {
+            "prompt": r["prompt"][-1]["content"],
+            "chosen": r["chosen"][0]["content"],
+            "rejected": r["rejected"][0]["content"],
+        }
+        for r in rows
+    ]
     datasets.Dataset.from_list(strings).to_csv(str(folder / "strings.csv"))
     torch.manual_seed(1)
-    sft = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
-                         LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    sft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(folder),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
     sft.peft_config["default"].base_model_name_or_path = str(folder)
     sft.save_pretrained(folder / "sft_adapter")
     return folder
@@ -75,39 +101,112 @@ def write_jsonl(path, rows):
 @pytest.fixture(scope="module")
 def runs(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
-    data = ("--model_name_or_path", base, "--train_file", base / "pairs.jsonl",
-            "--validation_file", base / "pairs_validation.jsonl")
+    data = (
+        "--model_name_or_path",
+        base,
+        "--train_file",
+        base / "pairs.jsonl",
+        "--validation_file",
+        base / "pairs_validation.jsonl",
+    )
     jobs = {
         # The same 8 pairs per step three ways; the 1x8 run also evaluates, scores answers and checkpoints.
         "1x8": (
-            "single_gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "8", "--checkpointing_steps", "2",
-            "--exact_match_samples", "4", "--per_device_eval_batch_size", "3",
+            "single_gpu.yaml",
+            *data,
+            *EXACT,
+            "--per_device_train_batch_size",
+            "8",
+            "--checkpointing_steps",
+            "2",
+            "--exact_match_samples",
+            "4",
+            "--per_device_eval_batch_size",
+            "3",
         ),
-        "2x4": ("ddp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size",
-                "3"),
-        "1x4x2": ("single_gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4",
-                  "--gradient_accumulation_steps", "2", "--skip_eval"),
+        "2x4": (
+            "ddp_2gpu.yaml",
+            *data,
+            *EXACT,
+            "--per_device_train_batch_size",
+            "4",
+            "--per_device_eval_batch_size",
+            "3",
+        ),
+        "1x4x2": (
+            "single_gpu.yaml",
+            *data,
+            *EXACT,
+            "--per_device_train_batch_size",
+            "4",
+            "--gradient_accumulation_steps",
+            "2",
+            "--skip_eval",
+        ),
         "fsdp": ("fsdp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval"),
         "offload": ("fsdp_offload_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval"),
         # A full fine-tune in 2 processes with IPO, on implicit-prompt conversations: one pass of reference
         # log-probs before training, then one model.
         "full": (
-            "ddp_2gpu.yaml", "--model_name_or_path", base, "--train_file", base / "implicit.jsonl",
-            "--full_finetune", "--loss_type", "ipo", "--max_train_steps", "3", "--learning_rate", "1e-3",
-            "--per_device_train_batch_size", "4", "--logging_steps", "1", "--rpo_alpha", "0.5",
+            "ddp_2gpu.yaml",
+            "--model_name_or_path",
+            base,
+            "--train_file",
+            base / "implicit.jsonl",
+            "--full_finetune",
+            "--loss_type",
+            "ipo",
+            "--max_train_steps",
+            "3",
+            "--learning_rate",
+            "1e-3",
+            "--per_device_train_batch_size",
+            "4",
+            "--logging_steps",
+            "1",
+            "--rpo_alpha",
+            "0.5",
         ),
         # The SFT adapter continued, on strings from a CSV, with label smoothing; its base comes from the adapter.
         "sft_adapter": (
-            "single_gpu.yaml", "--adapter_name_or_path", base / "sft_adapter", "--train_file", base / "strings.csv",
-            "--max_train_steps", "3", "--learning_rate", "1e-2", "--label_smoothing", "0.1",
-            "--per_device_train_batch_size", "8", "--logging_steps", "1", "--max_length", "24",
-            "--max_prompt_length", "12",
+            "single_gpu.yaml",
+            "--adapter_name_or_path",
+            base / "sft_adapter",
+            "--train_file",
+            base / "strings.csv",
+            "--max_train_steps",
+            "3",
+            "--learning_rate",
+            "1e-2",
+            "--label_smoothing",
+            "0.1",
+            "--per_device_train_batch_size",
+            "8",
+            "--logging_steps",
+            "1",
+            "--max_length",
+            "24",
+            "--max_prompt_length",
+            "12",
         ),
         # Resumed from the 1x8 run's step-2 checkpoint, to the same end.
-        "resumed": Job("single_gpu.yaml", RECIPE, (
-            *data, *EXACT, "--per_device_train_batch_size", "8", "--exact_match_samples", "4",
-            "--per_device_eval_batch_size", "3", "--resume_from_checkpoint",
-            root / "1x8" / "checkpoints" / "step_000002"), after="1x8"),
+        "resumed": Job(
+            "single_gpu.yaml",
+            RECIPE,
+            (
+                *data,
+                *EXACT,
+                "--per_device_train_batch_size",
+                "8",
+                "--exact_match_samples",
+                "4",
+                "--per_device_eval_batch_size",
+                "3",
+                "--resume_from_checkpoint",
+                root / "1x8" / "checkpoints" / "step_000002",
+            ),
+            after="1x8",
+        ),
     }
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
     for name, job in jobs.items():
@@ -141,8 +240,7 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
     for name in ("2x4", "1x4x2", "fsdp", "offload"):
         results = runs[name]["results"]
         assert results["global_batch_size"] == 8, name
-        np.testing.assert_allclose(results["train/loss_curve"], reference["train/loss_curve"], rtol=1e-6,
-                                   err_msg=name)
+        np.testing.assert_allclose(results["train/loss_curve"], reference["train/loss_curve"], rtol=1e-6, err_msg=name)
         for key in ("train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen", "train/nll_loss"):
             assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (name, key)
         assert max_relative_difference(adapter(runs[name]), adapter(runs["1x8"])) <= 1e-5, name
@@ -158,8 +256,15 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
 def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(runs):
     results, two = runs["1x8"]["results"], runs["2x4"]["results"]
     assert [entry["step"] for entry in results["train/log"]] == [2, 4]
-    names = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-             "logps/rejected", "nll_loss")
+    names = (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "nll_loss",
+    )
     for name in names:
         assert f"train/{name}" in results["train/log"][-1] and np.isfinite(results[f"eval/{name}"]), name
     # 8 validation pairs in batches of 3, over 2 processes too: each counted once, the same numbers.
@@ -167,7 +272,8 @@ def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(runs):
     for name in ("eval/loss", *(f"eval/{name}" for name in names)):
         assert two[name] == pytest.approx(results[name], rel=1e-5, abs=1e-6), name
     assert results["eval/rewards/margins"] == pytest.approx(
-        results["eval/rewards/chosen"] - results["eval/rewards/rejected"], abs=1e-6)
+        results["eval/rewards/chosen"] - results["eval/rewards/rejected"], abs=1e-6
+    )
     assert results["perf/tokens_per_step"] > 0 and results["perf/samples_per_sec"] > 0
     assert results["perf/samples_per_step"] == 8
     assert results["eval/exact_match_num_prompts"] == 4 and "exact match before training" in runs["1x8"]["log"]
@@ -258,8 +364,13 @@ def pair_batches(base, fmt_file="pairs.jsonl", batch_size=5, shuffle=False):
     fmt = preference_format(rows, "test")
     pairs = [{**tokenize_pair(row, fmt, tokenizer, 512, 256), "index": i} for i, row in enumerate(rows)]
     generator = torch.Generator().manual_seed(0)
-    loader = torch.utils.data.DataLoader(pairs, batch_size, shuffle=shuffle, generator=generator,
-                                         collate_fn=lambda rows: collate_pairs(rows, tokenizer.pad_token_id))
+    loader = torch.utils.data.DataLoader(
+        pairs,
+        batch_size,
+        shuffle=shuffle,
+        generator=generator,
+        collate_fn=lambda rows: collate_pairs(rows, tokenizer.pad_token_id),
+    )
     return loader, pairs
 
 
@@ -272,7 +383,7 @@ def plain_logps(model, pairs) -> torch.Tensor:
             ids = torch.tensor([pair["prompt_ids"] + pair[column]])
             with torch.no_grad():
                 logps = model(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(1, ids[0, 1:, None])[:, 0]
-            out.append(logps[len(pair["prompt_ids"]) - 1:].sum())
+            out.append(logps[len(pair["prompt_ids"]) - 1 :].sum())
     return torch.stack(out)
 
 
@@ -287,8 +398,10 @@ def test_the_reference_is_the_base_model_with_the_adapter_switched_off(recipe, b
     batch = next(iter(loader))
     separate = AutoModelForCausalLM.from_pretrained(base).eval()
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+    ).eval()
     expected = plain_logps(separate, pairs[:5])
     torch.testing.assert_close(recipe.reference_logps(OneProcess, model, batch, None), expected, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
@@ -307,8 +420,14 @@ def test_a_continued_adapter_s_reference_is_the_sft_policy(recipe, base):
 
     loader, pairs = pair_batches(base)
     batch = next(iter(loader))
-    accelerator = type("Accelerator", (OneProcess,), {"is_fsdp2": False,  # and no checkpoints: the hook is not run
-                                                      "register_save_state_pre_hook": staticmethod(print)})
+    accelerator = type(
+        "Accelerator",
+        (OneProcess,),
+        {
+            "is_fsdp2": False,  # and no checkpoints: the hook is not run
+            "register_save_state_pre_hook": staticmethod(print),
+        },
+    )
     model = continued_adapter(AutoModelForCausalLM.from_pretrained(base), str(base / "sft_adapter"))
     model.eval()
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
@@ -372,7 +491,7 @@ def completion_token_logps(model, pair, column) -> torch.Tensor:
     ids = torch.tensor([pair["prompt_ids"] + pair[column]])
     with torch.no_grad():
         logps = model(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(1, ids[0, 1:, None])[:, 0]
-    return logps[len(pair["prompt_ids"]) - 1:]
+    return logps[len(pair["prompt_ids"]) - 1 :]
 
 
 def test_rpo_adds_the_nll_of_the_chosen_completion_tokens(recipe, base):
@@ -390,8 +509,10 @@ def test_rpo_adds_the_nll_of_the_chosen_completion_tokens(recipe, base):
     _, pairs = pair_batches(base)
     pairs = [{**pair, "chosen_ids": pair["chosen_ids"] * (3 if i < 2 else 1)} for i, pair in enumerate(pairs[:6])]
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
-                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).eval()
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+    ).eval()
     alpha, kw = 0.7, {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0}
     policy = {c: [completion_token_logps(model, p, c) for p in pairs] for c in ("chosen_ids", "rejected_ids")}
     with model.disable_adapter():
@@ -422,8 +543,15 @@ def test_rpo_adds_the_nll_of_the_chosen_completion_tokens(recipe, base):
     torch.testing.assert_close(split_metrics, metrics, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(split_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
-    without, _ = recipe.step_loss(model, collate_pairs(pairs, 0), reference=torch.stack(
-        [*reference["chosen_ids"], *reference["rejected_ids"]]), step_pairs=6, step_tokens=1, rpo_alpha=None, **kw)
+    without, _ = recipe.step_loss(
+        model,
+        collate_pairs(pairs, 0),
+        reference=torch.stack([*reference["chosen_ids"], *reference["rejected_ids"]]),
+        step_pairs=6,
+        step_tokens=1,
+        rpo_alpha=None,
+        **kw,
+    )
     torch.testing.assert_close(without, dpo, rtol=1e-5, atol=1e-6)  # off by default: DPO alone
 
 
@@ -439,17 +567,35 @@ def test_lora_dpo_trains_a_tied_qwen2_and_gpt2_s_conv1d_layers(recipe, base, tmp
     from llm_kit.loading import lora_model
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    special = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id,
-               "bos_token_id": tokenizer.eos_token_id}
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512, **special)
+    special = {
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        **special,
+    )
     if name == "gpt2":
-        config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0, embd_pdrop=0,
-                            attn_pdrop=0, **special)
+        config = GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, **special
+        )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = lora_model(AutoModelForCausalLM.from_pretrained(tmp_path), str(tmp_path), r=4, alpha=8, dropout=0.0,
-                       target_modules=["all-linear"])
+    model = lora_model(
+        AutoModelForCausalLM.from_pretrained(tmp_path),
+        str(tmp_path),
+        r=4,
+        alpha=8,
+        dropout=0.0,
+        target_modules=["all-linear"],
+    )
     adapted = {module for module, _ in model.named_modules() if module.endswith(".lora_A")}
     expected = ("c_attn", "c_proj", "c_fc") if name == "gpt2" else ("q_proj", "o_proj", "down_proj")
     assert all(any(f".{target}." in module for module in adapted) for target in expected), sorted(adapted)
@@ -481,8 +627,11 @@ def test_long_prompts_are_cut_from_the_left_and_completions_to_what_max_length_l
     from llm_kit.preference_data import tokenize_pair
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    row = {"prompt": "Is asyncio.run a class, a function or a method? " * 3, "chosen": "a function, of course " * 4,
-           "rejected": "a class"}
+    row = {
+        "prompt": "Is asyncio.run a class, a function or a method? " * 3,
+        "chosen": "a function, of course " * 4,
+        "rejected": "a class",
+    }
     whole = tokenizer(row["prompt"])["input_ids"]
     pair = tokenize_pair(row, "standard", tokenizer, max_length=20, max_prompt_length=8)
     assert pair["prompt_ids"] == whole[-8:] and pair["prompt_cut"] and pair["completion_cut"]
@@ -498,12 +647,15 @@ BAD_ROWS = [
 ]
 USER, ANSWER = {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}
 BAD_CONVERSATIONS = [
-    ({"chosen": [USER, ANSWER], "rejected": [{"role": "user", "content": "Other?"}, ANSWER]},
-     "Row 2 of test: the 'chosen' and 'rejected' conversations do not share their first turn"),
-    ({"chosen": [USER, ANSWER], "rejected": [USER, ANSWER, USER, ANSWER]},
-     "each must go on with an assistant answer"),
-    ({"chosen": [{"role": "robot", "content": "x"}, ANSWER], "rejected": [USER]}, "Row 2 of test (column 'chosen') "
-     "has the role(s) ['robot']"),
+    (
+        {"chosen": [USER, ANSWER], "rejected": [{"role": "user", "content": "Other?"}, ANSWER]},
+        "Row 2 of test: the 'chosen' and 'rejected' conversations do not share their first turn",
+    ),
+    ({"chosen": [USER, ANSWER], "rejected": [USER, ANSWER, USER, ANSWER]}, "each must go on with an assistant answer"),
+    (
+        {"chosen": [{"role": "robot", "content": "x"}, ANSWER], "rejected": [USER]},
+        "Row 2 of test (column 'chosen') has the role(s) ['robot']",
+    ),
 ]
 
 
@@ -514,8 +666,11 @@ def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
     from llm_kit.preference_data import preference_format
     from shared.runtime import RecipeError
 
-    good = ({"prompt": "Q?", "chosen": "yes", "rejected": "no"} if "prompt" in row
-            else {"chosen": [USER, ANSWER], "rejected": [USER, {"role": "assistant", "content": "B"}]})
+    good = (
+        {"prompt": "Q?", "chosen": "yes", "rejected": "no"}
+        if "prompt" in row
+        else {"chosen": [USER, ANSWER], "rejected": [USER, {"role": "assistant", "content": "B"}]}
+    )
     with pytest.raises(RecipeError) as error:
         preference_format(datasets.Dataset.from_list([good, row]), "test")
     assert message in error.value.message
@@ -541,8 +696,12 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
         starting_point(OneProcess, str(base / "sft_adapter"), "Qwen/Qwen2.5-0.5B", True, base, REPO / "recipes")
     assert f"was trained on {str(base)!r}, not on --model_name_or_path 'Qwen/Qwen2.5-0.5B'" in error.value.message
     tokenizer = AutoTokenizer.from_pretrained(base)
-    rows = datasets.Dataset.from_list([{"prompt": "short", "chosen": "a", "rejected": "b"},
-                                       {"prompt": "a much longer prompt " * 8, "chosen": "a", "rejected": "b"}])
+    rows = datasets.Dataset.from_list(
+        [
+            {"prompt": "short", "chosen": "a", "rejected": "b"},
+            {"prompt": "a much longer prompt " * 8, "chosen": "a", "rejected": "b"},
+        ]
+    )
     with pytest.raises(RecipeError) as error:
         preference_format(rows, "--train_file 'x.jsonl'", tokenizer, max_length=16, max_prompt_length=16)
     assert "Row 2 of --train_file 'x.jsonl': its 'prompt' has" in error.value.message
@@ -554,8 +713,17 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     rows = [json.loads(line) for line in (base / "pairs.jsonl").read_text().splitlines()[:4]]
     rows[2]["rejected"] = rows[2]["chosen"]
     write_jsonl(bad, rows)
-    run = launch("ddp_2gpu.yaml", RECIPE, "--model_name_or_path", base, "--train_file", bad, "--output_dir",
-                 base / "bad_run", timeout=120)
+    run = launch(
+        "ddp_2gpu.yaml",
+        RECIPE,
+        "--model_name_or_path",
+        base,
+        "--train_file",
+        bad,
+        "--output_dir",
+        base / "bad_run",
+        timeout=120,
+    )
     assert run.returncode != 0
     assert f"] error: Row 3 of --train_file {str(bad)!r}: 'chosen' and 'rejected' are identical" in run.output
     assert run.output.count("] error: ") == 1, run.output  # 2 processes refuse alike: one paragraph (the box aside)

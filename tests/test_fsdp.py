@@ -244,9 +244,7 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
         runs["finetune"]["dir"], output_loading_info=True
     )
     assert not loading["missing_keys"] and not loading["unexpected_keys"]
-    assert (
-        sum(parameter.numel() for parameter in model.parameters()) == sharding["rank0"]["global_numel"]
-    )
+    assert sum(parameter.numel() for parameter in model.parameters()) == sharding["rank0"]["global_numel"]
     assert model.config.id2label[0] == results["label_names"][0]
 
 

@@ -282,7 +282,15 @@ def check_launch_line(command: str, monkeypatch) -> tuple[str, str]:
         if hasattr(module, "check_pipeline_request"):
             mixed_precision = args.mixed_precision or config.mixed_precision
             eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
-            module.check_pipeline_request(args, num_processes, eval_batch_size, mixed_precision)
+            module.check_pipeline_request(
+                pipeline_schedule=args.pipeline_schedule,
+                num_microbatches=args.num_microbatches,
+                stages_per_process=args.stages_per_process,
+                per_device_train_batch_size=args.per_device_train_batch_size,
+                eval_batch_size=eval_batch_size,
+                num_processes=num_processes,
+                mixed_precision=mixed_precision,
+            )
     except SystemExit as refusal:  # RecipeError
         pytest.fail(f"{script.name} refuses this launch: {refusal.code}")
     return config_path.name, script.name

@@ -22,10 +22,10 @@ TOOLS = sorted(path for path in (REPO / "tools").rglob("*.py") if "__pycache__" 
 BEGIN, END = "# New Code (pipeline) #", "# End New Code #"
 # A comment line of pipeline_lm.py that says what is true of a pipeline where train_lm.py's comment is not.
 PIPELINE_COMMENT = "# (pipeline) "
-# A ceiling on today's shared/ so that it cannot grow further unnoticed. It is not yet the small core the project wants
-# (about 1,200 lines of what two or more recipes use): that comes from moving code to where it belongs, not from this
-# number.
-SHARED_LINE_BUDGET = 1580
+# A ceiling on today's shared/ so that it cannot grow further unnoticed, in lines as ruff's formatter lays them out. It
+# is not yet the small core the project wants (about 1,200 lines of what two or more recipes use): that comes from
+# moving code to where it belongs, not from this number.
+SHARED_LINE_BUDGET = 1718
 
 
 def lines_of(path: Path) -> list[str]:
@@ -133,25 +133,37 @@ def python_files(folder: Path) -> list[Path]:
 KITS = sorted(path for path in (REPO / "recipes").glob("*_kit") if path.is_dir())
 
 
-# A recipe reads as the training story (STYLE.md): at most this many lines per file and per main(), comments and
-# blank lines included (Accelerate's nlp_example.py is ~210 lines, nanoGPT's train.py 336).
-RECIPE_LINE_LIMIT, MAIN_LINE_LIMIT = 500, 150
-RECIPE_LINE_LIMITS = {"linear_toy.py": 200}
+# A recipe reads as the training story (STYLE.md): at most this many statements and comment lines per file and per
+# main() (Accelerate's nlp_example.py is ~210 lines, nanoGPT's train.py 336). Counted as statements, not physical
+# lines, because ruff's formatter spreads one call over as many lines as it needs; the linear toy, copied as a single
+# file, is held to 200 physical lines as well.
+RECIPE_STATEMENT_LIMIT, MAIN_STATEMENT_LIMIT = 400, 165
+LINEAR_TOY_LINE_LIMIT = 200
 
 
-def main_lines(path: Path) -> int:
-    """Lines of the recipe's ``main()``, from ``def main`` to its last line."""
+def statements(path: Path, first: int = 1, last: int | None = None) -> int:
+    """Statements and comment lines of ``path`` between lines ``first`` and ``last`` (tokenize's NEWLINE and COMMENT
+    tokens: a statement wrapped over five lines counts once; pipeline_lm.py's New Code markers do not count)."""
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    counted = [token for token in tokens if token.type == tokenize.NEWLINE or token.type == tokenize.COMMENT]
+    counted = [token for token in counted if token.string not in (BEGIN, END)]
+    return sum(1 for token in counted if first <= token.start[0] <= (last or token.start[0]))
+
+
+def main_statements(path: Path) -> int:
+    """Statements and comment lines of the recipe's ``main()``."""
     tree = ast.parse(path.read_text())
     main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
-    return main.end_lineno - main.lineno + 1
+    return statements(path, main.lineno, main.end_lineno)
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
 def test_recipes_fit_their_line_limits(path):
-    limit = RECIPE_LINE_LIMITS.get(path.name, RECIPE_LINE_LIMIT)
-    lines = len(path.read_text().splitlines())
-    assert lines <= limit, f"{path.name} has {lines} lines, over {limit}: move what is not the training story out"
-    assert main_lines(path) <= MAIN_LINE_LIMIT, f"{path.name}'s main() has {main_lines(path)} lines"
+    count = statements(path)
+    assert count <= RECIPE_STATEMENT_LIMIT, f"{path.name} has {count} statements and comments: move some out"
+    assert main_statements(path) <= MAIN_STATEMENT_LIMIT, f"{path.name}'s main() has {main_statements(path)}"
+    if path.name == "linear_toy.py":
+        assert len(path.read_text().splitlines()) <= LINEAR_TOY_LINE_LIMIT
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
@@ -269,9 +281,7 @@ def test_each_kit_is_imported_by_its_own_recipes_alone():
     graph = import_graph()
     assert sorted(KIT_RECIPES) == [kit.name for kit in KITS]
     for kit, recipes in KIT_RECIPES.items():
-        users = {
-            path.stem for path in RECIPES if any(other.split(".")[0] == kit for other in graph[path.stem])
-        }
+        users = {path.stem for path in RECIPES if any(other.split(".")[0] == kit for other in graph[path.stem])}
         assert users, f"no recipe imports {kit}/"
         assert users <= recipes, f"{kit}/ is imported by {sorted(users - recipes)}, not one of its recipes {recipes}"
 

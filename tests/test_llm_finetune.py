@@ -300,8 +300,9 @@ def runs(base, base_96, tmp_path_factory):
     # too far on, are the same at steps 3 and 5 of 4 (cos is symmetric), so a late resume would not see them.
     step = lambda name, n: ("--resume_from_checkpoint", root / name / "checkpoints" / f"step_{n:06d}")
     across = (*data, *EXACT, "--per_device_train_batch_size")
-    jobs["2x4_in_1"] = Job("single_gpu.yaml", RECIPE, (*across, "4", *step("2x4", 1), "--checkpointing_steps", "1"),
-                           after="2x4")
+    jobs["2x4_in_1"] = Job(
+        "single_gpu.yaml", RECIPE, (*across, "4", *step("2x4", 1), "--checkpointing_steps", "1"), after="2x4"
+    )
     jobs["then_in_2"] = Job("ddp_2gpu.yaml", RECIPE, (*across, "4", *step("2x4_in_1", 2)), after="2x4_in_1")
     jobs["indivisible"] = Job("ddp_2gpu.yaml", RECIPE, (*across, "8", *step("1x8", 2)), after="1x8")
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
@@ -409,8 +410,11 @@ def test_low_ram_loading_reads_the_checkpoint_in_rank_0_only_and_hands_its_weigh
     plain = {rank: process["opened"] for rank, process in runs["fsdp"]["observed"].items()}
     assert set(plain) == {"rank0", "rank1"} and all(checkpoint_file in opened for opened in plain.values()), plain
     # The one model each process handed to prepare: what it held in memory just before FSDP2 sharded it.
-    held = {(name, rank): process["at_prepare"] for name in ("offload", "fsdp")
-            for rank, process in runs[name]["observed"].items()}
+    held = {
+        (name, rank): process["at_prepare"]
+        for name in ("offload", "fsdp")
+        for rank, process in runs[name]["observed"].items()
+    }
     assert all(len(calls) == 1 and len(calls[0]) == 1 for calls in held.values()), held
     held = {key: calls[0][0] for key, calls in held.items()}
     assert held["offload", "rank1"]["held_bytes"] == 0, held["offload", "rank1"]
@@ -683,8 +687,10 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_and_ends_where
     """2 -> 1 -> 2 processes: the accumulation makes up the processes (said once), the same 4 steps of 8
     conversations and learning rates: the curve after each resume and the adapter are the uninterrupted run's."""
     uninterrupted = runs["2x4"]
-    for name, was, at in (("2x4_in_1", "2-process checkpoint in 1 process: gradient accumulation 1 → 2", 1),
-                          ("then_in_2", "1-process checkpoint in 2 processes: gradient accumulation 2 → 1", 2)):
+    for name, was, at in (
+        ("2x4_in_1", "2-process checkpoint in 1 process: gradient accumulation 1 → 2", 1),
+        ("then_in_2", "1-process checkpoint in 2 processes: gradient accumulation 2 → 1", 2),
+    ):
         run, results = runs[name], runs[name]["results"]
         assert run["log"].count(f"resuming a {was} keeps the global batch of 8") == 1, (name, run["log"][-3000:])
         assert f"at step {at}" in run["log"], name
@@ -915,7 +921,18 @@ def test_packed_rows_give_each_sample_the_loss_it_has_padded(recipe, base):
     ]
     dataset = datasets.Dataset.from_list(samples)
     args = module.parse_args(["--packing", "--max_length", "64", "--per_device_train_batch_size", "8"])
-    train_dataloader, _ = module.dataloaders(dataset, dataset, tokenizer, args, 1)  # the recipe's loader
+    train_dataloader, _ = module.dataloaders(  # the recipe's loader
+        dataset,
+        dataset,
+        tokenizer,
+        1,
+        packing=args.packing,
+        max_length=args.max_length,
+        group_by_length=args.group_by_length,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+    )
     rows, lengths = train_dataloader.dataset, [len(sample["input_ids"]) for sample in samples]
     assert len(rows) < len(samples) and all(sum(lengths[index] for index in row) <= 64 for row in rows)
     (packed,) = list(train_dataloader)  # every row in one batch of up to 8 rows
@@ -1025,8 +1042,9 @@ def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     assert total.item() == pytest.approx(reference[0].item(), rel=1e-6)
     # On GPUs the hidden states end on the last device, where token_losses puts the positions: the model's hook moves
     # every other input to the first device but leaves them there (a meta tensor stands for the other device here).
-    _, moved = model._hf_hook.pre_forward(model, input_ids=batch["input_ids"],
-                                          logits_to_keep=batch["loss_positions"].to("meta"))
+    _, moved = model._hf_hook.pre_forward(
+        model, input_ids=batch["input_ids"], logits_to_keep=batch["loss_positions"].to("meta")
+    )
     assert moved["logits_to_keep"].device.type == "meta"
 
 
@@ -1047,8 +1065,14 @@ def test_a_default_lora_run_keeps_no_dropped_copy_of_the_adapted_inputs(name):
 
     def saved_bytes(dropout):  # distinct storages autograd keeps in one training forward, parameters aside
         torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                             num_key_value_heads=2, vocab_size=64)
+        config = LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
         adapter = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear")
         model = get_peft_model(LlamaForCausalLM(config), adapter).train()
         parameters, seen = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
@@ -1258,13 +1282,16 @@ def test_exact_match_is_on_by_default_for_short_answers_only():
     from llm_kit.sft_eval import exact_match_rows
 
     short = [{"prompt": f"Is item {i} a class?", "completion": "class"} for i in range(120)]
-    long = [{"prompt": f"Tell a fortune {i}.", "completion": "You will travel far and meet someone " * 3}
-            for i in range(30)]
+    long = [
+        {"prompt": f"Tell a fortune {i}.", "completion": "You will travel far and meet someone " * 3}
+        for i in range(30)
+    ]
     tokenizer = train_bpe_tokenizer((row["prompt"] + " " + row["completion"] for row in short + long), 300)
     printed = []
     accelerator = SimpleNamespace(print=printed.append)
-    rows = exact_match_rows(accelerator, datasets.Dataset.from_list(short), None, "prompt_completion", False, 0,
-                            tokenizer)
+    rows = exact_match_rows(
+        accelerator, datasets.Dataset.from_list(short), None, "prompt_completion", False, 0, tokenizer
+    )
     assert len(rows) == 100 and "exact match on up to 100 held-out prompts: the answers are short" in printed[-1]
     fortunes = datasets.Dataset.from_list(long)
     assert exact_match_rows(accelerator, fortunes, None, "prompt_completion", False, 0, tokenizer) is None

@@ -203,8 +203,10 @@ def test_compile_compiles_each_block_and_trains_like_eager(runs):
     it (or with the flag ignored) no module runs compiled; with a KV cache in the step each block would compile its
     own graph and past 8 fall back to eager (hence use_cache=False in the recipe's forward)."""
     compiled, eager = runs["compile"]["results"], runs["single"]["results"]
-    modules = {name: read_facts(runs[name]["dir"])["compile/compiled_modules"]["rank0"]  # seen by tests/observer
-               for name in ("compile", "single")}
+    modules = {
+        name: read_facts(runs[name]["dir"])["compile/compiled_modules"]["rank0"]  # seen by tests/observer
+        for name in ("compile", "single")
+    }
     assert modules["compile"] >= 4 and modules["single"] == 0  # the tiny's 4 blocks
     assert relative_difference(compiled["train/loss_curve"], eager["train/loss_curve"]) < 1e-5
     assert "recompile_limit" not in runs["compile"]["log"]
@@ -646,7 +648,7 @@ def test_pipeline_requests_that_cannot_run_are_refused(pipeline_recipe, request_
     )
     with pytest.raises(RecipeError) as refused:
         pipeline_recipe.check_pipeline_request(
-            args, num_processes=2, eval_batch_size=args.num_microbatches, mixed_precision="no"
+            **vars(args), eval_batch_size=args.num_microbatches, num_processes=2, mixed_precision="no"
         )
     assert message in " ".join(refused.value.message.split())
 
@@ -661,7 +663,9 @@ def test_pipeline_requests_that_can_run_get_their_stages_per_process(pipeline_re
             num_microbatches=microbatches,
             stages_per_process=stages_per_process,
         )
-        return pipeline_recipe.check_pipeline_request(args, 2, 8, "no")
+        return pipeline_recipe.check_pipeline_request(
+            **vars(args), eval_batch_size=8, num_processes=2, mixed_precision="no"
+        )
 
     assert (stages("gpipe", 2), stages("1f1b"), stages("interleaved1f1b"), stages("zbv")) == (1, 1, 2, 2)
     assert stages("interleaved1f1b", 8, 4) == 4

@@ -131,11 +131,12 @@ def test_lora_parameters_are_the_ones_peft_creates(model_size):
 
 def test_split_is_the_recipes():
     """small: the recipe's docstring says 5 blocks + 2 with the LM head (vocabulary 8192, 256 tokens);
-    and the split equals shared.model_split's plan for the real model."""
+    and the split equals the recipe's plan for the real model (lm_kit/split.py)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from shared.model_split import blocks_per_part, lm_head_cost_in_blocks, plan_device_map
+    from lm_kit.split import blocks_per_part
+    from shared.model_split import lm_head_cost_in_blocks, plan_device_map
 
     shape = preset_shape("small", vocab_size=8192)
     assert split_blocks(shape, 2, 256) == [5, 2]
@@ -306,8 +307,10 @@ def test_what_fits_on_two_24gb_cards():
     name = "meta-llama/Llama-3.1-70B"
     llama3 = shape_from_config(read_config(name), name=name)
     assert llama3.block_linears == shape.block_linears and llama3.vocab_size == 128256
-    grown = plan(llama3, **TABLE, method="qlora")["setups"]["fsdp"]["gpu_load_peak"] - big["setups"]["fsdp"][
-        "gpu_load_peak"]
+    grown = (
+        plan(llama3, **TABLE, method="qlora")["setups"]["fsdp"]["gpu_load_peak"]
+        - big["setups"]["fsdp"]["gpu_load_peak"]
+    )
     assert abs(grown - (llama3.num_parameters - shape.num_parameters) * 4 / 2) < 2**20, grown / GIB
 
 
@@ -610,8 +613,9 @@ def test_the_table_names_every_reason_a_setup_does_not_fit_as_the_text_does(caps
     """70B QLoRA on 2 x 16 GB: FSDP2 fails both while loading (21.1 GiB: its shards, constants and one layer) and while
     training (29.3 GiB with checkpointing); the table once said only 'no (loading)' while the text said 'needs 29.3
     GiB'."""
-    code, out, _ = run_main(["--model_size", "70b", "--method", "qlora", "--host_ram_gib", "128",
-                             "--gpu_memory_gib", "16"], capsys)
+    code, out, _ = run_main(
+        ["--model_size", "70b", "--method", "qlora", "--host_ram_gib", "128", "--gpu_memory_gib", "16"], capsys
+    )
     row = next(line for line in out.splitlines() if line.startswith("fsdp (each GPU)"))
     assert code == 0 and row.endswith("no (training 29.3 GiB; loading 21.1 GiB)"), row
     assert "loading needs 21.1 GiB per GPU" in out
@@ -808,13 +812,15 @@ def test_dpo_on_fsdp_shards_like_sft(method):
 
 def test_dpo_flags_on_the_command_line(capsys):
     """--objective dpo prints pairs and the reference; --precompute_reference is refused where it cannot apply."""
-    code, out, _ = run_main(["--model_size", "7b", "--objective", "dpo", "--method", "lora", "--micro_batch", "2"],
-                            capsys)
+    code, out, _ = run_main(
+        ["--model_size", "7b", "--objective", "dpo", "--method", "lora", "--micro_batch", "2"], capsys
+    )
     assert code == 0 and "DPO, LoRA" in out and "micro-batch 2 pairs (4 sequences)" in out
     assert "reference: the base with the adapter disabled" in out and "pipeline" not in out
     assert not any(line.startswith(("device_map", "pipeline")) for line in out.splitlines())
-    code, out, _ = run_main(["--model_size", "7b", "--objective", "dpo", "--no-precompute_reference",
-                             "--gpu_memory_gib", "400"], capsys)
+    code, out, _ = run_main(
+        ["--model_size", "7b", "--objective", "dpo", "--no-precompute_reference", "--gpu_memory_gib", "400"], capsys
+    )
     assert code == 0 and "reference: a frozen copy" in out
     assert "  reference: reference copy 6,738.4M x 2 B = 12.6 GiB" in out and "reference forward" in out
     code, out, _ = run_main(["--model_size", "7b", "--objective", "dpo", "--json"], capsys)
@@ -826,8 +832,14 @@ def test_dpo_flags_on_the_command_line(capsys):
 
 # ------------------------------------------------------------------------------- the README's table
 # Named sizes, and Hub models whose shapes the planner knows offline (tools/planner/tables.py's HUB_CONFIGS).
-README_MODELS = {"7b": "Llama-2-7B", "13b": "Llama-2-13B", "34b": "CodeLlama-34B", "70b": "Llama-2-70B",
-                 "meta-llama/Llama-3.1-70B": "Llama-3.1-70B", "Qwen/Qwen2.5-72B": "Qwen2.5-72B"}
+README_MODELS = {
+    "7b": "Llama-2-7B",
+    "13b": "Llama-2-13B",
+    "34b": "CodeLlama-34B",
+    "70b": "Llama-2-70B",
+    "meta-llama/Llama-3.1-70B": "Llama-3.1-70B",
+    "Qwen/Qwen2.5-72B": "Qwen2.5-72B",
+}
 README_SETUPS = ("ddp", "fsdp", "fsdp_offload")
 
 
@@ -926,9 +938,18 @@ def test_checkpointing_is_weighed_when_not_given(tmp_path, capsys):
     without checkpointing only the device_map split fits (one GPU computes at a time); with it DDP fits on both GPUs.
     The recommendation weighs the two and says which it chose, instead of preferring anything without checkpointing."""
     # Qwen/Qwen2.5-14B/config.json's shape
-    qwen = _write_config(tmp_path / "qwen2.5-14b", model_type="qwen2", architectures=["Qwen2ForCausalLM"],
-                         hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                         num_key_value_heads=8, vocab_size=152064, max_position_embeddings=32768)
+    qwen = _write_config(
+        tmp_path / "qwen2.5-14b",
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=32768,
+    )
     argv = ["--model_name_or_path", qwen, "--method", "qlora", "--micro_batch", "1", "--host_ram_gib", "64"]
     argv += ["--lora_dropout", "0.05"]  # as reported (the recipe's default then): its masks keep FSDP from fitting
     code, out, _ = run_main([*argv, "--json"], capsys)
@@ -949,9 +970,18 @@ def test_host_ram_defaults_to_the_targets_not_this_machines(tmp_path, capsys):
     (assumed 320 GiB of RAM, said on the first line), not the 24 GiB machine the plan is made on, where FSDP's
     loading copies would not fit."""
     # meta-llama/Llama-3.1-8B/config.json's shape
-    llama = _write_config(tmp_path / "llama-3.1-8b", model_type="llama", architectures=["LlamaForCausalLM"],
-                          hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072)
+    llama = _write_config(
+        tmp_path / "llama-3.1-8b",
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+    )
     code, out, _ = run_main(["--model_name_or_path", llama, "--gpu_memory_gib", "80", "--micro_batch", "1"], capsys)
     assert code == 0 and "--host_ram_gib 320 (twice the GPUs' memory" in out.splitlines()[0]
     assert "recommendation: none" not in out and "recommendation: fsdp" in out, out[-2000:]

@@ -211,16 +211,22 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
     )
     two = processes(2)
     _, shape = keep_global_batch(two, None, 16, None, 2)
-    assert shape == {"num_processes": 2, "per_device_train_batch_size": 16, "gradient_accumulation_steps": 1,
-                     "global_batch_size": 32}
+    assert shape == {
+        "num_processes": 2,
+        "per_device_train_batch_size": 16,
+        "gradient_accumulation_steps": 1,
+        "global_batch_size": 32,
+    }
     write_state = lambda folder: folder.mkdir(parents=True)
     checkpoint = save_checkpoint(two, tmp_path, 3, write_state=write_state, batch=shape)
     one = processes(1)
     printed.clear()
     assert keep_global_batch(one, checkpoint, 16, None, 1)[0] == 2
     assert keep_global_batch(one, checkpoint, 8, 4, 1)[0] == 4  # a passed one that keeps it
-    assert printed[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "\
-                         "batch of 32"
+    assert (
+        printed[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "
+        "batch of 32"
+    )
     with pytest.raises(RecipeError) as contradicts:
         keep_global_batch(one, checkpoint, 16, 1, 1)
     assert "--gradient_accumulation_steps 1 would make it 16" in contradicts.value.message
@@ -437,8 +443,14 @@ def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, back
         monkeypatch.delenv(name, raising=False)
         if name in launched:
             monkeypatch.setenv(name, launched[name])
-    restart = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "2"}
+    restart = {
+        "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+    }
     for name, value in restart.items():
         monkeypatch.setenv(name, value)
     started = {}
@@ -644,15 +656,32 @@ def refusals(tmp_path_factory):
     tokenizer = train_bpe_tokenizer([p["prompt"] + " " + p["completion"] for p in pairs], vocab_size=300)
     tokenizer.save_pretrained(root / "llama_tokenizer")
     llama = root / "llama_weights_only"
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(llama)
     earlier = root / "earlier_run"  # what an earlier run left: its model and results
     earlier.mkdir()
     shutil.copy(minilm / "config.json", earlier / "config.json")
     (earlier / "results.json").write_text('{"eval/accuracy": 0.9}\n')
-    finetune = ("--max_train_steps", "1", "--max_train_samples", "16", "--max_eval_samples", "8", "--max_length", "16",
-                "--per_device_train_batch_size", "4")
+    finetune = (
+        "--max_train_steps",
+        "1",
+        "--max_train_samples",
+        "16",
+        "--max_eval_samples",
+        "8",
+        "--max_length",
+        "16",
+        "--per_device_train_batch_size",
+        "4",
+    )
     llm = ("--train_file", root / "pairs.jsonl", "--max_train_steps", "1", "--exact_match_samples", "0")
     jobs = {
         "finetune_no_tokenizer": Job("ddp_2gpu.yaml", FINETUNE, ("--model_name_or_path", bert, *finetune)),

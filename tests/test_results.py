@@ -53,9 +53,8 @@ def test_losses_are_read_in_windows_not_in_every_step(record):
     assert sorted(set(DeviceValue.reads)) == list(range(1, 26))  # the last step reads everything
     assert record.losses() == pytest.approx(losses)
     # The clock: every step after the 2 warm-up steps measured, each window's time shared among its steps.
-    meter = record.meter
-    assert len(meter.step_times) == 23 and meter.samples == 23 * 4 and meter.tokens == 23 * 400
-    assert all(seconds > 0 for seconds in meter.step_times)
+    assert len(record.step_times) == 23 and record.samples == 23 * 4 and record.tokens == 23 * 400
+    assert all(seconds > 0 for seconds in record.step_times)
 
 
 def test_plain_floats_still_work(record):
@@ -66,4 +65,4 @@ def test_plain_floats_still_work(record):
         record.step(step, 1.0 / step, samples=2, tokens=20)
         assert curve[-1] == 1.0 / step and len(curve) == step
     assert record.losses() == pytest.approx([1.0 / step for step in range(1, 26)])
-    assert record.meter.tokens == 23 * 20
+    assert record.tokens == 23 * 20

@@ -347,9 +347,7 @@ def test_the_dispatcher_names_the_main_device_and_hooks_every_block(monkeypatch)
     devices = [torch.device("cpu"), torch.device("cpu")]
     model, device_map = model_split.dispatch_on_devices(model, plan, devices)
     assert seen["main_device"] == devices[plan["bert.embeddings"]] and seen["force_hooks"] is True
-    assert execution_devices(model, device_map) == {
-        name: str(device) for name, device in device_map.items()
-    }
+    assert execution_devices(model, device_map) == {name: str(device) for name, device in device_map.items()}
 
 
 def test_a_dispatched_classifier_gives_the_unsplit_loss_and_gradients():
@@ -598,11 +596,22 @@ def pair_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pairs")
     data = {}
     for name, rows in (("pairs", paraphrase_rows), ("scores", similarity_rows)):
-        files = {split: write_pairs(root / f"{name}_{split}.csv", rows(count, seed))
-                 for split, count, seed in (("train", 128, 0), ("validation", 40, 1))}
+        files = {
+            split: write_pairs(root / f"{name}_{split}.csv", rows(count, seed))
+            for split, count, seed in (("train", 128, 0), ("validation", 40, 1))
+        }
         data[name] = ("--train_file", files["train"], "--validation_file", files["validation"])
-    common = ("--text_column", "sentence1", "sentence2", "--max_length", "32", "--max_train_steps", "24",
-              "--logging_steps", "4")
+    common = (
+        "--text_column",
+        "sentence1",
+        "sentence2",
+        "--max_length",
+        "32",
+        "--max_train_steps",
+        "24",
+        "--logging_steps",
+        "4",
+    )
     jobs = {}
     for name in ("pairs", "scores"):
         batch = ("--per_device_train_batch_size",)
@@ -682,7 +691,8 @@ def test_a_saved_regression_model_predicts_scores(pair_runs):
         output = model(**inputs, labels=scores)
     predicted = output.logits[:, 0]
     assert pearsonr(predicted.tolist(), scores.tolist())[0] == pytest.approx(
-        pair_runs["scores_single"]["results"]["eval/pearson"], abs=1e-4)
+        pair_runs["scores_single"]["results"]["eval/pearson"], abs=1e-4
+    )
     # problem_type "regression": the model's own loss is the MSE the recipe trained and measured
     torch.testing.assert_close(output.loss, torch.nn.functional.mse_loss(predicted, scores))
     assert output.loss.item() == pytest.approx(pair_runs["scores_single"]["results"]["eval/loss"], rel=1e-4)
@@ -697,8 +707,12 @@ def test_the_task_is_read_from_the_labels_and_numbers_are_checked():
     from shared.runtime import RecipeError
 
     def splits(train, validation):
-        return datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": train}),
-                                     "validation": datasets.Dataset.from_dict({"label": validation})})
+        return datasets.DatasetDict(
+            {
+                "train": datasets.Dataset.from_dict({"label": train}),
+                "validation": datasets.Dataset.from_dict({"label": validation}),
+            }
+        )
 
     scores, whole, names = splits([0.0, 3.8, 5.0], [2.4]), splits([1.0, 2.0, 1.0], [2.0]), splits(["1.5", "2"], ["c"])
     assert choose_task(scores, "label", "auto")[0] == "regression"
@@ -707,8 +721,9 @@ def test_the_task_is_read_from_the_labels_and_numbers_are_checked():
     assert choose_task(scores, "label", "classification") == ("classification", "--task classification")
     assert read_labels(scores, "label", regression=True)[1]([2.4, 3]) == [2.4, 3.0]
     assert read_labels(whole, "label", regression=True)[0] is None
-    with pytest.raises(RecipeError, match="fix the data or the split, or, if the labels are scores, fit them with "
-                                          "--task regression"):
+    with pytest.raises(
+        RecipeError, match="fix the data or the split, or, if the labels are scores, fit them with --task regression"
+    ):
         read_labels(scores, "label")
     with pytest.raises(RecipeError, match="a row of the validation split has 'label' = 'c'"):
         read_labels(names, "label", regression=True)

@@ -26,15 +26,60 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-LM_TINY = ("--model_size", "tiny", "--corpus_max_mb", "0.5", "--vocab_size", "512", "--block_size", "32",
-           "--max_train_steps", "4", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
-           "--per_device_eval_batch_size", "4", "--max_eval_samples", "13", "--sample_tokens", "8")
-ENCODER_TINY = ("--max_train_samples", "64", "--max_eval_samples", "37", "--max_length", "32",
-                "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--max_train_steps", "4",
-                "--logging_steps", "2")
-LLM_TINY = ("--max_train_steps", "3", "--max_length", "96", "--per_device_train_batch_size", "4",
-            "--per_device_eval_batch_size", "4", "--max_eval_samples", "8", "--exact_match_samples", "2",
-            "--learning_rate", "1e-3")
+LM_TINY = (
+    "--model_size",
+    "tiny",
+    "--corpus_max_mb",
+    "0.5",
+    "--vocab_size",
+    "512",
+    "--block_size",
+    "32",
+    "--max_train_steps",
+    "4",
+    "--per_device_train_batch_size",
+    "8",
+    "--gradient_accumulation_steps",
+    "2",
+    "--per_device_eval_batch_size",
+    "4",
+    "--max_eval_samples",
+    "13",
+    "--sample_tokens",
+    "8",
+)
+ENCODER_TINY = (
+    "--max_train_samples",
+    "64",
+    "--max_eval_samples",
+    "37",
+    "--max_length",
+    "32",
+    "--per_device_train_batch_size",
+    "8",
+    "--per_device_eval_batch_size",
+    "8",
+    "--max_train_steps",
+    "4",
+    "--logging_steps",
+    "2",
+)
+LLM_TINY = (
+    "--max_train_steps",
+    "3",
+    "--max_length",
+    "96",
+    "--per_device_train_batch_size",
+    "4",
+    "--per_device_eval_batch_size",
+    "4",
+    "--max_eval_samples",
+    "8",
+    "--exact_match_samples",
+    "2",
+    "--learning_rate",
+    "1e-3",
+)
 
 
 def launches(base: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
@@ -46,10 +91,16 @@ def launches(base: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
         "linear_toy/model_sharding": ("model_sharding_2gpu.yaml", "linear_toy.py", ("--max_train_steps", "5")),
         "transformer_finetune/single": ("single_gpu.yaml", "transformer_finetune.py", ENCODER_TINY),
         "transformer_finetune/ddp": ("ddp_2gpu.yaml", "transformer_finetune.py", ENCODER_TINY),
-        "transformer_finetune/fsdp_lora": ("fsdp_2gpu.yaml", "transformer_finetune.py",
-                                           (*ENCODER_TINY, "--lora_r", "4")),
-        "transformer_finetune/device_map": ("model_sharding_2gpu.yaml", "transformer_finetune.py",
-                                            (*ENCODER_TINY, "--parallelism", "device_map")),
+        "transformer_finetune/fsdp_lora": (
+            "fsdp_2gpu.yaml",
+            "transformer_finetune.py",
+            (*ENCODER_TINY, "--lora_r", "4"),
+        ),
+        "transformer_finetune/device_map": (
+            "model_sharding_2gpu.yaml",
+            "transformer_finetune.py",
+            (*ENCODER_TINY, "--parallelism", "device_map"),
+        ),
         "train_lm/single": ("single_gpu.yaml", "train_lm.py", LM_TINY),
         "train_lm/ddp": ("ddp_2gpu.yaml", "train_lm.py", LM_TINY),
         "train_lm/fsdp": ("fsdp_2gpu.yaml", "train_lm.py", LM_TINY),
@@ -59,12 +110,18 @@ def launches(base: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
         "llm_finetune/single_lora": ("single_gpu.yaml", "llm_finetune.py", llm),
         "llm_finetune/ddp_lora": ("ddp_2gpu.yaml", "llm_finetune.py", (*llm, "--per_device_train_batch_size", "2")),
         "llm_finetune/fsdp_lora": ("fsdp_2gpu.yaml", "llm_finetune.py", (*llm, "--per_device_train_batch_size", "2")),
-        "llm_finetune/fsdp_offload_lora": ("fsdp_offload_2gpu.yaml", "llm_finetune.py",
-                                           (*llm, "--per_device_train_batch_size", "2")),
+        "llm_finetune/fsdp_offload_lora": (
+            "fsdp_offload_2gpu.yaml",
+            "llm_finetune.py",
+            (*llm, "--per_device_train_batch_size", "2"),
+        ),
         "llm_finetune/device_map_lora": ("model_sharding_2gpu.yaml", "llm_finetune.py", llm),
         "llm_finetune/single_qlora": ("single_gpu.yaml", "llm_finetune.py", (*llm, "--load_in_4bit")),
-        "llm_finetune/single_full": ("single_gpu.yaml", "llm_finetune.py", (*llm, "--full_finetune",
-                                                                            "--learning_rate", "1e-4")),
+        "llm_finetune/single_full": (
+            "single_gpu.yaml",
+            "llm_finetune.py",
+            (*llm, "--full_finetune", "--learning_rate", "1e-4"),
+        ),
     }
 
 
@@ -78,15 +135,27 @@ def build_tiny_llm(folder: Path) -> Path:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(sentences, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        sentences,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     tokenizer.save_pretrained(folder)
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=len(tokenizer), tie_word_embeddings=False,
-                         max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
 
@@ -106,8 +175,18 @@ def tensor_fingerprints(output_dir: Path) -> dict[str, list]:
 
 def fingerprint(name: str, config: str, recipe: str, args: tuple[str, ...], root: Path) -> dict:
     output_dir = root / name.replace("/", "_")
-    command = ["accelerate", "launch", "--config_file", str(REPO / "accelerate_configs" / config),
-               str(REPO / "recipes" / recipe), *args, "--output_dir", str(output_dir), "--seed", "0"]
+    command = [
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(REPO / "accelerate_configs" / config),
+        str(REPO / "recipes" / recipe),
+        *args,
+        "--output_dir",
+        str(output_dir),
+        "--seed",
+        "0",
+    ]
     run = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     if run.returncode != 0:
         return {"failed": (run.stdout + run.stderr)[-3000:]}

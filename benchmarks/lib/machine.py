@@ -74,9 +74,10 @@ def machine_info() -> dict:
     }
 
 
-def library_versions() -> dict:
+def library_versions(names=LIBRARIES) -> dict:
+    """Python's version and each installed library's (None when it is missing)."""
     versions = {"python": platform.python_version()}
-    for name in LIBRARIES:
+    for name in names:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

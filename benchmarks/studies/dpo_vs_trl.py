@@ -52,7 +52,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # lib/, shared/, the recipes' kits
 # The benchmarks' library, in one place (benchmarks/lib once merged: lib.records, lib.stats, lib.machine).
-from lib.machine import library_versions, machine_info  # CPU model and flags, versions: as every record
+from lib.machine import LIBRARIES, library_versions, machine_info  # CPU model and flags, versions: as every record
+from lib.sides import adapter_difference, value_of  # the two sides compared
 from lib.records import equal_work, unequal_work_text  # work per step, the equal-work check
 from lib.stats import bootstrap_interval  # 95 % interval of a median ratio
 
@@ -296,19 +297,19 @@ class StepClock:
 
 
 def clocked_recipe(argv: list[str]) -> None:
-    """A: the recipe, unchanged, with its own command line (runpy), plus StepClock at each optimizer step (the
-    ThroughputMeter's step, which its RunRecord calls once per step); written to OUTPUT_DIR/cpu_clock.json."""
+    """A: the recipe, unchanged, with its own command line (runpy), plus StepClock at each optimizer step
+    (``RunRecord.step``, which the recipe calls once per step); written to OUTPUT_DIR/cpu_clock.json."""
     import runpy
 
     from shared import results
 
-    clock, measure = StepClock(int(argv[0])), results.ThroughputMeter.step
+    clock, measure = StepClock(int(argv[0])), results.RunRecord.step
 
-    def step(self, samples, tokens=0, answer_tokens=0, **kwargs) -> None:
-        measure(self, samples, tokens, answer_tokens, **kwargs)
+    def step(self, completed_steps, loss, samples, tokens=0, answer_tokens=0) -> None:
+        measure(self, completed_steps, loss, samples, tokens, answer_tokens)
         clock.tick(samples, tokens)  # a CPU run: reading the counts waits for nothing
 
-    results.ThroughputMeter.step = step
+    results.RunRecord.step = step
     sys.argv = argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")
     out = Path(sys.argv[sys.argv.index("--output_dir") + 1])
@@ -487,7 +488,7 @@ def side(steps: list[dict], warmup: int, wall: list[float], peak: dict, train_lo
 
 def recipe_side(out: Path, warmup: int) -> dict:
     clock, results = json.loads((out / "cpu_clock.json").read_text()), json.loads((out / "results.json").read_text())
-    # The recipe's own wall-clock pairs/s over its measured steps; per-step wall times are its ThroughputMeter's.
+    # The recipe's own wall-clock pairs/s over its measured steps; per-step wall times are its RunRecord's.
     wall = [0.0] * warmup + [results["perf/samples_per_step"] / results["perf/samples_per_sec"]] * (
         len(clock["steps"]) - warmup
     )
@@ -502,28 +503,6 @@ def trl_side(out: Path, warmup: int) -> dict:
     return side(results["steps"], warmup, results["wall_step_s"], results["memory/peak_gib"], results["train/log"]) | {
         "ids_check": results["ids_check"],
         "profile": results["profile"],
-    }
-
-
-def adapter_difference(a: Path, b: Path) -> dict:
-    """The saved LoRA weights of two runs, tensor by tensor: largest absolute and relative difference."""
-    from safetensors.torch import load_file
-
-    first, second = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
-    if set(first) != set(second):
-        return {
-            "same_tensors": False,
-            "only_recipe": sorted(set(first) - set(second))[:5],
-            "only_trl": sorted(set(second) - set(first))[:5],
-        }
-    diffs = {k: (first[k].double() - second[k].double()) for k in first}
-    return {
-        "same_tensors": True,
-        "tensors": len(first),
-        "max_abs_diff": max(float(d.abs().max()) for d in diffs.values()),
-        "max_abs_value": max(float(t.abs().max()) for t in first.values()),
-        "relative_diff": sum(float(d.pow(2).sum()) for d in diffs.values()) ** 0.5
-        / sum(float(t.double().pow(2).sum()) for t in first.values()) ** 0.5,
     }
 
 
@@ -548,11 +527,6 @@ def equality(recipe: dict, trl: dict) -> dict:
             "trl": {k: v for k, v in rows[-1][1].items() if k.removeprefix("train/") in METRICS},
         },
     }
-
-
-def value_of(side: dict, key: str) -> float:
-    """A number of one side; peak memory: the sum over the devices it lists."""
-    return sum(side[key].values()) if isinstance(side[key], dict) else side[key]
 
 
 def ratio_rows(rounds: list[dict]) -> list[dict]:
@@ -785,7 +759,7 @@ def main(argv=None) -> int:
         "profile_step": args.profile_step,
         "profile": profile,
         "machine": machine_info(),
-        "versions": library_versions() | {name: _version(name) for name in ("trl", "peft", "accelerate")},
+        "versions": library_versions([*LIBRARIES, "trl", "peft"]),
     }
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "dpo_vs_trl.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -793,15 +767,6 @@ def main(argv=None) -> int:
     (output_dir / "summary.md").write_text(text)
     print(text)
     return 1 if refused or not report["equality"]["within_tolerance"] else 0
-
-
-def _version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -52,7 +52,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # lib/, shared/, the recipes' kits
 from lib.launch import accelerate_launch, launch_and_wait, run_as_main
-from lib.machine import library_versions, machine_info  # CPU model and flags, GPUs, versions: as every record
+from lib.machine import (
+    LIBRARIES,
+    library_versions,
+    machine_info,
+)  # CPU model and flags, GPUs, versions: as every record
+from lib.sides import adapter_difference, value_of  # the two sides compared
 from lib.records import equal_work, unequal_work_text  # the work-per-step check of every comparison
 from lib.stats import paired_ratio  # the median of the paired ratios, its 95 % interval, the pooled ratio
 
@@ -287,21 +292,21 @@ def recipe_command(settings: dict, model_dir: Path, train_file: Path, validation
 def clocked_recipe(argv: list[str]) -> None:
     """A on a CPU: the recipe, run unchanged with its own command line (``lib.launch.run_as_main``, as
     ``profile_recipe.py`` runs it), with one addition: each optimizer step's CPU time of this process
-    (``time.process_time``) is recorded beside the wall clock of its ``ThroughputMeter``, in
+    (``time.process_time``) is recorded beside the wall clock of its ``RunRecord``, in
     ``OUTPUT_DIR/cpu_clock_rank{R}.json``. On a machine that other processes share, a step's wall time counts the time
     they held the core; its CPU time does not."""
     from shared import results
 
     steps, last = [], [time.process_time()]
-    measure = results.ThroughputMeter.step
+    measure = results.RunRecord.step
 
-    def step(self, samples: int, tokens=0, answer_tokens=0, **kwargs) -> None:
-        measure(self, samples, tokens, answer_tokens, **kwargs)
+    def step(self, completed_steps: int, loss, samples: int, tokens=0, answer_tokens=0) -> None:
+        measure(self, completed_steps, loss, samples, tokens, answer_tokens)
         now = time.process_time()  # (a CPU run: reading the token count here waits for nothing)
         steps.append({"cpu_s": now - last[0], "samples": int(samples), "tokens": int(tokens)})
         last[0] = now
 
-    results.ThroughputMeter.step = step
+    results.RunRecord.step = step
     run_as_main(argv)
     out = Path(argv[argv.index("--output_dir") + 1])
     (out / f"cpu_clock_rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(steps) + "\n")
@@ -389,7 +394,7 @@ def trl_worker(args) -> None:
 
     class StepMeter(TrainerCallback):
         """Times optimizer steps end to end (the previous step's end to this one's) and adds up the batches each
-        trained on, skipping the first ``warmup`` steps: the recipe's ThroughputMeter, as a callback."""
+        trained on, skipping the first ``warmup`` steps: the recipe's RunRecord clock, as a callback."""
 
         def __init__(self, warmup: int):
             self.warmup, self.seen, self.step_times, self.cpu_times, self.logs = warmup, 0, [], [], []
@@ -693,26 +698,6 @@ def summarize_breakdown(breakdown: dict, rounds: list[dict], settings: dict) -> 
 
 
 # ------------------------------------------------------------------------------------------ the comparison
-def adapter_difference(a: Path, b: Path) -> dict:
-    """Tensor-by-tensor comparison of two saved LoRA adapters: the largest absolute difference, and the norm of the
-    difference over the norm of ``a`` (all tensors together)."""
-    from safetensors.torch import load_file
-
-    first, second = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
-    if set(first) != set(second):
-        return {
-            "same_tensors": False,
-            "only_in_first": sorted(set(first) - set(second))[:5],
-            "only_in_second": sorted(set(second) - set(first))[:5],
-        }
-    diff = sum(float((first[k].double() - second[k].double()).pow(2).sum()) for k in first) ** 0.5
-    norm = sum(float(first[k].double().pow(2).sum()) for k in first) ** 0.5
-    return {
-        "same_tensors": True,
-        "tensors": len(first),
-        "max_abs_diff": max(float((first[k].double() - second[k].double()).abs().max()) for k in first),
-        "relative_diff": diff / norm,
-    }
 
 
 # (label, key): what is compared, recipe / TRL, in every round. Per CPU-second: only where cpu_clock is on. A sample
@@ -767,12 +752,6 @@ def work_text(work: dict) -> str:
     )
     equal = f" (equal within {work['tolerance']:.0%})" if work["equal"] else ""
     return f"Work per optimizer step (real tokens, conversations): {text or 'not recorded'}{equal}."
-
-
-def value_of(side: dict, key: str) -> float:
-    """A number of one side; peak memory: the sum over the devices (or processes) it lists."""
-    value = side[key]
-    return sum(value.values()) if isinstance(value, dict) else value
 
 
 def summarize(rounds: list[dict], settings: dict) -> list[dict]:
@@ -1045,7 +1024,7 @@ def main(argv=None) -> int:
         "checks": checks,
         "step_breakdown": breakdown,
         "machine": machine_info(),
-        "versions": library_versions() | {"trl": _version("trl"), "peft": _version("peft")},
+        "versions": library_versions([*LIBRARIES, "trl", "peft"]),
     }
     (output_dir / "vs_trl.json").write_text(json.dumps(report, indent=2) + "\n")
     text = markdown(report)
@@ -1055,15 +1034,6 @@ def main(argv=None) -> int:
         print(refused, file=sys.stderr)
         return 1
     return 0
-
-
-def _version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

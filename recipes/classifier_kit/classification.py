@@ -20,8 +20,13 @@ from shared.data import stdlib_root
 from shared.runtime import RecipeError
 
 
-def load_splits(train_file: str | None, validation_file: str | None, dataset_name: str | None,
-                dataset_config_name: str | None, seed: int) -> datasets.DatasetDict:
+def load_splits(
+    train_file: str | None,
+    validation_file: str | None,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    seed: int,
+) -> datasets.DatasetDict:
     """train/validation splits from the user's files (validation: 10% of train, split by ``seed``, when not given), a
     Hub data set (its test split stands in for a missing validation split), or the offline default (docstrings)."""
     if train_file:
@@ -32,11 +37,14 @@ def load_splits(train_file: str | None, validation_file: str | None, dataset_nam
         except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
             empty_split = re.search(r'Instruction "(\w+)" corresponds to no data', str(error))
             if empty_split:
-                raise RecipeError(f"The {empty_split.group(1)} split is empty ({files[empty_split.group(1)]}): it "
-                                  "needs at least one row.") from None
+                raise RecipeError(
+                    f"The {empty_split.group(1)} split is empty ({files[empty_split.group(1)]}): it "
+                    "needs at least one row."
+                ) from None
             first_line = (str(error).strip().splitlines() or [""])[0][:300]  # some errors have no message
-            raise RecipeError(f"Could not read {sorted(files.values())}: {type(error).__name__}: "
-                              f"{first_line}") from None
+            raise RecipeError(
+                f"Could not read {sorted(files.values())}: {type(error).__name__}: {first_line}"
+            ) from None
     elif dataset_name:
         try:
             raw = datasets.load_dataset(dataset_name, dataset_config_name)
@@ -46,7 +54,8 @@ def load_splits(train_file: str | None, validation_file: str | None, dataset_nam
                 f"Could not load the Hub data set {dataset_name!r} ({type(error).__name__}: "
                 f"{str(error).splitlines()[0][:300]})."
                 + (" The Hub is switched off here (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE=1)." if offline else "")
-                + " Without internet, pass local files with --train_file/--validation_file.") from None
+                + " Without internet, pass local files with --train_file/--validation_file."
+            ) from None
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
     else:
@@ -58,8 +67,15 @@ def load_splits(train_file: str | None, validation_file: str | None, dataset_nam
 
 
 # The two text columns of sentence-pair data sets (GLUE, SuperGLUE, SNLI, common CSVs), in the order they are read.
-PAIR_COLUMNS = [("sentence1", "sentence2"), ("question1", "question2"), ("premise", "hypothesis"),
-                ("question", "sentence"), ("question", "passage"), ("text_a", "text_b"), ("text1", "text2")]
+PAIR_COLUMNS = [
+    ("sentence1", "sentence2"),
+    ("question1", "question2"),
+    ("premise", "hypothesis"),
+    ("question", "sentence"),
+    ("question", "passage"),
+    ("text_a", "text_b"),
+    ("text1", "text2"),
+]
 
 
 def check_columns(raw: datasets.DatasetDict, text_columns: list[str], label_column: str) -> None:
@@ -72,12 +88,20 @@ def check_columns(raw: datasets.DatasetDict, text_columns: list[str], label_colu
         missing = [column for column in (*text_columns, label_column) if column not in found]
         if missing:
             hint = f" This looks like sentence pairs: --text_column {pair[0]} {pair[1]}." if pair else ""
-            raise RecipeError(f"The {split} split has no column {' or '.join(repr(c) for c in missing)}; columns "
-                              f"found: {found}. Name the right ones with --text_column and --label_column.{hint}")
+            raise RecipeError(
+                f"The {split} split has no column {' or '.join(repr(c) for c in missing)}; columns "
+                f"found: {found}. Name the right ones with --text_column and --label_column.{hint}"
+            )
         if len(dataset) == 0:
             raise RecipeError(f"The {split} split is empty: it needs at least one row.")
-        unused = [pair for pair in PAIR_COLUMNS if text_columns[0] in pair and len(text_columns) == 1
-                  and set(pair) <= set(found) and label_column not in pair]
+        unused = [
+            pair
+            for pair in PAIR_COLUMNS
+            if text_columns[0] in pair
+            and len(text_columns) == 1
+            and set(pair) <= set(found)
+            and label_column not in pair
+        ]
         if unused:
             (first, second), other = unused[0], next(c for c in unused[0] if c != text_columns[0])
             raise RecipeError(
@@ -85,7 +109,8 @@ def check_columns(raw: datasets.DatasetDict, text_columns: list[str], label_colu
                 f"the other text of a sentence pair, and a pair's label depends on both texts: a model shown "
                 f"{text_columns[0]!r} alone trains without an error to about the majority baseline. Pass "
                 f"--text_column {first} {second} to tokenize them as a pair (the model's separator and token type "
-                f"ids); if {other!r} is not a text of the pair, drop or rename that column.")
+                f"ids); if {other!r} is not a text of the pair, drop or rename that column."
+            )
 
 
 def choose_task(raw: datasets.DatasetDict, label_column: str, task: str) -> tuple[str, str]:
@@ -96,10 +121,13 @@ def choose_task(raw: datasets.DatasetDict, label_column: str, task: str) -> tupl
     values = raw["train"][label_column]
     fractional = next((v for v in values if isinstance(v, float) and v == v and not v.is_integer()), None)
     if fractional is not None:
-        return "regression", (f"auto: {label_column!r} holds fractional numbers such as {fractional}: scores, fitted "
-                              "with a one-output head and MSE; --task classification reads them as class names")
-    return "classification", (f"auto: {label_column!r} holds names or whole numbers: classes; --task regression fits "
-                               "numbers as scores")
+        return "regression", (
+            f"auto: {label_column!r} holds fractional numbers such as {fractional}: scores, fitted "
+            "with a one-output head and MSE; --task classification reads them as class names"
+        )
+    return "classification", (
+        f"auto: {label_column!r} holds names or whole numbers: classes; --task regression fits numbers as scores"
+    )
 
 
 def read_labels(
@@ -117,27 +145,34 @@ def read_labels(
                     if float(value) != float(value) or isinstance(value, bool):  # NaN: an empty CSV cell, say
                         raise ValueError
                 except (TypeError, ValueError):
-                    raise RecipeError(f"--task regression fits a number per row, and a row of the {split} split has "
-                                      f"{label_column!r} = {value!r}. Fix that row, or pass --task classification if "
-                                      "the labels are class names.") from None
+                    raise RecipeError(
+                        f"--task regression fits a number per row, and a row of the {split} split has "
+                        f"{label_column!r} = {value!r}. Fix that row, or pass --task classification if "
+                        "the labels are class names."
+                    ) from None
         return None, lambda values: [float(value) for value in values]
     feature = raw["train"].features[label_column]
     if isinstance(feature, datasets.ClassLabel):
         names, to_ids = list(feature.names), list
     else:
-        names = sorted({str(label) for label in raw["train"][label_column]},
-                       key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s))
+        names = sorted(
+            {str(label) for label in raw["train"][label_column]},
+            key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s),
+        )
         unseen = sorted({str(label) for label in raw["validation"][label_column]} - set(names))
         if unseen:
-            raise RecipeError(f"The validation split has labels never seen in training: {unseen[:10]}"
-                              f"{' ...' if len(unseen) > 10 else ''}. The model can only predict the {len(names)} "
-                              "training labels; fix the data or the split, or, if the labels are scores, fit them "
-                              "with --task regression.")
+            raise RecipeError(
+                f"The validation split has labels never seen in training: {unseen[:10]}"
+                f"{' ...' if len(unseen) > 10 else ''}. The model can only predict the {len(names)} "
+                "training labels; fix the data or the split, or, if the labels are scores, fit them "
+                "with --task regression."
+            )
         to_id = {name: index for index, name in enumerate(names)}
         to_ids = lambda values: [to_id[str(value)] for value in values]
     if len(names) < 2:
-        raise RecipeError(f"Training data has {len(names)} distinct label(s) in {label_column!r}; classification "
-                          "needs at least 2.")
+        raise RecipeError(
+            f"Training data has {len(names)} distinct label(s) in {label_column!r}; classification needs at least 2."
+        )
     return names, to_ids
 
 
@@ -162,28 +197,45 @@ def load_model_config(name: str, label_names: list[str] | None, max_length: int,
     one output named "score" and ``problem_type="regression"`` (the saved model's own loss is then MSE), checked
     against ``max_length``; a missing local folder, or a Hub name while the Hub is off, is refused with what to
     pass."""
-    looks_local = (Path(name).is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
-                   or (os.sep == "\\" and "\\" in name))
+    looks_local = (
+        Path(name).is_absolute()
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+        or (os.sep == "\\" and "\\" in name)
+    )
     if looks_local and not Path(name).expanduser().is_dir():
-        raise RecipeError(f"--model_name_or_path {name!r} does not exist. Pass a folder holding config.json and "
-                          "weights, or a Hub name.")
+        raise RecipeError(
+            f"--model_name_or_path {name!r} does not exist. Pass a folder holding config.json and "
+            "weights, or a Hub name."
+        )
     labels, problem = (label_names, {}) if label_names else (["score"], {"problem_type": "regression"})
     try:
         config = AutoConfig.from_pretrained(
-            name, num_labels=len(labels), id2label=dict(enumerate(labels)),
-            label2id={label: i for i, label in enumerate(labels)}, trust_remote_code=trust_remote_code, **problem)
+            name,
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={label: i for i, label in enumerate(labels)},
+            trust_remote_code=trust_remote_code,
+            **problem,
+        )
     except (OSError, ValueError) as error:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         raise RecipeError(
             f"Could not load model {name!r}: {str(error).splitlines()[0][:300]} "
-            + ("The Hub is switched off here (HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local "
-               "path (a folder with config.json and weights), or leave --model_name_or_path out for the offline "
-               "default." if offline and not looks_local
-               else "Pass a local folder with config.json and weights, or a Hub name when online.")) from None
+            + (
+                "The Hub is switched off here (HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local "
+                "path (a folder with config.json and weights), or leave --model_name_or_path out for the offline "
+                "default."
+                if offline and not looks_local
+                else "Pass a local folder with config.json and weights, or a Hub name when online."
+            )
+        ) from None
     if max_length > getattr(config, "max_position_embeddings", max_length):
-        raise RecipeError(f"--max_length {max_length} is beyond what {name!r} can take (max_position_embeddings="
-                          f"{config.max_position_embeddings}). Use --max_length {config.max_position_embeddings} or "
-                          "less.")
+        raise RecipeError(
+            f"--max_length {max_length} is beyond what {name!r} can take (max_position_embeddings="
+            f"{config.max_position_embeddings}). Use --max_length {config.max_position_embeddings} or "
+            "less."
+        )
     return config
 
 
@@ -212,19 +264,34 @@ def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_c
                             yield {"text": docstring, "label": package, "source": source, "split": split}
 
 
-def stdlib_docstrings(packages=DOCSTRING_PACKAGES, min_chars: int = 40,
-                      validation_percent: int = 20) -> datasets.DatasetDict:
+def stdlib_docstrings(
+    packages=DOCSTRING_PACKAGES, min_chars: int = 40, validation_percent: int = 20
+) -> datasets.DatasetDict:
     """Docstrings of the standard library labelled by their top-level package (topic classification): ``train`` and
     ``validation`` with ``text``, ``label`` (the package name) and ``source``. Built once per Python installation, then
     read from the ``datasets`` cache: call it under ``accelerator.main_process_first()``."""
-    rows = datasets.Dataset.from_generator(_docstring_rows, gen_kwargs={
-        "stdlib": str(stdlib_root()), "python_version": platform.python_version(), "packages": sorted(packages),
-        "min_chars": min_chars, "validation_percent": validation_percent})
+    rows = datasets.Dataset.from_generator(
+        _docstring_rows,
+        gen_kwargs={
+            "stdlib": str(stdlib_root()),
+            "python_version": platform.python_version(),
+            "packages": sorted(packages),
+            "min_chars": min_chars,
+            "validation_percent": validation_percent,
+        },
+    )
     return split_by_column(rows)
 
 
-def add_lora(model: torch.nn.Module, model_name_or_path: str, r: int, alpha: float, dropout: float,
-             target_modules: list[str], task_type: str) -> torch.nn.Module:
+def add_lora(
+    model: torch.nn.Module,
+    model_name_or_path: str,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    task_type: str,
+) -> torch.nn.Module:
     """``get_peft_model`` with a LoRA adapter of rank ``r`` on ``target_modules`` (``["all-linear"]``: every linear
     layer but the output head), the base frozen. ``task_type`` ``SEQ_CLS`` also trains and saves the classification
     head, which starts from scratch. Target names that match no module are refused, naming them."""
@@ -235,9 +302,11 @@ def add_lora(model: torch.nn.Module, model_name_or_path: str, r: int, alpha: flo
     try:
         model = get_peft_model(model, config)
     except ValueError as error:
-        raise RecipeError(f"--lora_target_modules {' '.join(target_modules)} matches no module of the model "
-                          f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names of the model's linear "
-                          "layers (such as q_proj v_proj, or query value).") from None
+        raise RecipeError(
+            f"--lora_target_modules {' '.join(target_modules)} matches no module of the model "
+            f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names of the model's linear "
+            "layers (such as q_proj v_proj, or query value)."
+        ) from None
     if Path(model_name_or_path).is_dir():
         # adapter_config.json names its base: a local one by its absolute path, so that the adapter loads from any
         # folder of this machine (a relative path, read from elsewhere, is taken for a Hub name).

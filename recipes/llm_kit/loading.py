@@ -1,7 +1,8 @@
 """The base model of ``recipes/llm_finetune.py``: the offline default (pretrained by ``recipes/train_lm.py`` when
 there is none), its config checked, loading it (16/32-bit or 4-bit NF4, onto one device, split over two, or on the
-meta device for FSDP2's low host-RAM loading), the adapter merged into a fresh copy of it, and what low-RAM loading
-handed each process. ``load_base_model`` is the one place that loads the weights."""
+meta device for FSDP2's low host-RAM loading), its LoRA adapter (checkpoints that hold the adapter alone), the adapter
+merged into a fresh copy of it, and what low-RAM loading handed each process. ``load_base_model`` is the one place
+that loads the weights."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
+from accelerate import Accelerator, init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shared.fsdp import available_host_ram
@@ -21,8 +22,19 @@ from shared.runtime import RecipeError, main_process_alone
 from .sharded_4bit import empty_4bit_model
 
 # Encoder-only architectures that AutoModelForCausalLM would load anyway (BertLMHeadModel ...), but are not causal LMs.
-ENCODER_ONLY = {"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "mpnet",
-                "camembert", "modernbert"}
+ENCODER_ONLY = {
+    "bert",
+    "roberta",
+    "xlm-roberta",
+    "distilbert",
+    "albert",
+    "electra",
+    "deberta",
+    "deberta-v2",
+    "mpnet",
+    "camembert",
+    "modernbert",
+}
 
 
 def default_base_model(accelerator, output_dir: Path, recipes_dir: Path) -> str:
@@ -33,31 +45,52 @@ def default_base_model(accelerator, output_dir: Path, recipes_dir: Path) -> str:
             return str(candidate)
     recipe = recipes_dir / "train_lm.py"
     if not recipe.is_file():
-        raise RecipeError("No --model_name_or_path given and no pretrained model in outputs/train_lm. Pass a local "
-                          "folder or Hub name of a causal LM (the pretraining fallback needs recipes/train_lm.py "
-                          "beside llm_finetune.py).")
+        raise RecipeError(
+            "No --model_name_or_path given and no pretrained model in outputs/train_lm. Pass a local "
+            "folder or Hub name of a causal LM (the pretraining fallback needs recipes/train_lm.py "
+            "beside llm_finetune.py)."
+        )
     target = output_dir / "base_model"
     # Minutes of pretraining on the main process: the others wait untimed (a barrier bounded by --dist_timeout would
     # kill the run while it is only slow).
     with main_process_alone(accelerator):
         if accelerator.is_main_process:
-            command = [sys.executable, str(recipe), "--model_size", "small", "--max_train_steps", "150",
-                       "--corpus_max_mb", "3", "--per_device_train_batch_size", "8", "--block_size", "256",
-                       "--sample_tokens", "0", "--output_dir", str(target)]
-            accelerator.print("no base model yet: pretraining one first (a 1-process run, a few minutes on a CPU): "
-                              + " ".join(command))
+            command = [
+                sys.executable,
+                str(recipe),
+                "--model_size",
+                "small",
+                "--max_train_steps",
+                "150",
+                "--corpus_max_mb",
+                "3",
+                "--per_device_train_batch_size",
+                "8",
+                "--block_size",
+                "256",
+                "--sample_tokens",
+                "0",
+                "--output_dir",
+                str(target),
+            ]
+            accelerator.print(
+                "no base model yet: pretraining one first (a 1-process run, a few minutes on a CPU): "
+                + " ".join(command)
+            )
             # A plain 1-process run: none of this launch's distributed settings may reach it.
             launch = ("RANK", "LOCAL_", "WORLD_", "GROUP_", "ROLE_", "MASTER_", "TORCHELASTIC_", "ACCELERATE_")
             env = {key: value for key, value in os.environ.items() if not key.startswith(launch)}
             done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             if done.returncode != 0:
-                raise RecipeError("Pretraining the default base model failed: "
-                                  f"{done.stdout.strip().splitlines()[-1][:300]}")
+                raise RecipeError(
+                    f"Pretraining the default base model failed: {done.stdout.strip().splitlines()[-1][:300]}"
+                )
     return str(target)
 
 
-def causal_lm_config(accelerator, name_or_path: str, max_length: int, load_in_4bit: bool = False,
-                     trust_remote_code: bool = False) -> tuple[object, int]:
+def causal_lm_config(
+    accelerator, name_or_path: str, max_length: int, load_in_4bit: bool = False, trust_remote_code: bool = False
+) -> tuple[object, int]:
     """The model's config and the ``max_length`` it allows, checked before any data work: a model that is not a causal
     LM, or ``load_in_4bit`` without bitsandbytes or on another device than CUDA or the CPU, is refused; a
     ``max_length`` beyond the model's positions is cut to them (said so)."""
@@ -65,32 +98,46 @@ def causal_lm_config(accelerator, name_or_path: str, max_length: int, load_in_4b
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
-            raise RecipeError("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt "
-                              "(bitsandbytes==0.50.2).") from None
+            raise RecipeError(
+                "--load_in_4bit needs bitsandbytes: pip install -r requirements.txt (bitsandbytes==0.50.2)."
+            ) from None
         if accelerator.device.type not in ("cuda", "cpu"):
             raise RecipeError(f"--load_in_4bit runs on CUDA GPUs and the CPU here, not on {accelerator.device.type}.")
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
-        raise RecipeError(f"Could not load model {name_or_path!r}: {str(error).splitlines()[0][:300]} Pass a local "
-                          "folder with config.json and weights, or a Hub name when online.") from None
+        raise RecipeError(
+            f"Could not load model {name_or_path!r}: {str(error).splitlines()[0][:300]} Pass a local "
+            "folder with config.json and weights, or a Hub name when online."
+        ) from None
     if config.model_type in ENCODER_ONLY or getattr(config, "is_encoder_decoder", False):
         raise RecipeError(
             f"{name_or_path!r} is a {config.model_type} model, not a causal (decoder-only) LM, so it cannot generate "
             "answers. Use a decoder such as Llama, Qwen, Mistral, Gemma or GPT-2; to classify text, use "
-            "recipes/transformer_finetune.py.")
+            "recipes/transformer_finetune.py."
+        )
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if positions and max_length > positions:
         # Longer rows would index past the position embeddings (an IndexError mid-run) or past what the model learned.
-        accelerator.print(f"--max_length {max_length} is more than the {positions} positions of {name_or_path}: "
-                          f"samples are cut to {positions} tokens")
+        accelerator.print(
+            f"--max_length {max_length} is more than the {positions} positions of {name_or_path}: "
+            f"samples are cut to {positions} tokens"
+        )
         max_length = positions
     return config, max_length
 
 
-def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True, load_in_4bit: bool = False,
-                    devices: list[torch.device] | None = None, max_length: int = 512,
-                    trust_remote_code: bool = False, merge_and_save: bool = False) -> torch.nn.Module:
+def load_base_model(
+    accelerator,
+    name_or_path: str,
+    config,
+    frozen: bool = True,
+    load_in_4bit: bool = False,
+    devices: list[torch.device] | None = None,
+    max_length: int = 512,
+    trust_remote_code: bool = False,
+    merge_and_save: bool = False,
+) -> torch.nn.Module:
     """The base model on this process's device, or split over ``devices`` (a device_map, one process) when given.
     ``frozen`` (LoRA): in the compute dtype (a 7B base in bf16 is 13.5 GB instead of 27; the adapter stays float32,
     PEFT upcasts it); with ``load_in_4bit`` in 4-bit NF4 with double quantization (QLoRA, bitsandbytes), prepared for
@@ -114,8 +161,13 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
 
         # The storage dtype is the compute dtype, so that FSDP2 sees one dtype in every parameter it flattens and
         # shards.
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_quant_storage=dtype,
+        )
         # Quantized where it is loaded. One device: there. A split: on the CPU (a layer at a time, in host RAM), then
         # dispatch_on_devices moves each block to its own device, so that no GPU ever holds more than its share
         # (loaded onto a GPU, the whole 4-bit model would sit there before being split: 35 GB for a 70B model).
@@ -126,9 +178,14 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
             model = empty_4bit_model(config, quantization, dtype, trust_remote_code)
             keep_4bit_weights_trainable(model)
             return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, config=config, dtype=dtype,
-                                                 quantization_config=quantization, device_map=load_device,
-                                                 trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path,
+        config=config,
+        dtype=dtype,
+        quantization_config=quantization,
+        device_map=load_device,
+        trust_remote_code=trust_remote_code,
+    )
     if devices:
         # One dispatcher for every recipe that splits (shared/model_split.py), before LoRA: the adapter's weights are
         # then created on the device of the layer they adapt, inside its block's hook.
@@ -143,17 +200,18 @@ def load_base_model(accelerator, name_or_path: str, config, frozen: bool = True,
     return model
 
 
-def lora_model(model: torch.nn.Module, name_or_path: str, *, r: int, alpha: float, dropout: float,
-               target_modules: list[str]) -> torch.nn.Module:
+def lora_model(
+    model: torch.nn.Module, name_or_path: str, *, r: int, alpha: float, dropout: float, target_modules: list[str]
+) -> torch.nn.Module:
     """``get_peft_model`` with a causal-LM LoRA adapter of rank ``r`` on ``target_modules``, refusing target modules
     that match nothing in one sentence that names the flag, with ``adapter_config.json`` naming a local base by its
     absolute path (so that the adapter loads from any folder of this machine: a relative path, read from elsewhere, is
-    taken for a Hub name). For checkpoints that hold the adapter only, see
-    ``shared.fsdp.trained_weights_only_in_checkpoints``."""
+    taken for a Hub name). For checkpoints that hold the adapter only, see ``trained_weights_only_in_checkpoints``."""
     from peft import LoraConfig, get_peft_model
 
-    lora_config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
-                             task_type="CAUSAL_LM")
+    lora_config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+    )
 
     if lora_config.target_modules == {"all-linear"}:  # a one-word flag list: PEFT takes this one as a string
         lora_config.target_modules = "all-linear"
@@ -164,10 +222,43 @@ def lora_model(model: torch.nn.Module, name_or_path: str, *, r: int, alpha: floa
         raise RecipeError(
             f"--lora_target_modules {targets if isinstance(targets, str) else ' '.join(sorted(targets))} matches no "
             f"module of the model ({str(error).splitlines()[0][:200]}). Use 'all-linear' or names such as q_proj "
-            "v_proj.") from None
+            "v_proj."
+        ) from None
     if Path(name_or_path).is_dir():
         model.peft_config["default"].base_model_name_or_path = str(Path(name_or_path).resolve())
     return model
+
+
+def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:
+    """LoRA: ``save_state`` checkpoints hold the trained weights (the adapter), not the frozen base (13.5 GB for a
+    7B model in bf16, at every save, and every rank's share of it under FSDP); ``load_state(strict=False)`` puts them
+    back. Call once, before or after ``prepare`` (it acts at the first ``save_state``).
+
+    Under FSDP2 Accelerate writes the model with ``save_fsdp_model``/``load_fsdp_model``, which take
+    ``adapter_only=True`` (PEFT's adapter state dict, still sharded: nothing is gathered, each rank writes its shard of
+    the adapter), but ``save_state``/``load_state`` cannot pass it (Accelerate 1.16): this sets it for this process.
+    Elsewhere ``save_state`` hands its weights to a pre-hook, which keeps those that require grad."""
+    if accelerator.is_fsdp2:
+        import functools
+
+        import accelerate.accelerator
+
+        for name in ("save_fsdp_model", "load_fsdp_model"):
+            function = getattr(accelerate.accelerator, name)
+            if not isinstance(function, functools.partial):
+                setattr(accelerate.accelerator, name, functools.partial(function, adapter_only=True))
+        return
+
+    def adapter_only(models, weights, folder):
+        for index, model_weights in enumerate(weights):
+            trained = {
+                name
+                for name, parameter in accelerator.unwrap_model(models[index]).named_parameters()
+                if parameter.requires_grad
+            }
+            weights[index] = {name: tensor for name, tensor in model_weights.items() if name in trained}
+
+    accelerator.register_save_state_pre_hook(adapter_only)
 
 
 def low_ram_loading(accelerator) -> bool:
@@ -185,8 +276,10 @@ def parameter_counts(accelerator, model: torch.nn.Module, name_or_path: str) -> 
         trainable = total = sum(parameter.numel() for parameter in model.parameters())
         base = model
     weights = "4-bit NF4" if getattr(base, "is_loaded_in_4bit", False) else str(base.dtype)
-    accelerator.print(f"model: {name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trained "
-                      f"({trainable / total:.2%}); weights in {weights}")
+    accelerator.print(
+        f"model: {name_or_path}: {total / 1e6:.1f}M parameters, {trainable / 1e6:.2f}M trained "
+        f"({trainable / total:.2%}); weights in {weights}"
+    )
     return trainable, total
 
 
@@ -195,8 +288,10 @@ def check_merge_fits_host_ram(accelerator, config, name_or_path: str, trust_remo
     training when this machine's free host RAM cannot hold it (+10 % for the adapter and saving), with the command
     that merges on a machine that can (a 70B base needs ~140 GB). Every process decides; all raise together."""
     with init_empty_weights():  # the parameter count, from the config: no weights read
-        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(
-            config, trust_remote_code=trust_remote_code).parameters())
+        count = sum(
+            p.numel()
+            for p in AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).parameters()
+        )
     dtype_name = "bfloat16" if accelerator.mixed_precision == "bf16" else "float32"
     needed = int(count * (2 if dtype_name == "bfloat16" else 4) * 1.1)
     available, source = available_host_ram()
@@ -205,9 +300,10 @@ def check_merge_fits_host_ram(accelerator, config, name_or_path: str, trust_remo
             f"--merge_and_save loads the whole base ({count / 1e9:.1f}B parameters in {dtype_name}) on the main "
             f"process after training: {needed / 2**30:.1f} GiB of host RAM, but only {available / 2**30:.1f} GiB is "
             f"free ({source}). Train without --merge_and_save (the adapter is saved either way), then merge where the "
-            "RAM is (OUTPUT_DIR: your --output_dir): python -c \"from peft import AutoPeftModelForCausalLM; "
+            'RAM is (OUTPUT_DIR: your --output_dir): python -c "from peft import AutoPeftModelForCausalLM; '
             f"AutoPeftModelForCausalLM.from_pretrained('OUTPUT_DIR', dtype='{dtype_name}').merge_and_unload()"
-            ".save_pretrained('OUTPUT_DIR/merged')\"")
+            ".save_pretrained('OUTPUT_DIR/merged')\""
+        )
 
 
 def save_merged(accelerator, name_or_path: str, adapter_dir: Path, tokenizer, trust_remote_code: bool = False) -> None:

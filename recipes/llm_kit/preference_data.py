@@ -27,8 +27,13 @@ FORMATS = ("standard", "conversational", "conversational_implicit")
 SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
 
 
-def preference_format(dataset: datasets.Dataset, source: str, tokenizer=None, max_length: int | None = None,
-                      max_prompt_length: int | None = None) -> str:
+def preference_format(
+    dataset: datasets.Dataset,
+    source: str,
+    tokenizer=None,
+    max_length: int | None = None,
+    max_prompt_length: int | None = None,
+) -> str:
     """The format of ``dataset`` (``FORMATS``), every row checked (``check_pair``; rows count from 1, as the lines of
     a JSON Lines file). With ``tokenizer``: a prompt that, cut to ``max_prompt_length``, leaves no completion token at
     ``max_length`` is refused too, by its row (only possible when ``max_prompt_length >= max_length``)."""
@@ -39,11 +44,14 @@ def preference_format(dataset: datasets.Dataset, source: str, tokenizer=None, ma
             f"{source} has no {' and no '.join(repr(name) for name in missing)} column, so it holds no preference "
             f"pairs. DPO reads TRL's preference formats: 'prompt', 'chosen' and 'rejected' (strings, or lists of "
             f"{{role, content}} messages), or 'chosen' and 'rejected' conversations that share their first turns. "
-            f"Columns found: {columns}.")
+            f"Columns found: {columns}."
+        )
     conversational = isinstance(dataset.features["chosen"], (datasets.Sequence, datasets.List, list))
     if "prompt" not in columns and not conversational:
-        raise RecipeError(f"{source} has 'chosen' and 'rejected' strings but no 'prompt' column: with strings the "
-                          "prompt must be its own column (only conversations may hold it in their first turns).")
+        raise RecipeError(
+            f"{source} has 'chosen' and 'rejected' strings but no 'prompt' column: with strings the "
+            "prompt must be its own column (only conversations may hold it in their first turns)."
+        )
     fmt = FORMATS[0] if not conversational else FORMATS[1] if "prompt" in columns else FORMATS[2]
     check_prompts = tokenizer is not None and max_prompt_length >= max_length
     for number, row in enumerate(dataset, start=1):
@@ -55,7 +63,8 @@ def preference_format(dataset: datasets.Dataset, source: str, tokenizer=None, ma
                 raise RecipeError(
                     f"{where}: its 'prompt' has {prompt} tokens, which at --max_length {max_length} leaves no "
                     f"completion token to compare (--max_prompt_length {max_prompt_length} cuts prompts only beyond "
-                    f"that). Use a --max_prompt_length below --max_length (default: half of it), or drop the row.")
+                    f"that). Use a --max_prompt_length below --max_length (default: half of it), or drop the row."
+                )
     return fmt
 
 
@@ -64,28 +73,34 @@ def check_pair(row: dict, fmt: str, where: str) -> None:
     for column in ("prompt", "chosen", "rejected") if fmt != "conversational_implicit" else ("chosen", "rejected"):
         value = row.get(column)
         if value is None or (column != "prompt" and len(value) == 0):
-            raise RecipeError(f"{where} has no {column!r} (it is {value!r}): every pair needs a prompt, a chosen "
-                              "and a rejected completion. Fill it in, or drop the row.")
+            raise RecipeError(
+                f"{where} has no {column!r} (it is {value!r}): every pair needs a prompt, a chosen "
+                "and a rejected completion. Fill it in, or drop the row."
+            )
         if fmt == "standard" and not isinstance(value, str):
             raise RecipeError(f"{where}: {column!r} must be a string like the other rows'; got {str(value)[:200]}.")
         if fmt != "standard":
             check_conversation(value, f"{where} (column {column!r})", column, answer=column != "prompt")
     prompt, chosen, rejected = split_pair(row, fmt)
     if chosen == rejected:
-        raise RecipeError(f"{where}: 'chosen' and 'rejected' are identical ({str(chosen)[:200]}), so there is "
-                          "nothing to prefer. Drop the row, or fix the rejected completion.")
+        raise RecipeError(
+            f"{where}: 'chosen' and 'rejected' are identical ({str(chosen)[:200]}), so there is "
+            "nothing to prefer. Drop the row, or fix the rejected completion."
+        )
     if fmt == "conversational_implicit":
         if not prompt:
             raise RecipeError(
                 f"{where}: the 'chosen' and 'rejected' conversations do not share their first turn, so there is no "
                 f"prompt both answer (chosen starts {str(row['chosen'][:1])[:150]}, rejected starts "
                 f"{str(row['rejected'][:1])[:150]}). Put the same prompt turns first in both, or give a 'prompt' "
-                "column.")
+                "column."
+            )
         if not (chosen and rejected and chosen[0]["role"] == rejected[0]["role"] == "assistant"):
             raise RecipeError(
                 f"{where}: after the turns that 'chosen' and 'rejected' share, each must go on with an assistant "
                 f"answer (chosen goes on with {str(chosen[:1])[:150]}, rejected with {str(rejected[:1])[:150]}): "
-                "one conversation may not simply extend the other.")
+                "one conversation may not simply extend the other."
+            )
 
 
 def split_pair(row: dict, fmt: str) -> tuple:
@@ -118,30 +133,51 @@ def tokenize_pair(row: dict, fmt: str, tokenizer, max_length: int, max_prompt_le
         for completion in (chosen, rejected):
             full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
             if not full.startswith(prompt_text):
-                raise RecipeError("The chat template does not render a conversation as a prefix of its continuation, "
-                                  "so the completion tokens cannot be found exactly; use a template that does.")
-            completions.append(tokenizer(full[len(prompt_text):], add_special_tokens=False)["input_ids"])
+                raise RecipeError(
+                    "The chat template does not render a conversation as a prefix of its continuation, "
+                    "so the completion tokens cannot be found exactly; use a template that does."
+                )
+            completions.append(tokenizer(full[len(prompt_text) :], add_special_tokens=False)["input_ids"])
     prompt_cut = len(prompt_ids) > max_prompt_length
-    prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length:] if prompt_cut else prompt_ids
+    prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :] if prompt_cut else prompt_ids
     room = max_length - len(prompt_ids)
-    return {"prompt_ids": prompt_ids, "chosen_ids": completions[0][:room], "rejected_ids": completions[1][:room],
-            "prompt_cut": prompt_cut, "completion_cut": any(len(ids) > room for ids in completions)}
+    return {
+        "prompt_ids": prompt_ids,
+        "chosen_ids": completions[0][:room],
+        "rejected_ids": completions[1][:room],
+        "prompt_cut": prompt_cut,
+        "completion_cut": any(len(ids) > room for ids in completions),
+    }
 
 
-def tokenize_pairs(accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int,
-                   max_prompt_length: int) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
+def tokenize_pairs(
+    accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int, max_prompt_length: int
+) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
     """The training and validation pairs as token ids with their ``index`` in the split (what a precomputed
     reference is looked up by), and per split how many pairs there are and how many were cut (said in one line).
     Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
     tokenized = raw_datasets.map(
         lambda row, index: {**tokenize_pair(row, fmt, tokenizer, max_length, max_prompt_length), "index": index},
-        with_indices=True, remove_columns=raw_datasets["train"].column_names, desc="tokenizing pairs")
-    counts = {split: {"pairs": len(tokenized[split]), "prompts_cut": sum(tokenized[split]["prompt_cut"]),
-                      "completions_cut": sum(tokenized[split]["completion_cut"])} for split in tokenized}
-    accelerator.print(f"data: format {fmt}; " + "; ".join(
-        f"{split} {c['pairs']} pairs ({c['prompts_cut']} prompts cut from the left to --max_prompt_length "
-        f"{max_prompt_length}, {c['completions_cut']} with a completion cut at --max_length {max_length})"
-        for split, c in counts.items()))
+        with_indices=True,
+        remove_columns=raw_datasets["train"].column_names,
+        desc="tokenizing pairs",
+    )
+    counts = {
+        split: {
+            "pairs": len(tokenized[split]),
+            "prompts_cut": sum(tokenized[split]["prompt_cut"]),
+            "completions_cut": sum(tokenized[split]["completion_cut"]),
+        }
+        for split in tokenized
+    }
+    accelerator.print(
+        f"data: format {fmt}; "
+        + "; ".join(
+            f"{split} {c['pairs']} pairs ({c['prompts_cut']} prompts cut from the left to --max_prompt_length "
+            f"{max_prompt_length}, {c['completions_cut']} with a completion cut at --max_length {max_length})"
+            for split, c in counts.items()
+        )
+    )
     tokenized = tokenized.remove_columns(["prompt_cut", "completion_cut"])
     return tokenized["train"], tokenized["validation"], counts
 
@@ -164,10 +200,12 @@ def as_sft_rows(rows: datasets.Dataset, fmt: str) -> tuple[datasets.Dataset, str
     """The pairs as ``shared.sft_eval`` reads them (the prompt with its chosen answer: ``messages`` or
     ``prompt_completion``), to score greedy answers by exact match."""
     if fmt == "standard":
-        return rows.map(lambda row: {"prompt": row["prompt"], "completion": row["chosen"]},
-                        remove_columns=rows.column_names), "prompt_completion"
-    return rows.map(lambda row: {"messages": (lambda p, c, _: p + c)(*split_pair(row, fmt))},
-                    remove_columns=rows.column_names), "messages"
+        return rows.map(
+            lambda row: {"prompt": row["prompt"], "completion": row["chosen"]}, remove_columns=rows.column_names
+        ), "prompt_completion"
+    return rows.map(
+        lambda row: {"messages": (lambda p, c, _: p + c)(*split_pair(row, fmt))}, remove_columns=rows.column_names
+    ), "messages"
 
 
 def stdlib_name_pairs() -> datasets.DatasetDict:
@@ -180,16 +218,26 @@ def stdlib_name_pairs() -> datasets.DatasetDict:
         question, answer = row["messages"][0], row["messages"][1]["content"]
         wrong = [kind for kind in kinds if kind != answer]
         rejected = wrong[int(hashlib.md5(question["content"].encode()).hexdigest(), 16) % 2]
-        return {"prompt": [question], "chosen": [{"role": "assistant", "content": answer}],
-                "rejected": [{"role": "assistant", "content": rejected}]}
+        return {
+            "prompt": [question],
+            "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        }
 
     names = stdlib_names()
     return datasets.DatasetDict({split: names[split].map(pair, remove_columns=["messages"]) for split in names})
 
 
 # ----------------------------------------------------------------------------- the reference policy
-def starting_point(accelerator, adapter: str | None, model_name_or_path: str | None, lora: bool, output_dir: Path,
-                   recipes_dir: Path, offline_settings: str = "") -> tuple[str | None, str]:
+def starting_point(
+    accelerator,
+    adapter: str | None,
+    model_name_or_path: str | None,
+    lora: bool,
+    output_dir: Path,
+    recipes_dir: Path,
+    offline_settings: str = "",
+) -> tuple[str | None, str]:
     """The SFT adapter to continue (or None) and the base model. Offline (neither given, LoRA): the adapter that
     ``recipes/llm_finetune.py`` saved by default in ``outputs/llm_finetune``, when there is one (said so), else its
     default base (``shared.llm_loading.default_base_model``). An adapter whose base (its adapter_config.json) differs
@@ -204,16 +252,26 @@ def starting_point(accelerator, adapter: str | None, model_name_or_path: str | N
         return None, model_name_or_path or default_base_model(accelerator, output_dir, recipes_dir)
     config_file = Path(adapter) / "adapter_config.json"
     if not config_file.is_file():
-        raise RecipeError(f"--adapter_name_or_path {adapter!r} holds no adapter_config.json: pass the folder a LoRA "
-                          "run saved (e.g. outputs/llm_finetune).")
+        raise RecipeError(
+            f"--adapter_name_or_path {adapter!r} holds no adapter_config.json: pass the folder a LoRA "
+            "run saved (e.g. outputs/llm_finetune)."
+        )
     base = json.loads(config_file.read_text())["base_model_name_or_path"]
-    same = model_name_or_path is None or model_name_or_path == base or (
-        Path(model_name_or_path).is_dir() and Path(base).is_dir()
-        and Path(model_name_or_path).resolve() == Path(base).resolve())
+    same = (
+        model_name_or_path is None
+        or model_name_or_path == base
+        or (
+            Path(model_name_or_path).is_dir()
+            and Path(base).is_dir()
+            and Path(model_name_or_path).resolve() == Path(base).resolve()
+        )
+    )
     if not same:
-        raise RecipeError(f"--adapter_name_or_path {adapter!r} was trained on {base!r}, not on --model_name_or_path "
-                          f"{model_name_or_path!r}: its weights mean nothing on another base. Leave "
-                          "--model_name_or_path out (the adapter's base is used) or pass that base.")
+        raise RecipeError(
+            f"--adapter_name_or_path {adapter!r} was trained on {base!r}, not on --model_name_or_path "
+            f"{model_name_or_path!r}: its weights mean nothing on another base. Leave "
+            "--model_name_or_path out (the adapter's base is used) or pass that base."
+        )
     return adapter, base
 
 
@@ -221,7 +279,7 @@ def continued_adapter(model, adapter: str):
     """``model`` with the SFT ``adapter`` loaded twice: ``default``, trained, and ``reference``, a frozen copy (a few
     MB) that ``reference_policy`` switches to, so that the reference is the SFT policy (disabling the adapter would
     give the bare base). TRL does the same (its ``ref`` adapter). Checkpoints hold ``default`` only (what requires
-    grad: ``shared.fsdp.trained_weights_only_in_checkpoints``, called in the recipe)."""
+    grad: ``llm_kit.loading.trained_weights_only_in_checkpoints``, called in the recipe)."""
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(model, adapter, adapter_name="default", is_trainable=True)

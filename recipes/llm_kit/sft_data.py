@@ -45,23 +45,34 @@ def chat_tokenizer(accelerator, name_or_path: str, trust_remote_code: bool = Fal
         accelerator.print(f"tokenizer: no pad token, using the end-of-sequence token {tokenizer.eos_token!r}")
     if tokenizer.chat_template is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-        accelerator.print("tokenizer: no chat template, using the recipe's default (<|role|> lines ending in the EOS "
-                          "token)")
+        accelerator.print(
+            "tokenizer: no chat template, using the recipe's default (<|role|> lines ending in the EOS token)"
+        )
     return tokenizer
 
 
-def load_raw_datasets(train_file: str | None = None, validation_file: str | None = None,
-                      dataset_name: str | None = None, dataset_config_name: str | None = None,
-                      validation_split_percentage: float = 5, seed: int = 0, max_train_samples: int | None = None,
-                      max_eval_samples: int | None = None, row_format=None,
-                      default_data=None) -> tuple[datasets.DatasetDict, str]:
+def load_raw_datasets(
+    train_file: str | None = None,
+    validation_file: str | None = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    validation_split_percentage: float = 5,
+    seed: int = 0,
+    max_train_samples: int | None = None,
+    max_eval_samples: int | None = None,
+    row_format=None,
+    default_data=None,
+) -> tuple[datasets.DatasetDict, str]:
     """``train`` and ``validation`` from the user's files, a Hub dataset, or the offline default (``stdlib_names``),
     every row checked, and their format (``data_format``); ``validation_split_percentage`` of train is held out when
     there is no validation split. At most ``max_train_samples`` / ``max_eval_samples`` of each (shuffled). Call it
     under ``main_process_first``. Another recipe's data (``recipes/dpo.py``'s preference pairs) passes its own
     ``row_format(dataset, source) -> format`` (checks every row, names the format) and ``default_data()``."""
-    row_format = row_format or (lambda dataset, source: check_rows(dataset, data_format(dataset.column_names), source)
-                                or data_format(dataset.column_names))
+    row_format = row_format or (
+        lambda dataset, source: (
+            check_rows(dataset, data_format(dataset.column_names), source) or data_format(dataset.column_names)
+        )
+    )
     if train_file:
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
         builder = data_file_builder(files, needs="at least one sample")
@@ -75,13 +86,16 @@ def load_raw_datasets(train_file: str | None = None, validation_file: str | None
             raise RecipeError(
                 f"--train_file {files['train']!r} has the columns {raw['train'].column_names} but --validation_file "
                 f"{files['validation']!r} has {raw['validation'].column_names}: both must be in one format (messages, "
-                "prompt + completion, or text).")
+                "prompt + completion, or text)."
+            )
     elif dataset_name:
         try:
             raw = datasets.load_dataset(dataset_name, dataset_config_name)
         except Exception as error:  # offline, unknown name, or a bad configuration: all end here
-            raise RecipeError(f"Could not load the Hub dataset {dataset_name!r} ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0][:300]}). Without internet, pass --train_file.") from None
+            raise RecipeError(
+                f"Could not load the Hub dataset {dataset_name!r} ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:300]}). Without internet, pass --train_file."
+            ) from None
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
     else:
@@ -133,16 +147,20 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
 def check_conversation(messages, where: str, column: str = "messages", answer: bool = True) -> None:
     """Refuse a ``messages`` value this recipe cannot learn from, in one paragraph that starts with ``where``
     (``column``: its column; ``answer=False``: a prompt, which needs no assistant turn)."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m)
-                                                 for m in messages):
-        raise RecipeError(f"{where}: {column!r} must be a list of {{role, content}} objects; got "
-                          f"{str(messages)[:200]}.")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages
+    ):
+        raise RecipeError(
+            f"{where}: {column!r} must be a list of {{role, content}} objects; got {str(messages)[:200]}."
+        )
     unknown = sorted({m["role"] for m in messages} - ROLES)
     if unknown:
         raise RecipeError(f"{where} has the role(s) {unknown}; the roles are {sorted(ROLES)}: {str(messages)[:200]}")
     if answer and not any(m["role"] == "assistant" for m in messages):
-        raise RecipeError(f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the "
-                          "answer as {'role': 'assistant', 'content': ...}, or drop the row.")
+        raise RecipeError(
+            f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the "
+            "answer as {'role': 'assistant', 'content': ...}, or drop the row."
+        )
 
 
 def data_format(columns: list[str]) -> str:
@@ -155,7 +173,8 @@ def data_format(columns: list[str]) -> str:
         return "text"
     raise RecipeError(
         f"The data has none of the formats this recipe reads: a 'messages' column (a list of {{role, content}}), "
-        f"'prompt' and 'completion' columns, or a 'text' column. Columns found: {columns}.")
+        f"'prompt' and 'completion' columns, or a 'text' column. Columns found: {columns}."
+    )
 
 
 def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
@@ -177,9 +196,11 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
             prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
             full = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise RecipeError("The chat template does not render a conversation as a prefix of its continuation, "
-                                  "so the answer tokens cannot be found exactly; use a template that does (most do).")
-            pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
+                raise RecipeError(
+                    "The chat template does not render a conversation as a prefix of its continuation, "
+                    "so the answer tokens cannot be found exactly; use a template that does (most do)."
+                )
+            pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             done = full
         ids, labels = [], []
         for text, is_answer in pieces:
@@ -197,34 +218,52 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     prompt_tokens = next((index for index, label in enumerate(labels) if label != -100), len(labels))
     ids, labels = ids[:max_length], labels[:max_length]
     # prompt_tokens: before the first answer token, untruncated (what --max_length must exceed).
-    return {"input_ids": ids, "labels": labels, "num_answer_tokens": sum(label != -100 for label in labels),
-            "truncated": truncated, "prompt_tokens": prompt_tokens}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "num_answer_tokens": sum(label != -100 for label in labels),
+        "truncated": truncated,
+        "prompt_tokens": prompt_tokens,
+    }
 
 
-def tokenize_datasets(accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer,
-                      max_length: int) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
+def tokenize_datasets(
+    accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int
+) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
     """The training and validation sets as ``input_ids`` + ``labels``, and per split the samples, how many were
     truncated and how many dropped because ``max_length`` cut off every answer token (refused when that leaves none).
     Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
-    tokenized = raw_datasets.map(lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length),
-                                 remove_columns=raw_datasets["train"].column_names, desc="tokenizing")
+    tokenized = raw_datasets.map(
+        lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length),
+        remove_columns=raw_datasets["train"].column_names,
+        desc="tokenizing",
+    )
     counts, kept = {}, {}
     for split in ("train", "validation"):
         # Samples whose answers were cut off entirely have nothing to learn: dropped, and counted.
         kept[split] = tokenized[split].filter(lambda sample: sample["num_answer_tokens"] > 0)
-        counts[split] = {"samples": len(tokenized[split]), "truncated": sum(tokenized[split]["truncated"]),
-                         "dropped_without_answer": len(tokenized[split]) - len(kept[split])}
+        counts[split] = {
+            "samples": len(tokenized[split]),
+            "truncated": sum(tokenized[split]["truncated"]),
+            "dropped_without_answer": len(tokenized[split]) - len(kept[split]),
+        }
         if len(kept[split]) == 0:
             prompts = sorted(tokenized[split]["prompt_tokens"])
             median = prompts[len(prompts) // 2]
             raise RecipeError(
                 f"--max_length {max_length} is shorter than the prompt of every {split} sample, so no answer token is "
                 f"left to learn from. The shortest prompt has {prompts[0]} tokens and the median one {median}: use "
-                f"--max_length {median + 64} or more to keep most samples with answers of up to 64 tokens.")
+                f"--max_length {median + 64} or more to keep most samples with answers of up to 64 tokens."
+            )
         kept[split] = kept[split].remove_columns(["truncated", "prompt_tokens", "num_answer_tokens"])
-    accelerator.print(f"data: format {fmt}; " + "; ".join(
-        f"{split} {c['samples']} samples ({c['truncated']} truncated to {max_length} tokens, "
-        f"{c['dropped_without_answer']} dropped: no answer token left)" for split, c in counts.items()))
+    accelerator.print(
+        f"data: format {fmt}; "
+        + "; ".join(
+            f"{split} {c['samples']} samples ({c['truncated']} truncated to {max_length} tokens, "
+            f"{c['dropped_without_answer']} dropped: no answer token left)"
+            for split, c in counts.items()
+        )
+    )
     return kept["train"], kept["validation"], counts
 
 
@@ -248,9 +287,11 @@ def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> di
         batch = {**batch, "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
         return {**batch, **scored_positions(batch["labels"])}
     length = max(len(sample["input_ids"]) for sample in samples)
-    batch = {"input_ids": torch.full((len(samples), length), pad_token_id),
-             "labels": torch.full((len(samples), length), -100),
-             "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples])}
+    batch = {
+        "input_ids": torch.full((len(samples), length), pad_token_id),
+        "labels": torch.full((len(samples), length), -100),
+        "num_tokens": torch.tensor([len(sample["input_ids"]) for sample in samples]),
+    }
     for row, sample in enumerate(samples):
         size = len(sample["input_ids"])
         batch["input_ids"][row, :size] = torch.tensor(sample["input_ids"])
@@ -289,8 +330,11 @@ def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Te
     vocabulary, several GB of them, copied to the first device). A model that ignores ``logits_to_keep`` returns
     every position's logits (checked by the shape): the answers' are then picked from them. ``use_cache=False``: a
     cache would turn the packed mask off."""
-    inputs = {key: value for key, value in batch.items()
-              if key not in ("labels", "num_tokens", "loss_positions", "loss_targets")}
+    inputs = {
+        key: value
+        for key, value in batch.items()
+        if key not in ("labels", "num_tokens", "loss_positions", "loss_targets")
+    }
     positions = batch["loss_positions"]
     if getattr(model, "hf_device_map", None):  # placed by Accelerate's hooks: split, or 4-bit on one device
         head = model.get_output_embeddings()
@@ -301,8 +345,12 @@ def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Te
         logits = torch.take_along_dim(logits, positions.to(logits.device)[..., None], dim=1)
     targets = batch["loss_targets"].to(logits.device).flatten()
     logits = logits.flatten(0, 1)
-    losses = torch.cat([checkpoint(fp32_cross_entropy, chunk, target, use_reentrant=False)
-                        for chunk, target in zip(logits.split(chunk_tokens), targets.split(chunk_tokens))])
+    losses = torch.cat(
+        [
+            checkpoint(fp32_cross_entropy, chunk, target, use_reentrant=False)
+            for chunk, target in zip(logits.split(chunk_tokens), targets.split(chunk_tokens))
+        ]
+    )
     losses = losses.view(positions.shape)
     return losses.sum(), losses.sum(dim=1)
 
@@ -316,19 +364,23 @@ def check_batches(train_dataloader, data_parallel_size: int) -> None:
     """Refuse a training set too small to give every data-parallel process a batch."""
     samples, batches, size = len(train_dataloader.dataset), len(train_dataloader), train_dataloader.batch_size
     if batches < data_parallel_size:
-        raise RecipeError(f"{samples} training samples make {batches} batch(es) of {size}, fewer than the "
-                          f"{data_parallel_size} processes: some would get none. Lower --per_device_train_batch_size "
-                          "or add data.")
+        raise RecipeError(
+            f"{samples} training samples make {batches} batch(es) of {size}, fewer than the "
+            f"{data_parallel_size} processes: some would get none. Lower --per_device_train_batch_size "
+            "or add data."
+        )
 
 
 def prompt_of(sample: dict, fmt: str, tokenizer) -> str:
     """What the model is asked: the conversation up to its first answer (with the generation prompt), the prompt, or
     the first 64 characters of a text."""
     if fmt == "messages":
-        first_answer = next(index for index, message in enumerate(sample["messages"])
-                            if message["role"] == "assistant")
-        return tokenizer.apply_chat_template(sample["messages"][:first_answer], tokenize=False,
-                                             add_generation_prompt=True)
+        first_answer = next(
+            index for index, message in enumerate(sample["messages"]) if message["role"] == "assistant"
+        )
+        return tokenizer.apply_chat_template(
+            sample["messages"][:first_answer], tokenize=False, add_generation_prompt=True
+        )
     return sample["prompt"] if fmt == "prompt_completion" else sample["text"][:64]
 
 
@@ -400,9 +452,15 @@ def _question_rows(stdlib: str, cache_key: str, packages: list[str], validation_
 def stdlib_questions(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> datasets.DatasetDict:
     """Questions about standard-library functions answered by their docstrings, as ``messages`` conversations
     (``train``/``validation``): the offline default of ``recipes/llm_finetune.py``. Call under main_process_first."""
-    rows = datasets.Dataset.from_generator(_question_rows, gen_kwargs={
-        "stdlib": str(stdlib_root()), "cache_key": f"{platform.python_version()}-v1", "packages": sorted(packages),
-        "validation_percent": validation_percent})
+    rows = datasets.Dataset.from_generator(
+        _question_rows,
+        gen_kwargs={
+            "stdlib": str(stdlib_root()),
+            "cache_key": f"{platform.python_version()}-v1",
+            "packages": sorted(packages),
+            "validation_percent": validation_percent,
+        },
+    )
     return split_by_column(rows)
 
 
@@ -413,11 +471,15 @@ def _name_rows(stdlib: str, cache_key: str, packages: list[str], validation_perc
     for module, top in public_definitions(stdlib, packages):
         name = f"{module}.{top.name}"
         names = [(name, "class" if isinstance(top, ast.ClassDef) else "function")]
-        methods = [node.name for node in getattr(top, "body", []) if isinstance(top, ast.ClassDef)
-                   and isinstance(node, ast.FunctionDef) and not node.name.startswith("_")]
+        methods = [
+            node.name
+            for node in getattr(top, "body", [])
+            if isinstance(top, ast.ClassDef) and isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+        ]
         if methods:
-            names.append((f"{name}.{methods[int(hashlib.md5(name.encode()).hexdigest(), 16) % len(methods)]}",
-                          "method"))
+            names.append(
+                (f"{name}.{methods[int(hashlib.md5(name.encode()).hexdigest(), 16) % len(methods)]}", "method")
+            )
         # Split by top-level definition: a class and its method are on one side.
         split = "validation" if in_validation_split(f"{module}:{top.name}", validation_percent) else "train"
         for asked, kind in names:
@@ -430,7 +492,13 @@ def stdlib_names(packages=DOCSTRING_PACKAGES, validation_percent: int = 10) -> d
     """Is a standard-library name a class, a function or a method: one-word answers, as ``messages`` conversations
     (``train``/``validation``, held out by top-level definition), the offline default of ``recipes/llm_finetune.py``.
     ``datasets`` caches them by ``cache_key``: change its version with the code. Call under ``main_process_first``."""
-    rows = datasets.Dataset.from_generator(_name_rows, gen_kwargs={
-        "stdlib": str(stdlib_root()), "cache_key": f"{platform.python_version()}-v2", "packages": sorted(packages),
-        "validation_percent": validation_percent})
+    rows = datasets.Dataset.from_generator(
+        _name_rows,
+        gen_kwargs={
+            "stdlib": str(stdlib_root()),
+            "cache_key": f"{platform.python_version()}-v2",
+            "packages": sorted(packages),
+            "validation_percent": validation_percent,
+        },
+    )
     return split_by_column(rows)

@@ -27,9 +27,10 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
         ids = tokenizer(prompt_of(row, fmt, tokenizer), return_tensors="pt", add_special_tokens=fmt != "messages")
         ids = ids.input_ids.to(device)
         with torch.no_grad():
-            generated = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                       pad_token_id=tokenizer.pad_token_id)
-        sample["answer"] = tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True).strip()
+            generated = model.generate(
+                ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+        sample["answer"] = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True).strip()
     return sum(sample["answer"] == sample["reference"] for sample in scored) / len(scored), scored
 
 
@@ -45,8 +46,9 @@ def last_prompt_and_answer(row: dict, fmt: str) -> tuple[str, str]:
 SHORT_ANSWER_TOKENS = 8
 
 
-def exact_match_rows(accelerator, validation: datasets.Dataset, count: int | None, fmt: str, fsdp: bool,
-                     seed: int = 0, tokenizer=None) -> datasets.Dataset | None:
+def exact_match_rows(
+    accelerator, validation: datasets.Dataset, count: int | None, fmt: str, fsdp: bool, seed: int = 0, tokenizer=None
+) -> datasets.Dataset | None:
     """``count`` shuffled validation prompts to score (not the first ones: the offline data's first ones ask about one
     package), or None: ``count`` 0, plain text (no prompt to answer), or FSDP2 (said so). ``count`` None: 100 when the
     answers are short (a median of at most ``SHORT_ANSWER_TOKENS`` tokens, e.g. the offline default's one-word
@@ -56,17 +58,23 @@ def exact_match_rows(accelerator, validation: datasets.Dataset, count: int | Non
         return None
     if count is None:
         rows = validation.select(range(min(200, len(validation))))
-        lengths = [len(tokenizer(last_prompt_and_answer(row, fmt)[1].strip(), add_special_tokens=False).input_ids)
-                   for row in rows]
+        lengths = [
+            len(tokenizer(last_prompt_and_answer(row, fmt)[1].strip(), add_special_tokens=False).input_ids)
+            for row in rows
+        ]
         median = sorted(lengths)[len(lengths) // 2] if lengths else 0
         if median > SHORT_ANSWER_TOKENS:
-            accelerator.print(f"eval: no exact match: the answers have a median of {median} tokens, and exact match "
-                              f"means something for short answers only (at most {SHORT_ANSWER_TOKENS}); "
-                              "--exact_match_samples N scores N prompts anyway")
+            accelerator.print(
+                f"eval: no exact match: the answers have a median of {median} tokens, and exact match "
+                f"means something for short answers only (at most {SHORT_ANSWER_TOKENS}); "
+                "--exact_match_samples N scores N prompts anyway"
+            )
             return None
         count = 100
-        accelerator.print(f"eval: exact match on up to {count} held-out prompts: the answers are short (a median of "
-                          f"{median} tokens; --exact_match_samples N changes the count, 0 skips it)")
+        accelerator.print(
+            f"eval: exact match on up to {count} held-out prompts: the answers are short (a median of "
+            f"{median} tokens; --exact_match_samples N changes the count, 0 skips it)"
+        )
     if fsdp:
         accelerator.print("eval: no exact match under FSDP2 (generating needs every process in step); run it with ddp")
         return None
@@ -84,8 +92,9 @@ def main_process_exact_match(accelerator, model, tokenizer, rows, fmt: str) -> t
     return score, answers
 
 
-def exact_match_before(accelerator, model, tokenizer, validation: datasets.Dataset, fmt: str, count: int,
-                       fsdp: bool, seed: int = 0) -> tuple[datasets.Dataset | None, float]:
+def exact_match_before(
+    accelerator, model, tokenizer, validation: datasets.Dataset, fmt: str, count: int, fsdp: bool, seed: int = 0
+) -> tuple[datasets.Dataset | None, float]:
     """The prompts ``exact_match_results`` scores after training (``exact_match_rows``), and the exact match before
     training (printed; NaN without prompts)."""
     rows = exact_match_rows(accelerator, validation, count, fmt, fsdp, seed, tokenizer)
@@ -103,16 +112,24 @@ def exact_match_results(accelerator, model, tokenizer, rows, fmt: str, before: f
     if answers:
         references = [sample["reference"] for sample in answers]
         chance = max(map(references.count, references)) / len(references)
-        accelerator.print(f"eval: exact match {before:.1%} before training, {score:.1%} after, on {len(answers)} "
-                          f"held-out prompts (always the most common answer: {chance:.1%}); e.g.")
+        accelerator.print(
+            f"eval: exact match {before:.1%} before training, {score:.1%} after, on {len(answers)} "
+            f"held-out prompts (always the most common answer: {chance:.1%}); e.g."
+        )
         for sample in answers[:3]:
             accelerator.print(f"  {sample['question']} -> {sample['answer']!r} (expected {sample['reference']!r})")
-    return {"eval/exact_match_before": before, "eval/exact_match": score, "eval/exact_match_chance": chance,
-            "eval/exact_match_num_prompts": len(answers), "eval/exact_match_answers": answers}
+    return {
+        "eval/exact_match_before": before,
+        "eval/exact_match": score,
+        "eval/exact_match_chance": chance,
+        "eval/exact_match_num_prompts": len(answers),
+        "eval/exact_match_answers": answers,
+    }
 
 
-def generate_samples(accelerator, model, tokenizer, rows: datasets.Dataset, fmt: str, count: int,
-                     max_new_tokens: int) -> list[dict]:
+def generate_samples(
+    accelerator, model, tokenizer, rows: datasets.Dataset, fmt: str, count: int, max_new_tokens: int
+) -> list[dict]:
     """Greedy answers to the first ``count`` of ``rows`` on the main process (printed; none elsewhere)."""
     samples = []
     if count and accelerator.is_main_process:
@@ -121,9 +138,14 @@ def generate_samples(accelerator, model, tokenizer, rows: datasets.Dataset, fmt:
             prompt = prompt_of(row, fmt, tokenizer)
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=fmt != "messages").input_ids
             with torch.no_grad():
-                answer = unwrapped.generate(ids.to(accelerator.device), max_new_tokens=max_new_tokens, do_sample=False,
-                                            pad_token_id=tokenizer.pad_token_id)
-            samples.append({"prompt": prompt,
-                            "answer": tokenizer.decode(answer[0, ids.shape[1]:], skip_special_tokens=True)})
+                answer = unwrapped.generate(
+                    ids.to(accelerator.device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            samples.append(
+                {"prompt": prompt, "answer": tokenizer.decode(answer[0, ids.shape[1] :], skip_special_tokens=True)}
+            )
             accelerator.print(f"--- prompt:\n{prompt}\n--- answer (greedy):\n{samples[-1]['answer']}")
     return samples

@@ -67,41 +67,49 @@ def checkpoint_files(model_name_or_path: str) -> dict[str, Path]:
     from transformers.utils import cached_file
 
     try:
-        index = cached_file(model_name_or_path, "model.safetensors.index.json",
-                            _raise_exceptions_for_missing_entries=False)
+        index = cached_file(
+            model_name_or_path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False
+        )
         if index is not None:
             weight_map = json.loads(Path(index).read_text())["weight_map"]
             files = {name: Path(cached_file(model_name_or_path, name)) for name in set(weight_map.values())}
             return {key: files[name] for key, name in weight_map.items()}
         single = Path(cached_file(model_name_or_path, "model.safetensors"))
     except (OSError, ValueError) as error:
-        raise RecipeError(f"Could not find the safetensors weights of {model_name_or_path!r}: {error}. QLoRA under "
-                          "FSDP loads them one layer at a time and reads safetensors only.") from None
+        raise RecipeError(
+            f"Could not find the safetensors weights of {model_name_or_path!r}: {error}. QLoRA under "
+            "FSDP loads them one layer at a time and reads safetensors only."
+        ) from None
     from safetensors import safe_open
 
     with safe_open(single, "pt") as weights:
         return dict.fromkeys(weights.keys(), single)
 
 
-def read_or_receive(accelerator: Accelerator, files: dict[str, Path], key: str, shape: tuple[int, ...],
-                    dtype: torch.dtype) -> torch.Tensor:
+def read_or_receive(
+    accelerator: Accelerator, files: dict[str, Path], key: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """Tensor ``key`` in ``dtype`` on this process's device: read by the main process, broadcast to the others (a
     collective: every process calls it with the same key)."""
     from safetensors import safe_open
 
     if accelerator.is_main_process:
         if key not in files:
-            raise RecipeError(f"The checkpoint has no tensor {key!r} (the model built from its config has it): a "
-                              "checkpoint of another architecture, or one whose names transformers converts at "
-                              "loading, which this loader does not; use the ddp config for it.")
+            raise RecipeError(
+                f"The checkpoint has no tensor {key!r} (the model built from its config has it): a "
+                "checkpoint of another architecture, or one whose names transformers converts at "
+                "loading, which this loader does not; use the ddp config for it."
+            )
         with safe_open(files[key], "pt") as weights:  # opened per tensor: mapped pages are let go at once
             stored = tuple(weights.get_slice(key).get_shape())
             if stored != tuple(shape):  # else the others would receive it into their shape: scrambled, or a crash
-                raise RecipeError(f"The checkpoint's tensor {key!r} has the shape {list(stored)}, but the model built "
-                                  f"from its config takes {list(shape)} there: a config.json that does not match the "
-                                  "weights, or a layout this layer-by-layer loader does not convert. If one process "
-                                  "(single_gpu.yaml) trains it, use accelerate_configs/ddp_2gpu.yaml for 2 GPUs (each "
-                                  "process loads it with from_pretrained); else correct config.json.")
+                raise RecipeError(
+                    f"The checkpoint's tensor {key!r} has the shape {list(stored)}, but the model built "
+                    f"from its config takes {list(shape)} there: a config.json that does not match the "
+                    "weights, or a layout this layer-by-layer loader does not convert. If one process "
+                    "(single_gpu.yaml) trains it, use accelerate_configs/ddp_2gpu.yaml for 2 GPUs (each "
+                    "process loads it with from_pretrained); else correct config.json."
+                )
             tensor = weights.get_tensor(key).to(device=accelerator.device, dtype=dtype)
     else:
         tensor = torch.empty(shape, dtype=dtype, device=accelerator.device)
@@ -128,12 +136,22 @@ def outer_units(model, tied: bool, reshard_after_forward) -> list[tuple[list[tor
     units = [] if tied or embeddings is None else [([embeddings], reshard_after_forward)]
     tail = [module for module in ((norm, embeddings, head) if tied else (norm, head)) if module is not None]
     units += [(tail, False)] if tail else []  # kept gathered from the end of forward to the start of backward
-    return [(modules, reshard) for modules, reshard in units
-            if all(parameter.is_meta for module in modules for parameter in module.parameters())]
+    return [
+        (modules, reshard)
+        for modules, reshard in units
+        if all(parameter.is_meta for module in modules for parameter in module.parameters())
+    ]
 
 
-def load_sharded(accelerator: Accelerator, files: dict[str, Path], base, modules: list, tied: bool, dtype: torch.dtype,
-                 shard_kwargs: dict) -> None:
+def load_sharded(
+    accelerator: Accelerator,
+    files: dict[str, Path],
+    base,
+    modules: list,
+    tied: bool,
+    dtype: torch.dtype,
+    shard_kwargs: dict,
+) -> None:
     """Shard one empty FSDP2 unit first, then fill this process's rows of each weight from the main process's read,
     in the skeleton's dtype (fp32 after ``prepare_model_for_kbit_training``): in flight is one 16-bit matrix, never
     the whole fp32 one (at a 128k vocabulary and hidden size 8192, 2 GiB instead of 6)."""
@@ -153,7 +171,7 @@ def load_sharded(accelerator: Accelerator, files: dict[str, Path], base, modules
         rows = -(-parameter.shape[0] // accelerator.num_processes)  # FSDP2's Shard(0) splits as torch.chunk does
         local = parameter.to_local()
         with torch.no_grad():
-            local.copy_(full[accelerator.process_index * rows:][:local.shape[0]])
+            local.copy_(full[accelerator.process_index * rows :][: local.shape[0]])
 
 
 def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) -> None:
@@ -171,8 +189,11 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     files = checkpoint_files(model_name_or_path) if accelerator.is_main_process else {}
     plugin = accelerator.state.fsdp_plugin
     # The arguments Accelerate's own FSDP2 preparation gives every unit (accelerate.utils.fsdp_utils).
-    shard_kwargs = {"reshard_after_forward": plugin.reshard_after_forward, "offload_policy": plugin.cpu_offload,
-                    "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+    shard_kwargs = {
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "offload_policy": plugin.cpu_offload,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+    }
     # Accelerate's low-RAM path would move the loaded shards to meta and broadcast rank 0's full state: done here.
     # (The recipe turns FSDP_CPU_RAM_EFFICIENT_LOADING off too, for transformers, in its main().)
     plugin.cpu_ram_efficient_loading = False
@@ -210,8 +231,9 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
         base.tie_weights()  # one matrix for the embeddings and the head before FSDP2 groups them
     units = outer_units(model, bool(tied), shard_kwargs["reshard_after_forward"]) if accelerator.is_fsdp2 else []
     for modules, reshard in units:
-        load_sharded(accelerator, files, base, modules, bool(tied), dtype,
-                     {**shard_kwargs, "reshard_after_forward": reshard})
+        load_sharded(
+            accelerator, files, base, modules, bool(tied), dtype, {**shard_kwargs, "reshard_after_forward": reshard}
+        )
     in_units = {id(module) for modules, _ in units for module in modules}
     for name, module in base.named_children():  # the rest (e.g. position embeddings), whole: the root shards it
         if id(module) in in_units or not any(True for _ in module.named_parameters()):
@@ -229,6 +251,8 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     # beside them, and its host RAM peak so far: said once, by the main process.
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    accelerator.print(f"QLoRA loaded one layer at a time ({len(blocks)} layers): this process holds "
-                      f"{held / 2**30:.2f} GiB of weights (1/{accelerator.num_processes} of each) and every layer's "
-                      f"quantization constants; host RAM peak so far {peak:.2f} GiB per process")
+    accelerator.print(
+        f"QLoRA loaded one layer at a time ({len(blocks)} layers): this process holds "
+        f"{held / 2**30:.2f} GiB of weights (1/{accelerator.num_processes} of each) and every layer's "
+        f"quantization constants; host RAM peak so far {peak:.2f} GiB per process"
+    )

@@ -25,8 +25,11 @@ def standard_library_files(max_mb: float | None = None) -> list[Path]:
     """The standard library's ``.py`` files, sorted by path (the same split and tokens on every machine with the same
     Python version), optionally only the first ``max_mb`` MB."""
     root = stdlib_root()
-    files = sorted(path for path in root.rglob("*.py")
-                   if path.is_file() and not set(path.relative_to(root).parts[:-1]) & EXCLUDED_STDLIB_FOLDERS)
+    files = sorted(
+        path
+        for path in root.rglob("*.py")
+        if path.is_file() and not set(path.relative_to(root).parts[:-1]) & EXCLUDED_STDLIB_FOLDERS
+    )
     if max_mb is not None:
         kept, total = [], 0
         for path in files:
@@ -45,9 +48,15 @@ def split_by_file(files: list[Path], validation_percentage: float) -> tuple[list
     return [path for index, path in enumerate(files) if index % every], files[::every]
 
 
-def load_text_corpus(*, dataset_name: str | None, dataset_config_name: str | None, train_file: str | None,
-                     validation_file: str | None, validation_split_percentage: float,
-                     corpus_max_mb: float | None) -> tuple[DatasetDict, str, bool]:
+def load_text_corpus(
+    *,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    train_file: str | None,
+    validation_file: str | None,
+    validation_split_percentage: float,
+    corpus_max_mb: float | None,
+) -> tuple[DatasetDict, str, bool]:
     """The raw text as a ``DatasetDict`` (``train``, ``validation``; a ``text`` column), a description, and
     ``documents``: True when each example is a whole document (the default corpus: one per file), so the packer puts
     an end-of-text token between examples; text files (one example per line, line breaks kept) and Hub datasets are
@@ -57,17 +66,25 @@ def load_text_corpus(*, dataset_name: str | None, dataset_config_name: str | Non
         if "validation" not in raw:
             # Same convention as transformers' run_clm: hold out the first N% of the train split.
             held_out = f"{validation_split_percentage:g}%"
-            raw = DatasetDict({
-                "train": load_dataset(dataset_name, dataset_config_name, split=f"train[{held_out}:]"),
-                "validation": load_dataset(dataset_name, dataset_config_name, split=f"train[:{held_out}]"),
-            })
+            raw = DatasetDict(
+                {
+                    "train": load_dataset(dataset_name, dataset_config_name, split=f"train[{held_out}:]"),
+                    "validation": load_dataset(dataset_name, dataset_config_name, split=f"train[:{held_out}]"),
+                }
+            )
         features = raw["train"].features.items()
         text_columns = [name for name, feature in features if getattr(feature, "dtype", None) == "string"]
         if not text_columns:
             raise ValueError(f"dataset {dataset_name!r} has no string column to train on")
         column = "text" if "text" in text_columns else text_columns[0]
-        raw = DatasetDict({split: raw[split].select_columns([column]).rename_column(column, "text") if column != "text"
-                           else raw[split].select_columns(["text"]) for split in ("train", "validation")})
+        raw = DatasetDict(
+            {
+                split: raw[split].select_columns([column]).rename_column(column, "text")
+                if column != "text"
+                else raw[split].select_columns(["text"])
+                for split in ("train", "validation")
+            }
+        )
         return raw, f"Hub dataset {dataset_name}" + (f" ({dataset_config_name})" if dataset_config_name else ""), False
 
     if train_file is not None:
@@ -87,8 +104,14 @@ def load_text_corpus(*, dataset_name: str | None, dataset_config_name: str | Non
     data_files = {"train": [str(path) for path in train_files], "validation": [str(path) for path in validation_files]}
     raw = load_dataset("text", sample_by="document", data_files=data_files)
     megabytes = sum(path.stat().st_size for path in files) / 1e6
-    return raw, (f"Python standard library source ({len(train_files)} train files, {len(validation_files)} validation "
-                 f"files, {megabytes:.1f} MB) from {stdlib_root()}"), True
+    return (
+        raw,
+        (
+            f"Python standard library source ({len(train_files)} train files, {len(validation_files)} validation "
+            f"files, {megabytes:.1f} MB) from {stdlib_root()}"
+        ),
+        True,
+    )
 
 
 def train_bpe_tokenizer(texts, vocab_size: int):
@@ -101,15 +124,20 @@ def train_bpe_tokenizer(texts, vocab_size: int):
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator(texts, trainer=trainer)
     # The end-of-text token doubles as padding: generation wants a pad id, and training never pads.
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT)
 
 
-def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int,
-                      documents: bool) -> tuple[DatasetDict, dict[str, int]]:
+def tokenize_and_pack(
+    raw: DatasetDict, tokenizer, block_size: int, documents: bool
+) -> tuple[DatasetDict, dict[str, int]]:
     """Tokenize every split and cut the token stream into blocks of exactly ``block_size`` tokens; returns the packed
     ``DatasetDict`` (``input_ids``) and each split's tokens before packing.
 
@@ -127,11 +155,12 @@ def tokenize_and_pack(raw: DatasetDict, tokenizer, block_size: int,
     def pack(batch):
         stream = list(itertools.chain.from_iterable(batch["input_ids"]))
         usable = len(stream) // block_size * block_size
-        return {"input_ids": [stream[start:start + block_size] for start in range(0, usable, block_size)]}
+        return {"input_ids": [stream[start : start + block_size] for start in range(0, usable, block_size)]}
 
     tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names, desc="tokenizing")
-    packed = tokenized.map(pack, batched=True, batch_size=1000, remove_columns=["num_tokens"],
-                           desc=f"packing into blocks of {block_size}")
+    packed = tokenized.map(
+        pack, batched=True, batch_size=1000, remove_columns=["num_tokens"], desc=f"packing into blocks of {block_size}"
+    )
     return packed, {split: sum(tokenized[split]["num_tokens"]) for split in tokenized}
 
 
@@ -142,8 +171,14 @@ class LMData(NamedTuple):
     facts: dict  # data/* entries of results.json: the corpus, blocks per split, tokens per split before packing
 
 
-def load_tokenizer(accelerator, train_texts, vocab_size: int, output_dir: Path, checkpoint: Path | None,
-                   model_name_or_path: str | None):
+def load_tokenizer(
+    accelerator,
+    train_texts,
+    vocab_size: int,
+    output_dir: Path,
+    checkpoint: Path | None,
+    model_name_or_path: str | None,
+):
     """The run's tokenizer: a resumed run's own (saved in its output folder, ``checkpoint.parents[1]``), a pretrained
     model's (its embeddings were trained for it), or else a byte-level BPE the main process trains on ``train_texts``
     and saves to ``output_dir``, where the other processes load it (call under ``main_process_first``). Without a pad
@@ -157,8 +192,10 @@ def load_tokenizer(accelerator, train_texts, vocab_size: int, output_dir: Path, 
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
         except (OSError, ValueError) as error:
-            raise RecipeError(f"--model_name_or_path {model_name_or_path} has no loadable tokenizer ({error}); a "
-                              "pretrained model needs the tokenizer it was trained with.") from None
+            raise RecipeError(
+                f"--model_name_or_path {model_name_or_path} has no loadable tokenizer ({error}); a "
+                "pretrained model needs the tokenizer it was trained with."
+            ) from None
     elif accelerator.is_main_process:
         tokenizer = train_bpe_tokenizer((row["text"] for row in train_texts), vocab_size=vocab_size)
         tokenizer.save_pretrained(output_dir)
@@ -169,7 +206,26 @@ def load_tokenizer(accelerator, train_texts, vocab_size: int, output_dir: Path, 
     return tokenizer
 
 
-def lm_datasets(accelerator, args, output_dir: Path, checkpoint: Path | None, data_parallel_size: int) -> LMData:
+def lm_datasets(
+    accelerator,
+    *,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    train_file: str | None,
+    validation_file: str | None,
+    validation_split_percentage: float,
+    corpus_max_mb: float,
+    model_name_or_path: str | None,
+    vocab_size: int,
+    block_size: int,
+    max_train_samples: int | None,
+    max_eval_samples: int | None,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
+    data_parallel_size: int,
+    output_dir: Path,
+    checkpoint: Path | None,
+) -> LMData:
     """The training and validation blocks (``input_ids`` tensors of ``--block_size`` tokens), the tokenizer and the
     data facts, from the LM recipes' flags: the text (``--dataset_name``/``--dataset_config_name``, ``--train_file``/
     ``--validation_file``, or the default corpus, ``--corpus_max_mb``, ``--validation_split_percentage``), the
@@ -182,34 +238,46 @@ def lm_datasets(accelerator, args, output_dir: Path, checkpoint: Path | None, da
     with accelerator.main_process_first():
         try:
             raw, corpus, documents = load_text_corpus(
-                dataset_name=args.dataset_name, dataset_config_name=args.dataset_config_name,
-                train_file=args.train_file, validation_file=args.validation_file,
-                validation_split_percentage=args.validation_split_percentage, corpus_max_mb=args.corpus_max_mb)
+                dataset_name=dataset_name,
+                dataset_config_name=dataset_config_name,
+                train_file=train_file,
+                validation_file=validation_file,
+                validation_split_percentage=validation_split_percentage,
+                corpus_max_mb=corpus_max_mb,
+            )
         except (OSError, ValueError, ConnectionError) as error:
             raise RecipeError(f"Could not load the training text: {error}") from None
-        tokenizer = load_tokenizer(accelerator, raw["train"], args.vocab_size, output_dir, checkpoint,
-                                   args.model_name_or_path)
-        packed, token_counts = tokenize_and_pack(raw, tokenizer, args.block_size, documents)
+        tokenizer = load_tokenizer(accelerator, raw["train"], vocab_size, output_dir, checkpoint, model_name_or_path)
+        packed, token_counts = tokenize_and_pack(raw, tokenizer, block_size, documents)
     for split in ("train", "validation"):
         if len(packed[split]) == 0:
-            raise RecipeError(f"The {split} text has {token_counts[split]} tokens, fewer than one block of "
-                              f"--block_size {args.block_size}. Use more text or a smaller --block_size.")
+            raise RecipeError(
+                f"The {split} text has {token_counts[split]} tokens, fewer than one block of "
+                f"--block_size {block_size}. Use more text or a smaller --block_size."
+            )
     train_dataset, eval_dataset = packed["train"], packed["validation"]
-    if args.max_train_samples:
-        train_dataset = train_dataset.select(range(min(args.max_train_samples, len(train_dataset))))
-    if args.max_eval_samples:
-        eval_dataset = eval_dataset.select(range(min(args.max_eval_samples, len(eval_dataset))))
+    if max_train_samples:
+        train_dataset = train_dataset.select(range(min(max_train_samples, len(train_dataset))))
+    if max_eval_samples:
+        eval_dataset = eval_dataset.select(range(min(max_eval_samples, len(eval_dataset))))
     train_dataset.set_format("torch", columns=["input_ids"])
     eval_dataset.set_format("torch", columns=["input_ids"])
-    batches_needed = data_parallel_size * args.gradient_accumulation_steps  # batches of one optimizer step
-    if len(train_dataset) // args.per_device_train_batch_size < batches_needed:  # whole batches only (drop_last)
+    batches_needed = data_parallel_size * gradient_accumulation_steps  # batches of one optimizer step
+    if len(train_dataset) // per_device_train_batch_size < batches_needed:  # whole batches only (drop_last)
         raise RecipeError(
-            f"One optimizer step needs {batches_needed * args.per_device_train_batch_size} blocks of "
-            f"{args.block_size} tokens but the training set has {len(train_dataset)} ({token_counts['train']} "
+            f"One optimizer step needs {batches_needed * per_device_train_batch_size} blocks of "
+            f"{block_size} tokens but the training set has {len(train_dataset)} ({token_counts['train']} "
             "tokens). Use more text, a smaller --block_size, --per_device_train_batch_size or "
-            "--gradient_accumulation_steps.")
-    accelerator.print(f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
-                      f"{args.block_size} tokens, vocabulary {len(tokenizer)}")
-    facts = {"data/corpus": corpus, "data/train_blocks": len(train_dataset),
-             "data/validation_blocks": len(eval_dataset), "data/tokens": token_counts}
+            "--gradient_accumulation_steps."
+        )
+    accelerator.print(
+        f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
+        f"{block_size} tokens, vocabulary {len(tokenizer)}"
+    )
+    facts = {
+        "data/corpus": corpus,
+        "data/train_blocks": len(train_dataset),
+        "data/validation_blocks": len(eval_dataset),
+        "data/tokens": token_counts,
+    }
     return LMData(train_dataset, eval_dataset, tokenizer, facts)

@@ -14,10 +14,16 @@ NOT_EVALUATED = {"eval/loss": math.nan, "eval/perplexity": math.nan, "eval/num_b
 def perplexity_results(accelerator, loss_sum: float, num_tokens: int, num_blocks: int) -> dict:
     """The eval/* entries of results.json from the summed next-token loss; perplexity = exp(mean token loss)."""
     loss = loss_sum / num_tokens
-    accelerator.print(f"eval/loss {loss:.4f} eval/perplexity {math.exp(loss):.2f} ({num_blocks} blocks, {num_tokens} "
-                      "predicted tokens)")
-    return {"eval/loss": loss, "eval/perplexity": math.exp(loss), "eval/num_blocks": num_blocks,
-            "eval/num_tokens": num_tokens}
+    accelerator.print(
+        f"eval/loss {loss:.4f} eval/perplexity {math.exp(loss):.2f} ({num_blocks} blocks, {num_tokens} "
+        "predicted tokens)"
+    )
+    return {
+        "eval/loss": loss,
+        "eval/perplexity": math.exp(loss),
+        "eval/num_blocks": num_blocks,
+        "eval/num_tokens": num_tokens,
+    }
 
 
 def greedy_sample(model, tokenizer, prompt: str, max_new_tokens: int, device: torch.device) -> dict:
@@ -29,8 +35,9 @@ def greedy_sample(model, tokenizer, prompt: str, max_new_tokens: int, device: to
         model.to(device)
     prompt_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     with torch.no_grad():
-        generated = model.generate(prompt_ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                   pad_token_id=tokenizer.pad_token_id)
+        generated = model.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
     sample = tokenizer.decode(generated[0], skip_special_tokens=False)
     print(f"sample (greedy, {max_new_tokens} tokens):\n{sample}")
     return {"sample/prompt": prompt, "sample/text": sample}

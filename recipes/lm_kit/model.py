@@ -13,33 +13,48 @@ from shared.runtime import RecipeError
 from .presets import MODEL_PRESETS
 
 
-def lm_config(args, num_stages: int, parallelism: str, check=None):
+def lm_config(
+    *,
+    model_name_or_path: str | None,
+    model_size: str,
+    num_layers: int | None,
+    vocab_size: int,
+    block_size: int,
+    num_stages: int,
+    split_by: str,
+    check=None,
+):
     """The model's configuration, from the recipe's flags: ``--model_name_or_path``'s, or the Llama-architecture preset
     ``--model_size`` (``MODEL_PRESETS``) with ``--num_layers`` blocks if given, an untied LM head (a split can then put
     the embeddings on the first part and the head on the last) and ``--vocab_size`` (``build_lm`` fits it to the
     trained tokenizer). Refuses, before any data work, a ``--block_size`` beyond the model's positions, what
     ``check(config)`` refuses if given (a recipe's own limits: pipeline_lm.py's decoders whose stages it can cut), and
-    fewer blocks than ``num_stages``."""
-    model_name_or_path, num_layers, block_size = args.model_name_or_path, args.num_layers, args.block_size
+    fewer blocks than the ``num_stages`` that ``split_by`` (the parallelism's name) cuts the model into."""
     if model_name_or_path:
         config = AutoConfig.from_pretrained(model_name_or_path)
     else:
-        preset = dict(MODEL_PRESETS[args.model_size])
+        preset = dict(MODEL_PRESETS[model_size])
         if num_layers:
             preset["num_hidden_layers"] = num_layers
-        config = LlamaConfig(**preset, num_key_value_heads=preset["num_attention_heads"], vocab_size=args.vocab_size,
-                             tie_word_embeddings=False)
+        config = LlamaConfig(
+            **preset,
+            num_key_value_heads=preset["num_attention_heads"],
+            vocab_size=vocab_size,
+            tie_word_embeddings=False,
+        )
     if block_size > config.max_position_embeddings:
         raise RecipeError(
             f"--block_size {block_size} is longer than the model's {config.max_position_embeddings} positions "
-            f"(max_position_embeddings). Use --block_size {config.max_position_embeddings} or less.")
+            f"(max_position_embeddings). Use --block_size {config.max_position_embeddings} or less."
+        )
     if check is not None:
         check(config)
     if config.num_hidden_layers < num_stages:
         raise RecipeError(
-            f"The model has {config.num_hidden_layers} decoder layers but {parallelism} needs at least one per "
+            f"The model has {config.num_hidden_layers} decoder layers but {split_by} needs at least one per "
             f"stage ({num_stages} stages). Use a model with more layers (--num_layers {num_stages} or more) or fewer "
-            "stages.")
+            "stages."
+        )
     return config
 
 
@@ -51,8 +66,9 @@ def build_lm(model_name_or_path: str | None, config, tokenizer, seed: int):
     set_seed(seed)
     if model_name_or_path:
         return AutoModelForCausalLM.from_pretrained(model_name_or_path, config=config)
-    config.update({"vocab_size": len(tokenizer), "bos_token_id": tokenizer.eos_token_id,
-                   "eos_token_id": tokenizer.eos_token_id})
+    config.update(
+        {"vocab_size": len(tokenizer), "bos_token_id": tokenizer.eos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    )
     return AutoModelForCausalLM.from_config(config)
 
 

@@ -22,18 +22,27 @@ import torch.distributed as dist
 from accelerate.data_loader import prepare_data_loader
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleZBVZeroBubble)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from shared.model_split import block_ranges
 from shared.runtime import RecipeError
 
 from .eval import perplexity_results
+from .split import block_ranges
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B,
-             "zbv": ScheduleZBVZeroBubble}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+}
 # The schedules that run several stages per process, and how they lay the stages out over the processes: in a loop
 # (process r: stages r, r + p, r + 2p, ...) or in a V (process r: stages r and 2p - 1 - r).
 STAGE_LAYOUTS = {"interleaved1f1b": "loop", "zbv": "v"}
@@ -44,38 +53,55 @@ PIPELINE_FILE = "pipeline.json"
 
 
 # ----------------------------------------------------------------------------- what runs where
-def check_pipeline_request(args, num_processes: int, eval_batch_size: int, mixed_precision: str) -> int:
-    """Refuse pipeline settings that cannot work, before any data or model work; return the stages per process.
-    ``args``: the recipe's ``pipeline_schedule``, ``num_microbatches``, ``stages_per_process`` and
-    ``per_device_train_batch_size``."""
-    microbatches, schedule = args.num_microbatches, args.pipeline_schedule
-    for flag, size in (("--per_device_train_batch_size", args.per_device_train_batch_size),
-                       ("--per_device_eval_batch_size", eval_batch_size)):
+def check_pipeline_request(
+    *,
+    pipeline_schedule: str,
+    num_microbatches: int,
+    stages_per_process: int | None,
+    per_device_train_batch_size: int,
+    eval_batch_size: int,
+    num_processes: int,
+    mixed_precision: str,
+) -> int:
+    """Refuse pipeline settings (the recipe's flags of those names) that cannot work, before any data or model work;
+    return the stages per process."""
+    microbatches, schedule = num_microbatches, pipeline_schedule
+    for flag, size in (
+        ("--per_device_train_batch_size", per_device_train_batch_size),
+        ("--per_device_eval_batch_size", eval_batch_size),
+    ):
         if size % microbatches:
             raise RecipeError(
                 f"{flag} {size} does not divide into --num_microbatches {microbatches}: every micro-batch must have "
                 f"the same shape (pipeline stages exchange fixed-size buffers). Use a batch size that is a multiple "
-                f"of {microbatches}, e.g. {microbatches * max(1, round(size / microbatches))}.")
+                f"of {microbatches}, e.g. {microbatches * max(1, round(size / microbatches))}."
+            )
     if mixed_precision == "fp16":
-        raise RecipeError("fp16 needs a gradient scaler shared by all stages, which this recipe does not set up; "
-                          "use --mixed_precision bf16.")
+        raise RecipeError(
+            "fp16 needs a gradient scaler shared by all stages, which this recipe does not set up; "
+            "use --mixed_precision bf16."
+        )
     if schedule == "1f1b" and microbatches < num_processes:
-        raise RecipeError(f"--pipeline_schedule 1f1b needs --num_microbatches >= the number of stages "
-                          f"({num_processes}); got {microbatches}.")
+        raise RecipeError(
+            f"--pipeline_schedule 1f1b needs --num_microbatches >= the number of stages "
+            f"({num_processes}); got {microbatches}."
+        )
     if schedule not in STAGE_LAYOUTS:
-        if args.stages_per_process not in (None, 1):
+        if stages_per_process not in (None, 1):
             raise RecipeError(
                 f"--pipeline_schedule {schedule} runs one stage per process, but --stages_per_process is "
-                f"{args.stages_per_process}: use --pipeline_schedule interleaved1f1b (or zbv, 2 stages) for several.")
+                f"{stages_per_process}: use --pipeline_schedule interleaved1f1b (or zbv, 2 stages) for several."
+            )
         return 1
-    stages_per_process = args.stages_per_process or 2
+    stages_per_process = stages_per_process or 2
     if schedule == "interleaved1f1b" and microbatches < num_processes:
         # torch runs it, but each micro-batch then travels the p x v stages mostly alone: no 1F1B steady state, and
         # not the bubble the interleaved schedule is for (Narayanan et al. assume m a multiple of p).
         raise RecipeError(
             f"--pipeline_schedule interleaved1f1b needs --num_microbatches >= the number of processes "
             f"({num_processes}); got {microbatches}: with fewer, every process waits for each micro-batch to come "
-            "round its stages again.")
+            "round its stages again."
+        )
     if schedule == "interleaved1f1b" and microbatches % max(1, microbatches // num_processes):
         # torch's ScheduleInterleaved1F1B runs the micro-batches in rounds of about one per process
         # (rounds = max(1, m // p)) and needs whole rounds (torch/distributed/pipelining/schedules.py).
@@ -83,16 +109,19 @@ def check_pipeline_request(args, num_processes: int, eval_batch_size: int, mixed
         raise RecipeError(
             f"--pipeline_schedule interleaved1f1b runs the micro-batches in max(1, m // processes) = {rounds} rounds "
             f"of equal size, and --num_microbatches {microbatches} does not divide into {rounds}. Use a multiple of "
-            f"the {num_processes} processes, e.g. --num_microbatches {num_processes * rounds}.")
+            f"the {num_processes} processes, e.g. --num_microbatches {num_processes * rounds}."
+        )
     if schedule == "zbv" and stages_per_process != 2:
         raise RecipeError(
             f"--pipeline_schedule zbv holds exactly 2 stages per process (down the V and back up), but "
-            f"--stages_per_process is {stages_per_process}: leave it out, or use interleaved1f1b.")
+            f"--stages_per_process is {stages_per_process}: leave it out, or use interleaved1f1b."
+        )
     if schedule == "zbv" and microbatches < 2 * num_processes - 1:
         raise RecipeError(
             f"--pipeline_schedule zbv needs --num_microbatches >= 2 x processes - 1 = {2 * num_processes - 1}, got "
             f"{microbatches}: with fewer it is no zero-bubble schedule (torch's ScheduleZBVZeroBubble builds the V "
-            "for 2p - 1 micro-batches and leaves the missing ones' slots idle). Use more micro-batches, or 1f1b.")
+            "for 2p - 1 micro-batches and leaves the missing ones' slots idle). Use more micro-batches, or 1f1b."
+        )
     return stages_per_process
 
 
@@ -121,17 +150,23 @@ def check_pipeline_model(stages_of_processes: list[list[int]], config) -> None:
     num_stages = num_processes * stages_per_process
     problem = None
     if config.model_type not in PIPELINE_MODEL_TYPES:
-        problem = (f"pipeline mode supports decoders of type {', '.join(PIPELINE_MODEL_TYPES)}, got "
-                   f"{config.model_type!r} (its base model may change inputs_embeds, e.g. GPT-2 adds position "
-                   "embeddings there)")
+        problem = (
+            f"pipeline mode supports decoders of type {', '.join(PIPELINE_MODEL_TYPES)}, got "
+            f"{config.model_type!r} (its base model may change inputs_embeds, e.g. GPT-2 adds position "
+            "embeddings there)"
+        )
     elif config.tie_word_embeddings:
-        problem = ("the model ties its LM head to its input embeddings, but those live on different stages; save it "
-                   "untied (config.tie_word_embeddings=False) or use ddp/device_map")
+        problem = (
+            "the model ties its LM head to its input embeddings, but those live on different stages; save it "
+            "untied (config.tie_word_embeddings=False) or use ddp/device_map"
+        )
     elif stages_per_process > 1 and config.num_hidden_layers < num_stages:
-        problem = (f"the model has {config.num_hidden_layers} decoder blocks, fewer than the {num_stages} stages of "
-                   f"{num_processes} processes x --stages_per_process {stages_per_process}, and every stage needs "
-                   f"at least one whole block. Use --num_layers {num_stages} or more, or a smaller "
-                   "--stages_per_process")
+        problem = (
+            f"the model has {config.num_hidden_layers} decoder blocks, fewer than the {num_stages} stages of "
+            f"{num_processes} processes x --stages_per_process {stages_per_process}, and every stage needs "
+            f"at least one whole block. Use --num_layers {num_stages} or more, or a smaller "
+            "--stages_per_process"
+        )
     if problem:
         raise RecipeError(f"Cannot split this model into pipeline stages: {problem}.")
 
@@ -148,17 +183,21 @@ def ideal_bubble_slots(schedule: str, num_processes: int, stages_per_process: in
     return (num_processes - 1) / stages_per_process
 
 
-def pipeline_facts(schedule: str, microbatches: int, stages_of_processes: list[list[int]],
-                   stage_costs: list[float]) -> dict:
+def pipeline_facts(
+    schedule: str, microbatches: int, stages_of_processes: list[list[int]], stage_costs: list[float]
+) -> dict:
     """What results.json records about the pipeline (benchmarks/studies/pipeline_vs_naive.py reads it)."""
     bubble = ideal_bubble_slots(schedule, len(stages_of_processes), len(stages_of_processes[0]))
     return {
-        "pipeline_schedule": schedule, "num_microbatches": microbatches,
-        "stages_per_process": len(stages_of_processes[0]), "pipeline/stages_of_processes": stages_of_processes,
+        "pipeline_schedule": schedule,
+        "num_microbatches": microbatches,
+        "stages_per_process": len(stages_of_processes[0]),
+        "pipeline/stages_of_processes": stages_of_processes,
         # Estimated compute of each process: the sum over its stages (a multi-stage schedule runs as fast as its
         # busiest process).
-        "pipeline/process_cost_share": [sum(stage_costs[index] for index in indices) / sum(stage_costs)
-                                        for indices in stages_of_processes],
+        "pipeline/process_cost_share": [
+            sum(stage_costs[index] for index in indices) / sum(stage_costs) for indices in stages_of_processes
+        ],
         # The share of each device's step time the schedule leaves idle with balanced stages, b / (m + b) for b idle
         # slots (ideal_bubble_slots): gpipe and 1f1b (p-1)/(m+p-1), interleaved1f1b (p-1)/(v*m+p-1), zbv 0.
         "pipeline/ideal_bubble_fraction": bubble / (microbatches + bubble),
@@ -203,8 +242,9 @@ def build_stage_module(model: nn.Module, blocks: range, stage_index: int, num_st
     # copy.copy shares the module tables too: give each shell its own before changing an entry.
     causal_lm._modules, base._modules = dict(model._modules), dict(model.base_model._modules)
     setattr(causal_lm, model.base_model_prefix, base)
-    base.layers = nn.ModuleList(block if index in blocks else PassThroughBlock()
-                                for index, block in enumerate(model.base_model.layers))
+    base.layers = nn.ModuleList(
+        block if index in blocks else PassThroughBlock() for index, block in enumerate(model.base_model.layers)
+    )
     is_first, is_last = stage_index == 0, stage_index == num_stages - 1
     if not is_first:
         base.embed_tokens = None  # never called: later stages pass inputs_embeds
@@ -251,9 +291,12 @@ class Pipeline:
         step's mean loss, as accelerator.backward's 1/accumulation does), 0 elsewhere."""
         losses = []
         with self.autocast():
-            self.schedule.step(*((input_ids,) if self.holds_first else ()),
-                               target=input_ids if self.holds_last else None,
-                               losses=losses if self.holds_last else None, loss_kwargs={"divisor": self.divisor})
+            self.schedule.step(
+                *((input_ids,) if self.holds_first else ()),
+                target=input_ids if self.holds_last else None,
+                losses=losses if self.holds_last else None,
+                loss_kwargs={"divisor": self.divisor},
+            )
         return torch.stack(losses).sum().detach().float() if self.holds_last else 0.0
 
     def facts(self, stages_of_processes: list[list[int]], stage_costs: list[float]) -> dict:
@@ -261,35 +304,63 @@ class Pipeline:
         return pipeline_facts(self.name, self.microbatches, stages_of_processes, stage_costs)
 
 
-def build_pipeline(accelerator, args, stage_modules: nn.ModuleList, stages_of_processes: list[list[int]]) -> Pipeline:
+def build_pipeline(
+    accelerator,
+    stage_modules: nn.ModuleList,
+    stages_of_processes: list[list[int]],
+    *,
+    pipeline_schedule: str,
+    num_microbatches: int,
+    per_device_train_batch_size: int,
+    block_size: int,
+    gradient_accumulation_steps: int,
+) -> Pipeline:
     """The schedules of ``--pipeline_schedule`` over ``--num_microbatches`` for this process's ``stage_modules``, and
     the ideal bubble, printed. The stages' input/output shapes are inferred on the first step, and gradients are
     scaled by the loss rather than by the schedule: ``scale_grads=True`` would divide *all* accumulated gradients by m
     after every ``step()``, so with gradient accumulation the earlier batches would be divided again."""
-    name, microbatches, device = args.pipeline_schedule, args.num_microbatches, accelerator.device
+    name, microbatches, device = pipeline_schedule, num_microbatches, accelerator.device
     stage_indices = stages_of_processes[accelerator.process_index]
     num_stages = sum(len(indices) for indices in stages_of_processes)
-    stages = [PipelineStage(module, stage_index=index, num_stages=num_stages, device=device)
-              for index, module in zip(stage_indices, stage_modules)]
+    stages = [
+        PipelineStage(module, stage_index=index, num_stages=num_stages, device=device)
+        for index, module in zip(stage_indices, stage_modules)
+    ]
     # gpipe and 1f1b take the process's one stage, the other schedules the list of its stages.
-    schedule = SCHEDULES[name](stages if name in STAGE_LAYOUTS else stages[0], n_microbatches=microbatches,
-                               loss_fn=causal_lm_loss, scale_grads=False)
+    schedule = SCHEDULES[name](
+        stages if name in STAGE_LAYOUTS else stages[0],
+        n_microbatches=microbatches,
+        loss_fn=causal_lm_loss,
+        scale_grads=False,
+    )
     eval_schedule = schedule
     if name == "zbv":
         eval_schedule = zbv_eval_schedule(stage_modules, stage_indices, num_stages, microbatches, device)
     # Each micro-batch's loss is divided by the predicted tokens of the whole optimizer step: (batch / m) x (block - 1)
     # x m x accumulation.
-    divisor = args.per_device_train_batch_size * (args.block_size - 1) * args.gradient_accumulation_steps
+    divisor = per_device_train_batch_size * (block_size - 1) * gradient_accumulation_steps
     bubble = ideal_bubble_slots(name, len(stages_of_processes), len(stage_indices))
-    accelerator.print(f"pipeline: {name}, {num_stages} stages on {len(stages_of_processes)} processes "
-                      f"({stages_of_processes}), m = {microbatches}: ideal bubble "
-                      f"{bubble / (microbatches + bubble):.1%} of each step")
-    return Pipeline(name, microbatches, accelerator.autocast, schedule, eval_schedule, stage_modules,
-                    0 in stage_indices, num_stages - 1 in stage_indices, divisor)
+    accelerator.print(
+        f"pipeline: {name}, {num_stages} stages on {len(stages_of_processes)} processes "
+        f"({stages_of_processes}), m = {microbatches}: ideal bubble "
+        f"{bubble / (microbatches + bubble):.1%} of each step"
+    )
+    return Pipeline(
+        name,
+        microbatches,
+        accelerator.autocast,
+        schedule,
+        eval_schedule,
+        stage_modules,
+        0 in stage_indices,
+        num_stages - 1 in stage_indices,
+        divisor,
+    )
 
 
-def zbv_eval_schedule(stage_modules: nn.ModuleList, stage_indices: list[int], num_stages: int, microbatches: int,
-                      device: torch.device) -> ScheduleZBVZeroBubble:
+def zbv_eval_schedule(
+    stage_modules: nn.ModuleList, stage_indices: list[int], num_stages: int, microbatches: int, device: torch.device
+) -> ScheduleZBVZeroBubble:
     """A ZB-V schedule for evaluation only. torch 2.13's ``ScheduleZBVZeroBubble.eval()`` crashes on the process that
     holds the V's two middle stages: its forward-only run still executes the input-gradient actions, and the one
     between two stages of one process asks for a gradient that eval never made (``AssertionError: can't
@@ -297,21 +368,34 @@ def zbv_eval_schedule(stage_modules: nn.ModuleList, stage_indices: list[int], nu
     ``_perform_action``). This schedule runs over its own ``PipelineStage`` objects on the same modules (the training
     schedule's stay untouched) and replaces that action by all it has left to do in eval: drop the (empty) gradient
     receive it is paired with. Delete it once ``schedule.eval()`` works under zbv."""
-    stages = [PipelineStage(module, stage_index=index, num_stages=num_stages, device=device)
-              for index, module in zip(stage_indices, stage_modules)]
+    stages = [
+        PipelineStage(module, stage_index=index, num_stages=num_stages, device=device)
+        for index, module in zip(stage_indices, stage_modules)
+    ]
     schedule = ScheduleZBVZeroBubble(stages, n_microbatches=microbatches, loss_fn=causal_lm_loss, scale_grads=False)
     schedule.register_custom_function(
         BACKWARD_INPUT,
-        lambda action, ctx: ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None))
+        lambda action, ctx: ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None),
+    )
     return schedule
 
 
 def unsharded(dataloaders, device: torch.device, seed: int) -> list:
     """The ``dataloaders`` with Accelerate's seedable sampler and device placement (non-blocking on a GPU: the loaders
     are pinned there), not sharded: every stage works on every batch (``accelerator.prepare`` would shard them)."""
-    return [prepare_data_loader(dataloader, device=device, num_processes=1, process_index=0, put_on_device=True,
-                                use_seedable_sampler=True, data_seed=seed, non_blocking=device.type == "cuda")
-            for dataloader in dataloaders]
+    return [
+        prepare_data_loader(
+            dataloader,
+            device=device,
+            num_processes=1,
+            process_index=0,
+            put_on_device=True,
+            use_seedable_sampler=True,
+            data_seed=seed,
+            non_blocking=device.type == "cuda",
+        )
+        for dataloader in dataloaders
+    ]
 
 
 def clip_grad_norm_across_stages(parameters, max_norm: float, device: torch.device) -> torch.Tensor:
@@ -353,8 +437,12 @@ def evaluate_pipeline(accelerator, pipeline: Pipeline, eval_dataloader, batch_si
             labels = torch.cat([labels, torch.full_like(filler, -100)])
         losses = []
         with torch.no_grad(), pipeline.autocast():
-            pipeline.eval_schedule.eval(*((input_ids,) if holds_first else ()), target=labels if holds_last else None,
-                          losses=losses if holds_last else None, loss_kwargs={"divisor": 1.0})
+            pipeline.eval_schedule.eval(
+                *((input_ids,) if holds_first else ()),
+                target=labels if holds_last else None,
+                losses=losses if holds_last else None,
+                loss_kwargs={"divisor": 1.0},
+            )
         if holds_last:
             loss_sum += torch.stack(losses).sum().float()
         num_tokens += real * (input_ids.shape[1] - 1)
@@ -368,8 +456,10 @@ def gather_full_state_dict(stage_modules: nn.ModuleList, destination: int = 0) -
     """The weights of every process's stages, merged into one full-model state dict on rank ``destination`` (None
     elsewhere): torch's ``gather_object``, so only the destination receives (Accelerate's ``gather_object`` is an
     all-gather: it would put the whole model on every process)."""
-    local = [{name: tensor.detach().cpu() for name, tensor in module.causal_lm.state_dict().items()}
-             for module in stage_modules]
+    local = [
+        {name: tensor.detach().cpu() for name, tensor in module.causal_lm.state_dict().items()}
+        for module in stage_modules
+    ]
     parts = [None] * dist.get_world_size() if dist.get_rank() == destination else None
     dist.gather_object(local, parts, dst=destination)
     if parts is None:
@@ -390,8 +480,15 @@ class StageCheckpoints:
     ``save_state`` itself adds every process's RNG states. ``pipeline.json`` holds the split (blocks per stage, the
     stages of every process); a checkpoint of another split is refused."""
 
-    def __init__(self, process_index: int, stage_modules: nn.ModuleList, optimizer, lr_scheduler,
-                 blocks_per_stage: list[int], stages_of_processes: list[list[int]]):
+    def __init__(
+        self,
+        process_index: int,
+        stage_modules: nn.ModuleList,
+        optimizer,
+        lr_scheduler,
+        blocks_per_stage: list[int],
+        stages_of_processes: list[list[int]],
+    ):
         self.stage_modules, self.optimizer, self.lr_scheduler = stage_modules, optimizer, lr_scheduler
         self.split = {"blocks_per_stage": blocks_per_stage, "stages_of_processes": stages_of_processes}
         self.stage_indices = stages_of_processes[process_index]
@@ -407,14 +504,17 @@ class StageCheckpoints:
     def save(self, folder: Path) -> None:
         for index, module in zip(self.stage_indices, self.stage_modules):
             (folder / f"stage_{index}").mkdir(parents=True, exist_ok=True)
-            save_file({name: tensor.contiguous() for name, tensor in module.state_dict().items()},
-                      folder / f"stage_{index}" / "model.safetensors")
+            save_file(
+                {name: tensor.contiguous() for name, tensor in module.state_dict().items()},
+                folder / f"stage_{index}" / "model.safetensors",
+            )
         first = folder / f"stage_{self.stage_indices[0]}"
         torch.save(self.optimizer.state_dict(), first / "optimizer.bin")
         torch.save(self.lr_scheduler.state_dict(), first / "scheduler.bin")
         # Every process writes the split (the same bytes, atomically): with save_on_each_node each machine needs it.
-        (first / PIPELINE_FILE).write_text(json.dumps({"num_stages": len(self.split["blocks_per_stage"]),
-                                                       **self.split}))
+        (first / PIPELINE_FILE).write_text(
+            json.dumps({"num_stages": len(self.split["blocks_per_stage"]), **self.split})
+        )
         os.replace(first / PIPELINE_FILE, folder / PIPELINE_FILE)
 
     def load(self, checkpoint: Path) -> None:
@@ -426,7 +526,8 @@ class StageCheckpoints:
                 f"{checkpoint} holds stages of {saved and saved['blocks_per_stage']} blocks on processes "
                 f"{saved and saved['stages_of_processes']}, but this run splits {self.split['blocks_per_stage']} on "
                 f"{self.split['stages_of_processes']}: resume with the same model, --block_size, number of processes, "
-                "and stages per process laid out the same way (--pipeline_schedule, --stages_per_process).")
+                "and stages per process laid out the same way (--pipeline_schedule, --stages_per_process)."
+            )
         for index, module in zip(self.stage_indices, self.stage_modules):
             module.load_state_dict(load_file(checkpoint / f"stage_{index}" / "model.safetensors"))
         first = checkpoint / f"stage_{self.stage_indices[0]}"
@@ -441,6 +542,9 @@ class StageCheckpoints:
             return None
         saved = json.loads(path.read_text())
         # Checkpoints written before several stages per process existed hold stage i on process i.
-        return {"blocks_per_stage": saved["blocks_per_stage"],
-                "stages_of_processes": saved.get("stages_of_processes",
-                                                 [[i] for i in range(len(saved["blocks_per_stage"]))])}
+        return {
+            "blocks_per_stage": saved["blocks_per_stage"],
+            "stages_of_processes": saved.get(
+                "stages_of_processes", [[i] for i in range(len(saved["blocks_per_stage"]))]
+            ),
+        }

@@ -39,8 +39,9 @@ def sharding_facts(model: torch.nn.Module, optimizer=None) -> dict:
         "fsdp_modules": len(states),
         "offloaded_parameters": sum(fsdp_param.offload_to_cpu for group in groups for fsdp_param in group.fsdp_params),
         "shard_devices": sorted({str(local(p).device) for p in parameters}),
-        "optimizer_state_devices": sorted({str(getattr(v, "device", "none")) for v in optimizer_values
-                                           if isinstance(v, torch.Tensor) and v.ndim}),
+        "optimizer_state_devices": sorted(
+            {str(getattr(v, "device", "none")) for v in optimizer_values if isinstance(v, torch.Tensor) and v.ndim}
+        ),
     }
 
 
@@ -48,8 +49,9 @@ def execution_devices(model: torch.nn.Module, device_map: dict) -> dict:
     """The execution device of the hook Accelerate attached to each planned module (None: no hook): proof that a split
     really went through the hooks, on CPU as on GPUs."""
     hooks = {name: getattr(model.get_submodule(name), "_hf_hook", None) for name in device_map}
-    return {name: str(hook.execution_device) if hasattr(hook, "execution_device") else None
-            for name, hook in hooks.items()}
+    return {
+        name: str(hook.execution_device) if hasattr(hook, "execution_device") else None for name, hook in hooks.items()
+    }
 
 
 def compiled_modules(model: torch.nn.Module) -> int:
@@ -57,8 +59,10 @@ def compiled_modules(model: torch.nn.Module) -> int:
     (``module.compile()``, regional compilation under FSDP2). 0 without ``--compile``."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return sum(isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
-               for module in model.modules())
+    return sum(
+        isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+        for module in model.modules()
+    )
 
 
 def run_facts(accelerator, model: torch.nn.Module, optimizer=None) -> dict:
@@ -74,9 +78,11 @@ def run_facts(accelerator, model: torch.nn.Module, optimizer=None) -> dict:
                 module.reshard()
         facts["fsdp/sharding"] = sharding_facts(model, optimizer)
         if os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":
-            facts["loading/shard_sums"] = {name: float(local(parameter).double().sum())
-                                           for name, parameter in model.named_parameters()
-                                           if not parameter.requires_grad}
+            facts["loading/shard_sums"] = {
+                name: float(local(parameter).double().sum())
+                for name, parameter in model.named_parameters()
+                if not parameter.requires_grad
+            }
     unwrapped = accelerator.unwrap_model(model)
     base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
     base = unwrapped if "hf_device_map" in vars(unwrapped) else base  # the map is relative to the model it was set on

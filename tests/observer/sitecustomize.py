@@ -177,9 +177,14 @@ def patch_accelerate(accelerator_module) -> None:
             if isinstance(candidate, torch.nn.Module):
                 parameters = list(candidate.parameters())
                 held = [p for p in parameters if p.device.type != "meta"]
-                models.append({"parameters": len(parameters), "meta_parameters": len(parameters) - len(held),
-                               "held_bytes": sum(p.numel() * p.element_size() for p in held),
-                               "bytes": sum(p.numel() * p.element_size() for p in parameters)})
+                models.append(
+                    {
+                        "parameters": len(parameters),
+                        "meta_parameters": len(parameters) - len(held),
+                        "held_bytes": sum(p.numel() * p.element_size() for p in held),
+                        "bytes": sum(p.numel() * p.element_size() for p in parameters),
+                    }
+                )
         record["at_prepare"].append(models)
         return original(self, *objects, **kwargs)
 
@@ -213,8 +218,13 @@ def write_facts(accelerator, model, optimizer) -> None:
         json.dump(run_facts(accelerator, model, optimizer), file)
 
 
-PATCHES = {"safetensors": patch_safetensors, "torch": patch_torch, "bitsandbytes": patch_bitsandbytes,
-           "torch.distributed.fsdp": patch_fsdp, "accelerate.accelerator": patch_accelerate}
+PATCHES = {
+    "safetensors": patch_safetensors,
+    "torch": patch_torch,
+    "bitsandbytes": patch_bitsandbytes,
+    "torch.distributed.fsdp": patch_fsdp,
+    "accelerate.accelerator": patch_accelerate,
+}
 
 
 class PatchAfterImport:

@@ -255,8 +255,9 @@ def _bill(label, kind, state, compute, p, terms, moments) -> dict:
 
 
 # ------------------------------------------------------------------------------- the host
-def host_ram(request, p, shape, processes: int, loaders: int, offloaded_per_process: int, split=False,
-             layer_by_layer=False) -> dict:
+def host_ram(
+    request, p, shape, processes: int, loaders: int, offloaded_per_process: int, split=False, layer_by_layer=False
+) -> dict:
     """Host RAM: per process a baseline, the loading copy (``loaders`` processes read the whole checkpoint) and the
     offloaded shard of the model state; the machine needs the sum."""
     loading, how = _loading_copy(request["method"], p, shape, split, layer_by_layer)
@@ -286,8 +287,9 @@ def host_ram(request, p, shape, processes: int, loaders: int, offloaded_per_proc
     return {"host_ram": int(machine), "host_ram_per_process": per_process, "host_ram_arithmetic": formula}
 
 
-def _loading_copy(method: str, p: dict, shape: ModelShape, split: bool, layer_by_layer: bool = False
-                  ) -> tuple[float, str]:
+def _loading_copy(
+    method: str, p: dict, shape: ModelShape, split: bool, layer_by_layer: bool = False
+) -> tuple[float, str]:
     """The model as one loading process holds it before ``prepare``: fp32 (full), the compute dtype (LoRA). QLoRA
     loads onto the GPU, except for a split (device_map), which the recipe quantizes on the CPU before dispatching;
     under FSDP2 (``layer_by_layer``) the main process reads one 16-bit tensor at a time (the largest: an embeddings

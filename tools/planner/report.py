@@ -50,8 +50,11 @@ def _heading(model: dict, inputs: dict) -> list[str]:
     lora = f", LoRA r={inputs['lora_r']} ({model['lora_parameters'] / 1e6:,.1f}M)" if method != "full" else ""
     batch = f"micro-batch {inputs['micro_batch']}"
     if inputs["objective"] == "dpo":
-        reference = {None: "the base with the adapter disabled", True: "precomputed before training",
-                     False: "a frozen copy"}[inputs["precompute_reference"]]
+        reference = {
+            None: "the base with the adapter disabled",
+            True: "precomputed before training",
+            False: "a frozen copy",
+        }[inputs["precompute_reference"]]
         lora = f"{lora}; reference: {reference}"
         batch = f"micro-batch {inputs['micro_batch']} pairs ({2 * inputs['micro_batch']} sequences)"
     objective = "DPO, " if inputs["objective"] == "dpo" else ""

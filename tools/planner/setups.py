@@ -96,8 +96,11 @@ def _sharded(name, shape, request, p, everything) -> dict:
     # QLoRA: only the main process reads, one tensor at a time (recipes/llm_kit/sharded_4bit.py).
     qlora = request["method"] == "qlora"
     loaders = 1 if qlora or kind == "offload" else gpus
-    return {"devices": devices, "identical": True,
-            **host_ram(request, p, shape, gpus, loaders, offloaded, layer_by_layer=qlora)}
+    return {
+        "devices": devices,
+        "identical": True,
+        **host_ram(request, p, shape, gpus, loaders, offloaded, layer_by_layer=qlora),
+    }
 
 
 def _split(name, counts, shape, request, p, per_block_lora) -> dict:
@@ -193,9 +196,11 @@ def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | No
     constants = quantization_constant_bytes(linear, p)
     peak = int(shards + constants + in_flight + request["overhead"])
     where = f"4-bit layers, adapter, the rest in fp32, / {gpus}" + (", offloaded: none" if not shards else "")
-    return peak, (f"shards {gib(shards)} ({where}) + constants {gib(constants)} (all of them, on every GPU) + in "
-                  f"flight {gib(in_flight)} (the larger of one layer in 16 + 4 bits and one embeddings or head "
-                  f"matrix in 16 bits) + overhead {gib(request['overhead'])} = {gib(peak)}")
+    return peak, (
+        f"shards {gib(shards)} ({where}) + constants {gib(constants)} (all of them, on every GPU) + in "
+        f"flight {gib(in_flight)} (the larger of one layer in 16 + 4 bits and one embeddings or head "
+        f"matrix in 16 bits) + overhead {gib(request['overhead'])} = {gib(peak)}"
+    )
 
 
 def recipe_for(shape: ModelShape, method: str, name: str, objective: str = "sft") -> str | None:

@@ -56,11 +56,21 @@ HUB_NAMES = {
 # own file when online is the same shape): the 128k and 152k vocabularies of today's 70B models, untied.
 HUB_CONFIGS = {
     # meta-llama/Llama-3.1-70B/config.json: 70,553,706,496 parameters
-    "meta-llama/Llama-3.1-70B": dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
-                                     tie_word_embeddings=False, **_llama(8192, 80, 64, 8, 28672, 131072)),
+    "meta-llama/Llama-3.1-70B": dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        **_llama(8192, 80, 64, 8, 28672, 131072),
+    ),
     # Qwen/Qwen2.5-72B/config.json (q, k and v have biases): 72,706,203,648 parameters
-    "Qwen/Qwen2.5-72B": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064,
-                             tie_word_embeddings=False, **_llama(8192, 80, 64, 8, 29568, 131072)),
+    "Qwen/Qwen2.5-72B": dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=152064,
+        tie_word_embeddings=False,
+        **_llama(8192, 80, 64, 8, 29568, 131072),
+    ),
 }
 DEFAULT_VOCAB_SIZE = 32000  # Llama-2's; the LM recipes train their own tokenizer, --vocab_size 8192 by default
 
