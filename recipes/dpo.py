@@ -1,6 +1,6 @@
 """Preference tuning (DPO) of a causal language model with LoRA (default), QLoRA (``--load_in_4bit``) or full
 fine-tuning, on one GPU or two with DDP or FSDP2: ``recipes/llm_finetune.py``'s loop, its loss replaced by TRL's
-DPO loss, with no second model in memory.
+DPO loss (with RPO's NLL term on the chosen answers, optionally), with no second model in memory.
 
 What it teaches: the reference model costs nothing. With LoRA it is the same base with the adapter switched off
 (PEFT's ``disable_adapter()``); continuing an SFT adapter (``--adapter_name_or_path``, e.g. what llm_finetune.py
@@ -77,17 +77,9 @@ from shared.fsdp import wrap_at_blocks
 from llm_kit.loading import causal_lm_config, load_base_model, lora_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
-from llm_kit.preference_data import (
-    SFT_DEFAULT,
-    as_sft_rows,
-    collate_pairs,
-    continued_adapter,
-    preference_format,
-    reference_policy,
-    starting_point,
-    stdlib_name_pairs,
-    tokenize_pairs,
-)
+from llm_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, precompute_reference
+from llm_kit.preference_data import preference_format, reference_logps, sequence_logps, starting_point
+from llm_kit.preference_data import stdlib_name_pairs, tokenize_pairs
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.runtime import (
@@ -104,15 +96,17 @@ from shared.runtime import (
     stop_with_launcher,
     use_fsdp_on_cpu,
 )
-from llm_kit.sft_data import chat_tokenizer, check_batches, load_raw_datasets, token_losses
+from llm_kit.sft_data import chat_tokenizer, check_batches, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
 # What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: from the base, large
-# steps; continuing the SFT recipe's adapter, small ones (measured there: at 1e-3 the margin grows while the answers'
-# exact match falls from 72 % to 32 %; at 3e-5 the reward accuracy reaches 78.5 % and the exact match holds, 71 %).
+# steps; continuing the SFT recipe's adapter, smaller ones with RPO's NLL term (measured there, docs/dpo.md: DPO alone
+# lowers both answers, and the exact match falls from 72 % to 71 % at 3e-5, 32 % at 1e-3; with --rpo_alpha 5 at 1e-4
+# the reward accuracy reaches 78.5 % and the exact match rises to 74 %).
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
-OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 3e-5}
-# TRL's metric names, in the order ``dpo_losses`` sums them (results.json: train/<name>, eval/<name>).
+OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0}
+# TRL's metric names (results.json: train/<name>, eval/<name>), as ``metric_means`` orders them; nll_loss: the
+# policy's loss on the chosen completion tokens (what --rpo_alpha weighs; TRL before 1.0 logs it with rpo_alpha).
 METRICS = (
     "loss",
     "rewards/chosen",
@@ -121,6 +115,7 @@ METRICS = (
     "rewards/margins",
     "logps/chosen",
     "logps/rejected",
+    "nll_loss",
 )
 
 
@@ -239,6 +234,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="sigmoid only: the share of pairs taken to "
         "be mislabelled (conservative DPO: -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)).",
     )
+    dpo.add_argument(
+        "--rpo_alpha",
+        type=float,
+        help="RPO (arXiv:2404.19733): add rpo_alpha x the NLL of the chosen "
+        "completions, the mean over every chosen completion token of the step's global batch (TRL's "
+        "rpo_alpha before 1.0, per batch on each process; 1.16: loss_type ['sigmoid', 'sft'] with "
+        "loss_weights [1, alpha]). Keeps the right answer likely while DPO pushes both down. Default: "
+        "off (0 too); offline, continuing the SFT adapter: 5.",
+    )
     training = parser.add_argument_group("training")
     training.add_argument(
         "--per_device_train_batch_size",
@@ -270,7 +274,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--learning_rate",
         type=positive_float,
         help="Peak AdamW learning rate (default: 5e-5 "
-        "with LoRA, TRL's 1e-6 for a full fine-tune; offline default: 1e-3).",
+        "with LoRA, TRL's 1e-6 for a full fine-tune; offline default: 1e-3, continuing the SFT "
+        "adapter 1e-4).",
     )
     training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
     training.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
@@ -330,6 +335,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.label_smoothing and (args.loss_type != "sigmoid" or not 0 <= args.label_smoothing < 0.5):
         parser.error("--label_smoothing is a share of mislabelled pairs in [0, 0.5), for --loss_type sigmoid only")
+    if args.rpo_alpha is not None and not args.rpo_alpha >= 0:
+        parser.error(f"--rpo_alpha weighs the chosen answers' NLL: 0 or more, not {args.rpo_alpha}")
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
@@ -350,37 +357,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def sequence_logps(model, batch: dict) -> torch.Tensor:
-    """Summed log-prob of each row's completion tokens (chosen rows, then rejected): minus their summed loss, from
-    ``token_losses`` (logits at the completion positions only, fp32 cross-entropy in checkpointed chunks)."""
-    return -token_losses(model, batch["sequences"])[1]
-
-
-def reference_logps(accelerator, model, batch: dict, precomputed: torch.Tensor | None) -> torch.Tensor:
-    """The reference's log-probs of the batch's rows: looked up by pair index when precomputed, else one forward
-    without gradients through the reference policy (the prepared model, unwrapped from DDP: no gradient to sync)."""
-    if precomputed is not None:
-        return precomputed[batch["index"]].T.flatten()  # (pairs, 2) -> chosen rows, then rejected rows
-    unwrapped = accelerator.unwrap_model(model)
-    with torch.no_grad(), reference_policy(unwrapped):
-        return sequence_logps(unwrapped, batch)
-
-
-def precompute_reference(accelerator, model, dataloader) -> torch.Tensor:
-    """The model's log-probs of every pair's chosen and rejected completion, ``(size, 2)`` on every process, by pair
-    index: one pass before training (every process takes its share; ``gather_for_metrics`` drops repeats)."""
-    model.eval()
-    size = len(dataloader.dataset)
-    table = torch.full((size, 2), math.nan, device=accelerator.device)
-    for batch in dataloader:
-        with torch.no_grad():
-            chosen, rejected = sequence_logps(model, batch).chunk(2)
-        index, chosen, rejected = accelerator.gather_for_metrics((batch["index"], chosen, rejected))
-        table[index] = torch.stack([chosen, rejected], dim=1).float()
-    accelerator.print(f"reference: the log-probs of {size} pairs computed before training (training holds one model)")
-    return table
-
-
 def dpo_losses(
     policy: torch.Tensor, reference: torch.Tensor, batch: dict, beta: float, loss_type: str, label_smoothing: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,10 +366,9 @@ def dpo_losses(
     (conservative DPO, TRL's sigmoid before 1.0; 1.16 keeps it for its robust/aot losses); ipo: each log-ratio over its
     completion's token count, then (margin - 1 / (2 beta))^2. Rewards: beta * log-ratio."""
     chosen_logratios, rejected_logratios = (policy - reference).chunk(2)
+    chosen_tokens, rejected_tokens = completion_tokens(batch).to(policy.device).chunk(2)
     if loss_type == "ipo":
-        tokens = (batch["sequences"]["loss_targets"] != -100).sum(dim=1).clamp(min=1).to(policy.device)
-        chosen_tokens, rejected_tokens = tokens.chunk(2)
-        margin = chosen_logratios / chosen_tokens - rejected_logratios / rejected_tokens
+        margin = chosen_logratios / chosen_tokens.clamp(min=1) - rejected_logratios / rejected_tokens.clamp(min=1)
         losses = (margin - 1 / (2 * beta)) ** 2
     else:
         margin = chosen_logratios - rejected_logratios
@@ -408,14 +383,47 @@ def dpo_losses(
         chosen_rewards - rejected_rewards,
         chosen_logps,
         rejected_logps,
+        chosen_tokens,
     ]
     return losses, torch.stack(per_pair, dim=1).float()
 
 
-def evaluate(accelerator, model, eval_dataloader, precomputed, **loss_kw) -> dict:
+def completion_tokens(batch: dict) -> torch.Tensor:
+    """The completion tokens of each row (chosen rows, then rejected): the scored positions."""
+    return (batch["sequences"]["loss_targets"] != -100).sum(dim=1)
+
+
+def step_counts(batch: dict) -> torch.Tensor:
+    """The batch's pairs and their chosen completion tokens: summed over a step, what its losses are averaged over."""
+    return torch.stack([(batch["index"] >= 0).sum(), completion_tokens(batch).chunk(2)[0].sum()])
+
+
+def step_loss(
+    model, batch: dict, reference: torch.Tensor, step_pairs, step_tokens, rpo_alpha: float | None, **loss_kw
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's forward on a micro-batch, its share of its optimizer step's loss, and its per-pair columns
+    (``dpo_losses``): its DPO losses over the step's pairs plus, with ``rpo_alpha`` (RPO), that times its chosen
+    completion tokens' loss over the step's chosen tokens. Summed over the step's micro-batches and processes: the
+    mean DPO loss per pair plus rpo_alpha x the mean NLL per chosen completion token, whatever the processes and
+    accumulation (TRL: per batch on each process)."""
+    policy = sequence_logps(model, batch)
+    losses, per_pair = dpo_losses(policy, reference, batch, **loss_kw)
+    nll = -policy.chunk(2)[0].sum() / step_tokens  # the chosen rows (the first half): their completion tokens
+    return losses.sum() / step_pairs + (rpo_alpha * nll if rpo_alpha else 0), per_pair
+
+
+def metric_means(sums: torch.Tensor, pairs, rpo_alpha: float | None) -> torch.Tensor:
+    """``METRICS`` from the sums over ``pairs`` pairs of ``dpo_losses``' per-pair columns: means per pair, but
+    ``nll_loss`` per chosen completion token (minus the summed chosen log-probs over the chosen tokens), and
+    ``loss`` the DPO loss plus ``rpo_alpha`` x ``nll_loss`` (the objective trained)."""
+    means, nll_loss = sums[:-1] / pairs, -sums[5:6] / sums[-1]
+    return torch.cat([means[:1] + (rpo_alpha or 0) * nll_loss, means[1:], nll_loss])
+
+
+def evaluate(accelerator, model, eval_dataloader, precomputed, rpo_alpha, **loss_kw) -> dict:
     """TRL's metrics over every validation pair, each counted once (``eval/loss``, ``eval/rewards/accuracies`` ...)."""
     model.eval()
-    sums, pairs = torch.zeros(len(METRICS), device=accelerator.device), 0
+    sums, pairs = torch.zeros(len(METRICS), device=accelerator.device), 0  # the per-pair columns: METRICS' count
     for batch in eval_dataloader:
         with torch.no_grad():
             reference = reference_logps(accelerator, model, batch, precomputed)
@@ -423,7 +431,7 @@ def evaluate(accelerator, model, eval_dataloader, precomputed, **loss_kw) -> dic
         # gather_for_metrics drops the pairs Accelerate repeated to give every process a full last batch.
         per_pair = accelerator.gather_for_metrics(per_pair)
         sums, pairs = sums + per_pair.sum(dim=0), pairs + len(per_pair)
-    results = {f"eval/{name}": (sums[i] / pairs).item() if pairs else math.nan for i, name in enumerate(METRICS)}
+    results = {f"eval/{name}": value for name, value in zip(METRICS, metric_means(sums, pairs, rpo_alpha).tolist())}
     if pairs:
         accelerator.print(
             f"eval: loss {results['eval/loss']:.4f}, reward accuracy "
@@ -621,7 +629,7 @@ def main():
         "max_train_steps": max_train_steps,
     }
     accelerator.init_trackers("dpo", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
-    loss_kw = {"beta": args.beta, "loss_type": args.loss_type, "label_smoothing": args.label_smoothing}
+    loss_kw = {name: getattr(args, name) for name in ("beta", "loss_type", "label_smoothing", "rpo_alpha")}
 
     # ---------------------------------------------------------------------- training loop
     resume = load_checkpoint(
@@ -646,15 +654,15 @@ def main():
         while completed_steps < max_train_steps and (
             micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))
         ):
-            # The step's loss: the mean over *all* its pairs (every micro-batch and process), counted before the
-            # first backward (sync point: an all-reduce). DDP/FSDP average N processes' gradients: hence the N.
-            step_pairs = accelerator.reduce(sum((b["index"] >= 0).sum() for b in micro_batches), "sum")
+            # The step's loss: the mean over *all* its pairs (RPO's NLL: over all their chosen tokens), counted before
+            # the first backward (sync point: an all-reduce). DDP/FSDP average N processes' gradients: hence the N.
+            step_pairs, step_tokens = accelerator.reduce(sum(step_counts(b) for b in micro_batches), "sum")
             sums = torch.zeros(len(METRICS) + 1, device=accelerator.device)  # + the step's real tokens
             for index, batch in enumerate(micro_batches):  # all but the last skip DDP's all-reduce / FSDP2's scatter
                 reference = reference_logps(accelerator, model, batch, precomputed["train"])
                 with accelerator.no_sync(model) if index < len(micro_batches) - 1 else contextlib.nullcontext():
-                    losses, per_pair = dpo_losses(sequence_logps(model, batch), reference, batch, **loss_kw)
-                    accelerator.backward(losses.sum() * data_parallel_size / step_pairs)
+                    loss, per_pair = step_loss(model, batch, reference, step_pairs, step_tokens, **loss_kw)
+                    accelerator.backward(loss * data_parallel_size)
                 sums += torch.cat([per_pair.sum(dim=0), batch["sequences"]["num_tokens"].sum()[None].float()])
             if args.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -664,7 +672,7 @@ def main():
             completed_steps += 1
             progress_bar.update(1)
             sums = accelerator.reduce(sums, "sum")  # the global sums stay on the device: only the log reads them
-            window.append(sums[:-1] / step_pairs)  # this step's METRICS: on the device until the next log reads them
+            window.append(metric_means(sums[:-1], step_pairs, args.rpo_alpha))  # on the device until a log reads it
             record.step(completed_steps, window[-1][0], samples=step_pairs, tokens=sums[-1])
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 means = torch.stack(window).mean(dim=0).tolist()  # sync point: reads the window's metrics

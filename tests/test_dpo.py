@@ -1,8 +1,8 @@
 """The DPO recipe on a tiny Llama built here: the same steps in 1 process x 8 pairs, 2 x 4 and 1 x 4 x 2 accumulation
 (DDP, FSDP2, FSDP2 with offload), an exact resume, a full fine-tune whose reference is computed before training, an
 SFT adapter continued against its frozen copy, the reference equalities (the adapter switched off is the base; a
-precomputed reference is the live one), log-probs over the completion tokens only, TRL's loss formulas, the three
-preference formats, and the refusals. CPU processes stand in for GPUs."""
+precomputed reference is the live one), log-probs over the completion tokens only, TRL's loss formulas and RPO's NLL
+term, the three preference formats, and the refusals. CPU processes stand in for GPUs."""
 
 import json
 import math
@@ -17,8 +17,19 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(REPO))
 RECIPE = "dpo.py"
 # LoRA without dropout, 4 steps, AdamW's epsilon large enough that the weights read out the gradients compared
-# (as tests/test_llm_finetune.py), a high learning rate so that 4 steps move the rewards.
-EXACT = ("--max_train_steps", "4", "--adam_epsilon", "1e-4", "--learning_rate", "1e-2", "--logging_steps", "2")
+# (as tests/test_llm_finetune.py), a high learning rate so that 4 steps move the rewards; with RPO's NLL term.
+EXACT = (
+    "--max_train_steps",
+    "4",
+    "--adam_epsilon",
+    "1e-4",
+    "--learning_rate",
+    "1e-2",
+    "--logging_steps",
+    "2",
+    "--rpo_alpha",
+    "0.5",
+)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +164,8 @@ def runs(base, tmp_path_factory):
             "4",
             "--logging_steps",
             "1",
+            "--rpo_alpha",
+            "0.5",
         ),
         # The SFT adapter continued, on strings from a CSV, with label smoothing; its base comes from the adapter.
         "sft_adapter": (
@@ -220,13 +233,15 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
     """The step loss is the mean over every pair of the global batch, whatever the processes and accumulation."""
     reference = runs["1x8"]["results"]
     assert reference["global_batch_size"] == 8 and reference["completed_steps"] == 4
-    # Step 1: the policy is the reference (a new adapter starts at zero), so every margin is 0 and the loss log 2.
-    assert reference["train/loss_curve"][0] == pytest.approx(math.log(2), abs=1e-6)
+    # Step 1: the policy is the reference (a new adapter starts at zero), so every margin is 0 and the DPO loss log 2;
+    # RPO adds 0.5 x the chosen tokens' NLL (exactly: the full fine-tune's test, which logs every step).
+    assert reference["train/loss_curve"][0] > math.log(2) + 0.5
+    assert reference["train/log"][-1]["train/nll_loss"] > 0
     for name in ("2x4", "1x4x2", "fsdp", "offload"):
         results = runs[name]["results"]
         assert results["global_batch_size"] == 8, name
         np.testing.assert_allclose(results["train/loss_curve"], reference["train/loss_curve"], rtol=1e-6, err_msg=name)
-        for key in ("train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen"):
+        for key in ("train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen", "train/nll_loss"):
             assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (name, key)
         assert max_relative_difference(adapter(runs[name]), adapter(runs["1x8"])) <= 1e-5, name
     assert runs["2x4"]["results"]["parallelism"] == "ddp" and runs["fsdp"]["results"]["parallelism"] == "fsdp"
@@ -248,6 +263,7 @@ def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(runs):
         "rewards/margins",
         "logps/chosen",
         "logps/rejected",
+        "nll_loss",
     )
     for name in names:
         assert f"train/{name}" in results["train/log"][-1] and np.isfinite(results[f"eval/{name}"]), name
@@ -276,12 +292,15 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
 @pytest.mark.slow
 def test_a_full_fine_tune_computes_the_reference_first_and_trains_one_model(runs):
     """IPO: at step 1 the policy is the precomputed reference (the same model, before any step), so every margin is
-    0 and the loss is (0 - 1 / (2 beta))^2 = 25. The implicit prompts were found; the whole model is saved."""
+    0 and the IPO loss is (0 - 1 / (2 beta))^2 = 25; the step's loss adds RPO's 0.5 x the logged NLL of the chosen
+    tokens. The implicit prompts were found; the whole model is saved."""
     results = runs["full"]["results"]
     assert results["method"] == "full" and results["data/format"] == "conversational_implicit"
-    assert results["train/loss_curve"][0] == pytest.approx(25.0, rel=1e-6)
-    assert results["train/log"][0]["train/rewards/margins"] == pytest.approx(0, abs=1e-6)
-    assert results["train/loss_curve"][-1] < 25.0
+    first = results["train/log"][0]
+    assert results["train/loss_curve"][0] == pytest.approx(25.0 + 0.5 * first["train/nll_loss"], rel=1e-6)
+    assert first["train/loss"] == pytest.approx(results["train/loss_curve"][0], rel=1e-6)
+    assert first["train/rewards/margins"] == pytest.approx(0, abs=1e-6) and first["train/nll_loss"] > 0
+    assert results["train/loss_curve"][-1] < results["train/loss_curve"][0]
     assert "reference: the log-probs of" in runs["full"]["log"]
     assert (runs["full"]["dir"] / "model.safetensors").is_file()
     assert results["model/trainable_parameters"] == results["model/total_parameters"]
@@ -467,6 +486,140 @@ def test_the_losses_are_trl_s(recipe):
     torch.testing.assert_close(ipo, (per_token - 5.0) ** 2)
 
 
+def completion_token_logps(model, pair, column) -> torch.Tensor:
+    """The log-prob of each completion token of one sequence, from full logits (the prompt's are not taken)."""
+    ids = torch.tensor([pair["prompt_ids"] + pair[column]])
+    with torch.no_grad():
+        logps = model(input_ids=ids).logits.log_softmax(-1)[0, :-1].gather(1, ids[0, 1:, None])[:, 0]
+    return logps[len(pair["prompt_ids"]) - 1 :]
+
+
+def test_rpo_adds_the_nll_of_the_chosen_completion_tokens(recipe, base):
+    """--rpo_alpha: TRL's RPO (1.16: loss_type ["sigmoid", "sft"] with loss_weights [1, alpha]; before 1.0:
+    rpo_alpha): the mean sigmoid loss over the pairs plus alpha x the policy's mean NLL over the chosen completion
+    tokens (``-chosen_per_token_logps[chosen_mask].mean()``), here from full logits one sequence at a time: no prompt
+    token, no rejected row. Two pairs get longer chosen answers, so that the mean per token differs from the mean per
+    pair; split into micro-batches of 2 and 4 pairs, the shares sum to the same loss and gradient (the mean over the
+    step's tokens, not a mean of the micro-batches' means); ``metric_means`` reports the NLL as nll_loss."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from llm_kit.preference_data import collate_pairs
+
+    _, pairs = pair_batches(base)
+    pairs = [{**pair, "chosen_ids": pair["chosen_ids"] * (3 if i < 2 else 1)} for i, pair in enumerate(pairs[:6])]
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base),
+        LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+    ).eval()
+    alpha, kw = 0.7, {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0}
+    policy = {c: [completion_token_logps(model, p, c) for p in pairs] for c in ("chosen_ids", "rejected_ids")}
+    with model.disable_adapter():
+        reference = {c: [completion_token_logps(model, p, c).sum() for p in pairs] for c in policy}
+    chosen, rejected = ([logps.sum() - ref for logps, ref in zip(policy[c], reference[c])] for c in policy)
+    dpo = -torch.nn.functional.logsigmoid(0.1 * (torch.stack(chosen) - torch.stack(rejected))).mean()
+    nll = -torch.cat(policy["chosen_ids"]).mean()
+    assert abs(nll + torch.stack([logps.mean() for logps in policy["chosen_ids"]]).mean()) > 1e-3  # per token
+
+    def step(micro_batches):
+        model.zero_grad()
+        counts = sum(recipe.step_counts(batch) for batch in micro_batches)
+        total, sums = 0, 0
+        for batch in micro_batches:
+            ref = recipe.reference_logps(OneProcess, model, batch, None)
+            loss, per_pair = recipe.step_loss(model, batch, ref, *counts, rpo_alpha=alpha, **kw)
+            loss.backward()
+            total, sums = total + loss.detach(), sums + per_pair.sum(dim=0)
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.requires_grad}
+        return total, recipe.metric_means(sums, len(pairs), alpha), grads
+
+    whole, metrics, grads = step([collate_pairs(pairs, 0)])
+    torch.testing.assert_close(whole, dpo + alpha * nll, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics[-1], nll, rtol=1e-5, atol=1e-6)  # nll_loss
+    torch.testing.assert_close(metrics[0], dpo + alpha * nll, rtol=1e-5, atol=1e-6)  # loss: the objective
+    split, split_metrics, split_grads = step([collate_pairs(pairs[:2], 0), collate_pairs(pairs[2:], 0)])
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(split_metrics, metrics, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(split_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+    without, _ = recipe.step_loss(
+        model,
+        collate_pairs(pairs, 0),
+        reference=torch.stack([*reference["chosen_ids"], *reference["rejected_ids"]]),
+        step_pairs=6,
+        step_tokens=1,
+        rpo_alpha=None,
+        **kw,
+    )
+    torch.testing.assert_close(without, dpo, rtol=1e-5, atol=1e-6)  # off by default: DPO alone
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gpt2"])
+def test_lora_dpo_trains_a_tied_qwen2_and_gpt2_s_conv1d_layers(recipe, base, tmp_path, name):
+    """Users' shapes beside the Llama: a Qwen2 whose LM head is its embedding matrix (tie_word_embeddings, as most
+    small LLMs) and a GPT-2 (Conv1D layers, weights stored [in, out]), built tiny from transformers' own configs with
+    the base's tokenizer; the recipe's LoRA adapter on every linear layer, 3 steps of its loss with RPO, the reference
+    the adapter switched off. At step 1 every margin is 0 (the policy is the reference); the losses stay finite, every
+    LoRA B matrix (zero at the start) moved, the head (tied in both: GPT-2 ties it by default) stays tied, frozen."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, Qwen2Config
+
+    from llm_kit.loading import lora_model
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    special = {
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.eos_token_id,
+    }
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        **special,
+    )
+    if name == "gpt2":
+        config = GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, **special
+        )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = lora_model(
+        AutoModelForCausalLM.from_pretrained(tmp_path),
+        str(tmp_path),
+        r=4,
+        alpha=8,
+        dropout=0.0,
+        target_modules=["all-linear"],
+    )
+    adapted = {module for module, _ in model.named_modules() if module.endswith(".lora_A")}
+    expected = ("c_attn", "c_proj", "c_fc") if name == "gpt2" else ("q_proj", "o_proj", "down_proj")
+    assert all(any(f".{target}." in module for module in adapted) for target in expected), sorted(adapted)
+    assert not any("lm_head" in module or "embed" in module for module in adapted)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    loader, _ = pair_batches(base, batch_size=4, shuffle=True)
+    kw = {"beta": 0.1, "loss_type": "sigmoid", "label_smoothing": 0.0, "rpo_alpha": 1.0}
+    losses = []
+    for step, batch in enumerate(itertools_first(loader, 3)):
+        reference = recipe.reference_logps(OneProcess, model, batch, None)
+        loss, per_pair = recipe.step_loss(model.train(), batch, reference, *recipe.step_counts(batch), **kw)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if step == 0:
+            assert per_pair[:, 4].abs().max() < 1e-5  # rewards/margins: the policy is the reference
+    assert all(math.isfinite(loss) for loss in losses), losses
+    moved = {n: p.abs().max().item() for n, p in model.named_parameters() if "lora_B" in n}
+    assert moved and min(moved.values()) > 0, moved
+    head = model.get_output_embeddings().weight
+    assert head is model.get_input_embeddings().weight and not head.requires_grad
+
+
 def test_long_prompts_are_cut_from_the_left_and_completions_to_what_max_length_leaves(base):
     """The end of a long prompt (next to the answer) is kept; each completion gets what --max_length leaves."""
     from transformers import AutoTokenizer
@@ -524,9 +677,9 @@ def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
 
 
 def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
-    """In-process: --precompute_reference with LoRA, an adapter trained on another base, a prompt that leaves no
-    completion token, a file without chosen/rejected. And one launch: a bad row stops the run with one paragraph
-    naming the file and the row, printed once, and a non-zero exit."""
+    """In-process: --precompute_reference with LoRA, a negative --rpo_alpha, an adapter trained on another base, a
+    prompt that leaves no completion token, a file without chosen/rejected. And one launch: a bad row stops the run
+    with one paragraph naming the file and the row, printed once, and a non-zero exit."""
     import datasets
     from transformers import AutoTokenizer
 
@@ -536,6 +689,9 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     with pytest.raises(SystemExit):
         recipe.parse_args(["--precompute_reference"])
     assert "with LoRA the reference is the same model with the adapter switched off" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--rpo_alpha", "-1"])
+    assert "--rpo_alpha weighs the chosen answers' NLL: 0 or more, not -1.0" in capsys.readouterr().err
     with pytest.raises(RecipeError) as error:
         starting_point(OneProcess, str(base / "sft_adapter"), "Qwen/Qwen2.5-0.5B", True, base, REPO / "recipes")
     assert f"was trained on {str(base)!r}, not on --model_name_or_path 'Qwen/Qwen2.5-0.5B'" in error.value.message

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import datasets
@@ -20,7 +21,7 @@ import torch
 from shared.runtime import RecipeError
 
 from .loading import default_base_model
-from .sft_data import check_conversation, collate, stdlib_names
+from .sft_data import check_conversation, collate, stdlib_names, token_losses
 
 FORMATS = ("standard", "conversational", "conversational_implicit")
 SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
@@ -300,3 +301,34 @@ def reference_policy(model):
         yield
     finally:
         model.set_adapter("default")
+
+
+def sequence_logps(model, batch: dict) -> torch.Tensor:
+    """Summed log-prob of each row's completion tokens (chosen rows, then rejected): minus their summed loss, from
+    ``token_losses`` (logits at the completion positions only, fp32 cross-entropy in checkpointed chunks)."""
+    return -token_losses(model, batch["sequences"])[1]
+
+
+def reference_logps(accelerator, model, batch: dict, precomputed: torch.Tensor | None) -> torch.Tensor:
+    """The reference's log-probs of the batch's rows: looked up by pair index when precomputed, else one forward
+    without gradients through ``reference_policy`` (the prepared model, unwrapped from DDP: no gradient to sync)."""
+    if precomputed is not None:
+        return precomputed[batch["index"]].T.flatten()  # (pairs, 2) -> chosen rows, then rejected rows
+    unwrapped = accelerator.unwrap_model(model)
+    with torch.no_grad(), reference_policy(unwrapped):
+        return sequence_logps(unwrapped, batch)
+
+
+def precompute_reference(accelerator, model, dataloader) -> torch.Tensor:
+    """The model's log-probs of every pair's chosen and rejected completion, ``(size, 2)`` on every process, by pair
+    index: one pass before training (every process takes its share; ``gather_for_metrics`` drops repeats)."""
+    model.eval()
+    size = len(dataloader.dataset)
+    table = torch.full((size, 2), math.nan, device=accelerator.device)
+    for batch in dataloader:
+        with torch.no_grad():
+            chosen, rejected = sequence_logps(model, batch).chunk(2)
+        index, chosen, rejected = accelerator.gather_for_metrics((batch["index"], chosen, rejected))
+        table[index] = torch.stack([chosen, rejected], dim=1).float()
+    accelerator.print(f"reference: the log-probs of {size} pairs computed before training (training holds one model)")
+    return table
