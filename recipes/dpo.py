@@ -441,21 +441,30 @@ def evaluate(accelerator, model, eval_dataloader, precomputed, rpo_alpha, **loss
     return {**results, "eval/num_pairs": pairs}
 
 
-def dataloaders(train_dataset, eval_dataset, tokenizer, args, data_parallel_size: int) -> tuple[DataLoader, ...]:
+def dataloaders(
+    train_dataset,
+    eval_dataset,
+    tokenizer,
+    data_parallel_size: int,
+    *,
+    per_device_train_batch_size,
+    seed,
+    per_device_eval_batch_size,
+) -> tuple[DataLoader, ...]:
     """Shuffled training pairs (refused if they cannot give every data-parallel process a batch), the validation
     pairs in order, and the training pairs in order for the reference pass of a full fine-tune."""
     collate_fn, pinned = partial(collate_pairs, pad_token_id=tokenizer.pad_token_id), torch.cuda.is_available()
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
     train_dataloader = DataLoader(
         train_dataset,
-        args.per_device_train_batch_size,
+        per_device_train_batch_size,
         shuffle=True,
         collate_fn=collate_fn,
-        generator=torch.Generator().manual_seed(args.seed),
+        generator=torch.Generator().manual_seed(seed),
         pin_memory=pinned,
     )
     check_batches(train_dataloader, data_parallel_size)
-    eval_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+    eval_size = per_device_eval_batch_size or per_device_train_batch_size
     eval_dataloader = DataLoader(eval_dataset, eval_size, collate_fn=collate_fn, pin_memory=pinned)
     reference_dataloader = DataLoader(train_dataset, eval_size, collate_fn=collate_fn, pin_memory=pinned)
     return train_dataloader, eval_dataloader, reference_dataloader
@@ -544,7 +553,13 @@ def main():
             accelerator, raw_datasets, fmt, tokenizer, args.max_length, args.max_prompt_length
         )
     train_dataloader, eval_dataloader, reference_dataloader = dataloaders(
-        train_dataset, eval_dataset, tokenizer, args, data_parallel_size
+        train_dataset,
+        eval_dataset,
+        tokenizer,
+        data_parallel_size,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        seed=args.seed,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
     )
 
     # ------------------------------------------------------------------------------ model
