@@ -122,6 +122,23 @@ def launches(base: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
             "llm_finetune.py",
             (*llm, "--full_finetune", "--learning_rate", "1e-4"),
         ),
+        # DPO on the offline preference pairs; RPO's term on, so that both parts of the loss are fingerprinted.
+        "dpo/single_lora": ("single_gpu.yaml", "dpo.py", (*llm, "--rpo_alpha", "0.5")),
+        "dpo/ddp_lora": (
+            "ddp_2gpu.yaml",
+            "dpo.py",
+            (*llm, "--rpo_alpha", "0.5", "--per_device_train_batch_size", "2"),
+        ),
+        "dpo/fsdp_lora": (
+            "fsdp_2gpu.yaml",
+            "dpo.py",
+            (*llm, "--rpo_alpha", "0.5", "--per_device_train_batch_size", "2"),
+        ),
+        "dpo/fsdp_offload_full": (
+            "fsdp_offload_2gpu.yaml",
+            "dpo.py",
+            (*llm, "--full_finetune", "--learning_rate", "1e-4", "--per_device_train_batch_size", "2"),
+        ),
     }
 
 
