@@ -71,7 +71,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared import hang_dump
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
 from shared.fsdp import wrap_at_blocks
 from llm_kit.loading import causal_lm_config, load_base_model, lora_model
@@ -256,8 +256,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument(
         "--gradient_accumulation_steps",
         type=positive_int,
-        default=1,
-        help="Forward/backward passes per optimizer step.",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
+        "batch).",
     )
     training.add_argument(
         "--num_train_epochs",
@@ -515,6 +515,13 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
+        accelerator,  # a resume: its global batch
+        checkpoint,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        data_parallel_size,
+    )
     args.adapter_name_or_path, args.model_name_or_path = starting_point(  # the adapter to continue (offline: the SFT
         accelerator,
         args.adapter_name_or_path,
@@ -651,7 +658,8 @@ def main():
         accelerator,
         checkpoint,
         steps_per_epoch,
-        args.gradient_accumulation_steps,  # all states
+        args.gradient_accumulation_steps,  # all states; the scheduler's count brought to this run's processes
+        lr_scheduler,
         load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
     )  # LoRA
     completed_steps, log, window, logs = resume.completed_steps, resume.history.get("train/log", []), [], {}
@@ -703,6 +711,7 @@ def main():
                     args.checkpoints_total_limit,
                     layout=layout,
                     history={"train/loss_curve": record.losses(), "train/log": log},
+                    batch=batch_shape,
                 )
     progress_bar.close()
 

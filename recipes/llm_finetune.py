@@ -213,8 +213,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     training.add_argument(
         "--gradient_accumulation_steps",
         type=positive_int,
-        help="Forward/backward passes per "
-        "optimizer step (default: 1; on a resume, what keeps the checkpoint's global batch).",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
+        "batch).",
     )
     training.add_argument(
         "--num_train_epochs",

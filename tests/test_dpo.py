@@ -207,6 +207,22 @@ def runs(base, tmp_path_factory):
             ),
             after="1x8",
         ),
+        # The same checkpoint resumed in 2 processes of 4 pairs: the global batch of 8 kept, the scheduler's count
+        # (a prepared scheduler steps once per process) brought to 2 processes.
+        "resumed_in_2": Job(
+            "ddp_2gpu.yaml",
+            RECIPE,
+            (
+                *data,
+                *EXACT,
+                "--per_device_train_batch_size",
+                "4",
+                "--skip_eval",
+                "--resume_from_checkpoint",
+                root / "1x8" / "checkpoints" / "step_000002",
+            ),
+            after="1x8",
+        ),
     }
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
     for name, job in jobs.items():
@@ -287,6 +303,18 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
     assert resumed["train/log"] == full["train/log"]
     assert all(torch.equal(a, b) for a, b in zip(adapter(runs["resumed"]).values(), adapter(runs["1x8"]).values()))
     assert resumed["eval/loss"] == full["eval/loss"]
+
+
+@pytest.mark.slow
+def test_a_resume_in_another_process_count_ends_where_the_run_would(runs):
+    """A 1-process checkpoint resumed in 2 processes: same global batch, the learning rate goes on where it was (a
+    prepared scheduler counts a step once per process), so it ends as the uninterrupted 1-process run does."""
+    resumed, full = runs["resumed_in_2"], runs["1x8"]
+    assert resumed["results"]["resumed_from_step"] == 2 and resumed["results"]["num_processes"] == 2
+    assert "resuming a 1-process checkpoint in 2 processes" in resumed["log"]
+    assert resumed["results"]["train/loss_curve"] == pytest.approx(full["results"]["train/loss_curve"], abs=1e-6)
+    for name, tensor in adapter(full).items():
+        assert torch.allclose(adapter(resumed)[name], tensor, atol=1e-6), name
 
 
 @pytest.mark.slow
