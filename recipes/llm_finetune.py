@@ -214,7 +214,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--gradient_accumulation_steps",
         type=positive_int,
         help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
-        "batch).",
+        "batch in this process count).",
     )
     training.add_argument(
         "--num_train_epochs",

@@ -150,8 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--gradient_accumulation_steps",
         type=positive_int,
-        help="Forward/backward passes per step (default: 1; on a "
-        "resume, what keeps the checkpoint's global batch in this process count).",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
+        "batch in this process count).",
     )
     add("--learning_rate", type=positive_float, default=2e-4, help="Peak AdamW learning rate.")
     add("--weight_decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms).")
