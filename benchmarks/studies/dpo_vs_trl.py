@@ -55,6 +55,7 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # l
 from lib.machine import LIBRARIES, library_versions, machine_info  # CPU model and flags, versions: as every record
 from lib.launch import run_as_main_after_each_step  # the recipe unchanged, a clock after each step
 from lib.sides import adapter_difference, value_of  # the two sides compared
+from lib.trl_side import lora_config, trainer_arguments  # TRL set up as the recipe trains
 from lib.records import equal_work, unequal_work_text  # work per step, the equal-work check
 from lib.stats import bootstrap_interval  # 95 % interval of a median ratio
 
@@ -311,7 +312,6 @@ def trl_worker(args) -> None:
     """DPOTrainer as a user would write it, told what the recipe is told; writes trl_results.json."""
     import datasets
     import torch
-    from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback, set_seed
     from trl import DPOConfig, DPOTrainer
 
@@ -321,39 +321,14 @@ def trl_worker(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(s["model_dir"])
     train = datasets.load_dataset("json", data_files=s["train_file"], split="train")
     config = DPOConfig(
-        output_dir=str(out),
+        **trainer_arguments(s, out, bf16=False, gradient_checkpointing=False),  # fp32: --mixed_precision no
         model_init_kwargs={"dtype": torch.float32},
         max_length=s["max_length"],
         truncation_mode="keep_start",
         loss_type=[s["loss_type"]],
         beta=s["beta"],
-        per_device_train_batch_size=s["per_device_train_batch_size"],
-        gradient_accumulation_steps=s["gradient_accumulation_steps"],
-        max_steps=s["max_train_steps"],
-        learning_rate=s["learning_rate"],
-        lr_scheduler_type=s["lr_scheduler_type"],
-        warmup_steps=s["num_warmup_steps"],
-        weight_decay=s["weight_decay"],
-        adam_epsilon=s["adam_epsilon"],
-        max_grad_norm=s["max_grad_norm"],
-        optim="adamw_torch_fused",  # the recipe's torch.optim.AdamW(fused=True)
-        gradient_checkpointing=False,  # DPOConfig's default is True, the recipe's False
-        bf16=False,
-        fp16=False,  # DPOConfig's bf16 default is True; the recipe runs fp32 here (--mixed_precision no)
-        use_cpu=not torch.cuda.is_available(),
-        seed=s["seed"],
-        logging_steps=s["logging_steps"],
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
     )
-    peft_config = LoraConfig(
-        r=s["lora_r"],
-        lora_alpha=s["lora_alpha"],
-        lora_dropout=s["lora_dropout"],
-        target_modules=s["lora_target_modules"],
-        task_type="CAUSAL_LM",
-    )
+    peft_config = lora_config(s)
 
     class StepMeter(TrainerCallback):
         """Per optimizer step: CPU and wall time end to end, pairs and real tokens; the logs; the profile."""

@@ -58,6 +58,7 @@ from lib.machine import (
     machine_info,
 )  # CPU model and flags, GPUs, versions: as every record
 from lib.sides import adapter_difference, value_of  # the two sides compared
+from lib.trl_side import lora_config, trainer_arguments  # TRL set up as the recipe trains
 from lib.records import equal_work, unequal_work_text  # the work-per-step check of every comparison
 from lib.stats import paired_ratio  # the median of the paired ratios, its 95 % interval, the pooled ratio
 
@@ -335,7 +336,6 @@ def trl_worker(args) -> None:
     """SFTTrainer as a user would write it, told what the recipe is told; writes trl_results.json."""
     import datasets
     import torch
-    from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -350,42 +350,15 @@ def trl_worker(args) -> None:
     }
     bf16 = s["mixed_precision"] == "bf16"
     config = SFTConfig(
-        output_dir=str(out),
+        **trainer_arguments(s, out, bf16=bf16, gradient_checkpointing=s["gradient_checkpointing"]),
         model_init_kwargs={"dtype": torch.bfloat16 if bf16 else torch.float32},
         max_length=s["max_length"],
         packing=s["packing"],
         eval_packing=False,  # the recipe evaluates unpacked
         assistant_only_loss=True,
-        per_device_train_batch_size=s["per_device_train_batch_size"],
         per_device_eval_batch_size=s["per_device_train_batch_size"],
-        gradient_accumulation_steps=s["gradient_accumulation_steps"],
-        max_steps=s["max_train_steps"],
-        learning_rate=s["learning_rate"],
-        lr_scheduler_type=s["lr_scheduler_type"],
-        warmup_steps=s["num_warmup_steps"],
-        weight_decay=s["weight_decay"],
-        adam_epsilon=s["adam_epsilon"],
-        max_grad_norm=s["max_grad_norm"],
-        optim="adamw_torch_fused",  # the recipe's torch.optim.AdamW(fused=True), and TRL's default
-        gradient_checkpointing=s["gradient_checkpointing"],  # TRL's default is True, the recipe's False
-        bf16=bf16,
-        fp16=False,
-        # Without CUDA: the CPU, and with 2 processes DDP over gloo (Trainer needs telling; the recipe's
-        # build_accelerator does the same with Accelerator(cpu=True)).
-        use_cpu=not torch.cuda.is_available(),
-        seed=s["seed"],
-        logging_steps=s["logging_steps"],
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
     )
-    peft_config = LoraConfig(
-        r=s["lora_r"],
-        lora_alpha=s["lora_alpha"],
-        lora_dropout=s["lora_dropout"],
-        target_modules=s["lora_target_modules"],
-        task_type="CAUSAL_LM",
-    )
+    peft_config = lora_config(s)
 
     class StepMeter(TrainerCallback):
         """Times optimizer steps end to end (the previous step's end to this one's) and adds up the batches each
