@@ -299,3 +299,36 @@ def launch_all(jobs: dict, cpu_only: bool | None = None, workers: int = 2) -> di
             assert job.after is None or job.after in futures, f"{name} runs after {job.after}, which must come first"
             futures[name] = pool.submit(run, job)
         return {name: future.result() for name, future in futures.items()}
+
+
+def save_tiny_llama(folder: Path, num_hidden_layers: int):
+    """A tiny untied Llama (hidden 64) and a byte-level BPE tokenizer trained on the SFT recipe's offline questions,
+    with no chat template and no pad token (the LLM recipes must add both), saved to ``folder``; returns the
+    questions. Seeded: the same weights every time."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llm_kit.sft_data import stdlib_questions
+    from lm_kit.data import train_bpe_tokenizer
+
+    questions = stdlib_questions()
+    tokenizer = train_bpe_tokenizer(
+        (m["content"] for row in questions["train"] for m in row["messages"]), vocab_size=400
+    )
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return questions

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch, launch_all, read_facts, read_results, visible_gpus
+from launch import REPO, Job, launch, launch_all, read_facts, read_results, save_tiny_llama, visible_gpus
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -39,33 +39,12 @@ def base(tmp_path_factory):
     (so that the SFT policy differs from the base)."""
     import datasets
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    from llm_kit.sft_data import stdlib_questions
-    from lm_kit.data import train_bpe_tokenizer
     from llm_kit.preference_data import stdlib_name_pairs
 
     folder = tmp_path_factory.mktemp("dpo_base")
-    questions = stdlib_questions()
-    tokenizer = train_bpe_tokenizer(
-        (m["content"] for row in questions["train"] for m in row["messages"]), vocab_size=400
-    )
-    tokenizer.pad_token = None
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    save_tiny_llama(folder, num_hidden_layers=2)
     rows = [dict(row) for row in stdlib_name_pairs()["train"].shuffle(seed=0).select(range(40))]
     # A system turn on every third pair, so that prompts differ in length.
     for index, row in enumerate(rows):

@@ -23,6 +23,7 @@ from launch import (
     observer_env,
     read_facts,
     read_results,
+    save_tiny_llama,
     visible_gpus,
 )
 from safetensors.torch import load_file
@@ -51,32 +52,9 @@ QLORA = ("--load_in_4bit", "--max_train_steps", "2", "--lora_dropout", "0", "--a
 def base(tmp_path_factory):
     """A tiny Llama and a byte-level BPE tokenizer with no chat template and no pad token (the recipe must add both),
     and ragged conversations: system prompts, second turns, answers from 3 to ~60 tokens."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from llm_kit.sft_data import stdlib_questions
-    from lm_kit.data import train_bpe_tokenizer
 
     folder = tmp_path_factory.mktemp("base")
-    questions = stdlib_questions()
-    tokenizer = train_bpe_tokenizer(
-        (m["content"] for row in questions["train"] for m in row["messages"]), vocab_size=400
-    )
-    tokenizer.pad_token = None
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    questions = save_tiny_llama(folder, num_hidden_layers=4)
     rng, chats = random.Random(0), []
     for index, row in enumerate(questions["train"].select(range(72))):
         messages = row["messages"]
