@@ -3,6 +3,13 @@
 A hang fails the test instead of hanging CI: at the timeout every process of the run (launcher and
 workers) is killed. Configs use ``main_process_port: 0`` so concurrent runs never collide.
 
+Importing torch, transformers and PEFT is most of a tiny run's time, so on a machine without GPUs ``launch`` forks
+the recipe's processes from the zygote (tests/zygote.py), a process that imported them once: a 1-process launch is
+run there whole (Accelerate's launcher code prepares its environment), and a launcher's workers are started through
+``--no_python tests/forked_python``. The launcher, the environment, the arguments and the recipe's code are those of
+the user's launch; tests of the launch itself (killed launchers and workers, restarts) start their processes the
+usual way (``Launch``), and test_linear_toy.py checks that forked runs equal started ones bit for bit.
+
 The suite runs on the hardware it finds: CPU only (CI), one GPU, two or more GPUs. A launch of more
 processes than there are GPUs runs as CPU processes over gloo (CUDA hidden): NCCL refuses two ranks on
 one GPU. Tests assert the devices a run reports against ``devices_for``, never a literal ``cpu``.
@@ -10,12 +17,17 @@ one GPU. Tests assert the devices a run reports against ``devices_for``, never a
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +46,7 @@ ONE_PROCESS = None
 RECIPES = REPO / "recipes"
 RUN_MARKER = "TWO_GPU_RECIPES_TEST_RUN"
 OBSERVER = Path(__file__).resolve().parent / "observer"
+FORKED_PYTHON = Path(__file__).resolve().parent / "forked_python"
 
 
 @dataclass
@@ -89,6 +102,7 @@ class Launch:
         env: dict | None = None,
         launch_args: tuple[str, ...] = (),
         cpu_only: bool | None = None,
+        forked: bool = False,
     ):
         script_path = script if Path(script).is_absolute() else RECIPES / script
         if config is None:  # ``python SCRIPT ARGS``: one process, no launcher (see ``ONE_PROCESS``)
@@ -108,7 +122,38 @@ class Launch:
                 *map(str, args),
             ]
         self.marker = uuid.uuid4().hex
-        full_env = {
+        full_env = Launch.environment(self.marker, env)
+        processes = 1 if config_path is None else launched_processes(Path(config_path), launch_args)
+        if cpu_only is None:  # more processes than GPUs: CPU processes (NCCL refuses two ranks on one GPU)
+            cpu_only = processes > visible_gpus()
+        if cpu_only:
+            full_env["CUDA_VISIBLE_DEVICES"] = ""
+        self.cpu_only = cpu_only
+        self.log = tempfile.TemporaryFile("w+")
+        self.started = time.monotonic()
+        self.forked = None
+        if forked and visible_gpus() == 0 and not any(map(read_at_import, env or {})) and not launch_args:
+            if processes == 1:
+                self.forked = zygote().start(self.command[1:], full_env, self.log)
+                return
+            # The launcher's workers are forks of the zygote too: "python SCRIPT ARGS" becomes FORKED_PYTHON ARGS.
+            at = self.command.index(str(script_path))
+            self.command[at : at + 1] = ["--no_python", str(FORKED_PYTHON), str(script_path)]
+            full_env.update(zygote().environment())
+        self.process = subprocess.Popen(
+            self.command,
+            cwd=REPO,
+            env=full_env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    @staticmethod
+    def environment(marker: str, env: dict | None = None) -> dict:
+        """The environment of every process of a launch: this one's, the suite's settings, ``env`` and the marker."""
+        return {
             **os.environ,
             # One thread per process: 2 processes share the 2 cores of a CI machine.
             "OMP_NUM_THREADS": "1",
@@ -121,27 +166,15 @@ class Launch:
             "OBSERVE_FACTS": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), os.environ.get("PYTHONPATH")))),
             **(env or {}),
-            RUN_MARKER: self.marker,
+            RUN_MARKER: marker,
         }
-        if cpu_only is None:  # more processes than GPUs: CPU processes (NCCL refuses two ranks on one GPU)
-            processes = 1 if config_path is None else launched_processes(Path(config_path), launch_args)
-            cpu_only = processes > visible_gpus()
-        if cpu_only:
-            full_env["CUDA_VISIBLE_DEVICES"] = ""
-        self.cpu_only = cpu_only
-        self.log = tempfile.TemporaryFile("w+")
-        self.started = time.monotonic()
-        self.process = subprocess.Popen(
-            self.command,
-            cwd=REPO,
-            env=full_env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
 
     def processes(self) -> list[psutil.Process]:
+        if self.forked is not None:  # a fork keeps the environment it was forked with: find it by its pid
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process = psutil.Process(self.forked.pid)
+                return [process, *process.children(recursive=True)]
+            return []
         found = []
         for candidate in psutil.process_iter():
             try:
@@ -166,25 +199,108 @@ class Launch:
 
     def finish(self, timeout: float = 300) -> Run:
         """Wait for the launcher to exit (killing everything at ``timeout``) and return its result."""
+        process = self.forked or self.process
         try:
-            self.process.wait(timeout=max(0.0, self.started + timeout - time.monotonic()))
+            process.wait(timeout=max(0.0, self.started + timeout - time.monotonic()))
             timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
-            for process in self.processes():
+            for found in self.processes():
                 try:
-                    process.send_signal(signal.SIGKILL)
+                    found.send_signal(signal.SIGKILL)
                 except psutil.NoSuchProcess:
                     pass
-            self.process.wait()
+            process.wait()
         self.log.seek(0)
         output = self.log.read()
         self.log.close()
         seconds = time.monotonic() - self.started
         if timed_out:
             raise AssertionError(f"timed out after {timeout}s: {' '.join(self.command)}\n{output[-4000:]}")
-        return Run(self.process.returncode, output, seconds)
+        return Run(process.returncode, output, seconds)
+
+
+# Environment variables read when a module is imported (the observer's, the interpreter's, the libraries'): a launch
+# that sets one is not forked from the zygote, whose imports saw other values.
+IMPORT_TIME_VARIABLES = ("PYTHON", "OBSERVE", "HF_", "TRANSFORMERS", "TORCH", "OMP_", "MKL_", "CUDA", "BNB")
+
+
+def read_at_import(name: str) -> bool:
+    return name.startswith(IMPORT_TIME_VARIABLES)
+
+
+class Forked:
+    """A launch run by a fork of the zygote (tests/zygote.py): its pid, and its exit code once the zygote says it."""
+
+    def __init__(self, connection: socket.socket):
+        self.connection, self.replies = connection, connection.makefile("r")
+        self.pid, self.returncode = json.loads(self.replies.readline())["pid"], None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        self.connection.settimeout(timeout)
+        try:
+            line = self.replies.readline()
+        except TimeoutError:
+            raise subprocess.TimeoutExpired("zygote fork", timeout) from None
+        self.returncode = json.loads(line)["returncode"]
+        self.connection.close()
+        return self.returncode
+
+
+class Zygote:
+    """The suite's one zygote process (tests/zygote.py), started at the first forked launch, stopped at exit."""
+
+    def __init__(self, environment: dict):
+        self.path = Path(tempfile.mkdtemp(prefix="zygote-")) / "socket"
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("zygote.py")), str(self.path)],
+            cwd=REPO,
+            env=environment,
+            start_new_session=True,
+        )
+
+    def ready(self) -> None:
+        deadline = time.monotonic() + 180
+        while not self.path.exists():
+            assert self.process.poll() is None, f"the zygote exited with {self.process.returncode}"
+            assert time.monotonic() < deadline, "the zygote did not start within 180 s"
+            time.sleep(0.1)
+
+    def environment(self) -> dict:
+        """What tests/forked_python needs to find this zygote."""
+        self.ready()
+        return {"ZYGOTE_SOCKET": str(self.path), "ZYGOTE_PYTHON": sys.executable}
+
+    def start(self, argv: list[str], environment: dict, log) -> Forked:
+        self.ready()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(str(self.path))
+        request = {"argv": argv, "env": environment, "cwd": str(REPO)}
+        socket.send_fds(connection, [json.dumps(request).encode()], [log.fileno()])
+        return Forked(connection)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.path.parent, ignore_errors=True)
+
+
+_zygote: Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def zygote() -> Zygote:
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None:
+            environment = Launch.environment("zygote")
+            environment["CUDA_VISIBLE_DEVICES"] = ""
+            _zygote = Zygote(environment)
+            atexit.register(_zygote.stop)
+        return _zygote
 
 
 def launch(
@@ -195,11 +311,14 @@ def launch(
     env: dict | None = None,
     launch_args: tuple[str, ...] = (),
     cpu_only: bool | None = None,
+    forked: bool = True,
 ) -> Run:
     """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end
     (``python SCRIPT ARGS`` where CONFIG is ``ONE_PROCESS``).
-    ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs)."""
-    return Launch(config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only).finish(timeout)
+    ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs).
+    ``forked``: its Python processes are forks of the zygote where ``Launch`` can fork them."""
+    launched = Launch(config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only, forked=forked)
+    return launched.finish(timeout)
 
 
 def launch_ok(config, script, *args, **kwargs) -> Run:
