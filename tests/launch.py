@@ -3,12 +3,13 @@
 A hang fails the test instead of hanging CI: at the timeout every process of the run (launcher and
 workers) is killed. Configs use ``main_process_port: 0`` so concurrent runs never collide.
 
-Importing torch, transformers and PEFT is most of a tiny run's time, so on a machine without GPUs ``launch`` forks
-the recipe's processes from the zygote (tests/zygote.py), a process that imported them once: a 1-process launch is
-run there whole (Accelerate's launcher code prepares its environment), and a launcher's workers are started through
-``--no_python tests/forked_python``. The launcher, the environment, the arguments and the recipe's code are those of
-the user's launch; tests of the launch itself (killed launchers and workers, restarts) start their processes the
-usual way (``Launch``), and test_linear_toy.py checks that forked runs equal started ones bit for bit.
+Importing torch, transformers and PEFT is most of a tiny run's time. On a machine without GPUs ``launch`` runs every
+Python process of a launch (Accelerate's launcher, and the processes it starts: the child of its 1-process launcher,
+torchrun's workers) as a fork of the zygote (tests/zygote.py), a process that imported those libraries once. The
+launcher's code, the environment, the arguments and the recipe's code stay the user's. Launches that set a variable
+read at import time (the observer's), the tests of the launch itself (``Launch``: killed launchers and workers,
+restarts) and GPU machines start real processes; test_linear_toy.py and test_llm_finetune.py compare forked runs with
+started ones (weights bit for bit, losses, a refusal's exit code and paragraph).
 
 The suite runs on the hardware it finds: CPU only (CI), one GPU, two or more GPUs. A launch of more
 processes than there are GPUs runs as CPU processes over gloo (CUDA hidden): NCCL refuses two ranks on
@@ -21,6 +22,7 @@ import atexit
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -46,7 +48,8 @@ ONE_PROCESS = None
 RECIPES = REPO / "recipes"
 RUN_MARKER = "TWO_GPU_RECIPES_TEST_RUN"
 OBSERVER = Path(__file__).resolve().parent / "observer"
-FORKED_PYTHON = Path(__file__).resolve().parent / "forked_python"
+# The environment the suite started in, before any test changed it: the zygote's.
+ENVIRONMENT_AT_IMPORT = dict(os.environ)
 
 
 @dataclass
@@ -132,14 +135,10 @@ class Launch:
         self.log = tempfile.TemporaryFile("w+")
         self.started = time.monotonic()
         self.forked = None
-        if forked and visible_gpus() == 0 and not any(map(read_at_import, env or {})) and not launch_args:
-            if processes == 1:
-                self.forked = zygote().start(self.command[1:], full_env, self.log)
+        if forked and visible_gpus() == 0 and not launch_args:
+            self.forked = zygote().start(self.command[1:], full_env, self.log)
+            if self.forked is not None:
                 return
-            # The launcher's workers are forks of the zygote too: "python SCRIPT ARGS" becomes FORKED_PYTHON ARGS.
-            at = self.command.index(str(script_path))
-            self.command[at : at + 1] = ["--no_python", str(FORKED_PYTHON), str(script_path)]
-            full_env.update(zygote().environment())
         self.process = subprocess.Popen(
             self.command,
             cwd=REPO,
@@ -151,10 +150,12 @@ class Launch:
         )
 
     @staticmethod
-    def environment(marker: str, env: dict | None = None) -> dict:
-        """The environment of every process of a launch: this one's, the suite's settings, ``env`` and the marker."""
+    def environment(marker: str, env: dict | None = None, base: dict | None = None) -> dict:
+        """The environment of every process of a launch: ``base`` (this process's), the suite's settings, ``env`` and
+        the marker."""
+        base = os.environ if base is None else base
         return {
-            **os.environ,
+            **base,
             # One thread per process: 2 processes share the 2 cores of a CI machine.
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
@@ -164,21 +165,23 @@ class Launch:
             "TOKENIZERS_PARALLELISM": "false",
             # Test-only facts (FSDP2 sharding, device_map hooks...) taken from outside the recipe: see read_facts.
             "OBSERVE_FACTS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), os.environ.get("PYTHONPATH")))),
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), base.get("PYTHONPATH")))),
             **(env or {}),
             RUN_MARKER: marker,
         }
 
     def processes(self) -> list[psutil.Process]:
-        if self.forked is not None:  # a fork keeps the environment it was forked with: find it by its pid
+        """Every process of the launch: those that carry its marker, and a forked launch's own pid and descendants (a
+        fork keeps the environment of the zygote it was forked from; the zygote kills the fork of a forked_python
+        that goes)."""
+        found = []
+        if self.forked is not None and self.forked.returncode is None:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process = psutil.Process(self.forked.pid)
-                return [process, *process.children(recursive=True)]
-            return []
-        found = []
+                found = [process, *process.children(recursive=True)]
         for candidate in psutil.process_iter():
             try:
-                if candidate.environ().get(RUN_MARKER) == self.marker:
+                if candidate.environ().get(RUN_MARKER) == self.marker and candidate not in found:
                     found.append(candidate)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 pass
@@ -221,69 +224,77 @@ class Launch:
         return Run(process.returncode, output, seconds)
 
 
-# Environment variables read when a module is imported (the observer's, the interpreter's, the libraries'): a launch
-# that sets one is not forked from the zygote, whose imports saw other values.
-IMPORT_TIME_VARIABLES = ("PYTHON", "OBSERVE", "HF_", "TRANSFORMERS", "TORCH", "OMP_", "MKL_", "CUDA", "BNB")
-
-
-def read_at_import(name: str) -> bool:
-    return name.startswith(IMPORT_TIME_VARIABLES)
+# What may differ between a launch's environment and the zygote's: variables read when a run starts, not when a
+# module is imported (the zygote imported its modules under its own environment). Any other difference (the observer's
+# PYTHONPATH, OBSERVE_*, a library's settings) starts the launch's processes the usual way.
+RUNTIME_VARIABLES = (RUN_MARKER, "PYTEST_CURRENT_TEST", "RECIPES_HOST_RAM_GIB", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+RUNTIME_PREFIXES = ("ACCELERATE_", "FSDP_", "MASTER_", "TORCHELASTIC_")
 
 
 class Forked:
-    """A launch run by a fork of the zygote (tests/zygote.py): its pid, and its exit code once the zygote says it."""
+    """A launch whose first process is a fork of the zygote (tests/zygote.py): its pid, and its exit code once the
+    zygote reports it (one JSON line each)."""
 
     def __init__(self, connection: socket.socket):
-        self.connection, self.replies = connection, connection.makefile("r")
-        self.pid, self.returncode = json.loads(self.replies.readline())["pid"], None
+        self.connection, self.returncode = connection, None
+        self.pid = self._reply()["pid"]
+
+    def _reply(self) -> dict:
+        line = b""
+        while not line.endswith(b"\n"):  # byte by byte: nothing of the next reply is read ahead
+            byte = self.connection.recv(1)
+            assert byte, "the zygote ended before the launch did"
+            line += byte
+        return json.loads(line)
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is not None:
-            return self.returncode
-        self.connection.settimeout(timeout)
-        try:
-            line = self.replies.readline()
-        except TimeoutError:
-            raise subprocess.TimeoutExpired("zygote fork", timeout) from None
-        self.returncode = json.loads(line)["returncode"]
-        self.connection.close()
+        if self.returncode is None:
+            if not select.select([self.connection], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired("a forked launch", timeout)
+            self.returncode = self._reply()["returncode"]
+            self.connection.close()
         return self.returncode
 
 
 class Zygote:
     """The suite's one zygote process (tests/zygote.py), started at the first forked launch, stopped at exit."""
 
-    def __init__(self, environment: dict):
+    def __init__(self):
         self.path = Path(tempfile.mkdtemp(prefix="zygote-")) / "socket"
+        self.environment = {**Launch.environment("zygote", base=ENVIRONMENT_AT_IMPORT), "CUDA_VISIBLE_DEVICES": ""}
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("zygote.py")), str(self.path)],
             cwd=REPO,
-            env=environment,
+            env=self.environment,
             start_new_session=True,
         )
 
-    def ready(self) -> None:
+    def start(self, argv: list[str], environment: dict, log) -> Forked | None:
+        """``python ARGV`` forked with ``environment`` and its output in ``log``; None where ``environment`` differs
+        from the zygote's in a variable that may be read at import time."""
+        differing = {
+            name
+            for name in set(environment) | set(self.environment)
+            if environment.get(name) != self.environment.get(name)
+        }
+        if any(name not in RUNTIME_VARIABLES and not name.startswith(RUNTIME_PREFIXES) for name in differing):
+            return None
         deadline = time.monotonic() + 180
         while not self.path.exists():
             assert self.process.poll() is None, f"the zygote exited with {self.process.returncode}"
             assert time.monotonic() < deadline, "the zygote did not start within 180 s"
             time.sleep(0.1)
-
-    def environment(self) -> dict:
-        """What tests/forked_python needs to find this zygote."""
-        self.ready()
-        return {"ZYGOTE_SOCKET": str(self.path), "ZYGOTE_PYTHON": sys.executable}
-
-    def start(self, argv: list[str], environment: dict, log) -> Forked:
-        self.ready()
+        assert self.process.poll() is None, f"the zygote exited with {self.process.returncode}"
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(str(self.path))
-        request = {"argv": argv, "env": environment, "cwd": str(REPO)}
+        # What tests/forked_python, started by the launcher for each process, needs to find the zygote.
+        found = {"ZYGOTE_SOCKET": str(self.path), "ZYGOTE_PYTHON": sys.executable}
+        request = {"argv": argv, "env": {**environment, **found}, "cwd": str(REPO)}
         socket.send_fds(connection, [json.dumps(request).encode()], [log.fileno()])
         return Forked(connection)
 
     def stop(self) -> None:
-        self.process.kill()
+        self.process.terminate()  # it kills the forks still running
         self.process.wait()
         shutil.rmtree(self.path.parent, ignore_errors=True)
 
@@ -296,9 +307,7 @@ def zygote() -> Zygote:
     global _zygote
     with _zygote_lock:
         if _zygote is None:
-            environment = Launch.environment("zygote")
-            environment["CUDA_VISIBLE_DEVICES"] = ""
-            _zygote = Zygote(environment)
+            _zygote = Zygote()
             atexit.register(_zygote.stop)
         return _zygote
 

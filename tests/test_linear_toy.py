@@ -64,6 +64,11 @@ def runs(tmp_path_factory):
         "broken": Job("ddp_2gpu.yaml", broken, (*train, "--per_device_train_batch_size", "8")),
         # Refusals. Argument checking needs no launcher: one process.
         "batch_size_zero": Job(ONE_PROCESS, "linear_toy.py", ("--per_device_train_batch_size", "0")),
+        # A refusal through the 1-process launcher (which repeats the error and exits 1), forked and started.
+        "refused_launch": Job("single_gpu.yaml", "linear_toy.py", ("--per_device_train_batch_size", "0")),
+        "refused_launch_not_forked": Job(
+            "single_gpu.yaml", "linear_toy.py", ("--per_device_train_batch_size", "0"), kwargs={"forked": False}
+        ),
         "output_dir": Job("ddp_2gpu.yaml", "linear_toy.py", ("--max_train_steps", "2")),
         "too_small": Job(
             "ddp_2gpu.yaml", "linear_toy.py", ("--num_samples", "16", "--per_device_train_batch_size", "16")
@@ -108,6 +113,14 @@ def test_a_run_forked_from_the_zygote_equals_one_the_launcher_started(runs, name
     assert (forked["dir"] / "model.safetensors").read_bytes() == (started["dir"] / "model.safetensors").read_bytes()
     assert forked["results"]["train/loss_curve"] == started["results"]["train/loss_curve"]
     assert forked["results"]["num_processes"] == started["results"]["num_processes"]
+
+
+@pytest.mark.slow
+def test_a_refusal_forked_from_the_zygote_exits_and_reads_like_one_the_launcher_started(runs):
+    forked, started = runs["refused_launch"]["run"], runs["refused_launch_not_forked"]["run"]
+    assert forked.returncode == started.returncode == 1  # the launcher's, not argparse's 2
+    errors = lambda run: [line for line in run.output.splitlines() if "error:" in line]
+    assert errors(forked) == errors(started) and len(errors(started)) >= 2, started.output  # the launcher repeats it
 
 
 @pytest.mark.slow

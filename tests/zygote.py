@@ -1,21 +1,25 @@
-"""A process that has imported torch, transformers, PEFT and Accelerate once, and forks a fresh copy of itself for each
-1-process launch of the suite (``tests/launch.py`` sends it the command line), the way multiprocessing's forkserver
-does. Importing those libraries is most of a tiny run's time; a fork skips it and changes nothing else of the run.
+"""A process that has imported torch, transformers and PEFT once, and forks a fresh copy of itself for each Python
+process of a launch (``tests/launch.py`` asks it), the way multiprocessing's forkserver does: importing those libraries
+is most of a tiny run's time.
 
-Each copy runs the command a user would type, in a session of its own, with the launch's environment, working folder
-and log file:
+A copy runs what the process would have run, in a session of its own, with that process's environment, working folder
+and standard streams:
 
-- ``python SCRIPT ARGS``: SCRIPT runs as ``__main__``, as ``python`` would run it.
-- ``python -m accelerate.commands.launch --config_file C SCRIPT ARGS``: Accelerate's own launcher code reads the config
-  and, where it would start one ``python SCRIPT ARGS`` process with the environment its ``simple_launcher`` prepares,
-  the copy takes that environment and runs the script itself. Anything else (more processes, a config the launcher
-  refuses, another interpreter) replaces the copy with the real launcher (``os.execve``).
+- the launcher, ``python -m accelerate.commands.launch ARGS``: Accelerate's launcher module runs as ``__main__`` with
+  ``sys.executable`` set to ``tests/forked_python``, so the ``python SCRIPT ARGS`` processes it starts (its 1-process
+  launcher's child; torchrun's workers) are copies too;
+- ``python [-u] SCRIPT ARGS`` (a recipe): the script runs as ``__main__``, as ``python`` runs it.
 
-Only on a machine without GPUs (a CUDA context does not survive a fork), and only for launches whose environment
-differs from this process's in nothing read at import time (``tests/launch.py`` decides). The reply to a request is
-the copy's pid, then its exit code as ``subprocess`` reports it (negative: killed by that signal).
+``tests/forked_python`` stands in for ``python``: it asks for a copy with its own environment, folder and streams,
+passes signals on, dies with its parent (``PR_SET_PDEATHSIG``) and exits as the copy does; when it goes, the zygote
+kills the copy's process group. Only on a machine without GPUs (a CUDA context does not survive a fork) and for
+launches whose environment differs from this process's in nothing read at import time (``tests/launch.py`` decides).
+What differs from a started process: the copies of one launch share this process's hash seed (``random`` and NumPy's
+global generator are reseeded), their tracebacks show runpy's frames, and Python's final teardown is skipped
+(``atexit`` handlers run, the standard streams are flushed).
 
-Usage: ``python tests/zygote.py SOCKET_PATH`` (started once per test session by ``tests/launch.py``)."""
+Usage: ``python tests/zygote.py SOCKET_PATH`` (tests/launch.py starts one per test session);
+``python tests/zygote.py --client ARGS`` (tests/forked_python)."""
 
 from __future__ import annotations
 
@@ -28,27 +32,33 @@ import socket
 import sys
 
 LAUNCHER = "accelerate.commands.launch"
+FORKED_PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forked_python")
 
 
 def preload() -> None:
-    # What every recipe imports first; datasets stays out: pyarrow starts a thread, and a fork copies no threads.
-    import accelerate.commands.launch  # noqa: F401
+    # What every recipe imports first. Not datasets (pyarrow starts a thread, and a fork copies no threads), not
+    # Accelerate's launcher module (importing it configures the root logger).
+    import accelerate  # noqa: F401
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, get_scheduler  # noqa: F401
 
 
-def run_script(argv: list[str]) -> int:
-    """``python SCRIPT ARGS`` in this process: the script as ``__main__``, its folder first on ``sys.path``; the exit
-    code Python would give (a SystemExit's message printed to stderr, an uncaught exception's traceback)."""
+def run_python(argv: list[str]) -> int:
+    """``python ARGV`` in this process (``[-u] SCRIPT ARGS`` or ``[-u] -m MODULE ARGS``), with the exit code Python
+    would give: a SystemExit's code, its message printed to stderr; an uncaught exception's traceback and 1."""
     import runpy
 
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    argv = argv[1:] if argv[:1] == ["-u"] else list(argv)  # unbuffered already: PYTHONUNBUFFERED=1
     try:
-        runpy.run_path(script, run_name="__main__")
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
             return stop.code or 0
@@ -60,46 +70,28 @@ def run_script(argv: list[str]) -> int:
     return 0
 
 
-def run_launch(argv: list[str]) -> int:
-    """``accelerate launch ARGS`` where Accelerate's launcher would start one plain ``python SCRIPT ARGS``: the script
-    runs here with the environment the launcher prepares for it. Otherwise the real launcher replaces this process."""
-    from accelerate.commands import launch as accelerate_launch
-
-    try:
-        args = accelerate_launch.launch_command_parser().parse_args(argv)
-        args, defaults, _ = accelerate_launch._validate_launch_command(args)
-        other_launcher = (
-            not args.cpu
-            and (args.use_deepspeed or args.use_fsdp or args.use_megatron_lm or args.multi_gpu or args.tpu)
-            or defaults is not None
-            and defaults.compute_environment != accelerate_launch.ComputeEnvironment.LOCAL_MACHINE
-        )
-        command, environment = (
-            (None, None) if other_launcher else accelerate_launch.prepare_simple_launcher_cmd_env(args)
-        )
-    except BaseException:  # the real launcher says what is wrong, in its own words
-        command = None
-    if command is None or command[0] != sys.executable or len(command) < 2 or command[1].startswith("-"):
-        os.execve(sys.executable, [sys.executable, "-m", LAUNCHER, *argv], dict(os.environ))
-    os.environ.clear()
-    os.environ.update(environment)
-    return run_script(command[1:])
-
-
 def child(request: dict, fds: list[int]) -> None:
-    """The forked copy: the launch's session, standard streams (``fds``: a log file for stdout and stderr, or the
-    asking process's stdin, stdout and stderr), environment and folder, then its command; never returns."""
+    """The forked copy: its session, standard streams (``fds``: stdin, stdout, stderr, or one log file for stdout and
+    stderr), environment and folder, then ``python ARGV``; never returns."""
     code = 1
     try:
         os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         stdin, stdout, stderr = fds if len(fds) == 3 else (os.open(os.devnull, os.O_RDONLY), fds[0], fds[0])
         for target, fd in enumerate((stdin, stdout, stderr)):
             os.dup2(fd, target)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        import random
+
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         argv = request["argv"]
-        code = run_launch(argv[2:]) if argv[:2] == ["-m", LAUNCHER] else run_script(argv)
+        if argv[:2] == ["-m", LAUNCHER]:
+            sys.executable = FORKED_PYTHON  # what the launcher and torchrun start its processes with
+        code = run_python(argv)
         import threading
 
         threading._shutdown()  # non-daemon threads finish, as at the end of any Python program
@@ -110,33 +102,50 @@ def child(request: dict, fds: list[int]) -> None:
 
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
         os._exit(code)
 
 
 def serve(socket_path: str) -> None:
     preload()
+    parent = os.getppid()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path + ".tmp")
     server.listen(64)
-    os.replace(socket_path + ".tmp", socket_path)  # appears once it answers
     selector = selectors.DefaultSelector()
     selector.register(server, selectors.EVENT_READ)
     running: dict[int, socket.socket] = {}  # pid -> the connection that asked for it
-    while True:
+
+    def kill_group(pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+    def stop(*_) -> None:
+        for pid in running:
+            kill_group(pid)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    os.replace(socket_path + ".tmp", socket_path)  # appears once it answers
+    while os.getppid() == parent:  # until the test session is gone
         for key, _ in selector.select(timeout=0.05):
             if key.fileobj is not server:  # the asking process closed its end: it is gone, and so is its copy
-                pid = key.data
                 selector.unregister(key.fileobj)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)
+                kill_group(key.data)
                 continue
             connection, _ = server.accept()
-            message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-            request = json.loads(message.decode())
+            fds = []
+            try:
+                connection.settimeout(10)
+                message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+                request = json.loads(message.decode())
+                connection.settimeout(None)
+            except (OSError, ValueError):  # a process that went before it asked
+                for fd in fds:
+                    os.close(fd)
+                connection.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 selector.close()
@@ -146,27 +155,33 @@ def serve(socket_path: str) -> None:
                 child(request, fds)
             for fd in fds:
                 os.close(fd)
-            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             running[pid] = connection
-            selector.register(connection, selectors.EVENT_READ, data=pid)
+            try:
+                connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                selector.register(connection, selectors.EVENT_READ, data=pid)
+            except OSError:
+                kill_group(pid)
         while running:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
+            kill_group(pid)  # what it started and left behind
             connection = running.pop(pid)
             with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(connection)
             with contextlib.suppress(OSError):  # the asking process may be gone
                 connection.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
             connection.close()
-        if os.getppid() == 1:  # the test session is gone
-            return
+    stop()
 
 
 def client(argv: list[str]) -> None:
-    """Stands in for ``python ARGV`` as a launcher's worker (``accelerate launch --no_python tests/forked_python``):
-    the zygote forks a copy that runs ARGV with this process's environment, folder and standard streams; signals to
-    this process are passed on to it, and this process exits as it does."""
+    """``python ARGV`` for a launcher (tests/forked_python): a copy from the zygote runs it with this process's
+    environment, folder and standard streams; signals to this process are passed on, and it exits as the copy does."""
+    import ctypes
+
+    if sys.platform.startswith("linux"):  # dies with its parent, as the recipes' workers do (shared/runtime.py)
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(os.environ["ZYGOTE_SOCKET"])
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
