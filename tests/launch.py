@@ -228,6 +228,9 @@ class Launch:
 # module is imported (the zygote imported its modules under its own environment). Any other difference (the observer's
 # PYTHONPATH, OBSERVE_*, a library's settings) starts the launch's processes the usual way.
 RUNTIME_VARIABLES = (RUN_MARKER, "PYTEST_CURRENT_TEST", "RECIPES_HOST_RAM_GIB", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+# torch sets TORCHINDUCTOR_CACHE_DIR in this process once something here compiles (bitsandbytes' kernels at import),
+# to the default a process computes when it first compiles.
+RUNTIME_VARIABLES += ("TORCHINDUCTOR_CACHE_DIR",)
 RUNTIME_PREFIXES = ("ACCELERATE_", "FSDP_", "MASTER_", "TORCHELASTIC_")
 
 
