@@ -228,9 +228,11 @@ class Launch:
 # module is imported (the zygote imported its modules under its own environment). Any other difference (the observer's
 # PYTHONPATH, OBSERVE_*, a library's settings) starts the launch's processes the usual way.
 RUNTIME_VARIABLES = (RUN_MARKER, "PYTEST_CURRENT_TEST", "RECIPES_HOST_RAM_GIB", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-# torch sets TORCHINDUCTOR_CACHE_DIR in this process once something here compiles (bitsandbytes' kernels at import),
-# to the default a process computes when it first compiles.
-RUNTIME_VARIABLES += ("TORCHINDUCTOR_CACHE_DIR",)
+# Set in this process by what it imports, to what a recipe process that needs them sets itself: torch's
+# TORCHINDUCTOR_CACHE_DIR once something compiles (bitsandbytes' kernels at import), read when a process first
+# compiles; scikit-learn's KMP_DUPLICATE_LIB_OK (the metrics import it), which only Intel's OpenMP reads, not the
+# GNU OpenMP of torch's Linux wheels.
+RUNTIME_VARIABLES += ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
 RUNTIME_PREFIXES = ("ACCELERATE_", "FSDP_", "MASTER_", "TORCHELASTIC_")
 
 
