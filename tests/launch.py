@@ -226,13 +226,21 @@ class Launch:
 
 # What may differ between a launch's environment and the zygote's: variables read when a run starts, not when a
 # module is imported (the zygote imported its modules under its own environment). Any other difference (the observer's
-# PYTHONPATH, OBSERVE_*, a library's settings) starts the launch's processes the usual way.
-RUNTIME_VARIABLES = (RUN_MARKER, "PYTEST_CURRENT_TEST", "RECIPES_HOST_RAM_GIB", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-# Set in this process by what it imports, to what a recipe process that needs them sets itself: torch's
+# PYTHONPATH, OBSERVE_*, a library's settings) starts the launch's processes the usual way. The last two are set in
+# this process by what it imports, to what a recipe process that needs them sets itself: torch's
 # TORCHINDUCTOR_CACHE_DIR once something compiles (bitsandbytes' kernels at import), read when a process first
-# compiles; scikit-learn's KMP_DUPLICATE_LIB_OK (the metrics import it), which only Intel's OpenMP reads, not the
-# GNU OpenMP of torch's Linux wheels.
-RUNTIME_VARIABLES += ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK")
+# compiles; scikit-learn's KMP_DUPLICATE_LIB_OK (the metrics import it), read only by Intel's OpenMP, not by the GNU
+# OpenMP of torch's wheels.
+RUNTIME_VARIABLES = (
+    RUN_MARKER,
+    "PYTEST_CURRENT_TEST",
+    "RECIPES_HOST_RAM_GIB",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "KMP_DUPLICATE_LIB_OK",
+)
 RUNTIME_PREFIXES = ("ACCELERATE_", "FSDP_", "MASTER_", "TORCHELASTIC_")
 
 
