@@ -72,7 +72,6 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared.flops import lm_flops_per_token
-from shared import hang_dump
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from llm_kit.loading import (
     causal_lm_config,
@@ -96,6 +95,7 @@ from shared.runtime import (
     prepare_output_dir,
     quiet_library_logs,
     report_recipe_errors,
+    stop_quietly_after_a_peer,
     stop_with_launcher,
     use_fsdp_on_cpu,
 )
@@ -422,7 +422,7 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
-    hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
+    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
         dist_timeout=args.dist_timeout,

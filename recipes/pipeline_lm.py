@@ -105,7 +105,6 @@ from lm_kit.pipeline import (
 
 # End New Code #
 from shared.results import RunRecord
-from shared import hang_dump
 from shared.runtime import (
     add_reliability_flags,
     build_accelerator,
@@ -116,6 +115,7 @@ from shared.runtime import (
     positive_int,
     prepare_output_dir,
     report_recipe_errors,
+    stop_quietly_after_a_peer,
     stop_with_launcher,
 )
 
@@ -231,7 +231,7 @@ def main():
     # ------------------------------------------------------------------ Accelerator and seed
     # (Repeated in every recipe on purpose.) What acts process-wide, one line each; then the Accelerator.
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
-    hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
+    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,

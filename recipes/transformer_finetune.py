@@ -63,13 +63,19 @@ from classifier_kit.classification import baselines, check_columns, choose_task,
 from classifier_kit.classification import add_lora, read_labels
 from classifier_kit.device_map import parameter_bytes_per_device
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
-from shared import hang_dump
 from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir
-from shared.runtime import name_the_gpu, quiet_library_logs, report_recipe_errors, stop_if_found, stop_with_launcher
+from shared.runtime import (
+    name_the_gpu,
+    quiet_library_logs,
+    report_recipe_errors,
+    stop_if_found,
+    stop_quietly_after_a_peer,
+    stop_with_launcher,
+)
 from shared.runtime import tokenizer_problem, use_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 
@@ -392,7 +398,7 @@ def main():
     # ------------------------------------------------------------------ Accelerator and seed
     # What acts process-wide, one line each; then the Accelerator (real DDP over gloo without CUDA, processes counted).
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
-    hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang; sets NCCL's FR env
+    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,

@@ -26,6 +26,7 @@ from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs, gather_object
 from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 CONFIG_FOR = {
     "single": "single_gpu.yaml",
@@ -56,8 +57,10 @@ TOKENIZER_FILES = (
 )
 
 
-# The rank whose RecipeError ended the run first, in the process group's store (read by shared.hang_dump).
+# The rank whose RecipeError ended the run first, in the process group's store (read by stop_quietly_after_a_peer).
 FAILED_RANK_KEY = "two_gpu_recipes/failed_rank"
+# What gloo says when the process at the other end exited (NCCL: the watchdog reports a timeout instead).
+PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 
 
 class RecipeError(SystemExit):
@@ -83,7 +86,8 @@ def report_recipe_errors():
     first of them on this machine, the others exit with status 1 silently (a marker file in the folder torchrun gives
     this attempt's error files). Its paragraph also goes to torchrun's error file, so the launcher's closing box
     names it as the root cause (instead of "To enable traceback see: ..."), and its rank to the process group's
-    store, which torchrun's agent holds: the other ranks, stopped by this one's exit, name it (shared.hang_dump)."""
+    store, which torchrun's agent holds: the other ranks, stopped by this one's exit, name it
+    (``stop_quietly_after_a_peer``)."""
     try:
         yield
     except RecipeError as error:
@@ -100,6 +104,44 @@ def report_recipe_errors():
         if not first_to_report(error.message):
             raise SystemExit(1) from None
         raise
+
+
+def stop_quietly_after_a_peer() -> None:
+    """Under 2+ processes, a rank whose collective broke because another process ended first (its paragraph, if it
+    had one, is above) prints one line naming that rank and exits with status 1, instead of gloo's "Connection closed
+    by peer" traceback. Process-wide: sets ``sys.excepthook`` (around the one before) and counts optimizer steps
+    through torch's global optimizer step hook, for the line. Call it once, at the top of ``main()``."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    rank, steps, previous_hook = os.environ.get("RANK", "0"), 0, sys.excepthook
+
+    def count_step(optimizer, args, kwargs):
+        nonlocal steps
+        steps += 1
+
+    def hook(kind, error, trace):
+        if not any(words in f"{kind.__name__}: {error}".lower() for words in PEER_ENDED):
+            return previous_hook(kind, error, trace)
+        failed = "another process"
+        with contextlib.suppress(Exception):  # no group, no store, or the store went with the failed process
+            store = torch.distributed.distributed_c10d._get_default_store()
+            failed = "rank " + store.get(FAILED_RANK_KEY).decode() if store.check([FAILED_RANK_KEY]) else failed
+        # sys.__stderr__: torch's own excepthook (around this one) collects sys.stderr to prefix it, and prints
+        # nothing of it when this one exits the process.
+        print(
+            f"[rank {rank}] stopped: {failed} ended first, at step {steps} "
+            f"({'training' if steps else 'start-up'}); its error, if it had one, is above.",
+            file=sys.__stderr__,
+            flush=True,
+        )
+        sys.stdout.flush()
+        # The failed process exits first (its exit is what the launcher reports as the root cause, with its
+        # paragraph) and the launcher reads this line before it stops reading our output.
+        time.sleep(2)
+        os._exit(1)  # (no traceback, and no wait for threads of a run that is over)
+
+    register_optimizer_step_post_hook(count_step)
+    sys.excepthook = hook
 
 
 def first_to_report(message: str) -> bool:
@@ -210,7 +252,7 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=600,
         help="Seconds any collective may wait for the other processes before the run fails with an "
-        "error naming it (hang dumps go to output_dir/debug/).",
+        "error naming it (tools/hang_dump.py, put before the recipe, writes stacks to output_dir/debug/).",
     )
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from launch import (
     ONE_PROCESS,
+    RECIPES,
     REPO,
     Job,
     assert_offloaded_apart_from_plain,
@@ -243,10 +244,12 @@ def runs(base, base_96, tmp_path_factory):
             "2",
         ),
         # Resumed from the FSDP run's step-2 checkpoint (the adapter's shards, the optimizer's), to the same end.
+        # Through tools/hang_dump.py, which runs the recipe unchanged and clears an earlier run's dumps.
         "fsdp_resumed": Job(
             "fsdp_2gpu.yaml",
-            RECIPE,
+            REPO / "tools" / "hang_dump.py",
             (
+                RECIPES / RECIPE,
                 *data,
                 *EXACT,
                 "--per_device_train_batch_size",
@@ -709,7 +712,8 @@ def test_lora_checkpoints_under_fsdp_hold_the_adapter_and_resume_to_the_same_end
             assert saved and all(".lora_" in key for key in saved), (name, [k for k in saved if ".lora_" not in k][:3])
     resumed, uninterrupted = runs["fsdp_resumed"], runs["fsdp"]
     assert "at step 2" in resumed["log"]
-    # No debug/ after a run without a hang: neither an empty one, nor an earlier run's stale error dump.
+    # No debug/ after a run without a hang: neither an empty one, nor (through tools/hang_dump.py) an earlier run's
+    # stale error dump.
     assert not (uninterrupted["dir"] / "debug").exists() and not (resumed["dir"] / "debug").exists()
     # The whole curve: steps 1-2 from the checkpoint, 3-4 trained again, equal to the uninterrupted run's.
     assert resumed["results"]["train/loss_curve"] == uninterrupted["results"]["train/loss_curve"]

@@ -279,12 +279,12 @@ def test_a_killed_rank_ends_the_run_and_is_named(tmp_path):
 @pytest.mark.slow
 def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_path):
     """A rank that stops answering (SIGSTOP: alive, silent) is the case --dist_timeout exists for: the other rank's
-    collective fails after 5 s with gloo's timeout error, and on its way out writes output_dir/debug/: the error, the
-    step, the collective it was waiting in and every thread's stack. The message names the folder."""
+    collective fails after 5 s with gloo's timeout error, and on its way out (tools/hang_dump.py launched in front of
+    the script) writes output_dir/debug/: the error, the step, the collective it was waiting in and every thread's
+    stack. The message names the folder."""
     out = tmp_path / "run"
-    run = Launch(
-        "ddp_2gpu.yaml", TOY, "--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "5"
-    )
+    flags = ("--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "5")
+    run = Launch("ddp_2gpu.yaml", REPO / "tools" / "hang_dump.py", TOY, *flags)
     wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
     run.worker(rank=1).send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
@@ -318,7 +318,7 @@ def short_launches(tmp_path_factory):
         busy.listen()
         port = busy.getsockname()[1]
         jobs = {
-            "rank0_refuses": Job("ddp_2gpu.yaml", scripts / "rank0_refuses.py", (root / "rank0_refuses",)),
+            "rank0_refuses": Job("ddp_2gpu.yaml", scripts / "rank0_refuses.py"),
             "main_process_alone": Job("ddp_2gpu.yaml", scripts / "main_process_alone.py", ("2", "6")),
             "port_in_use": Job(
                 "ddp_2gpu.yaml",
@@ -328,7 +328,6 @@ def short_launches(tmp_path_factory):
             ),
             "missing_config": Job(root / "missing.yaml", TOY, ("--output_dir", root / "missing_config")),
         }
-        (root / "rank0_refuses").mkdir()
         runs = launch_all(jobs)
     return {"root": root, "port": port, "runs": runs}
 

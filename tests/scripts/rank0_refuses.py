@@ -1,14 +1,13 @@
 """Rank 0 refuses its input (a RecipeError) while rank 1 waits for it in a barrier, as when only the main process
-reads the data first (main_process_first). ``python rank0_refuses.py OUTPUT_DIR``."""
+reads the data first (main_process_first). ``python rank0_refuses.py``."""
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.hang_dump import HangDump
-from shared.runtime import RecipeError, build_accelerator, report_recipe_errors
+from shared.runtime import RecipeError, build_accelerator, report_recipe_errors, stop_quietly_after_a_peer
 
-hang_dump = HangDump(Path(sys.argv[1]) / "debug", 60)
+stop_quietly_after_a_peer()
 accelerator = build_accelerator(dist_timeout=60)
 with report_recipe_errors(), accelerator.main_process_first():
     if accelerator.is_main_process:

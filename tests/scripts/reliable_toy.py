@@ -1,7 +1,8 @@
 """The linear toy as it was before it became one standalone file: a small launched script that exercises shared/'s
-reliability helpers (atomic checkpoints, resume, the collective timeout and hang dumps, refusals printed once, a
-process that dies with its launcher) for tests/test_reliability.py. Not a recipe: recipes/linear_toy.py is the
-tutorial's example. ``accelerate launch ... tests/scripts/reliable_toy.py --output_dir DIR [flags]``."""
+reliability helpers (atomic checkpoints, resume, the collective timeout, refusals printed once, a process that dies
+with its launcher; and tools/hang_dump.py's dumps, launched in front of it) for tests/test_reliability.py. Not a
+recipe: recipes/linear_toy.py is the tutorial's example. ``accelerate launch ... tests/scripts/reliable_toy.py
+--output_dir DIR [flags]``."""
 
 import argparse
 import math
@@ -18,9 +19,9 @@ HERE = Path(__file__).resolve().parent  # shared/ beside it (a copy in a test's 
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parents[1]))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
 from shared.results import RunRecord
-from shared import hang_dump
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism, name_the_gpu
 from shared.runtime import positive_float, positive_int, prepare_output_dir, report_recipe_errors, stop_with_launcher
+from shared.runtime import stop_quietly_after_a_peer
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     stop_with_launcher()  # Linux: dies with its launcher
-    hang_dump.start(Path(args.output_dir) / "debug", args.dist_timeout)  # stacks on a hang
+    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: cuda:N
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,

@@ -3,17 +3,24 @@
 in; under NCCL torch's flight recorder adds its trace of the last collectives. A stopped or dead rank writes nothing,
 itself the clue: the others' dumps name the collective that waited for it. Active with 2+ processes only.
 
-A recipe starts it with one line at the top of ``main()``, before the Accelerator: ``hang_dump.start(output_dir /
-"debug", dist_timeout)``. That line sets NCCL's flight-recorder variables (NCCL reads them when the process group
-starts), registers a ``sys.excepthook``, and counts optimizer steps through torch's global optimizer step hook."""
+Put it in front of any recipe of the launch line; it reads the recipe's ``--output_dir`` and ``--dist_timeout`` and
+runs the recipe unchanged (runpy, as ``python recipe.py`` would):
+
+    accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml tools/hang_dump.py recipes/train_lm.py \\
+        --output_dir outputs/train_lm --dist_timeout 120
+
+Before the recipe starts it sets NCCL's flight-recorder variables (NCCL reads them when the process group starts),
+registers a ``sys.excepthook`` and counts optimizer steps through torch's global optimizer step hook."""
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import faulthandler
 import json
 import os
+import runpy
 import socket
 import sys
 import threading
@@ -24,10 +31,6 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .runtime import FAILED_RANK_KEY  # the rank whose RecipeError ended the run (shared.runtime.report_recipe_errors)
-
-# What gloo says when the process at the other end exited (NCCL: the watchdog reports a timeout instead).
-PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
 # "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
 HANG_ERRORS = (
@@ -104,22 +107,6 @@ class HangDump:
 
     def _on_uncaught(self, kind, error, trace) -> None:
         text = f"{kind.__name__}: {error}"
-        if any(words in text.lower() for words in PEER_ENDED):
-            # A peer exited (its own error, if any, is above; the launcher names it): one line instead of a traceback
-            # and a dump of a process that was only waiting for it.
-            # sys.__stderr__: torch's own excepthook (around this one) collects sys.stderr to prefix it, and prints
-            # nothing of it when this one exits the process.
-            print(
-                f"[rank {self.rank}] stopped: {failed_rank()} ended first, at step {self.completed_steps} "
-                f"({self.current_phase}); its error, if it had one, is above.",
-                file=sys.__stderr__,
-                flush=True,
-            )
-            sys.stdout.flush()
-            # The failed process exits first (its exit is what the launcher reports as the root cause, with its
-            # paragraph) and the launcher reads this line before it stops reading our output.
-            time.sleep(2)
-            os._exit(1)  # (no traceback, and no wait for threads of a run that is over)
         if isinstance(error, torch.distributed.DistError) or any(word in text.lower() for word in HANG_ERRORS):
             details = "".join(traceback.format_exception(kind, error, trace))
             path = self._write("error", text, traceback.extract_tb(trace), details)
@@ -156,28 +143,6 @@ class HangDump:
         return path
 
 
-# The run's one HangDump, started by ``start`` (a recipe's main() calls it before the process group).
-_current: HangDump | None = None
-
-
-def start(debug_dir: str | os.PathLike, dist_timeout_s: float | None) -> HangDump:
-    """Start this process's hang dumps (once; a second call returns the first one)."""
-    global _current
-    if _current is None:
-        _current = HangDump(debug_dir, dist_timeout_s)
-    return _current
-
-
-def failed_rank() -> str:
-    """``rank N`` when a RecipeError of rank N ended the run (it leaves its rank in the group's store, see
-    shared.runtime.report_recipe_errors), else ``another process``."""
-    with contextlib.suppress(Exception):  # no group, no store, or the store went with the failed process
-        store = torch.distributed.distributed_c10d._get_default_store()
-        if store.check([FAILED_RANK_KEY]):
-            return "rank " + store.get(FAILED_RANK_KEY).decode()
-    return "another process"
-
-
 def waiting_in(frames) -> str:
     """The innermost torch.distributed call of a stack and the line of our code that made it, e.g. ``all_reduce
     (called from recipes/linear_toy.py:158)``; a backward pass stands for DDP/FSDP's gradient collectives."""
@@ -189,3 +154,23 @@ def waiting_in(frames) -> str:
         if frame.name in ("backward", "_engine_run_backward"):
             return f"backward: the gradient all-reduce / reduce-scatter (called from {caller})"
     return f"no collective on the stack (at {caller})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s RECIPE [RECIPE FLAGS]")
+    parser.add_argument("recipe", help="The recipe to run, e.g. recipes/train_lm.py; the flags after it are its own.")
+    parser.add_argument("recipe_flags", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    # The recipe's own values of the two flags this reads, with the recipes' defaults (outputs/<recipe name>, and
+    # add_reliability_flags's 600 s); the recipe parses and checks all of its flags itself.
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--output_dir", default=str(Path("outputs") / Path(args.recipe).stem))
+    flags.add_argument("--dist_timeout", type=float, default=600)
+    known, _ = flags.parse_known_args(args.recipe_flags)
+    HangDump(Path(known.output_dir) / "debug", known.dist_timeout)
+    sys.argv = [args.recipe, *args.recipe_flags]
+    runpy.run_path(args.recipe, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
