@@ -36,8 +36,8 @@ Launch (from the repository root):
     accelerate launch --config_file accelerate_configs/fsdp_offload_2gpu.yaml recipes/dpo.py \\
         --model_name_or_path ... --load_in_4bit --mixed_precision bf16 --gradient_checkpointing
 
-To use it in your project, copy recipes/dpo.py, recipes/llm_kit/ and shared/ (and accelerate_configs/, which the
-launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
+To use it in your project, copy recipes/dpo.py, recipes/dpo_kit/, recipes/llm_kit/ and shared/ (and
+accelerate_configs/, which the launch lines name): the kits beside the recipe, shared/ beside it or one folder up.
 
 Writes to --output_dir: the adapter (LoRA/QLoRA) or the whole model, the tokenizer, ``results.json`` (TRL's metric
 names: ``train/rewards/accuracies`` ..., ``eval/rewards/accuracies`` ...) and ``checkpoints/step_N``.
@@ -65,8 +65,9 @@ from tqdm.auto import tqdm
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
-# shared/ (beside this file in a copy, or one folder up here) and the LLM recipes' kit go first on sys.path, so that
-# no installed package of those names shadows them (this folder too, for an import that is not a run).
+# shared/ (beside this file in a copy, or one folder up here) and the kits (the LLM recipes', this recipe's) go first
+# on sys.path, so that no installed package of those names shadows them (this folder too, for an import that is not a
+# run).
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -76,9 +77,9 @@ from shared.fsdp import wrap_at_blocks
 from llm_kit.loading import causal_lm_config, load_base_model, lora_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
-from llm_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, precompute_reference
-from llm_kit.preference_data import preference_format, reference_logps, sequence_logps, starting_point
-from llm_kit.preference_data import stdlib_name_pairs, tokenize_pairs
+from dpo_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, precompute_reference
+from dpo_kit.preference_data import preference_format, reference_logps, sequence_logps, starting_point
+from dpo_kit.preference_data import stdlib_name_pairs, tokenize_pairs
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.runtime import (

@@ -39,8 +39,8 @@ Launch (from the repository root; on a CPU-only machine the same commands run 2 
     accelerate launch --config_file accelerate_configs/pipeline_2gpu.yaml recipes/pipeline_lm.py --model_size 1.3b \\
         --num_microbatches 8 --pipeline_schedule zbv
 
-To use it in your project, copy recipes/pipeline_lm.py, recipes/lm_kit/ and shared/ (and accelerate_configs/, which the
-launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
+To use it in your project, copy recipes/pipeline_lm.py, recipes/lm_kit/, recipes/pipeline_kit/ and shared/ (and
+accelerate_configs/, which the launch lines name): the kits beside the recipe, shared/ beside it or one folder up.
 
 Writes to ``output_dir``: the model in Hugging Face format (the stages gathered into one), ``results.json`` (as
 train_lm.py, plus the schedule, m, the stages each process holds and the ideal bubble fraction) and, with
@@ -70,7 +70,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
 # The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
-# recipe's own helpers (lm_kit/, next to this file) go first on sys.path, so that no installed package of those names
+# recipe's own helpers (its kits, next to this file) go first on sys.path, so that no installed package of those names
 # shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on purpose
 # (copyable).
 HERE = Path(__file__).resolve().parent
@@ -89,7 +89,7 @@ from lm_kit.split import plan_lm_split
 # New Code (pipeline) #
 # The pipeline's machinery around torch.distributed.pipelining (stage modules, schedules, stage checkpoints, the
 # cross-stage clip and the gather of the stages' weights).
-from lm_kit.pipeline import (
+from pipeline_kit.pipeline import (
     SCHEDULES,
     StageCheckpoints,
     build_pipeline,

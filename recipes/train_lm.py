@@ -57,7 +57,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
 # The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
-# recipe's own helpers (lm_kit/, next to this file) go first on sys.path, so that no installed package of those names
+# recipe's own helpers (its kits, next to this file) go first on sys.path, so that no installed package of those names
 # shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on purpose
 # (copyable).
 HERE = Path(__file__).resolve().parent

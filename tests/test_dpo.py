@@ -41,7 +41,7 @@ def base(tmp_path_factory):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from llm_kit.preference_data import stdlib_name_pairs
+    from dpo_kit.preference_data import stdlib_name_pairs
 
     folder = tmp_path_factory.mktemp("dpo_base")
     save_tiny_llama(folder, num_hidden_layers=2)
@@ -362,7 +362,7 @@ def pair_batches(base, fmt_file="pairs.jsonl", batch_size=5, shuffle=False):
     import datasets
     from transformers import AutoTokenizer
 
-    from llm_kit.preference_data import collate_pairs, preference_format, tokenize_pair
+    from dpo_kit.preference_data import collate_pairs, preference_format, tokenize_pair
     from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE
 
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -423,7 +423,7 @@ def test_a_continued_adapter_s_reference_is_the_sft_policy(recipe, base):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from llm_kit.preference_data import continued_adapter
+    from dpo_kit.preference_data import continued_adapter
 
     loader, pairs = pair_batches(base)
     batch = next(iter(loader))
@@ -511,7 +511,7 @@ def test_rpo_adds_the_nll_of_the_chosen_completion_tokens(recipe, base):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from llm_kit.preference_data import collate_pairs
+    from dpo_kit.preference_data import collate_pairs
 
     _, pairs = pair_batches(base)
     pairs = [{**pair, "chosen_ids": pair["chosen_ids"] * (3 if i < 2 else 1)} for i, pair in enumerate(pairs[:6])]
@@ -631,7 +631,7 @@ def test_long_prompts_are_cut_from_the_left_and_completions_to_what_max_length_l
     """The end of a long prompt (next to the answer) is kept; each completion gets what --max_length leaves."""
     from transformers import AutoTokenizer
 
-    from llm_kit.preference_data import tokenize_pair
+    from dpo_kit.preference_data import tokenize_pair
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     row = {
@@ -670,7 +670,7 @@ BAD_CONVERSATIONS = [
 def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
     import datasets
 
-    from llm_kit.preference_data import preference_format
+    from dpo_kit.preference_data import preference_format
     from shared.runtime import RecipeError
 
     good = (
@@ -690,7 +690,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     import datasets
     from transformers import AutoTokenizer
 
-    from llm_kit.preference_data import preference_format, starting_point
+    from dpo_kit.preference_data import preference_format, starting_point
     from shared.runtime import RecipeError
 
     with pytest.raises(SystemExit):

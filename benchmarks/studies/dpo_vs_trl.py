@@ -394,7 +394,7 @@ def trl_worker(args) -> None:
 def check_ids(trainer, tokenizer, raw, s: dict) -> dict:
     """Every training pair: TRL's rows (prepared dataset, then its collator's keep_start cut) against the recipe's
     ``tokenize_pair``: the ids of prompt + chosen and prompt + rejected, and where the completion starts."""
-    from llm_kit.preference_data import tokenize_pair  # what the recipe tokenizes with
+    from dpo_kit.preference_data import tokenize_pair  # what the recipe tokenizes with
 
     differing, prompts_cut, length = [], 0, s["max_length"]
     for index, (row, theirs) in enumerate(zip(raw, trainer.train_dataset)):

@@ -20,8 +20,8 @@ import torch
 
 from shared.runtime import RecipeError
 
-from .loading import default_base_model
-from .sft_data import check_conversation, collate, stdlib_names, token_losses
+from llm_kit.loading import default_base_model
+from llm_kit.sft_data import check_conversation, collate, stdlib_names, token_losses
 
 FORMATS = ("standard", "conversational", "conversational_implicit")
 SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter

@@ -34,8 +34,8 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from shared.runtime import RecipeError
 
-from .eval import perplexity_results
-from .split import block_ranges
+from lm_kit.eval import perplexity_results
+from lm_kit.split import block_ranges
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
