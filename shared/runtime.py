@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 from collections import namedtuple
 from datetime import timedelta
 from pathlib import Path
@@ -120,7 +121,13 @@ def stop_quietly_after_a_peer() -> None:
         steps += 1
 
     def hook(kind, error, trace):
-        if not any(words in f"{kind.__name__}: {error}".lower() for words in PEER_ENDED):
+        # A collective's error (raised in torch.distributed, or in backward under DDP/FSDP), not any lost connection
+        # (a download's "Connection reset by peer" is this rank's own error, and gets its traceback).
+        files = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(trace)]
+        collective = isinstance(error, torch.distributed.DistError) or any(
+            "torch/distributed/" in file or "torch/autograd/" in file for file in files
+        )
+        if not collective or not any(words in f"{kind.__name__}: {error}".lower() for words in PEER_ENDED):
             return previous_hook(kind, error, trace)
         failed = "another process"
         with contextlib.suppress(Exception):  # no group, no store, or the store went with the failed process

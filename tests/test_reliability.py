@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 from shared.checkpoints import PROGRESS_FILE, save_checkpoint
 from shared.runtime import RecipeError, report_recipe_errors
 
-# A small launched script that uses shared/'s checkpoints, resume, timeouts, hang dumps and refusals (the linear toy
+# A small launched script that uses shared/'s checkpoints, resume, timeouts and refusals (the linear toy
 # as it was before it became one standalone file, recipes/linear_toy.py): what these tests exercise.
 TOY = REPO / "tests" / "scripts" / "reliable_toy.py"
 RECIPE_TOY = "linear_toy.py"  # the standalone tutorial example: plain Accelerate across two machines
@@ -319,6 +319,11 @@ def short_launches(tmp_path_factory):
         port = busy.getsockname()[1]
         jobs = {
             "rank0_refuses": Job("ddp_2gpu.yaml", scripts / "rank0_refuses.py"),
+            "rank0_refuses_under_hang_dump": Job(
+                "ddp_2gpu.yaml",
+                REPO / "tools" / "hang_dump.py",
+                (scripts / "rank0_refuses.py", "--plain", "--output_dir", root / "under_hang_dump"),
+            ),
             "main_process_alone": Job("ddp_2gpu.yaml", scripts / "main_process_alone.py", ("2", "6")),
             "port_in_use": Job(
                 "ddp_2gpu.yaml",
@@ -346,6 +351,18 @@ def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launche
     assert "Connection closed by peer" not in run.output and "[rank1]: Traceback" not in run.output, run.output
     box = run.output[run.output.rindex("Root Cause (first observed failure)") :]
     assert "rank      : 0" in box and "error: --train_file 'nope.jsonl' does not exist" in box, box
+
+
+@pytest.mark.slow
+def test_hang_dumps_leave_a_rank_that_another_one_stopped_alone(short_launches):
+    """Under tools/hang_dump.py a script without stop_quietly_after_a_peer: rank 1's collective breaks because rank 0
+    ended first. That is no hang of rank 1's: it gets gloo's own traceback, and no dump, nor a line saying it wrote
+    one."""
+    run = short_launches["runs"]["rank0_refuses_under_hang_dump"]
+    assert run.returncode != 0
+    assert "[rank 0] error: --train_file 'nope.jsonl' does not exist" in run.output
+    assert "a collective failed" not in run.output and "Connection closed by peer" in run.output, run.output
+    assert not (short_launches["root"] / "under_hang_dump" / "debug").exists()
 
 
 @pytest.mark.slow

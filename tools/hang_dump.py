@@ -31,6 +31,9 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+# What gloo says when the process at the other end exited (as shared.runtime.PEER_ENDED): not a hang of this rank, and
+# the recipe's stop_quietly_after_a_peer prints its one line for it.
+PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
 # "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").
 HANG_ERRORS = (
@@ -107,6 +110,8 @@ class HangDump:
 
     def _on_uncaught(self, kind, error, trace) -> None:
         text = f"{kind.__name__}: {error}"
+        if any(words in text.lower() for words in PEER_ENDED):  # another process ended first: nothing to dump here
+            return self._previous_hook(kind, error, trace)
         if isinstance(error, torch.distributed.DistError) or any(word in text.lower() for word in HANG_ERRORS):
             details = "".join(traceback.format_exception(kind, error, trace))
             path = self._write("error", text, traceback.extract_tb(trace), details)
@@ -161,14 +166,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", help="The recipe to run, e.g. recipes/train_lm.py; the flags after it are its own.")
     parser.add_argument("recipe_flags", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if not Path(args.recipe).is_file():
+        parser.error(f"{args.recipe!r} is not a file: name the recipe to run first, then its flags")
     # The recipe's own values of the two flags this reads, with the recipes' defaults (outputs/<recipe name>, and
     # add_reliability_flags's 600 s); the recipe parses and checks all of its flags itself.
-    flags = argparse.ArgumentParser(add_help=False)
+    flags = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     flags.add_argument("--output_dir", default=str(Path("outputs") / Path(args.recipe).stem))
-    flags.add_argument("--dist_timeout", type=float, default=600)
-    known, _ = flags.parse_known_args(args.recipe_flags)
-    HangDump(Path(known.output_dir) / "debug", known.dist_timeout)
-    sys.argv = [args.recipe, *args.recipe_flags]
+    flags.add_argument("--dist_timeout", default="600")
+    try:
+        known, _ = flags.parse_known_args(args.recipe_flags)
+        dist_timeout = float(known.dist_timeout)
+    except (argparse.ArgumentError, ValueError):  # the recipe stops first, with its own message
+        known, dist_timeout = flags.parse_known_args([])[0], None
+    HangDump(Path(known.output_dir) / "debug", dist_timeout)
+    # As ``python recipe.py`` would: its own folder first on sys.path (not tools/), its own command line.
+    sys.path[0], sys.argv = str(Path(args.recipe).resolve().parent), [args.recipe, *args.recipe_flags]
     runpy.run_path(args.recipe, run_name="__main__")
 
 
