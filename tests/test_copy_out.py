@@ -1,8 +1,8 @@
 """A recipe copied into another project runs unchanged. Each recipe's docstring names its copy unit (the recipe, its
 own kit beside it, the ``shared/`` core), exactly what it imports; the unit alone, copied both ways the README allows
 (``shared/`` beside the recipe, or one folder up: ``recipes/x.py`` + ``recipes/x_kit/`` + ``shared/``), imports its
-helpers from the copy (not this repository's), and the fine-tune, the recipe with files of its own in its kit (the
-offline metric modules), trains, saves and evaluates from a copy."""
+helpers from the copy (not this repository's), and every recipe with a kit trains, saves and evaluates from a copy
+(the fine-tune on its own: files of its kit, the offline metric modules, are read at evaluation)."""
 
 import ast
 import json
@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO
+from launch import REPO, Job, launch_all, read_results, save_tiny_llama
 
 RECIPES = sorted(path.name for path in (REPO / "recipes").glob("*.py"))
 
@@ -127,3 +127,33 @@ def test_a_copied_fine_tune_trains_saves_and_evaluates(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert 0 <= results["eval/accuracy"] <= 1 and results["eval/num_samples"] == 16
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_every_copied_recipe_with_a_kit_trains_saves_and_evaluates(tmp_path):
+    """Each LM and LLM recipe copied alone (its unit, as its docstring names it, in both layouts) into a project of its
+    own trains, saves its model or adapter, and evaluates, from the copy, every flag but the sizes its default."""
+    base = tmp_path / "tiny_llama"
+    save_tiny_llama(base, num_hidden_layers=2)
+    lm = ("--model_size", "tiny", "--corpus_max_mb", "0.5", "--vocab_size", "512", "--block_size", "32")
+    lm += ("--max_train_steps", "2", "--per_device_train_batch_size", "4", "--max_eval_samples", "8")
+    llm = ("--model_name_or_path", base, "--max_train_steps", "2", "--max_length", "64")
+    llm += ("--per_device_train_batch_size", "4", "--max_eval_samples", "8", "--exact_match_samples", "2")
+    # recipe: (config, layout, flags, the weights it saves, an evaluation metric)
+    cases = {
+        "train_lm.py": ("single_gpu.yaml", "one_up", lm, "model.safetensors", "eval/perplexity"),
+        "pipeline_lm.py": ("pipeline_2gpu.yaml", "beside", lm, "model.safetensors", "eval/perplexity"),
+        "llm_finetune.py": ("single_gpu.yaml", "beside", llm, "adapter_model.safetensors", "eval/loss"),
+        "dpo.py": ("single_gpu.yaml", "one_up", llm, "adapter_model.safetensors", "eval/rewards/accuracies"),
+    }
+    jobs = {}
+    for name, (config, layout, flags, _, _) in cases.items():
+        recipes = copy_unit(name, tmp_path / name.removesuffix(".py"), layout)
+        jobs[name] = Job(config, recipes / name, (*flags, "--output_dir", tmp_path / "out" / name))
+    runs = launch_all(jobs)
+    for name, (_, _, _, weights, metric) in cases.items():
+        out = tmp_path / "out" / name
+        assert runs[name].returncode == 0, f"{name}: {runs[name]}"
+        results = read_results(out)
+        assert results["completed_steps"] == 2 and (out / weights).is_file(), (name, sorted(os.listdir(out)))
+        assert isinstance(results.get(metric), float), (name, sorted(key for key in results if key.startswith("eval")))
