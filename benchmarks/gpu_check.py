@@ -637,7 +637,7 @@ def weights_dominant_base(folder: Path) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     sys.path.insert(0, str(REPO / "recipes"))  # the recipes' kits (llm_kit/, lm_kit/)
-    from llm_kit.sft_data import stdlib_questions
+    from lib.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
 
     questions = stdlib_questions()

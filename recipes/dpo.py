@@ -38,6 +38,8 @@ Launch (from the repository root):
 
 To use it in your project, copy recipes/dpo.py, recipes/dpo_kit/, recipes/llm_kit/ and shared/ (and
 accelerate_configs/, which the launch lines name): the kits beside the recipe, shared/ beside it or one folder up.
+Without --model_name_or_path, an SFT adapter or a model in outputs/train_lm, it pretrains one with recipes/train_lm.py,
+which it looks for beside itself.
 
 Writes to --output_dir: the adapter (LoRA/QLoRA) or the whole model, the tokenizer, ``results.json`` (TRL's metric
 names: ``train/rewards/accuracies`` ..., ``eval/rewards/accuracies`` ...) and ``checkpoints/step_N``.

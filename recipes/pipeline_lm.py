@@ -71,8 +71,7 @@ from transformers import get_scheduler
 
 # The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
 # recipe's own helpers (its kits, next to this file) go first on sys.path, so that no installed package of those names
-# shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on purpose
-# (copyable).
+# shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -229,7 +228,7 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # (Repeated in every recipe on purpose.) What acts process-wide, one line each; then the Accelerator.
+    # What acts process-wide, one line each; then the Accelerator.
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda

@@ -345,7 +345,8 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     to ``Accelerator``; ``cpu`` defaults to "no CUDA here" (a 2-process MULTI_GPU config then runs real DDP over gloo).
     ``dist_timeout`` (seconds) bounds every collective: a hung or dead peer fails the others after that long, with an
     error naming the collective, instead of the backend's default (10 minutes for NCCL, 30 for gloo). Building it
-    starts the process group (a collective) under a multi-process launch."""
+    starts the process group (a collective) under a multi-process launch, and on a GPU makes the Accelerator's device
+    the current CUDA device (``torch.cuda.set_device``)."""
     cpu = accelerator_kwargs.setdefault("cpu", not torch.cuda.is_available())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # (a backend given to 1 process makes Accelerate start a group)
         timeout = {"timeout": timedelta(seconds=dist_timeout)} if dist_timeout is not None else {}

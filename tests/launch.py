@@ -449,7 +449,7 @@ def save_tiny_llama(folder: Path, num_hidden_layers: int):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llm_kit.sft_data import stdlib_questions
+    from benchmarks.lib.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
 
     questions = stdlib_questions()

@@ -6,8 +6,9 @@ and the studies (``studies/``) share, so that none of them imports another.
 - ``launch``: launching a recipe and waiting for its results.json, or running one unchanged inside a wrapper;
 - ``machine``: the CPU model and flags, RAM, GPUs and library versions of every record; the CPU time other
   processes used during a launch;
-- ``stats``: the 95 % interval of a ratio from side-by-side repeats.
+- ``stats``: the 95 % interval of a ratio from side-by-side repeats;
+- ``questions``: the standard-library questions with docstring answers (the SFT comparison's data).
 
-Dependencies point one way: tools and studies import ``lib``; ``lib`` imports only ``lib`` and ``shared``. Callers
-put ``benchmarks/`` and the repository root on ``sys.path`` first.
+Dependencies point one way: tools and studies import ``lib``; ``lib`` imports only ``lib``, ``shared`` and
+(``questions``) the LLM recipes' kit. Callers put ``benchmarks/`` and the repository root on ``sys.path`` first.
 """

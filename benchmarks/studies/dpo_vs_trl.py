@@ -9,7 +9,7 @@ A, the recipe through its own command line, then B, DPOTrainer (``--trl_worker``
 launch --config_file accelerate_configs/single_gpu.yaml``, ``--repeats`` rounds A B A B.
 - Model: a Llama of the preset's shape, random weights (seed 0), untied, fp32, and a byte-level BPE tokenizer trained
   on the data, with the recipe's default chat template (``llm_kit.sft_data.DEFAULT_CHAT_TEMPLATE``).
-- Data: ``llm_kit.sft_data.stdlib_questions()`` as conversational pairs: the question; chosen, its docstring;
+- Data: ``lib.questions.stdlib_questions()`` as conversational pairs: the question; chosen, its docstring;
   rejected, the
   next different docstring. The ``cpu`` preset lengthens both answers with the docstrings that follow
   (``answer_chars``), so that rows are ~seq 256 and a step is compute, not overhead. Written to JSONL, read by both.
@@ -172,7 +172,7 @@ def build_inputs(work: Path, s: dict) -> tuple[Path, Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llm_kit.sft_data import stdlib_questions
+    from lib.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
     from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE
 

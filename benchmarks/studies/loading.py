@@ -91,7 +91,7 @@ def make_model(folder: Path, preset: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llm_kit.sft_data import stdlib_questions
+    from lib.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -323,7 +323,7 @@ def low_ram_model(folder: Path, model_size: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llm_kit.sft_data import stdlib_questions
+    from lib.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
     from lm_kit.presets import MODEL_PRESETS
 

@@ -13,7 +13,7 @@ they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both 
 - Model: a Llama of the preset's shape with random weights (seed 0), saved once, and a byte-level BPE tokenizer trained
   on the data (``lm_kit.data.train_bpe_tokenizer``) whose chat template is the recipe's default one plus TRL's
   ``{% generation %}`` markers (both render the same text; the markers tell TRL which tokens are the answer).
-- Data: ``llm_kit.sft_data.stdlib_questions()`` (what does this standard-library function do? -> its docstring),
+- Data: ``lib.questions.stdlib_questions()`` (what does this standard-library function do? -> its docstring),
   written to JSONL files in the ``messages`` format, read by both.
 - Loss: assistant tokens only. The recipe's labels; TRL ``assistant_only_loss=True`` (``completion_only_loss`` is for
   prompt/completion data). Both normalise a step's loss by all answer tokens of the global batch (TRL through
@@ -210,7 +210,7 @@ def build_inputs(work: Path, settings: dict) -> tuple[Path, Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from llm_kit.sft_data import stdlib_questions
+    from lib.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
 
     shape = settings["model"]

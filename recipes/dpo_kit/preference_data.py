@@ -1,5 +1,5 @@
 """Preference pairs and the reference policy for DPO (``recipes/dpo.py``): TRL's preference formats read through
-``shared.sft_data.load_raw_datasets`` and checked row by row, token ids with the prompt cut from the left and the
+``llm_kit.sft_data.load_raw_datasets`` and checked row by row, token ids with the prompt cut from the left and the
 completions to ``max_length``, and batches that hold the chosen and the rejected completion of every pair (chosen rows
 first), so that one forward scores both; the adapter to continue, loaded twice, and the switch to the reference.
 
@@ -118,7 +118,7 @@ def tokenize_pair(row: dict, fmt: str, tokenizer, max_length: int, max_prompt_le
     ``max_prompt_length`` tokens (its end, next to the answer, is kept), each completion cut to what ``max_length``
     leaves. Conversations: the chat template renders the prompt with its generation prompt and each whole
     conversation; the completion is the rest of the text, tokenized on its own, so which tokens are the completion is
-    exact (as ``shared.sft_data.tokenize_sample``). Strings: the prompt with the tokenizer's special tokens, the
+    exact (as ``llm_kit.sft_data.tokenize_sample``). Strings: the prompt with the tokenizer's special tokens, the
     completion without, plus the end-of-sequence token (TRL adds it too)."""
     prompt, chosen, rejected = split_pair(row, fmt)
     completions = []
@@ -183,7 +183,7 @@ def tokenize_pairs(
 
 
 def collate_pairs(pairs: list[dict], pad_token_id: int) -> dict:
-    """A batch of ``pairs``: ``sequences``, the padded batch of ``shared.sft_data.collate`` (labels on the completion
+    """A batch of ``pairs``: ``sequences``, the padded batch of ``llm_kit.sft_data.collate`` (labels on the completion
     tokens only, the scored positions for ``logits_to_keep``) with the chosen rows first and the rejected rows after,
     so that one forward scores both; ``index``, each pair's place in its split. The first token of a row is never
     scored (nothing in the row predicts it)."""
@@ -197,7 +197,7 @@ def collate_pairs(pairs: list[dict], pad_token_id: int) -> dict:
 
 
 def as_sft_rows(rows: datasets.Dataset, fmt: str) -> tuple[datasets.Dataset, str]:
-    """The pairs as ``shared.sft_eval`` reads them (the prompt with its chosen answer: ``messages`` or
+    """The pairs as ``llm_kit.sft_eval`` reads them (the prompt with its chosen answer: ``messages`` or
     ``prompt_completion``), to score greedy answers by exact match."""
     if fmt == "standard":
         return rows.map(
@@ -209,8 +209,8 @@ def as_sft_rows(rows: datasets.Dataset, fmt: str) -> tuple[datasets.Dataset, str
 
 
 def stdlib_name_pairs() -> datasets.DatasetDict:
-    """The offline default: the questions of ``shared.data.stdlib_names`` (is this standard-library name a class, a
-    function or a method?) as conversational pairs, the right answer chosen and one of the two wrong ones (picked by
+    """The offline default: the questions of ``llm_kit.sft_data.stdlib_names`` (is this standard-library name a class,
+    a function or a method?) as conversational pairs, the right answer chosen and one of the two wrong ones (picked by
     md5 of the question) rejected. Held out as there, by top-level definition. Call it under main_process_first."""
     kinds = ("class", "function", "method")
 
@@ -240,9 +240,10 @@ def starting_point(
 ) -> tuple[str | None, str]:
     """The SFT adapter to continue (or None) and the base model. Offline (neither given, LoRA): the adapter that
     ``recipes/llm_finetune.py`` saved by default in ``outputs/llm_finetune``, when there is one (said so), else its
-    default base (``shared.llm_loading.default_base_model``). An adapter whose base (its adapter_config.json) differs
-    from ``model_name_or_path`` is refused: LoRA weights trained on one base are meaningless on another.
-    ``offline_settings``: what the offline default trains with, printed when given."""
+    default base (``llm_kit.loading.default_base_model``, which may pretrain one first: ``recipes/train_lm.py`` in a
+    subprocess, into ``output_dir/base_model``). An adapter whose base (its
+    adapter_config.json) differs from ``model_name_or_path`` is refused: LoRA weights trained on one base are
+    meaningless on another. ``offline_settings``: what the offline default trains with, printed when given."""
     if offline_settings:
         accelerator.print(offline_settings)
     if adapter is None and model_name_or_path is None and lora and Path(SFT_DEFAULT, "adapter_config.json").is_file():

@@ -48,7 +48,7 @@ def default_base_model(accelerator, output_dir: Path, recipes_dir: Path) -> str:
         raise RecipeError(
             "No --model_name_or_path given and no pretrained model in outputs/train_lm. Pass a local "
             "folder or Hub name of a causal LM (the pretraining fallback needs recipes/train_lm.py "
-            "beside llm_finetune.py)."
+            "beside this recipe)."
         )
     target = output_dir / "base_model"
     # Minutes of pretraining on the main process: the others wait untimed (a barrier bounded by --dist_timeout would

@@ -229,12 +229,12 @@ def lm_datasets(
     """The training and validation blocks (``input_ids`` tensors of ``--block_size`` tokens), the tokenizer and the
     data facts, from the LM recipes' flags: the text (``--dataset_name``/``--dataset_config_name``, ``--train_file``/
     ``--validation_file``, or the default corpus, ``--corpus_max_mb``, ``--validation_split_percentage``), the
-    tokenizer (``load_tokenizer``: ``--model_name_or_path``'s, a resumed run's, or one of ``--vocab_size`` trained
-    here), packed (``tokenize_and_pack``), then the first ``--max_train_samples``/``--max_eval_samples`` blocks. The
-    main process works first (it reads, trains the tokenizer and tokenizes; datasets caches the results, the others
-    then hit the cache). Refuses text that cannot be read, a split shorter than one block, and a training set shorter
-    than one optimizer step (``--per_device_train_batch_size`` x ``--gradient_accumulation_steps`` x
-    ``data_parallel_size`` blocks)."""
+    tokenizer (``load_tokenizer``: ``--model_name_or_path``'s, a resumed run's, or one of ``--vocab_size`` trained here
+    and saved to ``output_dir``), packed (``tokenize_and_pack``), then the first
+    ``--max_train_samples``/``--max_eval_samples`` blocks. The main process works first (it reads, trains the tokenizer
+    and tokenizes; datasets caches the results, the others then hit the cache). Refuses text that cannot be read, a
+    split shorter than one block, and a training set shorter than one optimizer step (``--per_device_train_batch_size``
+    x ``--gradient_accumulation_steps`` x ``data_parallel_size`` blocks)."""
     with accelerator.main_process_first():
         try:
             raw, corpus, documents = load_text_corpus(
