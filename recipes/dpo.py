@@ -76,7 +76,8 @@ sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
 from shared.fsdp import wrap_at_blocks
-from llm_kit.loading import causal_lm_config, load_base_model, lora_model
+from shared.lora import lora_model
+from llm_kit.loading import causal_lm_config, load_base_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
 from dpo_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, precompute_reference
@@ -595,6 +596,7 @@ def main():
             alpha=args.lora_alpha,
             dropout=args.lora_dropout,
             target_modules=args.lora_target_modules,
+            task_type="CAUSAL_LM",
         )
     if lora:
         trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model

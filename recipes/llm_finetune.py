@@ -77,11 +77,11 @@ from llm_kit.loading import (
     causal_lm_config,
     default_base_model,
     load_base_model,
-    lora_model,
     parameter_counts,
     save_merged,
     trained_weights_only_in_checkpoints,
 )
+from shared.lora import lora_model
 from shared.model_split import find_block_list, split_devices
 from shared.results import RunRecord
 from shared.runtime import (
@@ -507,6 +507,7 @@ def main():
             alpha=args.lora_alpha,  # get_peft_model
             dropout=args.lora_dropout,
             target_modules=args.lora_target_modules,
+            task_type="CAUSAL_LM",
         )
         trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)

@@ -60,10 +60,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
-from classifier_kit.classification import add_lora, read_labels
+from classifier_kit.classification import read_labels
 from classifier_kit.device_map import parameter_bytes_per_device
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
 from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
+from shared.lora import lora_model
 from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
@@ -472,8 +473,15 @@ def main():
         # Before the split and prepare() (FSDP wraps the layers); non-reentrant: the reentrant one breaks DDP.
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # SEQ_CLS: PEFT also trains (and saves) the classification head, which starts from scratch
-        lora = (args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-        model = add_lora(model, args.model_name_or_path, *lora, task_type="SEQ_CLS")
+        model = lora_model(
+            model,
+            args.model_name_or_path,
+            r=args.lora_r,
+            alpha=args.lora_alpha,
+            dropout=args.lora_dropout,
+            target_modules=args.lora_target_modules,
+            task_type="SEQ_CLS",
+        )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     devices = None  # the devices of a device_map split (peak memory is measured on each)

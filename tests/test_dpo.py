@@ -571,7 +571,7 @@ def test_lora_dpo_trains_a_tied_qwen2_and_gpt2_s_conv1d_layers(recipe, base, tmp
     LoRA B matrix (zero at the start) moved, the head (tied in both: GPT-2 ties it by default) stays tied, frozen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, Qwen2Config
 
-    from llm_kit.loading import lora_model
+    from shared.lora import lora_model
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     special = {
@@ -602,6 +602,7 @@ def test_lora_dpo_trains_a_tied_qwen2_and_gpt2_s_conv1d_layers(recipe, base, tmp
         alpha=8,
         dropout=0.0,
         target_modules=["all-linear"],
+        task_type="CAUSAL_LM",
     )
     adapted = {module for module, _ in model.named_modules() if module.endswith(".lora_A")}
     expected = ("c_attn", "c_proj", "c_fc") if name == "gpt2" else ("q_proj", "o_proj", "down_proj")

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import datasets
-import torch
 from transformers import AutoConfig
 
 from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, data_file_builder, in_validation_split, split_by_column
@@ -281,34 +280,3 @@ def stdlib_docstrings(
         },
     )
     return split_by_column(rows)
-
-
-def add_lora(
-    model: torch.nn.Module,
-    model_name_or_path: str,
-    r: int,
-    alpha: float,
-    dropout: float,
-    target_modules: list[str],
-    task_type: str,
-) -> torch.nn.Module:
-    """``get_peft_model`` with a LoRA adapter of rank ``r`` on ``target_modules`` (``["all-linear"]``: every linear
-    layer but the output head), the base frozen. ``task_type`` ``SEQ_CLS`` also trains and saves the classification
-    head, which starts from scratch. Target names that match no module are refused, naming them."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = target_modules[0] if target_modules == ["all-linear"] else target_modules
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
-    try:
-        model = get_peft_model(model, config)
-    except ValueError as error:
-        raise RecipeError(
-            f"--lora_target_modules {' '.join(target_modules)} matches no module of the model "
-            f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names of the model's linear "
-            "layers (such as q_proj v_proj, or query value)."
-        ) from None
-    if Path(model_name_or_path).is_dir():
-        # adapter_config.json names its base: a local one by its absolute path, so that the adapter loads from any
-        # folder of this machine (a relative path, read from elsewhere, is taken for a Hub name).
-        model.peft_config["default"].base_model_name_or_path = str(Path(model_name_or_path).resolve())
-    return model

@@ -200,35 +200,6 @@ def load_base_model(
     return model
 
 
-def lora_model(
-    model: torch.nn.Module, name_or_path: str, *, r: int, alpha: float, dropout: float, target_modules: list[str]
-) -> torch.nn.Module:
-    """``get_peft_model`` with a causal-LM LoRA adapter of rank ``r`` on ``target_modules``, refusing target modules
-    that match nothing in one sentence that names the flag, with ``adapter_config.json`` naming a local base by its
-    absolute path (so that the adapter loads from any folder of this machine: a relative path, read from elsewhere, is
-    taken for a Hub name). For checkpoints that hold the adapter only, see ``trained_weights_only_in_checkpoints``."""
-    from peft import LoraConfig, get_peft_model
-
-    lora_config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
-    )
-
-    if lora_config.target_modules == {"all-linear"}:  # a one-word flag list: PEFT takes this one as a string
-        lora_config.target_modules = "all-linear"
-    try:
-        model = get_peft_model(model, lora_config)
-    except ValueError as error:
-        targets = lora_config.target_modules
-        raise RecipeError(
-            f"--lora_target_modules {targets if isinstance(targets, str) else ' '.join(sorted(targets))} matches no "
-            f"module of the model ({str(error).splitlines()[0][:200]}). Use 'all-linear' or names such as q_proj "
-            "v_proj."
-        ) from None
-    if Path(name_or_path).is_dir():
-        model.peft_config["default"].base_model_name_or_path = str(Path(name_or_path).resolve())
-    return model
-
-
 def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:
     """LoRA: ``save_state`` checkpoints hold the trained weights (the adapter), not the frozen base (13.5 GB for a
     7B model in bf16, at every save, and every rank's share of it under FSDP); ``load_state(strict=False)`` puts them

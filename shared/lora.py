@@ -1,0 +1,41 @@
+"""The LoRA adapter every recipe that fine-tunes with one adds: PEFT's ``get_peft_model``, with readable refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .runtime import RecipeError
+
+
+def lora_model(
+    model: torch.nn.Module,
+    name_or_path: str,
+    *,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    task_type: str,
+) -> torch.nn.Module:
+    """``get_peft_model`` with a LoRA adapter of rank ``r`` on ``target_modules`` (``["all-linear"]``: every linear
+    layer but the output head), the base frozen. ``task_type``: ``CAUSAL_LM``, or ``SEQ_CLS``, which also trains and
+    saves the classification head (it starts from scratch). Target names that match no module are refused in one
+    sentence that names the flag. ``adapter_config.json`` names a local base by its absolute path, so that the adapter
+    loads from any folder of this machine (a relative path, read from elsewhere, is taken for a Hub name)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules[0] if target_modules == ["all-linear"] else target_modules  # PEFT's one-word form
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as error:
+        raise RecipeError(
+            f"--lora_target_modules {' '.join(target_modules)} matches no module of the model "
+            f"({str(error).splitlines()[0][:200]}). Use 'all-linear' or names of the model's linear "
+            "layers (such as q_proj v_proj, or query value)."
+        ) from None
+    if Path(name_or_path).is_dir():
+        model.peft_config["default"].base_model_name_or_path = str(Path(name_or_path).resolve())
+    return model
