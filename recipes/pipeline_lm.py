@@ -2,8 +2,8 @@
 """Train a GPT-style (Llama-architecture) language model with pipeline parallelism: GPipe, 1F1B, interleaved, ZB-V.
 torch.distributed.pipelining over m micro-batches, one or several stages per process. This is
 ``recipes/train_lm.py`` plus the lines between ``# New Code (pipeline) #`` and ``# End New Code #``, and comments
-marked ``# (pipeline)`` where train_lm.py's comment is not true of a pipeline; a test keeps every other line identical
-to it, so ``diff recipes/train_lm.py recipes/pipeline_lm.py`` shows exactly what pipelining adds and changes.
+marked ``# (pipeline)`` where train_lm.py's comment is not true of a pipeline; every other line is identical to it,
+so ``diff recipes/train_lm.py recipes/pipeline_lm.py`` shows exactly what pipelining adds and changes.
 
 The usual tutorial says model parallelism "makes full use of both GPUs' parallel compute". A naive split (train_lm.py's
 device_map) does not: blocks 0..k run on GPU 0 while GPU 1 waits, then GPU 1 runs the rest while GPU 0 waits.
@@ -80,7 +80,7 @@ from lm_kit.data import lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
 from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
 
-# Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
+# Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
 from lm_kit.presets import MODEL_PRESETS
 from lm_kit.split import plan_lm_split

@@ -69,7 +69,7 @@ from lm_kit.eval import NOT_EVALUATED, greedy_sample
 from lm_kit.eval import perplexity_results
 from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
 
-# Llama-architecture shapes by name (tiny for tests, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
+# Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
 from lm_kit.presets import MODEL_PRESETS
 from lm_kit.split import plan_lm_split

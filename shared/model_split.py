@@ -125,7 +125,7 @@ def lm_head_cost_in_blocks(model: nn.Module, block_list: str, sequence_length: i
 
 def split_devices(device: torch.device) -> list[torch.device]:
     """The devices a one-process split uses: every GPU when there are 2+; one GPU and the CPU (a real two-device split:
-    slow, the second part in host RAM); two CPU "devices" without a GPU (the same hooks and moves, for tests)."""
+    slow, the second part in host RAM); two CPU "devices" without a GPU (the same hooks and moves, on any machine)."""
     if device.type == "cuda":
         count = torch.cuda.device_count()
         return [torch.device("cuda", i) for i in range(count)] if count >= 2 else [device, torch.device("cpu")]

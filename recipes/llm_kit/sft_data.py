@@ -314,7 +314,7 @@ def scored_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def token_losses(model, batch: dict, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token loss over the answer tokens of ``batch``, and per sample. Two savings, each equal to the plain
-    loss (full logits, then cross-entropy; tests/test_llm_finetune.py checks losses and gradients). Used by
+    loss (full logits, then cross-entropy), in losses and gradients. Used by
     ``recipes/llm_finetune.py`` and, for the sequence log-probs of preference pairs, ``recipes/dpo.py``:
 
     - logits only where a loss is taken: transformers' ``logits_to_keep`` with the answer positions the collate
