@@ -2,10 +2,12 @@
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -305,6 +307,35 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     text = dump.read_text()
     assert "Timed out waiting 5000ms" in text and "Python stacks of every thread" in text and "reliable_toy.py" in text
     assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"
+
+
+@pytest.mark.slow  # three Python processes that import torch
+def test_a_restarted_attempt_keeps_the_dumps_that_made_it_restart(tmp_path):
+    """A fresh launch under tools/hang_dump.py clears what a rank dumped in an earlier run; an attempt that torchrun
+    restarted (--max_restarts) keeps the earlier attempts' dumps, the reason it restarted, each renamed after its
+    attempt. Another rank's files are left to that rank."""
+    debug = tmp_path / "debug"
+    debug.mkdir()
+
+    def start(restart: int) -> None:
+        code = f"import sys; sys.path.insert(0, {str(REPO / 'tools')!r}); import hang_dump; "
+        code += f"hang_dump.HangDump({str(debug)!r}, None)"
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": str(restart)}
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+    (debug / "rank0_error.txt").write_text("attempt 0")
+    (debug / "rank1_error.txt").write_text("rank 1's")
+    start(restart=1)
+    assert (debug / "rank0_error.attempt0.txt").read_text() == "attempt 0"
+    (debug / "rank0_error.txt").write_text("attempt 1")
+    start(restart=2)
+    assert sorted(path.name for path in debug.glob("rank0_*")) == [
+        "rank0_error.attempt0.txt",
+        "rank0_error.attempt1.txt",
+    ]
+    assert (debug / "rank0_error.attempt1.txt").read_text() == "attempt 1"
+    start(restart=0)
+    assert not list(debug.glob("rank0_*")) and (debug / "rank1_error.txt").read_text() == "rank 1's"
 
 
 @pytest.fixture(scope="module")

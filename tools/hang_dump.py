@@ -67,10 +67,16 @@ class HangDump:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.folder / "nccl_trace_rank_"))
-        # What this rank wrote in an earlier run into the same output_dir describes that run, not this one.
+        # What this rank wrote in an earlier run into the same output_dir describes that run, not this one: removed.
+        # Restarted by torchrun (--max_restarts), the earlier attempts' dumps are why it restarted: each is kept,
+        # renamed after its attempt (rank0_error.attempt0.txt).
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         for stale in self.folder.glob(f"rank{self.rank}_*"):
             with contextlib.suppress(OSError):
-                stale.unlink()
+                if not restart:
+                    stale.unlink()
+                elif ".attempt" not in stale.name:
+                    stale.rename(stale.with_name(f"{stale.stem}.attempt{restart - 1}{stale.suffix}"))
         if torch.cuda.is_available():
             with contextlib.suppress(OSError):  # NCCL writes here; a bad --output_dir is the recipe's to report
                 self.folder.mkdir(parents=True, exist_ok=True)
