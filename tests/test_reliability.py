@@ -338,6 +338,22 @@ def test_a_restarted_attempt_keeps_the_dumps_that_made_it_restart(tmp_path):
     assert not list(debug.glob("rank0_*")) and (debug / "rank1_error.txt").read_text() == "rank 1's"
 
 
+@pytest.mark.slow  # two Python processes that import torch
+def test_only_a_collective_broken_by_a_peer_is_cut_to_one_line_and_the_wrapper_names_a_missing_recipe(tmp_path):
+    """stop_quietly_after_a_peer cuts a collective's "Connection closed by peer" to one line (the refusal test above);
+    a rank's own lost connection outside torch.distributed (a download's "Connection reset by peer") keeps its
+    traceback. tools/hang_dump.py refuses a recipe path that is not a file, naming it."""
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from shared.runtime import stop_quietly_after_a_peer; "
+    code += "stop_quietly_after_a_peer(); raise ConnectionResetError(104, 'Connection reset by peer')"
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert own.returncode == 1 and "Traceback" in own.stderr and "ConnectionResetError" in own.stderr, own.stderr
+    assert "stopped:" not in own.stderr
+    wrapper = [sys.executable, str(REPO / "tools" / "hang_dump.py"), "recipes/no_such.py", "--output_dir", tmp_path]
+    missing = subprocess.run(wrapper, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "'recipes/no_such.py' is not a file" in missing.stderr, missing.stderr
+
+
 @pytest.fixture(scope="module")
 def short_launches(tmp_path_factory):
     """Independent short launches of the tests below, two at a time (each mostly waits for imports). The port test's
