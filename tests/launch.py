@@ -126,8 +126,8 @@ class Launch:
             ]
         self.marker = uuid.uuid4().hex
         full_env = Launch.environment(self.marker, env)
-        processes = 1 if config_path is None else launched_processes(Path(config_path), launch_args)
         if cpu_only is None:  # more processes than GPUs: CPU processes (NCCL refuses two ranks on one GPU)
+            processes = 1 if config_path is None else launched_processes(Path(config_path), launch_args)
             cpu_only = processes > visible_gpus()
         if cpu_only:
             full_env["CUDA_VISIBLE_DEVICES"] = ""
@@ -443,7 +443,8 @@ def launch_all(jobs: dict, cpu_only: bool | None = None, workers: int = 2) -> di
 
 
 def save_tiny_llama(folder: Path, num_hidden_layers: int):
-    """A tiny untied Llama (hidden 64) and a byte-level BPE tokenizer trained on the SFT recipe's offline questions,
+    """A tiny untied Llama (hidden 64) and a byte-level BPE tokenizer trained on the standard-library questions
+    (``benchmarks/lib/questions.py``),
     with no chat template and no pad token (the LLM recipes must add both), saved to ``folder``; returns the
     questions. Seeded: the same weights every time."""
     import torch

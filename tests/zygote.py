@@ -83,9 +83,7 @@ def child(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        import random
-
-        random.seed()
+        # (random reseeds itself in a forked child: random.py registers os.register_at_fork; numpy does not.)
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         argv = request["argv"]

@@ -67,16 +67,7 @@ class HangDump:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.folder / "nccl_trace_rank_"))
-        # What this rank wrote in an earlier run into the same output_dir describes that run, not this one: removed.
-        # Restarted by torchrun (--max_restarts), the earlier attempts' dumps are why it restarted: each is kept,
-        # renamed after its attempt (rank0_error.attempt0.txt).
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        for stale in self.folder.glob(f"rank{self.rank}_*"):
-            with contextlib.suppress(OSError):
-                if not restart:
-                    stale.unlink()
-                elif ".attempt" not in stale.name:
-                    stale.rename(stale.with_name(f"{stale.stem}.attempt{restart - 1}{stale.suffix}"))
+        clear_earlier_dumps(self.folder, self.rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         if torch.cuda.is_available():
             with contextlib.suppress(OSError):  # NCCL writes here; a bad --output_dir is the recipe's to report
                 self.folder.mkdir(parents=True, exist_ok=True)
@@ -154,6 +145,18 @@ class HangDump:
         return path
 
 
+def clear_earlier_dumps(folder: Path, rank: int, restart: int) -> None:
+    """What ``rank`` wrote in an earlier run into the same folder describes that run, not this one: removed. In an
+    attempt torchrun restarted (``restart`` > 0, --max_restarts) the earlier attempts' dumps are why it restarted:
+    each is kept, renamed after its attempt (rank0_error.attempt0.txt)."""
+    for stale in folder.glob(f"rank{rank}_*"):
+        with contextlib.suppress(OSError):
+            if not restart:
+                stale.unlink()
+            elif ".attempt" not in stale.name:
+                stale.rename(stale.with_name(f"{stale.stem}.attempt{restart - 1}{stale.suffix}"))
+
+
 def waiting_in(frames) -> str:
     """The innermost torch.distributed call of a stack and the line of our code that made it, e.g. ``all_reduce
     (called from recipes/linear_toy.py:158)``; a backward pass stands for DDP/FSDP's gradient collectives."""
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         known, _ = flags.parse_known_args(args.recipe_flags)
         dist_timeout = float(known.dist_timeout)
     except (argparse.ArgumentError, ValueError):  # the recipe stops first, with its own message
-        known, dist_timeout = flags.parse_known_args([])[0], None
+        known, dist_timeout = argparse.Namespace(output_dir=flags.get_default("output_dir")), None
     HangDump(Path(known.output_dir) / "debug", dist_timeout)
     # As ``python recipe.py`` would: its own folder first on sys.path (not tools/), its own command line.
     sys.path[0], sys.argv = str(Path(args.recipe).resolve().parent), [args.recipe, *args.recipe_flags]
