@@ -73,7 +73,8 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.signals import install_stop_on_signals
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
 from shared.fsdp import wrap_at_blocks
 from shared.lora import lora_model
@@ -475,21 +476,18 @@ def dataloaders(
 
 
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:
-    """The model, or the trained ``default`` adapter alone, and the tokenizer, for ``from_pretrained`` (a collective).
-    The same as llm_finetune.py's ``save`` but for ``selected_adapters`` (the frozen reference copy is not saved):
-    kept in each recipe so that each copies alone."""
+    """The model, or the trained ``default`` adapter alone, and the tokenizer, for ``from_pretrained``, written whole
+    or not at all (a collective). The same as llm_finetune.py's ``save`` but for ``selected_adapters`` (the frozen
+    reference copy is not saved): kept in each recipe so that each copies alone."""
     accelerator.wait_for_everyone()
     state_dict = gathered_state_dict(accelerator, model, trained_only=trained_only)
     kwargs = {"selected_adapters": ["default"]} if trained_only else {}
-    accelerator.unwrap_model(model).save_pretrained(
-        output_dir,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-        state_dict=state_dict,
-        **kwargs,
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+
+    def write(folder: Path) -> None:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, **kwargs)
+        tokenizer.save_pretrained(folder)
+
+    save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)
     accelerator.print(f"saved the {'adapter' if trained_only else 'model'} and the tokenizer to {output_dir}")
 
 
@@ -500,6 +498,7 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's pairs, then syncs
@@ -525,6 +524,7 @@ def main():
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
         data_parallel_size,
+        args.seed,
     )
     args.adapter_name_or_path, args.model_name_or_path = starting_point(  # the adapter to continue (offline: the SFT
         accelerator,
@@ -670,6 +670,15 @@ def main():
     completed_steps, log, window, logs = resume.completed_steps, resume.history.get("train/log", []), [], {}
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
+    save_checkpoint_at = lambda step: save_checkpoint(  # the whole history so far: a resume goes on with it
+        accelerator,
+        checkpoints_dir,
+        step,
+        args.checkpoints_total_limit,
+        layout=layout,
+        history={"train/loss_curve": record.losses(), "train/log": log},
+        batch=batch_shape,
+    )
     record = RunRecord(accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps)
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
@@ -708,16 +717,10 @@ def main():
                 logs["train/learning_rate"], window = lr_scheduler.get_last_lr()[0], []
                 log.append({"step": completed_steps, **logs})
                 accelerator.log(logs, step=completed_steps)
+            if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
+                stop.exit(save_checkpoint_at(completed_steps))  # says which checkpoint and how to resume
             if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                save_checkpoint(
-                    accelerator,
-                    checkpoints_dir,
-                    completed_steps,
-                    args.checkpoints_total_limit,
-                    layout=layout,
-                    history={"train/loss_curve": record.losses(), "train/log": log},
-                    batch=batch_shape,
-                )
+                save_checkpoint_at(completed_steps)
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save

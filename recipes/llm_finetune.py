@@ -70,7 +70,8 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.signals import install_stop_on_signals
 from shared.flops import lm_flops_per_token
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from llm_kit.loading import (
@@ -376,15 +377,17 @@ def dataloaders(
 
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:
     """The model (or, ``trained_only``, a PeftModel's adapter: adapter_model.safetensors + adapter_config.json) and
-    the tokenizer, for ``from_pretrained``. A collective: the full weights are gathered onto the main process (every
-    shard of FSDP2, every device of a split), for LoRA only the adapter's."""
+    the tokenizer, for ``from_pretrained``, written whole or not at all (``save_final``). A collective: the full
+    weights are gathered onto the main process (every shard of FSDP2, every device of a split), for LoRA only the
+    adapter's."""
     accelerator.wait_for_everyone()
     state_dict = gathered_state_dict(accelerator, model, trained_only=trained_only)
-    accelerator.unwrap_model(model).save_pretrained(
-        output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, state_dict=state_dict
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+
+    def write(folder: Path) -> None:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict)
+        tokenizer.save_pretrained(folder)
+
+    save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)
     accelerator.print(f"saved the {'adapter' if trained_only else 'model'} and the tokenizer to {output_dir}")
 
 
@@ -422,6 +425,7 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
@@ -449,6 +453,7 @@ def main():
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
         data_parallel_size,
+        args.seed,
     )
     args.model_name_or_path = args.model_name_or_path or default_base_model(accelerator, output_dir, HERE)
     config, args.max_length = causal_lm_config(
@@ -577,6 +582,15 @@ def main():
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
+    save_checkpoint_at = lambda step: save_checkpoint(  # the whole history so far: a resume goes on with it
+        accelerator,
+        checkpoints_dir,
+        step,
+        args.checkpoints_total_limit,
+        layout=layout,
+        history={"train/loss_curve": record.losses()},
+        batch=batch_shape,
+    )
     flops_per_token = lm_flops_per_token(
         config.hidden_size,
         config.num_hidden_layers,
@@ -635,16 +649,10 @@ def main():
                 loss, lr = statistics.fmean(record.losses()[-since_last_log:]), lr_scheduler.get_last_lr()[0]  # sync
                 progress_bar.set_postfix({"train/loss": f"{loss:.4f}"})
                 accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
+            if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
+                stop.exit(save_checkpoint_at(completed_steps))  # says which checkpoint and how to resume
             if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                save_checkpoint(
-                    accelerator,
-                    checkpoints_dir,
-                    completed_steps,
-                    args.checkpoints_total_limit,
-                    layout=layout,
-                    history={"train/loss_curve": record.losses()},
-                    batch=batch_shape,
-                )
+                save_checkpoint_at(completed_steps)
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save

@@ -53,11 +53,7 @@ import json
 import logging
 import math
 import sys
-
-# New Code (pipeline) #
 from functools import partial
-
-# End New Code #
 from pathlib import Path
 
 import torch
@@ -75,10 +71,10 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from lm_kit.data import lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
-from lm_kit.model import build_lm, lm_config, optimizer_groups, whole_model
+from lm_kit.model import build_lm, lm_config, optimizer_groups, save_lm, whole_model
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
@@ -117,6 +113,7 @@ from shared.runtime import (
     stop_quietly_after_a_peer,
     stop_with_launcher,
 )
+from shared.signals import install_stop_on_signals
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -186,7 +183,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     training = parser.add_argument_group("training")
     training.add_argument("--per_device_train_batch_size", type=positive_int, default=16, help="Blocks per forward.")
     training.add_argument("--per_device_eval_batch_size", type=positive_int, help="Default: the training batch size.")
-    training.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="Batches per step.")
+    training.add_argument(
+        "--gradient_accumulation_steps",
+        type=positive_int,
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
+        "batch in this process count).",
+    )
     training.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training set.")
     training.add_argument("--max_train_steps", type=positive_int, help="Stop after N steps (overrides the epochs).")
     training.add_argument("--logging_steps", type=positive_int, default=10, help="Print train/loss every N steps.")
@@ -228,14 +230,13 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # What acts process-wide, one line each; then the Accelerator.
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
         # Not its checkpoint naming + total_limit: shared/checkpoints.py saves atomically and every process agrees.
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
@@ -271,6 +272,17 @@ def main():
     )
     # End New Code #
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # on a resume: its global batch and seed
+        accelerator,
+        checkpoint,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        # New Code (pipeline) #
+        1,  # every process reads every batch: a pipeline shards the model, not the data
+        # End New Code #
+        args.seed,
+    )
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # batches per optimizer step
 
     # ------------------------------------------------------------------------------- data
     data = lm_datasets(  # text, tokenizer, blocks
@@ -319,7 +331,6 @@ def main():
     steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     # End New Code #
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    num_train_epochs = math.ceil(max_train_steps / steps_per_epoch)
     # (pipeline) The scheduler is not prepared (see below): it steps once per optimizer step.
     # New Code (pipeline) #
     warmup, total = args.num_warmup_steps, max_train_steps
@@ -345,20 +356,21 @@ def main():
     evaluate = lambda: evaluate_pipeline(accelerator, pipeline, eval_dataloader, eval_batch_size)
     # End New Code #
     # (pipeline) Restores the stages, their optimizer and scheduler (the hooks above) and every process's RNG states.
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps)
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler)
 
     # ---------------------------------------------------------------------- training loop
     # New Code (pipeline) #
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     # End New Code #
-    tokens_per_step = global_batch_size * args.block_size
+    tokens_per_step = global_batch_size * args.block_size  # = batch x block x accumulation x data parallel
     cpu_threads = torch.get_num_threads() if accelerator.device.type == "cpu" else None
     config = vars(args) | {"parallelism_resolved": parallelism.name, "max_train_steps_resolved": max_train_steps}
     config |= {"model_config": model_config.to_diff_dict(), "cpu_threads": cpu_threads}
-    meter = {"warmup_steps": args.perf_warmup_steps}
-    curve = resume.history.get("train/loss_curve")  # a resumed run goes on with its checkpoint's curve
     before = {"eval/perplexity_before_training": evaluate()["eval/perplexity"]} if args.eval_before_training else {}
-    record = RunRecord(accelerator, max_train_steps, curve, **meter)  # shared/results.py: losses, speed, memory
+    # New Code (pipeline) #
+    curve, devices = resume.history.get("train/loss_curve"), None  # a resume goes on with its curve
+    # End New Code #
+    record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # losses, speed, memory
     accelerator.print(f"config: {json.dumps(config, sort_keys=True, default=str)}")
     results = {"recipe": Path(__file__).stem, "parallelism": parallelism.name, **split.facts(), **data.facts, **before}
     results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "config": config}
@@ -373,9 +385,10 @@ def main():
         args.checkpoints_total_limit,
         layout=layout,
         history={"train/loss_curve": record.losses()},
+        batch=batch_shape,
     )
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
-    for epoch in range(resume.epoch, num_train_epochs):
+    for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
         model.train()
         train_dataloader.set_epoch(epoch)  # the shuffling seed is data_seed + epoch, also when skipping below
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
@@ -406,6 +419,8 @@ def main():
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
+                if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
+                    stop.exit(save_checkpoint_at(completed_steps))  # says which checkpoint, how to resume; exits
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                     save_checkpoint_at(completed_steps)
             if completed_steps >= max_train_steps:
@@ -419,16 +434,17 @@ def main():
     state_dict = gather_full_state_dict(model)  # every process's stages, on the main process (a collective)
     final_model = whole_model(model_config, state_dict) if accelerator.is_main_process else None
     # End New Code #
-    if accelerator.is_main_process:
-        final_model.save_pretrained(output_dir, state_dict=state_dict)  # config.json + model.safetensors
-        data.tokenizer.save_pretrained(output_dir)
+
+    write = partial(save_lm, final_model, state_dict, data.tokenizer)  # config.json, model.safetensors, tokenizer
+    save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)  # into place whole, or said
 
     # ------------------------------------------------------------------------- evaluation
     # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
     results |= NOT_EVALUATED if args.skip_eval else evaluate()
     if accelerator.is_main_process and args.sample_tokens > 0:  # greedy: the saved model generates the same
-        prompt, tokens = args.sample_prompt, args.sample_tokens
-        results |= greedy_sample(final_model, data.tokenizer, prompt, tokens, accelerator.device)
+        results |= greedy_sample(
+            final_model, data.tokenizer, args.sample_prompt, args.sample_tokens, accelerator.device
+        )
     record.write(output_dir, results, model, optimizer, flops_per_token=split.flops_per_token)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()

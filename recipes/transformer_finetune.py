@@ -62,13 +62,13 @@ sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
 from classifier_kit.device_map import parameter_bytes_per_device
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from shared.lora import lora_model
 from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
-from shared.runtime import fused_adamw, main_process_alone, positive_float, positive_int, prepare_output_dir
+from shared.runtime import fused_adamw, positive_float, positive_int, prepare_output_dir
 from shared.runtime import (
     name_the_gpu,
     quiet_library_logs,
@@ -79,6 +79,7 @@ from shared.runtime import (
 )
 from shared.runtime import tokenizer_problem, use_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
+from shared.signals import install_stop_on_signals
 
 METRICS_DIR = HERE / "classifier_kit" / "metrics"  # the metric modules evaluate loads offline
 # Each task's metric modules there, and their keys in results.json (for regression, GLUE's names on STS-B).
@@ -322,22 +323,22 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
 def save_model(accelerator, model, tokenizer, output_dir: Path, base_name: str, load: dict, lora: bool) -> None:
     """The model and tokenizer in Hugging Face format (``save_pretrained``, safetensors, with the label names). LoRA:
     the adapter (and head) in output_dir/adapter, and the merged model in output_dir itself, so that
-    ``AutoModelForSequenceClassification.from_pretrained(output_dir)`` works after either kind of fine-tune."""
+    ``AutoModelForSequenceClassification.from_pretrained(output_dir)`` works after either kind of fine-tune. Written
+    whole or not at all (``save_final``: the main process writes, the others wait for it untimed)."""
     accelerator.wait_for_everyone()
     # The full weights on the main process (every device of a split, every FSDP shard); LoRA: only the trained ones.
     state_dict = gathered_state_dict(accelerator, model, trained_only=lora)  # a collective
-    save_to = output_dir / "adapter" if lora else output_dir
-    # The main process writes (the gathered weights are there; under FSDP2 the others hold none); the others wait
-    # untimed for the merge, not bounded by --dist_timeout.
-    with main_process_alone(accelerator):
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(save_to, state_dict=state_dict)
-            tokenizer.save_pretrained(output_dir)
-            if lora:
-                from peft import PeftModel
 
-                base = AutoModelForSequenceClassification.from_pretrained(base_name, **load)
-                PeftModel.from_pretrained(base, save_to).merge_and_unload().save_pretrained(output_dir)
+    def write(folder: Path) -> None:
+        accelerator.unwrap_model(model).save_pretrained(folder / "adapter" if lora else folder, state_dict=state_dict)
+        tokenizer.save_pretrained(folder)
+        if lora:
+            from peft import PeftModel
+
+            base = AutoModelForSequenceClassification.from_pretrained(base_name, **load)
+            PeftModel.from_pretrained(base, folder / "adapter").merge_and_unload().save_pretrained(folder)
+
+    save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)
     accelerator.print(f"saved the model and tokenizer to {output_dir}")
 
 
@@ -399,6 +400,7 @@ def main():
     # ------------------------------------------------------------------ Accelerator and seed
     # What acts process-wide, one line each; then the Accelerator (real DDP over gloo without CUDA, processes counted).
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
@@ -426,6 +428,7 @@ def main():
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
         accelerator.num_processes,
+        args.seed,
     )
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # micro-batches per optimizer step
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
@@ -566,6 +569,8 @@ def main():
                 logs["train/learning_rate"] = lr_scheduler.get_last_lr()[0]
                 accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {logs['train/loss']:.4f}")
                 accelerator.log(logs, step=completed_steps)
+            if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
+                stop.exit(save())  # says which checkpoint and how to resume; exits 128 + the signal
             if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                 save()
             if completed_steps >= max_train_steps:

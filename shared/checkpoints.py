@@ -15,18 +15,22 @@ process agrees on what was kept. ``save_state``/``load_state`` themselves are Ac
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import socket
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import gather_object
 
-from .runtime import RecipeError
+from .runtime import RecipeError, main_process_alone, stop_if_found
 
 PROGRESS_FILE = "progress.json"
 FINGERPRINT_BYTES = 2**20  # hashed at each end of every file
@@ -64,39 +68,123 @@ def save_checkpoint(
         for leftover in [tmp, *checkpoints_dir.glob(".step_*.deleted")]:
             shutil.rmtree(leftover, ignore_errors=True)
     accelerator.wait_for_everyone()
-    if write_state is None:
-        accelerator.save_state(str(tmp))
-    else:
-        write_state(tmp)
+    problem = None
+    try:
+        accelerator.save_state(str(tmp)) if write_state is None else write_state(tmp)
+    except OSError as error:  # a full disk, a lost mount: said once, the checkpoints before it kept
+        problem = failed_save(f"the checkpoint {final}", error, checkpoints_dir, checkpoints_dir, needed=None)
     # Sync point: every process must have written its part before the folder is declared complete.
-    accelerator.wait_for_everyone()
+    remove_tmp = lambda: writes and shutil.rmtree(tmp, ignore_errors=True)  # (a failed save's half-written copy)
+    stop_if_found(problem, cleanup=remove_tmp)
     if writes:
-        progress = {
-            "completed_steps": completed_steps,
-            "layout": layout,
-            "history": history or {},
-            "batch": batch,
-            "manifest": manifest(tmp),
-        }
-        size = sum(entry[0] for entry in progress["manifest"].values())
-        kept = f"the newest {total_limit} kept" if total_limit else "all kept: --checkpoints_total_limit N keeps N"
-        accelerator.print(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB; {kept})")
-        (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
-        if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
-            old = checkpoints_dir / f".{final.name}.old"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old)
+        try:
+            progress = {
+                "completed_steps": completed_steps,
+                "layout": layout,
+                "history": history or {},
+                "batch": batch,
+                "manifest": manifest(tmp),
+            }
+            (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
+        except OSError as error:
+            problem = failed_save(f"the checkpoint {final}", error, checkpoints_dir, checkpoints_dir, needed=None)
         else:
-            os.replace(tmp, final)
-        if total_limit:  # a kill before this leaves total_limit + 1 complete ones: none is lost
-            for stale in complete_checkpoints(checkpoints_dir)[:-total_limit]:
-                # Renamed (atomic) before deleted: a kill mid-delete never leaves a half-deleted step_N.
-                doomed = stale.with_name(f".{stale.name}.deleted")
-                os.replace(stale, doomed)
-                shutil.rmtree(doomed)
-    accelerator.wait_for_everyone()
+            size = sum(entry[0] for entry in progress["manifest"].values())
+            kept = f"the newest {total_limit} kept" if total_limit else "all kept: --checkpoints_total_limit N keeps N"
+            accelerator.print(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB; {kept})")
+            if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
+                old = checkpoints_dir / f".{final.name}.old"
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+            if total_limit:  # a kill before this leaves total_limit + 1 complete ones: none is lost
+                for stale in complete_checkpoints(checkpoints_dir)[:-total_limit]:
+                    # Renamed (atomic) before deleted: a kill mid-delete never leaves a half-deleted step_N.
+                    doomed = stale.with_name(f".{stale.name}.deleted")
+                    os.replace(stale, doomed)
+                    shutil.rmtree(doomed)
+    stop_if_found(problem, cleanup=remove_tmp)
     return final
+
+
+def resume_command() -> str:
+    """The command that continues this run: the same launch, this script and its arguments, resuming ``latest``."""
+    args, kept = sys.argv[1:], []
+    for index, arg in enumerate(args):
+        resume = arg == "--resume_from_checkpoint" or (index and args[index - 1] == "--resume_from_checkpoint")
+        if not (resume or arg.startswith("--resume_from_checkpoint=") or arg == "--overwrite_output_dir"):
+            kept.append(arg)
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ
+    start = "accelerate launch ... " if launched else "python "  # (the launch options are not visible from here)
+    return start + shlex.join([sys.argv[0], *kept, "--resume_from_checkpoint", "latest"])
+
+
+def where_to_resume(checkpoints_dir: str | os.PathLike) -> str:
+    """One sentence: the newest complete checkpoint and the command that resumes from it, or that there is none."""
+    complete = complete_checkpoints(checkpoints_dir)
+    if not complete:
+        return (
+            f"No complete checkpoint holds this run's training (in {checkpoints_dir}; --checkpointing_steps N saves "
+            f"one every N steps): it starts over with {resume_command()}"
+        )
+    return (
+        f"The newest complete checkpoint is {complete[-1]} (step {checkpoint_steps(complete[-1])}): resume from it "
+        f"with {resume_command()}"
+    )
+
+
+def failed_save(
+    what: str, error: OSError, folder: Path, checkpoints_dir: str | os.PathLike, needed: int | None
+) -> str:
+    """The paragraph for a save that failed with ``error``: what, why (a full disk: how much it needs, how much is
+    free), that what was there before is kept, and where to resume."""
+    space = ""
+    if error.errno == errno.ENOSPC:
+        existing = next(parent for parent in [Path(folder), *Path(folder).parents] if parent.exists())
+        free, newest = shutil.disk_usage(existing).free, complete_checkpoints(checkpoints_dir)[-1:]
+        needed = needed or (sum(size for size, _ in manifest(newest[0]).values()) if newest else None)
+        space = f" ({f'it needs about {needed / 2**20:,.1f} MiB, ' if needed else ''}{free / 2**20:,.1f} MiB free)"
+    return (
+        f"Saving {what} failed: {error.strerror or error}{space}. What was there before is as it was: the "
+        f"half-written copy is removed, earlier checkpoints and output are kept. Free space (or fix the disk), "
+        f"then: {where_to_resume(checkpoints_dir)}"
+    )
+
+
+def save_final(
+    accelerator: Accelerator,
+    output_dir: str | os.PathLike,
+    write,
+    checkpoints_dir: str | os.PathLike,
+    state_dict: dict | None = None,
+) -> None:
+    """The trained model's save, atomic: ``write(folder)`` runs on the main process into a temporary folder beside
+    the output, whose files are then renamed into ``output_dir`` (a rename needs no space: a full disk fails the
+    write, never the move). A failed write leaves ``output_dir`` as it was and stops every process with one
+    paragraph (``failed_save``); ``state_dict`` (the tensors saved) sizes what a full disk lacked. The others wait for
+    the main process untimed (a merge can take minutes). A collective."""
+    output_dir, problem = Path(output_dir), None
+    tmp = output_dir / ".final.tmp"
+    with main_process_alone(accelerator):
+        if accelerator.is_main_process:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+                tmp.mkdir(parents=True)
+                write(tmp)
+                for entry in sorted(tmp.iterdir()):
+                    target = output_dir / entry.name
+                    if entry.is_dir() and target.exists():  # a folder (adapter/, merged/): the old one goes after
+                        os.replace(target, tmp / f".{entry.name}.old")
+                    os.replace(entry, target)
+                shutil.rmtree(tmp)
+            except OSError as error:
+                tensors = (state_dict or {}).values()
+                needed = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel")) or None
+                problem = failed_save(f"the trained model to {output_dir}", error, tmp, checkpoints_dir, needed)
+                shutil.rmtree(tmp, ignore_errors=True)
+    stop_if_found(problem)
 
 
 def fingerprint(path: Path) -> str:
@@ -255,15 +343,24 @@ def keep_global_batch(
     per_device_train_batch_size: int,
     gradient_accumulation_steps: int | None,
     data_parallel_size: int,
+    seed: int,
 ) -> tuple[int, dict]:
     """The accumulation to train with, and the batch's shape for ``save_checkpoint(batch=...)``: the one passed (None:
     not passed, 1), or on resume the one that keeps the checkpoint's global batch in this run's process count, so that
     it takes the same optimizer steps over the same samples. Refused where none does, or where a passed one
-    gives another global batch: the run would silently take other steps than the one it resumes."""
+    gives another global batch: the run would silently take other steps than the one it resumes. ``seed`` (--seed)
+    orders the data and picks held-out samples: a resume with another one is refused too."""
     processes, per_step = accelerator.num_processes, per_device_train_batch_size * data_parallel_size
     count = lambda k: f"{k} process{'es' * (k > 1)}"
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("batch") if checkpoint else None
     accumulation = saved["global_batch_size"] // per_step if saved else gradient_accumulation_steps or 1
+    if saved and saved.get("seed", seed) != seed:
+        raise RecipeError(
+            f"{checkpoint} was trained with --seed {saved['seed']}, which orders the data (and picks held-out "
+            f"samples); this run has --seed {seed}, so it would go on over other samples than the run it resumes, "
+            f"some twice and some never. Pass --seed {saved['seed']} to resume it, or start a new run (another "
+            "--output_dir) with this seed."
+        )
     if saved:
         wanted, was, n = saved["global_batch_size"], saved["gradient_accumulation_steps"], saved["num_processes"]
         said = (
@@ -296,6 +393,7 @@ def keep_global_batch(
         "per_device_train_batch_size": per_device_train_batch_size,
         "gradient_accumulation_steps": accumulation,
         "global_batch_size": per_step * accumulation,
+        "seed": seed,
     }
 
 
@@ -330,7 +428,8 @@ def load_checkpoint(
     (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
     completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
     saved_processes = (progress.get("batch") or {}).get("num_processes", accelerator.num_processes)
-    if lr_scheduler is not None and not accelerator.split_batches and saved_processes != accelerator.num_processes:
+    prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)
+    if prepared and not accelerator.split_batches and saved_processes != accelerator.num_processes:
         # A prepared scheduler steps once per process per optimizer step (AcceleratedScheduler.step): its count is in
         # the saving run's processes. In this run's, the learning rate goes on from where it was.
         inner, ratio = lr_scheduler.scheduler, accelerator.num_processes / saved_processes

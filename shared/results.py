@@ -53,6 +53,7 @@ def write_results(
     benchmarks, the compare tool) never see a half-written file."""
     path, tmp = Path(output_dir) / filename, Path(output_dir) / (filename + ".tmp")
     if accelerator.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, path)
     return path

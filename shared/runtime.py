@@ -278,14 +278,16 @@ def check_process_count(accelerator: Accelerator) -> None:
         )
 
 
-def stop_if_found(problem: str | None) -> None:
+def stop_if_found(problem: str | None, cleanup=None) -> None:
     """Stop every process if any of them found ``problem`` (a paragraph; None: nothing wrong), printed once, by the
-    main process. A collective, after the Accelerator is built: a problem one machine alone sees (on its own disk)
-    stops the others too."""
+    main process, after ``cleanup()`` if given. A collective, after the Accelerator is built: a problem one machine
+    alone sees (on its own disk) stops the others too."""
     state = PartialState()
     problems = gather_object([problem]) if state.num_processes > 1 else [problem]
     found = next((found for found in problems if found), None)
     if found:
+        if cleanup is not None:
+            cleanup()
         raise RecipeError(found, printed=state.is_main_process)
 
 
@@ -504,9 +506,10 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
 
 
 def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str | None) -> Path:
-    """Create ``path`` (with parents) and check that it is writable. A folder that holds an earlier run's model,
-    results or checkpoints is refused unless ``overwrite`` (--overwrite_output_dir) or ``resuming`` (the Hub scripts'
-    rule). A collective; a problem is one paragraph, printed once."""
+    """``path`` as a Path, checked: a folder that holds an earlier run's model, results or checkpoints is refused
+    unless ``overwrite`` (--overwrite_output_dir) or ``resuming`` (the Hub scripts' rule), and one that cannot be
+    created or written to is refused. It is created by the first save into it (a run that fails before that leaves
+    no empty folder behind). A collective; a problem is one paragraph, printed once."""
     output_dir, problem = Path(path), None
     found = [name for name in RUN_OUTPUTS if (output_dir / name).is_file()]
     found += ["checkpoints/"] if any((output_dir / "checkpoints").glob("step_*")) else []
@@ -516,15 +519,12 @@ def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str |
             "this run would overwrite. Pass --overwrite_output_dir to replace it, --resume_from_checkpoint "
             "latest to continue that run, or another --output_dir."
         )
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".write_test_{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
+    existing = next(folder for folder in [output_dir, *output_dir.absolute().parents] if folder.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is not a folder" if not existing.is_dir() else "is not writable"
         problem = (
-            f"Cannot use --output_dir {str(path)!r}: {error.strerror or error}. Pass a folder you can write "
-            "to; it is created if missing."
+            f"Cannot use --output_dir {str(path)!r}: {existing} {why}. Pass a folder you can write to; it is "
+            "created if missing."
         )
     stop_if_found(problem)
     return output_dir

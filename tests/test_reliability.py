@@ -90,6 +90,7 @@ def test_each_save_says_its_size_and_what_is_kept(tmp_path):
     --checkpoints_total_limit prunes. In-process, with a stand-in for the one process's Accelerator."""
     printed = []
     one_process = SimpleNamespace(
+        num_processes=1,
         project_configuration=SimpleNamespace(save_on_each_node=False),
         is_main_process=True,
         is_local_main_process=True,
@@ -114,6 +115,7 @@ def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, m
     named step_N without its progress.json (resuming would skip it, but a user copying "the newest step_N" would not);
     the next save clears what the killed one left. In-process, with a stand-in for the one process's Accelerator."""
     one_process = SimpleNamespace(
+        num_processes=1,
         project_configuration=SimpleNamespace(save_on_each_node=False),
         is_main_process=True,
         is_local_main_process=True,
@@ -154,6 +156,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
     explicit path gets one paragraph naming the file. In-process, with a stand-in for one process's Accelerator."""
     printed = []
     one_process = SimpleNamespace(
+        num_processes=1,
         project_configuration=SimpleNamespace(save_on_each_node=False),
         is_main_process=True,
         is_local_main_process=True,
@@ -213,44 +216,61 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
         load_state=lambda folder: None,
     )
     two = processes(2)
-    _, shape = keep_global_batch(two, None, 16, None, 2)
+    _, shape = keep_global_batch(two, None, 16, None, 2, 42)
     assert shape == {
         "num_processes": 2,
         "per_device_train_batch_size": 16,
         "gradient_accumulation_steps": 1,
         "global_batch_size": 32,
+        "seed": 42,
     }
     write_state = lambda folder: folder.mkdir(parents=True)
     checkpoint = save_checkpoint(two, tmp_path, 3, write_state=write_state, batch=shape)
     one = processes(1)
     printed.clear()
-    assert keep_global_batch(one, checkpoint, 16, None, 1)[0] == 2
-    assert keep_global_batch(one, checkpoint, 8, 4, 1)[0] == 4  # a passed one that keeps it
+    assert keep_global_batch(one, checkpoint, 16, None, 1, 42)[0] == 2
+    assert keep_global_batch(one, checkpoint, 8, 4, 1, 42)[0] == 4  # a passed one that keeps it
     assert (
         printed[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "
         "batch of 32"
     )
     with pytest.raises(RecipeError) as contradicts:
-        keep_global_batch(one, checkpoint, 16, 1, 1)
+        keep_global_batch(one, checkpoint, 16, 1, 1, 42)
     assert "--gradient_accumulation_steps 1 would make it 16" in contradicts.value.message
     assert "Pass --gradient_accumulation_steps 2 or leave it out" in contradicts.value.message
     with pytest.raises(RecipeError) as indivisible:
-        keep_global_batch(one, checkpoint, 12, None, 1)
+        keep_global_batch(one, checkpoint, 12, None, 1, 42)
     assert f"{checkpoint} was trained with a global batch of 32" in indivisible.value.message
     assert "(16 per device x 2 processes x 1 accumulation steps)" in indivisible.value.message
     assert "32 is not a multiple of 12" in indivisible.value.message
     assert "Pass --per_device_train_batch_size 8 to keep it" in indivisible.value.message
     with pytest.raises(RecipeError) as odd:  # 3 processes: no per-device batch fits 32
-        keep_global_batch(processes(3), checkpoint, 16, None, 3)
+        keep_global_batch(processes(3), checkpoint, 16, None, 3, 42)
     assert "Resume it in 2 processes to keep it" in odd.value.message
     older = save_checkpoint(two, tmp_path, 4, write_state=write_state)  # no batch recorded
-    assert keep_global_batch(one, older, 16, None, 1)[0] == 1 and keep_global_batch(one, older, 16, 3, 1)[0] == 3
+    assert (
+        keep_global_batch(one, older, 16, None, 1, 42)[0] == 1 and keep_global_batch(one, older, 16, 3, 1, 42)[0] == 3
+    )
 
-    # 3 steps in 2 processes: the scheduler stepped 6 times; in 1 process it is at 3 (and 6 again back in 2).
-    scheduler = SimpleNamespace(scheduler=SimpleNamespace(last_epoch=6, _step_count=7))
+    with pytest.raises(RecipeError) as reseeded:  # another --seed: other samples in another order
+        keep_global_batch(one, checkpoint, 16, None, 1, 7)
+    assert f"{checkpoint} was trained with --seed 42" in reseeded.value.message
+    assert (
+        "this run has --seed 7" in reseeded.value.message and "Pass --seed 42 to resume it" in reseeded.value.message
+    )
+
+    # 3 steps in 2 processes: the prepared scheduler stepped 6 times; in 1 process it is at 3 (and 6 again back in 2).
+    import torch
+    from accelerate.scheduler import AcceleratedScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    inner = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for _ in range(6):
+        inner.step()
+    scheduler = AcceleratedScheduler(inner, optimizer)
     point = load_checkpoint(one, checkpoint, steps_per_epoch=10, gradient_accumulation_steps=2, lr_scheduler=scheduler)
-    assert (scheduler.scheduler.last_epoch, point.batches_to_skip, one.step) == (3, 6, 6)
-    assert scheduler.scheduler._step_count == 4  # the constructor's step, then one per step
+    assert (inner.last_epoch, point.batches_to_skip, one.step) == (3, 6, 6)
+    assert inner._step_count == 4  # the constructor's step, then one per step
 
 
 @pytest.mark.slow

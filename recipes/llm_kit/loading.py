@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shared.fsdp import available_host_ram
 from shared.model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
+from shared.checkpoints import save_final
 from shared.runtime import RecipeError, main_process_alone
 
 from .sharded_4bit import empty_4bit_model
@@ -280,18 +281,19 @@ def check_merge_fits_host_ram(accelerator, config, name_or_path: str, trust_remo
 def save_merged(accelerator, name_or_path: str, adapter_dir: Path, tokenizer, trust_remote_code: bool = False) -> None:
     """The base with the adapter merged in, to ``adapter_dir/merged`` for ``AutoModelForCausalLM.from_pretrained``:
     into a fresh copy of the base in the compute dtype (bf16, or float32; a 4-bit base cannot take the merged weights
-    exactly, and fp16 could overflow). On the main process alone (minutes for a 13B model): the others wait untimed,
-    not in a barrier bounded by --dist_timeout. Every process calls it."""
-    with main_process_alone(accelerator):
-        if accelerator.is_main_process:
-            from peft import PeftModel
+    exactly, and fp16 could overflow). On the main process alone (minutes for a 13B model; the others wait untimed),
+    written whole or not at all (``save_final``). Every process calls it."""
 
-            dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-            base = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
-            merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-            merged.save_pretrained(adapter_dir / "merged")
-            tokenizer.save_pretrained(adapter_dir / "merged")
-            accelerator.print(f"merged the adapter into the base model: {adapter_dir / 'merged'}")
+    def write(folder: Path) -> None:
+        from peft import PeftModel
+
+        dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+        base = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().save_pretrained(folder / "merged")
+        tokenizer.save_pretrained(folder / "merged")
+
+    save_final(accelerator, adapter_dir, write, adapter_dir / "checkpoints")
+    accelerator.print(f"merged the adapter into the base model: {adapter_dir / 'merged'}")
 
 
 def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:

@@ -87,3 +87,9 @@ def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         {"params": [parameter for parameter in parameters if parameter.ndim >= 2], "weight_decay": weight_decay},
         {"params": [parameter for parameter in parameters if parameter.ndim < 2], "weight_decay": 0.0},
     ]
+
+
+def save_lm(model, state_dict: dict, tokenizer, folder) -> None:
+    """``config.json``, ``model.safetensors`` (the weights of ``state_dict``) and the tokenizer, into ``folder``."""
+    model.save_pretrained(folder, state_dict=state_dict)
+    tokenizer.save_pretrained(folder)
