@@ -18,7 +18,8 @@ One file: copy recipes/linear_toy.py (and accelerate_configs/, which the launch 
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/linear_toy.py
 
 Writes ``output_dir/model.safetensors`` and ``output_dir/results.json`` (losses, weights, speed, the config), and
-with ``--checkpointing_steps N`` a resumable checkpoint every N steps (``--resume_from_checkpoint latest``).
+with ``--checkpointing_steps N`` a resumable checkpoint every N steps (``--resume_from_checkpoint latest``). SIGTERM (a
+preemption notice) or Ctrl-C ends the step, saves a checkpoint and says how to resume.
 """
 
 import argparse
@@ -26,6 +27,8 @@ import json
 import math
 import os
 import resource
+import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -35,39 +38,86 @@ from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
-    return int(text)
-
-
-def positive_float(text: str) -> float:
-    if not float(text) > 0:  # (a ValueError: argparse says "invalid positive_float value")
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
-    return float(text)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--output_dir", default="outputs/linear_toy", help="results.json and the weights go here (created if needed).")
+    add("--overwrite_output_dir", action="store_true", help="Replace the run the --output_dir holds (else refused).")
     add("--seed", type=int, default=42, help="Seed for the data set, the initial weights and the shuffling.")
-    add("--num_samples", type=positive_int, default=4096, help="Size of the generated training set.")
-    add("--in_features", type=positive_int, default=8, help="Inputs per sample (number of true weights).")
-    add("--per_device_train_batch_size", type=positive_int, default=32, help="Samples per process per forward pass.")
-    add("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per step.")
-    add("--num_train_epochs", type=positive_int, default=3, help="Passes over the data (unless --max_train_steps).")
-    add("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
-    add("--logging_steps", type=positive_int, default=50, help="Print the loss every N optimizer steps.")
-    add("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
-    add("--checkpointing_steps", type=positive_int, default=None, help="Save a checkpoint every N optimizer steps.")
+    add("--num_samples", type=int, default=4096, help="Size of the generated training set.")
+    add("--in_features", type=int, default=8, help="Inputs per sample (number of true weights).")
+    add("--per_device_train_batch_size", type=int, default=32, help="Samples per process per forward pass.")
+    add("--gradient_accumulation_steps", type=int, default=1, help="Forward/backward passes per step.")
+    add("--num_train_epochs", type=int, default=3, help="Passes over the data (unless --max_train_steps).")
+    add("--max_train_steps", type=int, default=None, help="Stop after this many optimizer steps.")
+    add("--logging_steps", type=int, default=50, help="Print the loss every N optimizer steps.")
+    add("--learning_rate", type=float, default=0.1, help="SGD learning rate.")
+    add("--checkpointing_steps", type=int, default=None, help="Save a checkpoint every N optimizer steps.")
     add("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' (the newest one saved).")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name, value in vars(args).items():  # every count and rate: > 0 (None: not given)
+        if isinstance(value, int | float) and not isinstance(value, bool) and name != "seed" and not value > 0:
+            parser.error(f"argument --{name}: must be a number > 0, got {value}")
+    return args
+
+
+def refuse(accelerator: Accelerator, message: str) -> None:  # every process stops; the message printed once
+    raise SystemExit(f"error: {message}" if accelerator.is_main_process else 1)
+
+
+def resume_hint(checkpoints_dir: Path) -> str:
+    newest = max(checkpoints_dir.glob("step_*/progress.json"), key=lambda p: int(p.parent.name[5:]), default=None)
+    where = f"the newest checkpoint is {newest.parent}" if newest else "no checkpoint was saved"
+    return f"{where}; resume with the same command and --resume_from_checkpoint latest"
+
+
+def save_atomically(accelerator: Accelerator, folder: Path, write, checkpoints_dir: Path) -> None:
+    """``write(tmp)``, then tmp's files moved into ``folder`` (progress.json last): a kill or full disk never leaves a
+    half-written file there, and a failed write stops every process with one line."""
+    tmp, error = folder.with_name(f".{folder.name}.tmp"), None
+    try:
+        write(tmp)
+    except OSError as failed:  # a full disk, say: the space that is left
+        error = f"{failed.strerror}, {shutil.disk_usage(tmp.parent).free:,} bytes free"
+    if error := next(filter(None, gather_object([error])), None):
+        shutil.rmtree(tmp, ignore_errors=True)
+        refuse(
+            accelerator,
+            f"saving {folder} failed ({error}); what was saved before is kept: {resume_hint(checkpoints_dir)}",
+        )
+    if accelerator.is_main_process:
+        folder.mkdir(parents=True, exist_ok=True)
+        for entry in sorted(tmp.iterdir(), key=lambda entry: entry.name == "progress.json"):
+            os.replace(entry, folder / entry.name)
+        tmp.rmdir()
+    accelerator.wait_for_everyone()
+
+
+def resume(accelerator: Accelerator, checkpoints_dir: Path, resume_from_checkpoint: str, run: dict) -> list[float]:
+    """Load the checkpoint (``latest``: the newest complete one, or none) on every process; return its loss curve. One
+    that does not load everywhere, or of another run's flags or process count, is refused in one line."""
+    complete = sorted((p.parent for p in checkpoints_dir.glob("step_*/progress.json")), key=lambda f: int(f.name[5:]))
+    folder, why = complete[-1:] if resume_from_checkpoint == "latest" else [Path(resume_from_checkpoint)], None
+    folder = folder[0] if folder else None
+    try:
+        progress = json.loads((folder / "progress.json").read_text()) if folder else {"run": run, "loss_curve": []}
+        why = None if progress["run"] == run else f"it holds a run of {progress['run']}, this one is {run}"
+        if folder and not why:
+            accelerator.load_state(str(folder))  # the model, optimizer, sampler and RNG states
+    except Exception as error:  # a missing, truncated or unreadable file
+        why = f"it does not load ({type(error).__name__}: {str(error)[:150]}); pass an earlier one"
+    if why := next(filter(None, gather_object([why])), None):
+        refuse(accelerator, f"cannot resume from {folder}: {why}.")
+    accelerator.print(f"resumed from {folder} at step {len(progress['loss_curve'])}" if folder else "starting fresh")
+    return progress["loss_curve"]
 
 
 def main():
     # ----------------------------------------------------------------------------- arguments
     args = parse_args()
+    stop = {"signal": 0}  # SIGTERM (a preemption notice), Ctrl-C: the step ends, a checkpoint is saved, then exit
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda number, frame: stop.update(signal=stop["signal"] or number))
 
     # ------------------------------------------------------------------ Accelerator and seed
     # Without CUDA a plain Accelerator() under a 2-process config does NOT start DDP: each process would train alone
@@ -80,14 +130,25 @@ def main():
     )
     if accelerator.num_processes != (expected := int(os.environ.get("WORLD_SIZE", "1"))):
         raise SystemExit(f"error: {expected} processes launched, {accelerator.num_processes} joined: each alone")
+    several = accelerator.num_processes > 1
+    accelerator.print(f"parallelism: {'ddp' if several else 'single'} ({accelerator.num_processes} processes)")
     set_seed(args.seed)
     output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
+    held = [name for name in ("model.safetensors", "results.json", "checkpoints") if (output_dir / name).exists()]
+    if held and not (args.overwrite_output_dir or args.resume_from_checkpoint):
+        refuse(
+            accelerator,
+            f"--output_dir {args.output_dir!r} already holds an earlier run's output ({', '.join(held)}). "
+            "Pass --overwrite_output_dir to replace it, --resume_from_checkpoint latest to continue that run.",
+        )
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise SystemExit(f"error: Cannot use --output_dir {args.output_dir!r}: {error.strerror}.") from None
+        refuse(accelerator, f"Cannot use --output_dir {args.output_dir!r}: {error.strerror}.")
     # Samples per optimizer step (with sequences, x sequence length gives the tokens).
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    # What a resume must keep: the data, its order, the steps.
+    run = dict(seed=args.seed, samples=args.num_samples, batch=global_batch_size, processes=accelerator.num_processes)
 
     # ------------------------------------------------------------------------------- data
     # Built identically on every process from the seed, so no process needs to send it to another.
@@ -102,7 +163,7 @@ def main():
         TensorDataset(inputs, targets), args.per_device_train_batch_size, shuffle=True, generator=shuffling
     )
     if len(train_dataloader) < accelerator.num_processes * args.gradient_accumulation_steps:
-        raise SystemExit(f"error: One optimizer step needs {global_batch_size} samples; --num_samples is smaller.")
+        refuse(accelerator, f"One optimizer step needs {global_batch_size} samples; --num_samples is smaller.")
 
     # ------------------------------------------------------------------------------ model
     model = torch.nn.Linear(args.in_features, 1)
@@ -118,13 +179,16 @@ def main():
     # accumulate() also steps on the last, shorter group of an epoch, hence the ceiling.
     steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    completed_steps, loss_curve, step_times = 0, [], []  # loss: the global mean loss of every optimizer step
-    latest = max(checkpoints_dir.glob("step_*"), default=None, key=lambda path: int(path.name[5:]))  # None: start
-    checkpoint = latest if args.resume_from_checkpoint == "latest" else args.resume_from_checkpoint
-    if checkpoint:  # the model, optimizer, sampler and RNG states, then how far the run got
-        accelerator.load_state(str(checkpoint))
-        completed_steps = len(loss_curve := json.loads((Path(checkpoint) / "loss_curve.json").read_text()))
-        accelerator.print(f"resumed from {checkpoint} at step {completed_steps}")
+    latest = args.resume_from_checkpoint  # the model, optimizer, sampler and RNG states, then the steps done
+    loss_curve = resume(accelerator, checkpoints_dir, latest, run) if latest else []  # loss of every step (global)
+    step_times = []
+    completed_steps = len(loss_curve)
+
+    def write_checkpoint(folder: Path) -> None:
+        accelerator.save_state(str(folder))  # every process saves its RNG state there
+        if accelerator.is_main_process:  # the losses so far: their count is the steps done
+            (folder / "progress.json").write_text(json.dumps({"loss_curve": loss_curve, "run": run}))
+
     step_loss, started = torch.zeros((), device=accelerator.device), time.perf_counter()
     for epoch in range(completed_steps // steps_per_epoch, math.ceil(max_train_steps / steps_per_epoch)):
         model.train()
@@ -142,17 +206,22 @@ def main():
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
-            # Sync point: reduce() and .item() wait for every process (cheap here; big models log every N steps).
-            loss_curve.append(accelerator.reduce(step_loss, "mean").item())
+            # Sync point: reduce() and .item() wait for every process (cheap here; big models log every N steps). A
+            # signal rides along: when any process got one, all stop after this same step.
+            summed = accelerator.reduce(torch.stack([step_loss, step_loss.new_tensor(stop["signal"])]), "sum").tolist()
+            loss_curve.append(summed[0] / accelerator.num_processes)
             step_loss.zero_()
             step_times.append(-started + (started := time.perf_counter()))  # this step's seconds
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
-            if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
-                folder = checkpoints_dir / f"step_{completed_steps}"  # every process saves its RNG state there
-                accelerator.save_state(str(folder))
-                if accelerator.is_main_process:  # the losses so far: their count is the steps done
-                    (folder / "loss_curve.json").write_text(json.dumps(loss_curve))
+            if summed[1] or args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
+                save_atomically(
+                    accelerator, checkpoints_dir / f"step_{completed_steps}", write_checkpoint, checkpoints_dir
+                )
+            if summed[1]:
+                name = signal.Signals(stop["signal"] or signal.SIGTERM).name
+                accelerator.print(f"stopped by {name} after step {completed_steps}: {resume_hint(checkpoints_dir)}")
+                raise SystemExit(128 + (stop["signal"] or signal.SIGTERM))
             if completed_steps >= max_train_steps:
                 break
 
@@ -169,14 +238,13 @@ def main():
     )
 
     # --------------------------------------------------------------------------- save
-    accelerator.wait_for_everyone()
-    accelerator.save_model(model, output_dir)  # model.safetensors, written by the main process only
     # Peak memory per process (a collective): CUDA's allocator, or the CPU process's peak resident set (Linux: KiB).
-    cuda, several = accelerator.device.type == "cuda", accelerator.num_processes > 1
+    cuda = accelerator.device.type == "cuda"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = (str(accelerator.device), torch.cuda.max_memory_allocated(accelerator.device)) if cuda else ("cpu", rss)
-    gathered = gather_object([peak])
-    peaks = {(f"rank{r}/" if several else "") + n: round(b / 2**30, 4) for r, (n, b) in enumerate(gathered)}
+    peaks = {
+        (f"rank{r}/" if several else "") + n: round(b / 2**30, 4) for r, (n, b) in enumerate(gather_object([peak]))
+    }
     measured = step_times[2:]  # the first steps warm up (allocation, the first all-reduce)
     results = {"recipe": "linear_toy", "parallelism": "ddp" if several else "single", "config": vars(args)}
     results |= {"num_processes": accelerator.num_processes, "device": str(accelerator.device)}
@@ -184,13 +252,18 @@ def main():
     results |= {"distributed/backend": torch.distributed.get_backend() if several else None, "memory/peak_gib": peaks}
     results |= {"perf/step_time_s": sum(measured) / len(measured) if measured else None}
     results |= {"perf/samples_per_sec": global_batch_size * len(measured) / sum(measured) if measured else None}
-    results |= {"global_batch_size": global_batch_size, "completed_steps": completed_steps}
+    results |= {"global_batch_size": global_batch_size, "completed_steps": completed_steps, "resumed_from": latest}
     results |= {"train/loss": loss_curve[-1], "train/loss_curve": loss_curve}
     results |= {"eval/max_abs_weight_error": weight_error, "model/weight": weight.tolist(), "model/bias": bias.item()}
     results |= {"true/weight": true_weight[0].tolist(), "true/bias": true_bias.item()}
-    if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
-        (output_dir / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-        print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
+
+    def write_output(folder: Path) -> None:  # model.safetensors and results.json, from the main process
+        accelerator.save_model(model, folder)
+        if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
+            (folder / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
+
+    save_atomically(accelerator, output_dir, write_output, checkpoints_dir)
+    accelerator.print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
     # Drop DDP while the process group lives: gloo can deadlock in DDP's destructor at exit (torch 2.13, CPU).
     model, optimizer, train_dataloader = accelerator.free_memory(model, optimizer, train_dataloader)
     accelerator.end_training()
