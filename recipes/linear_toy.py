@@ -74,11 +74,11 @@ def resume_hint(checkpoints_dir: Path) -> str:
 def save_atomically(accelerator: Accelerator, folder: Path, write, checkpoints_dir: Path) -> None:
     """``write(tmp)``, then tmp's files moved into ``folder`` (progress.json last): a kill or full disk never leaves a
     half-written file there, and a failed write stops every process with one line."""
-    tmp, error = folder.with_name(f".{folder.name}.tmp"), None
+    tmp, error = folder / ".saving.tmp", None  # inside: the same disk, and a step_N without progress.json is skipped
     try:
         write(tmp)
-    except OSError as failed:  # a full disk, say: the space that is left
-        error = f"{failed.strerror}, {shutil.disk_usage(tmp.parent).free:,} bytes free"
+    except Exception as failed:  # a full disk (OSError, or safetensors' and torch.save's errors): the space left
+        error = f"{getattr(failed, 'strerror', None) or failed}, {shutil.disk_usage(folder.parent).free:,} bytes free"
     if error := next(filter(None, gather_object([error])), None):
         shutil.rmtree(tmp, ignore_errors=True)
         refuse(

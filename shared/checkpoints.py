@@ -29,10 +29,13 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import gather_object
+from safetensors import SafetensorError
 
 from .runtime import RecipeError, main_process_alone, stop_if_found
 
 PROGRESS_FILE = "progress.json"
+# What a failed write raises: the OS's error, safetensors' (no errno), torch.save's writer's ("unexpected pos ...").
+WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
 FINGERPRINT_BYTES = 2**20  # hashed at each end of every file
 LAYOUTS = {
     "replica": "whole model (single, ddp or device_map)",
@@ -71,7 +74,7 @@ def save_checkpoint(
     problem = None
     try:
         accelerator.save_state(str(tmp)) if write_state is None else write_state(tmp)
-    except OSError as error:  # a full disk, a lost mount: said once, the checkpoints before it kept
+    except WRITE_ERRORS as error:  # a full disk, a lost mount: said once, the checkpoints before it kept
         problem = failed_save(f"the checkpoint {final}", error, checkpoints_dir, checkpoints_dir, needed=None)
     # Sync point: every process must have written its part before the folder is declared complete.
     remove_tmp = lambda: writes and shutil.rmtree(tmp, ignore_errors=True)  # (a failed save's half-written copy)
@@ -86,7 +89,7 @@ def save_checkpoint(
                 "manifest": manifest(tmp),
             }
             (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
-        except OSError as error:
+        except WRITE_ERRORS as error:
             problem = failed_save(f"the checkpoint {final}", error, checkpoints_dir, checkpoints_dir, needed=None)
         else:
             size = sum(entry[0] for entry in progress["manifest"].values())
@@ -126,30 +129,35 @@ def where_to_resume(checkpoints_dir: str | os.PathLike) -> str:
     complete = complete_checkpoints(checkpoints_dir)
     if not complete:
         return (
-            f"No complete checkpoint holds this run's training (in {checkpoints_dir}; --checkpointing_steps N saves "
+            f"no complete checkpoint holds this run's training (in {checkpoints_dir}; --checkpointing_steps N saves "
             f"one every N steps): it starts over with {resume_command()}"
         )
     return (
-        f"The newest complete checkpoint is {complete[-1]} (step {checkpoint_steps(complete[-1])}): resume from it "
+        f"the newest complete checkpoint is {complete[-1]} (step {checkpoint_steps(complete[-1])}): resume from it "
         f"with {resume_command()}"
     )
 
 
 def failed_save(
-    what: str, error: OSError, folder: Path, checkpoints_dir: str | os.PathLike, needed: int | None
+    what: str, error: Exception, folder: Path, checkpoints_dir: str | os.PathLike, needed: int | None
 ) -> str:
-    """The paragraph for a save that failed with ``error``: what, why (a full disk: how much it needs, how much is
-    free), that what was there before is kept, and where to resume."""
-    space = ""
-    if error.errno == errno.ENOSPC:
-        existing = next(parent for parent in [Path(folder), *Path(folder).parents] if parent.exists())
-        free, newest = shutil.disk_usage(existing).free, complete_checkpoints(checkpoints_dir)[-1:]
+    """The paragraph for a save that failed with ``error`` (re-raised if it is no failed write): what, why (a full
+    disk: how much it needs, how much is free), that what was there before is kept, and where to resume."""
+    if isinstance(error, RuntimeError) and "inline_container" not in str(error):  # (not torch.save's file writer)
+        raise error
+    existing = next(parent for parent in [Path(folder), *Path(folder).parents] if parent.exists())
+    free, newest = shutil.disk_usage(existing).free, complete_checkpoints(checkpoints_dir)[-1:]
+    # torch.save says only "unexpected pos ..." when the disk is full; safetensors' error has no errno.
+    full = getattr(error, "errno", None) == errno.ENOSPC or "No space left" in str(error) or free < 2**20
+    reason = getattr(error, "strerror", None) or str(error).splitlines()[0][:200]
+    if full:
         needed = needed or (sum(size for size, _ in manifest(newest[0]).values()) if newest else None)
-        space = f" ({f'it needs about {needed / 2**20:,.1f} MiB, ' if needed else ''}{free / 2**20:,.1f} MiB free)"
+        reason = f"No space left on device ({f'it needs about {needed / 2**20:,.1f} MiB, ' if needed else ''}"
+        reason += f"{free / 2**20:,.1f} MiB free)"
     return (
-        f"Saving {what} failed: {error.strerror or error}{space}. What was there before is as it was: the "
-        f"half-written copy is removed, earlier checkpoints and output are kept. Free space (or fix the disk), "
-        f"then: {where_to_resume(checkpoints_dir)}"
+        f"Saving {what} failed: {reason}. What was there before is as it was: the half-written copy is removed, "
+        f"earlier checkpoints and output are kept. Free space (or fix the disk); then, "
+        + where_to_resume(checkpoints_dir)
     )
 
 
@@ -179,7 +187,7 @@ def save_final(
                         os.replace(target, tmp / f".{entry.name}.old")
                     os.replace(entry, target)
                 shutil.rmtree(tmp)
-            except OSError as error:
+            except WRITE_ERRORS as error:
                 tensors = (state_dict or {}).values()
                 needed = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel")) or None
                 problem = failed_save(f"the trained model to {output_dir}", error, tmp, checkpoints_dir, needed)

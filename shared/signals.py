@@ -27,7 +27,7 @@ class StopOnSignals:
         if number == self.signal == signal.SIGINT:
             if os.environ.get("RANK", "0") == "0":  # printed once (the Accelerator may not be built yet)
                 resume = where_to_resume(self.checkpoints_dir)
-                print(f"interrupted by a second Ctrl-C in step {self.completed_steps + 1}. {resume}", flush=True)
+                print(f"interrupted by a second Ctrl-C in step {self.completed_steps + 1}: {resume}", flush=True)
             raise SystemExit(128 + number)
         self.signal = self.signal or number
 
