@@ -1,0 +1,1 @@
+"""Guarantees every recipe owes its users, tested over every recipe that offers the flag they concern."""

@@ -1,0 +1,175 @@
+"""Every recipe that resumes (``--resume_from_checkpoint``): SIGTERM sent to the launcher of a 2-process run (what
+SLURM, Kubernetes and spot machines do before they kill; the workers get it through the launcher) ends the step,
+saves a checkpoint, says which and how to resume, exits 143; resumed with ``latest`` in another process count, past a
+damaged newer checkpoint that it skips and names, the run ends where the uninterrupted run ends (every loss and saved
+weight within 1e-6); resumed with another ``--seed`` (another data order, other held-out samples) it is refused."""
+
+import json
+import re
+import shutil
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from launch import ONE_PROCESS, Launch, Run, launch, read_results
+from safetensors.numpy import load_file
+
+from .catalogue import OPT_OUTS, RECIPE_NAMES, TWO_PROCESSES, flags, max_train_steps, offering, tiny_args, tiny_models
+
+RESUMING = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name)]
+STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+): .*?(/\S+/checkpoints/step_\d+)(.*)$", re.MULTILINE)
+
+
+def stopped_by(signal_number: int, config: str, script: str, *args, output_dir: Path) -> Run:
+    """A started 2-process launch, sent ``signal_number`` (to the launcher alone) once its first checkpoint is
+    complete."""
+    run = Launch(config, script, *args, "--output_dir", output_dir)
+    for _ in range(3000):  # up to 5 minutes
+        if list((output_dir / "checkpoints").glob("step_*/progress.json")):
+            run.process.send_signal(signal_number)
+            break
+        if run.process.poll() is not None:
+            break
+        __import__("time").sleep(0.1)
+    return run.finish()
+
+
+def damage_a_newer_copy(checkpoints: Path) -> Path:
+    """A copy of the newest complete checkpoint as the next step's, its largest file truncated: what a full disk or a
+    bad copy leaves, newer than the good one."""
+    newest = max(checkpoints.glob("step_*/progress.json"), key=lambda path: int(path.parent.name[5:])).parent
+    number = re.search(r"\d+$", newest.name).group()
+    damaged = newest.with_name(newest.name[: -len(number)] + str(int(number) + 1).zfill(len(number)))
+    shutil.copytree(newest, damaged)
+    progress = json.loads((damaged / "progress.json").read_text())
+    if "completed_steps" in progress:
+        progress["completed_steps"] += 1
+    else:  # the toy counts its steps by its loss curve
+        progress["loss_curve"].append(progress["loss_curve"][-1])
+    (damaged / "progress.json").write_text(json.dumps(progress))
+    # Not the random states: Accelerate's load_state loads them or warns and goes on (its own fallback).
+    files = [path for path in damaged.rglob("*") if path.is_file() and not path.name.startswith(("random_", "prog"))]
+    largest = max(files, key=lambda path: path.stat().st_size)
+    with open(largest, "r+b") as file:
+        file.truncate(largest.stat().st_size // 2)
+    return damaged
+
+
+def scenario(name: str, models: dict, root: Path) -> dict:
+    """The launches of one recipe, in order: uninterrupted, stopped, damaged and resumed, refused."""
+    args, two = tiny_args(name, models), TWO_PROCESSES.get(name, "ddp_2gpu.yaml")
+    other = two if ("resume_in_another_process_count", name) in OPT_OUTS else "single_gpu.yaml"
+    skips = ("damaged_checkpoint_skipped", name) not in OPT_OUTS
+    folder = root / Path(name).stem
+    runs = {"uninterrupted": launch(two, name, *args, "--output_dir", folder / "uninterrupted")}
+    runs["stopped"] = stopped_by(signal.SIGTERM, two, name, *args, output_dir=folder / "stopped")
+    resume = (*args, "--output_dir", folder / "stopped", "--resume_from_checkpoint", "latest")
+    runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints") if skips else None
+    runs["resumed"] = launch(other, name, *resume)
+    runs["reseeded"] = launch(ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
+    if not skips:  # refused in one line instead: a damaged newest checkpoint, another process count
+        runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints")
+        runs["damaged_refused"] = launch(two, name, *resume)
+    if other == two and name == "linear_toy.py":
+        runs["other_count_refused"] = launch(ONE_PROCESS, name, *resume)
+    runs["folder"] = folder
+    print({key: round(run.seconds, 1) for key, run in runs.items() if isinstance(run, Run)})
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("resume")
+    models = tiny_models(root)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two recipes at a time: a 2-core machine kept busy
+        return dict(zip(RESUMING, pool.map(lambda name: scenario(name, models, root), RESUMING)))
+
+
+def errors(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.match(r"(\[rank \d+\] )?error: ", line)]
+
+
+def traced_through_a_recipe(output: str) -> bool:
+    """A Python traceback through recipe code (the launcher's own, around a worker's exit, is Accelerate's)."""
+    return bool(re.search(r'File "[^"]*/recipes/[^"]*", line \d+', output))
+
+
+def saved_tensors(output_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of every safetensors file the run saved (checkpoints aside), by file and name."""
+    return {
+        f"{path.relative_to(output_dir)}:{key}": value
+        for path in sorted(output_dir.rglob("*.safetensors"))
+        if "checkpoints" not in path.relative_to(output_dir).parts
+        for key, value in load_file(path).items()
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_sigterm_ends_the_step_saves_a_checkpoint_and_says_how_to_resume(runs, name):
+    run = runs[name]["stopped"]
+    assert run.returncode == 128 + signal.SIGTERM, str(run)
+    stopped = STOPPED.findall(run.output)
+    assert len(stopped) == 1, str(run)  # said once, by the main process
+    step, checkpoint = int(stopped[0][0]), Path(stopped[0][1].rstrip(";."))
+    assert (checkpoint / "progress.json").is_file() and step < max_train_steps(name)
+    assert "--resume_from_checkpoint latest" in stopped[0][2]
+    assert not traced_through_a_recipe(run.output) and "KeyboardInterrupt" not in run.output, str(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_resumed_in_another_process_count_it_ends_as_the_uninterrupted_run(runs, name):
+    uninterrupted, resumed = runs[name]["uninterrupted"], runs[name]["resumed"]
+    assert uninterrupted.returncode == 0, str(uninterrupted)
+    assert resumed.returncode == 0, str(resumed)
+    step = int(STOPPED.findall(runs[name]["stopped"].output)[0][0])
+    assert re.search(rf"resumed from \S+step_0*{step} at step {step}\b", resumed.output), str(resumed)
+    folder = runs[name]["folder"]
+    expected, got = read_results(folder / "uninterrupted"), read_results(folder / "stopped")
+    assert len(got["train/loss_curve"]) == len(expected["train/loss_curve"])
+    np.testing.assert_allclose(got["train/loss_curve"], expected["train/loss_curve"], rtol=0, atol=1e-6)
+    expected, got = saved_tensors(folder / "uninterrupted"), saved_tensors(folder / "stopped")
+    assert expected and got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", offering("--resume_from_checkpoint", "damaged_checkpoint_skipped"))
+def test_latest_skips_a_damaged_newer_checkpoint_and_says_so(runs, name):
+    damaged, resumed = runs[name]["damaged"], runs[name]["resumed"]
+    assert f"skipping the damaged checkpoint {damaged.name}" in resumed.output, str(resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_a_resume_with_another_seed_is_refused_once(runs, name):
+    run = runs[name]["reseeded"]
+    assert run.returncode != 0, str(run)
+    printed = errors(run.output)
+    assert len(printed) == 1 and "seed" in printed[0] and "42" in printed[0] and "7" in printed[0], str(run)
+    assert not traced_through_a_recipe(run.output), str(run)
+
+
+@pytest.mark.slow
+def test_the_toy_refuses_a_damaged_checkpoint_and_another_process_count_in_one_line(runs):
+    toy = runs["linear_toy.py"]
+    damaged, other = toy["damaged_refused"], toy["other_count_refused"]
+    assert damaged.returncode != 0 and other.returncode != 0
+    assert (
+        errors(damaged.output)
+        == [
+            line for line in errors(damaged.output) if f"cannot resume from {toy['damaged']}: it does not load" in line
+        ]
+        and len(errors(damaged.output)) == 1
+    ), str(damaged)
+    assert len(errors(other.output)) == 1 and "'processes': 2" in errors(other.output)[0], str(other)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_every_recipe_prints_the_parallelism_it_chose(runs, name):
+    assert re.search(r"^parallelism: \w+ \(", runs[name]["uninterrupted"].output, re.MULTILINE), name
