@@ -141,10 +141,9 @@ def main():
             f"--output_dir {args.output_dir!r} already holds an earlier run's output ({', '.join(held)}). "
             "Pass --overwrite_output_dir to replace it, --resume_from_checkpoint latest to continue that run.",
         )
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        refuse(accelerator, f"Cannot use --output_dir {args.output_dir!r}: {error.strerror}.")
+    existing = next(folder for folder in [output_dir, *output_dir.absolute().parents] if folder.exists())
+    if not (existing.is_dir() and os.access(existing, os.W_OK)):  # (created by the first save: none if refused)
+        refuse(accelerator, f"Cannot use --output_dir {args.output_dir!r}: {existing} is no folder you can write to.")
     # Samples per optimizer step (with sequences, x sequence length gives the tokens).
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     # What a resume must keep: the data, its order, the steps.

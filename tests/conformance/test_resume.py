@@ -88,7 +88,10 @@ def runs(tmp_path_factory) -> dict:
 
 
 def errors(output: str) -> list[str]:
-    return [line for line in output.splitlines() if re.match(r"(\[rank \d+\] )?error: ", line)]
+    """The error lines the recipe's processes printed: a line, or a progress bar's last update (\\r) that a line
+    followed on the same line (not the launcher's quotes of them, "  traceback : error: ...")."""
+    found = [re.match(r"^(?:.*\])?\s*((?:\[rank \d+\] )?error: .*)$", part) for part in re.split(r"[\r\n]", output)]
+    return [match.group(1) for match in found if match]
 
 
 def traced_through_a_recipe(output: str) -> bool:
