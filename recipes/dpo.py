@@ -80,7 +80,8 @@ from shared.lora import lora_model
 from llm_kit.loading import causal_lm_config, load_base_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
-from dpo_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, precompute_reference
+from dpo_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, disable_dropout
+from dpo_kit.preference_data import precompute_reference
 from dpo_kit.preference_data import preference_format, reference_logps, sequence_logps, starting_point
 from dpo_kit.preference_data import stdlib_name_pairs, tokenize_pairs
 from shared.results import RunRecord
@@ -204,7 +205,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument(
         "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
     )
-    model.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
+    model.add_argument(
+        "--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (needs --no-disable_dropout)."
+    )
+    model.add_argument(
+        "--disable_dropout",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TRL's default: every dropout of the model and of LoRA set to 0, so that the policy starts as the "
+        "reference and each step's loss is exact. --no-disable_dropout trains with the model's dropout (the reference "
+        "is always scored without).",
+    )
     model.add_argument(
         "--lora_target_modules",
         nargs="+",
@@ -341,6 +352,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--label_smoothing is a share of mislabelled pairs in [0, 0.5), for --loss_type sigmoid only")
     if args.rpo_alpha is not None and not args.rpo_alpha >= 0:
         parser.error(f"--rpo_alpha weighs the chosen answers' NLL: 0 or more, not {args.rpo_alpha}")
+    if args.lora_dropout and args.disable_dropout:
+        parser.error(
+            f"--lora_dropout {args.lora_dropout} would be switched off: --disable_dropout (on by default, as in TRL) "
+            "sets every dropout of the policy and the reference to 0, LoRA's included. Add --no-disable_dropout."
+        )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
@@ -597,6 +613,11 @@ def main():
             dropout=args.lora_dropout,
             target_modules=args.lora_target_modules,
             task_type="CAUSAL_LM",
+        )
+    if args.disable_dropout and (switched := disable_dropout(model)):  # TRL's default: at step 0, policy = reference
+        accelerator.print(
+            f"dropout: off in the policy and the reference, as in TRL ({switched} dropout probabilities set to 0; "
+            "--no-disable_dropout keeps them)"
         )
     if lora:
         trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model

@@ -2,7 +2,8 @@
 (DDP, FSDP2, FSDP2 with offload), an exact resume, a full fine-tune whose reference is computed before training, an
 SFT adapter continued against its frozen copy, the reference equalities (the adapter switched off is the base; a
 precomputed reference is the live one), log-probs over the completion tokens only, TRL's loss formulas and RPO's NLL
-term, the three preference formats, and the refusals. CPU processes stand in for GPUs."""
+term, the three preference formats, dropout off as TRL's default (on GPT-2's shape too; the reference scored without
+dropout), and the refusals. CPU processes stand in for GPUs."""
 
 import json
 import math
@@ -35,11 +36,12 @@ EXACT = (
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny Llama, its BPE tokenizer without chat template or pad token, the offline pairs in the three formats
-    (explicit conversations, implicit-prompt conversations, strings in CSV), and an SFT adapter with random weights
-    (so that the SFT policy differs from the base)."""
+    (explicit conversations, implicit-prompt conversations, strings in CSV), an SFT adapter with random weights (so
+    that the SFT policy differs from the base) and LoRA dropout 0.1, and GPT-2's shape with GPT2Config's own dropout
+    (0.1 on the embeddings, attention and residuals), with string pairs of which two have a prompt of 64+ tokens."""
     import datasets
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
     from dpo_kit.preference_data import stdlib_name_pairs
 
@@ -66,10 +68,20 @@ def base(tmp_path_factory):
     torch.manual_seed(1)
     sft = get_peft_model(
         AutoModelForCausalLM.from_pretrained(folder),
-        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.1),
     )
     sft.peft_config["default"].base_model_name_or_path = str(folder)
     sft.save_pretrained(folder / "sft_adapter")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    special = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "bos_token_id": 0}
+    torch.manual_seed(2)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **special))
+    assert gpt2.config.resid_pdrop == gpt2.config.attn_pdrop == gpt2.config.embd_pdrop == 0.1
+    gpt2.save_pretrained(folder / "gpt2")
+    tokenizer.save_pretrained(folder / "gpt2")
+    long = [{**row, "prompt": (row["prompt"] + " ") * 8} for row in strings[:2]]  # 64+ tokens: dropped at 64
+    write_jsonl(folder / "strings_long.jsonl", long + strings[:32])  # first: the pairs after them move up
+    write_jsonl(folder / "strings_validation.jsonl", strings[32:])
     return folder
 
 
@@ -87,6 +99,20 @@ def runs(base, tmp_path_factory):
         base / "pairs.jsonl",
         "--validation_file",
         base / "pairs_validation.jsonl",
+    )
+    gpt2 = (
+        "--model_name_or_path",
+        base / "gpt2",
+        "--train_file",
+        base / "strings_long.jsonl",
+        "--validation_file",
+        base / "strings_validation.jsonl",
+        "--max_length",
+        "64",
+        "--max_train_steps",
+        "2",
+        "--logging_steps",
+        "1",
     )
     jobs = {
         # The same 8 pairs per step three ways; the 1x8 run also evaluates, scores answers and checkpoints.
@@ -168,6 +194,10 @@ def runs(base, tmp_path_factory):
             "--max_prompt_length",
             "12",
         ),
+        # GPT-2 with its dropout, the defaults otherwise (evaluation on): a new LoRA adapter and a full fine-tune, each
+        # step logged; the two pairs whose prompt fills --max_length are dropped.
+        "gpt2_lora": ("single_gpu.yaml", *gpt2, "--learning_rate", "1e-2"),
+        "gpt2_full": ("single_gpu.yaml", *gpt2, "--full_finetune"),
         # Resumed from the 1x8 run's step-2 checkpoint, to the same end.
         "resumed": Job(
             "single_gpu.yaml",
@@ -329,6 +359,24 @@ def test_an_sft_adapter_is_continued_against_its_frozen_copy(runs, base):
     assert results["data/counts"]["train"]["prompts_cut"] > 0
 
 
+@pytest.mark.slow
+def test_dropout_is_off_so_that_the_first_step_starts_at_the_reference(runs, base):
+    """TRL's disable_dropout, the default: GPT-2 keeps its dropout of 0.1 in its config, yet at step 1 the policy is
+    the reference, so every margin is 0 and the loss ln 2, with a new LoRA adapter (the reference: the adapter off)
+    and with a full fine-tune (the reference: log-probs computed before training). The continued SFT adapter's own
+    lora_dropout (0.1) is off too: its first loss is ln 2 (test_an_sft_adapter_is_continued_against_its_frozen_copy).
+    Without it, dropout in the policy's forward alone moves step 1 off the reference."""
+    for name in ("gpt2_lora", "gpt2_full"):
+        results, first = runs[name]["results"], runs[name]["results"]["train/log"][0]
+        assert first["step"] == 1 and results["method"] == name.removeprefix("gpt2_"), name
+        assert first["train/rewards/margins"] == pytest.approx(0, abs=1e-7), name
+        assert first["train/rewards/chosen"] == pytest.approx(0, abs=1e-7), name
+        assert results["train/loss_curve"][0] == pytest.approx(math.log(2), abs=1e-6), name
+        assert results["train/loss_curve"][-1] != results["train/loss_curve"][0], name  # and it trains
+        assert "dropout: off in the policy and the reference" in runs[name]["log"], name
+    assert json.loads((base / "gpt2" / "config.json").read_text())["resid_pdrop"] == 0.1
+
+
 # ----------------------------------------------------------------------------- in process: the reference, the loss
 @pytest.fixture(scope="module")
 def recipe():
@@ -448,6 +496,67 @@ def test_a_continued_adapter_s_reference_is_the_sft_policy(recipe, base):
     torch.testing.assert_close(reference, plain_logps(sft, pairs[:5]), rtol=1e-5, atol=1e-5)
     assert (reference - plain_logps(AutoModelForCausalLM.from_pretrained(base), pairs[:5])).abs().max() > 1e-3
     assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
+
+
+def test_the_reference_is_scored_without_dropout_whatever_the_flag(recipe, base):
+    """With --no-disable_dropout the policy trains with the model's dropout, but the reference stays one fixed policy,
+    as the precomputed one (computed in eval mode) is: in train mode, the continued SFT adapter's frozen copy (its
+    lora_dropout is 0.1) and GPT-2's base with a new adapter off (its dropout 0.1) give the log-probs of eval mode, and
+    leave the model in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    from dpo_kit.preference_data import continued_adapter
+    from shared.lora import lora_model
+
+    batch = next(iter(pair_batches(base)[0]))
+    continued = continued_adapter(AutoModelForCausalLM.from_pretrained(base), str(base / "sft_adapter"))
+    assert continued.peft_config["reference"].lora_dropout == 0.1
+    gpt2 = lora_model(
+        AutoModelForCausalLM.from_pretrained(base / "gpt2"),
+        str(base / "gpt2"),
+        r=4,
+        alpha=8,
+        dropout=0.1,
+        target_modules=["all-linear"],
+        task_type="CAUSAL_LM",
+    )
+    for name, model in (("continued adapter", continued), ("gpt2", gpt2)):
+        torch.manual_seed(0)
+        trained = [recipe.reference_logps(OneProcess, model.train(), batch, None) for _ in range(2)]
+        assert model.training, name
+        evaluated = recipe.reference_logps(OneProcess, model.eval(), batch, None)
+        for logps in trained:
+            torch.testing.assert_close(logps, evaluated, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_attention_dropout"])
+def test_disable_dropout_switches_off_every_dropout_of_the_policy(base, name):
+    """--disable_dropout (TRL's default) on users' shapes in train mode, with a LoRA adapter whose lora_dropout is 0.5:
+    GPT-2 (nn.Dropout modules, 0.1 from its config) and a Llama with attention_dropout 0.5, a float that the attention
+    function reads in train mode (TRL's disable_dropout_in_model sets nn.Dropout modules only, and misses it). Before,
+    two forwards differ; after, both give the eval-mode logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dpo_kit.preference_data import disable_dropout
+
+    folder = base / "gpt2" if name == "gpt2" else base
+    config = AutoConfig.from_pretrained(folder)
+    if name != "gpt2":
+        config.attention_dropout = 0.5
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config)
+    lora = LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.5, init_lora_weights=False)
+    model, ids = get_peft_model(model, lora), torch.arange(1, 40)[None]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.train()
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+        switched = disable_dropout(model)
+        trained = [model(ids).logits for _ in range(2)]
+        evaluated = model.eval()(ids).logits
+    assert switched > 0
+    for logits in trained:
+        torch.testing.assert_close(logits, evaluated, rtol=1e-6, atol=1e-6)
 
 
 def test_a_precomputed_reference_equals_the_live_one(recipe, base):
@@ -685,8 +794,9 @@ def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
 
 
 def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
-    """In-process: --precompute_reference with LoRA, a negative --rpo_alpha, an adapter trained on another base, a
-    prompt that leaves no completion token, a file without chosen/rejected. And one launch: a bad row stops the run
+    """In-process: --precompute_reference with LoRA, a negative --rpo_alpha, a --lora_dropout that --disable_dropout
+    (on by default) would switch off, an adapter trained on another base, a prompt that leaves no completion token, a
+    file without chosen/rejected. And one launch: a bad row stops the run
     with one paragraph naming the file and the row, printed once, and a non-zero exit."""
     import datasets
     from transformers import AutoTokenizer
@@ -700,6 +810,10 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     with pytest.raises(SystemExit):
         recipe.parse_args(["--rpo_alpha", "-1"])
     assert "--rpo_alpha weighs the chosen answers' NLL: 0 or more, not -1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--lora_dropout", "0.1"])
+    assert "--lora_dropout 0.1 would be switched off: --disable_dropout (on by default" in capsys.readouterr().err
+    assert recipe.parse_args(["--lora_dropout", "0.1", "--no-disable_dropout"]).disable_dropout is False
     with pytest.raises(RecipeError) as error:
         starting_point(OneProcess, str(base / "sft_adapter"), "Qwen/Qwen2.5-0.5B", True, base, REPO / "recipes")
     assert f"was trained on {str(base)!r}, not on --model_name_or_path 'Qwen/Qwen2.5-0.5B'" in error.value.message

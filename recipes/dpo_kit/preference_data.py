@@ -1,7 +1,8 @@
 """Preference pairs and the reference policy for DPO (``recipes/dpo.py``): TRL's preference formats read through
 ``llm_kit.sft_data.load_raw_datasets`` and checked row by row, token ids with the prompt cut from the left and the
 completions to ``max_length``, and batches that hold the chosen and the rejected completion of every pair (chosen rows
-first), so that one forward scores both; the adapter to continue, loaded twice, and the switch to the reference.
+first), so that one forward scores both; the adapter to continue, loaded twice, the switch to the reference, and
+dropout switched off.
 
 The formats (TRL's): ``standard``, ``prompt``/``chosen``/``rejected`` strings; ``conversational``, the same columns
 as lists of ``{role, content}`` messages; ``conversational_implicit``, no ``prompt`` column: ``chosen`` and
@@ -291,17 +292,40 @@ def continued_adapter(model, adapter: str):
 @contextlib.contextmanager
 def reference_policy(model):
     """The reference inside the block: the frozen ``reference`` adapter when there is one, else the base with the
-    adapter off (PEFT's ``disable_adapter``). ``set_adapter`` also sets requires_grad (on for the active adapter
-    unless ``inference_mode``): switching back to ``default`` leaves every flag as it was."""
-    if "reference" not in model.peft_config:
-        with model.disable_adapter():
-            yield
-        return
-    model.set_adapter("reference", inference_mode=True)
+    adapter off (PEFT's ``disable_adapter``), in eval mode: no dropout of the model or of LoRA (also where
+    ``--no-disable_dropout`` keeps it in the policy), so that the reference is one fixed policy, as the precomputed
+    one is. ``set_adapter`` also sets requires_grad (on for the active adapter unless ``inference_mode``): switching
+    back to ``default`` leaves every flag as it was, and the mode is restored."""
+    training = model.training
+    model.eval()
     try:
-        yield
+        if "reference" not in model.peft_config:
+            with model.disable_adapter():
+                yield
+            return
+        model.set_adapter("reference", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter("default")
     finally:
-        model.set_adapter("default")
+        model.train(training)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every dropout probability of ``model`` set to 0, LoRA's included, as TRL's ``disable_dropout`` (on by default)
+    does to the policy and the reference: its ``nn.Dropout`` modules, and the float attributes that attention
+    functions read in train mode (``attention_dropout`` of Llama, Qwen2, Mistral ..., which TRL's helper leaves on).
+    Returns how many were above 0."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            switched, module.p = switched + (module.p > 0), 0.0
+        for name, value in list(vars(module).items()):
+            if "drop" in name and isinstance(value, float):
+                switched += value > 0
+                setattr(module, name, 0.0)
+    return switched
 
 
 def sequence_logps(model, batch: dict) -> torch.Tensor:
