@@ -12,7 +12,8 @@ go through one forward (concatenated along the batch), with logits only at the c
 optimizer step is the mean over *all* pairs of the global batch (every process, every accumulation micro-batch), so
 1 process x 8 pairs, 2 processes x 4 and 1 x 4 x 2 accumulation give the same steps. Data in TRL's preference formats
 (``prompt``/``chosen``/``rejected`` strings or conversations, or conversations with the prompt in their shared first
-turns), from JSONL/JSON/CSV/Parquet files or a Hub dataset.
+turns), from JSONL/JSON/CSV/Parquet files or a Hub dataset, tokenized and cut as TRL 1.16's DPOTrainer does by default;
+dropout off, as its ``disable_dropout`` (docs/dpo.md lists what differs from TRL, and why).
 
 With no arguments it runs offline: the adapter llm_finetune.py saved in ``outputs/llm_finetune`` (else a fresh one on
 its base model, ``outputs/train_lm``, pretrained first when missing), on pairs of the SFT recipe's questions about
@@ -150,14 +151,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument(
         "--max_length",
         type=positive_int,
-        default=512,
-        help="Prompt + completion tokens at most: completions are cut to what the prompt leaves.",
+        default=1024,
+        help="Prompt + completion tokens at most (TRL's default and its keep_start cut): completions are cut to what "
+        "the prompt leaves, and a pair whose prompt alone fills it is dropped. Counted and reported.",
     )
     data.add_argument(
         "--max_prompt_length",
         type=positive_int,
-        help="Cut longer prompts from the left, keeping their "
-        "end (default: half of --max_length). Counted and reported.",
+        help="Cut longer prompts from the left, keeping their end next to the answer (TRL before 1.0), so that long "
+        "prompts keep their pair and leave room for the completion (default: none, as TRL 1.x). Counted and reported.",
     )
     data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")
     data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation pairs.")
@@ -373,7 +375,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
     args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
     args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
-    args.max_prompt_length = args.max_prompt_length or args.max_length // 2
     return args
 
 
@@ -568,12 +569,7 @@ def main():
             args.seed,
             args.max_train_samples,
             args.max_eval_samples,
-            partial(
-                preference_format,
-                tokenizer=tokenizer,
-                max_length=args.max_length,
-                max_prompt_length=args.max_prompt_length,
-            ),
+            preference_format,
             default_data=stdlib_name_pairs,
         )
         train_dataset, eval_dataset, counts = tokenize_pairs(
