@@ -12,7 +12,8 @@ go through one forward (concatenated along the batch), with logits only at the c
 optimizer step is the mean over *all* pairs of the global batch (every process, every accumulation micro-batch), so
 1 process x 8 pairs, 2 processes x 4 and 1 x 4 x 2 accumulation give the same steps. Data in TRL's preference formats
 (``prompt``/``chosen``/``rejected`` strings or conversations, or conversations with the prompt in their shared first
-turns), from JSONL/JSON/CSV/Parquet files or a Hub dataset.
+turns), from JSONL/JSON/CSV/Parquet files or a Hub dataset, tokenized and cut as TRL 1.16's DPOTrainer does by default;
+dropout off, as its ``disable_dropout`` (docs/dpo.md lists what differs from TRL, and why).
 
 With no arguments it runs offline: the adapter llm_finetune.py saved in ``outputs/llm_finetune`` (else a fresh one on
 its base model, ``outputs/train_lm``, pretrained first when missing), on pairs of the SFT recipe's questions about
@@ -81,7 +82,8 @@ from shared.lora import lora_model
 from llm_kit.loading import causal_lm_config, load_base_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
-from dpo_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, precompute_reference
+from dpo_kit.preference_data import SFT_DEFAULT, as_sft_rows, collate_pairs, continued_adapter, disable_dropout
+from dpo_kit.preference_data import precompute_reference
 from dpo_kit.preference_data import preference_format, reference_logps, sequence_logps, starting_point
 from dpo_kit.preference_data import stdlib_name_pairs, tokenize_pairs
 from shared.results import RunRecord
@@ -150,14 +152,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument(
         "--max_length",
         type=positive_int,
-        default=512,
-        help="Prompt + completion tokens at most: completions are cut to what the prompt leaves.",
+        default=1024,
+        help="Prompt + completion tokens at most (TRL's default and its keep_start cut): completions are cut to what "
+        "the prompt leaves, and a pair whose prompt alone fills it is dropped. Counted and reported.",
     )
     data.add_argument(
         "--max_prompt_length",
         type=positive_int,
-        help="Cut longer prompts from the left, keeping their "
-        "end (default: half of --max_length). Counted and reported.",
+        help="Cut longer prompts from the left, keeping their end next to the answer (TRL before 1.0), so that long "
+        "prompts keep their pair and leave room for the completion (default: none, as TRL 1.x). Counted and reported.",
     )
     data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")
     data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation pairs.")
@@ -205,7 +208,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument(
         "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
     )
-    model.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
+    model.add_argument(
+        "--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (needs --no-disable_dropout)."
+    )
+    model.add_argument(
+        "--disable_dropout",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="TRL's default: every dropout of the model and of LoRA set to 0, so that the policy starts as the "
+        "reference and each step's loss is exact. --no-disable_dropout trains with the model's dropout (the reference "
+        "is always scored without).",
+    )
     model.add_argument(
         "--lora_target_modules",
         nargs="+",
@@ -342,6 +355,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--label_smoothing is a share of mislabelled pairs in [0, 0.5), for --loss_type sigmoid only")
     if args.rpo_alpha is not None and not args.rpo_alpha >= 0:
         parser.error(f"--rpo_alpha weighs the chosen answers' NLL: 0 or more, not {args.rpo_alpha}")
+    if args.lora_dropout and args.disable_dropout:
+        parser.error(
+            f"--lora_dropout {args.lora_dropout} would be switched off: --disable_dropout (on by default, as in TRL) "
+            "sets every dropout of the policy and the reference to 0, LoRA's included. Add --no-disable_dropout."
+        )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
     args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
@@ -358,7 +376,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
     args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
     args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
-    args.max_prompt_length = args.max_prompt_length or args.max_length // 2
     return args
 
 
@@ -552,12 +569,7 @@ def main():
             args.seed,
             args.max_train_samples,
             args.max_eval_samples,
-            partial(
-                preference_format,
-                tokenizer=tokenizer,
-                max_length=args.max_length,
-                max_prompt_length=args.max_prompt_length,
-            ),
+            preference_format,
             default_data=stdlib_name_pairs,
         )
         train_dataset, eval_dataset, counts = tokenize_pairs(
@@ -597,6 +609,11 @@ def main():
             dropout=args.lora_dropout,
             target_modules=args.lora_target_modules,
             task_type="CAUSAL_LM",
+        )
+    if args.disable_dropout and (switched := disable_dropout(model)):  # TRL's default: at step 0, policy = reference
+        accelerator.print(
+            f"dropout: off in the policy and the reference, as in TRL ({switched} dropout probabilities set to 0; "
+            "--no-disable_dropout keeps them)"
         )
     if lora:
         trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model

@@ -724,7 +724,7 @@ def test_dpo_vs_trl_judges_only_equal_work_and_equal_losses(tmp_path, monkeypatc
             "pairs_prepared_by_trl": 8,
             "num_differing": 0,
             "differing": [],
-            "prompts_cut_by_recipe": 0,
+            "pairs_dropped_by_recipe": 0,
         }
         return dpo_vs_trl.side(steps, warmup, [0.2] * 6, {"cpu": 1.0}, log) | {"ids_check": ids, "profile": None}
 

@@ -2,11 +2,15 @@
 (DDP, FSDP2, FSDP2 with offload), an exact resume, a full fine-tune whose reference is computed before training, an
 SFT adapter continued against its frozen copy, the reference equalities (the adapter switched off is the base; a
 precomputed reference is the live one), log-probs over the completion tokens only, TRL's loss formulas and RPO's NLL
-term, the three preference formats, and the refusals. CPU processes stand in for GPUs."""
+term, the three preference formats, TRL's defaults (dropout off, on GPT-2's shape too; the reference scored without
+dropout; token ids as TRL's own preprocessing makes them), and the refusals. CPU processes stand in for GPUs."""
 
+import collections
 import json
 import math
 import sys
+import types
+from functools import partial
 
 import numpy as np
 import pytest
@@ -35,11 +39,12 @@ EXACT = (
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """A tiny Llama, its BPE tokenizer without chat template or pad token, the offline pairs in the three formats
-    (explicit conversations, implicit-prompt conversations, strings in CSV), and an SFT adapter with random weights
-    (so that the SFT policy differs from the base)."""
+    (explicit conversations, implicit-prompt conversations, strings in CSV), an SFT adapter with random weights (so
+    that the SFT policy differs from the base) and LoRA dropout 0.1, and GPT-2's shape with GPT2Config's own dropout
+    (0.1 on the embeddings, attention and residuals), with string pairs of which two have a prompt of 64+ tokens."""
     import datasets
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
 
     from dpo_kit.preference_data import stdlib_name_pairs
 
@@ -66,10 +71,20 @@ def base(tmp_path_factory):
     torch.manual_seed(1)
     sft = get_peft_model(
         AutoModelForCausalLM.from_pretrained(folder),
-        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.1),
     )
     sft.peft_config["default"].base_model_name_or_path = str(folder)
     sft.save_pretrained(folder / "sft_adapter")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    special = {"vocab_size": len(tokenizer), "eos_token_id": tokenizer.eos_token_id, "bos_token_id": 0}
+    torch.manual_seed(2)
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, **special))
+    assert gpt2.config.resid_pdrop == gpt2.config.attn_pdrop == gpt2.config.embd_pdrop == 0.1
+    gpt2.save_pretrained(folder / "gpt2")
+    tokenizer.save_pretrained(folder / "gpt2")
+    long = [{**row, "prompt": (row["prompt"] + " ") * 8} for row in strings[:2]]  # 64+ tokens: dropped at 64
+    write_jsonl(folder / "strings_long.jsonl", long + strings[:32])  # first: the pairs after them move up
+    write_jsonl(folder / "strings_validation.jsonl", strings[32:])
     return folder
 
 
@@ -87,6 +102,20 @@ def runs(base, tmp_path_factory):
         base / "pairs.jsonl",
         "--validation_file",
         base / "pairs_validation.jsonl",
+    )
+    gpt2 = (
+        "--model_name_or_path",
+        base / "gpt2",
+        "--train_file",
+        base / "strings_long.jsonl",
+        "--validation_file",
+        base / "strings_validation.jsonl",
+        "--max_length",
+        "64",
+        "--max_train_steps",
+        "2",
+        "--logging_steps",
+        "1",
     )
     jobs = {
         # The same 8 pairs per step three ways; the 1x8 run also evaluates, scores answers and checkpoints.
@@ -168,6 +197,10 @@ def runs(base, tmp_path_factory):
             "--max_prompt_length",
             "12",
         ),
+        # GPT-2 with its dropout, the defaults otherwise (evaluation on): a new LoRA adapter and a full fine-tune, each
+        # step logged; the two pairs whose prompt fills --max_length are dropped.
+        "gpt2_lora": ("single_gpu.yaml", *gpt2, "--learning_rate", "1e-2"),
+        "gpt2_full": ("single_gpu.yaml", *gpt2, "--full_finetune"),
         # Resumed from the 1x8 run's step-2 checkpoint, to the same end.
         "resumed": Job(
             "single_gpu.yaml",
@@ -329,6 +362,36 @@ def test_an_sft_adapter_is_continued_against_its_frozen_copy(runs, base):
     assert results["data/counts"]["train"]["prompts_cut"] > 0
 
 
+@pytest.mark.slow
+def test_dropout_is_off_so_that_the_first_step_starts_at_the_reference(runs, base):
+    """TRL's disable_dropout, the default: GPT-2 keeps its dropout of 0.1 in its config, yet at step 1 the policy is
+    the reference, so every margin is 0 and the loss ln 2, with a new LoRA adapter (the reference: the adapter off)
+    and with a full fine-tune (the reference: log-probs computed before training). The continued SFT adapter's own
+    lora_dropout (0.1) is off too: its first loss is ln 2 (test_an_sft_adapter_is_continued_against_its_frozen_copy).
+    Without it, dropout in the policy's forward alone moves step 1 off the reference."""
+    for name in ("gpt2_lora", "gpt2_full"):
+        results, first = runs[name]["results"], runs[name]["results"]["train/log"][0]
+        assert first["step"] == 1 and results["method"] == name.removeprefix("gpt2_"), name
+        assert first["train/rewards/margins"] == pytest.approx(0, abs=1e-7), name
+        assert first["train/rewards/chosen"] == pytest.approx(0, abs=1e-7), name
+        assert results["train/loss_curve"][0] == pytest.approx(math.log(2), abs=1e-6), name
+        assert results["train/loss_curve"][-1] != results["train/loss_curve"][0], name  # and it trains
+        assert "dropout: off in the policy and the reference" in runs[name]["log"], name
+    assert json.loads((base / "gpt2" / "config.json").read_text())["resid_pdrop"] == 0.1
+
+
+@pytest.mark.slow
+def test_pairs_whose_prompt_fills_max_length_are_dropped_and_counted(runs):
+    """TRL's rule: a pair whose prompt alone fills --max_length has no completion token left, and is dropped; the
+    data line and results.json say how many, per split."""
+    results, log = runs["gpt2_lora"]["results"], runs["gpt2_lora"]["log"]
+    assert results["data/counts"]["train"]["pairs"] == 32 and results["data/counts"]["train"]["dropped"] == 2
+    assert results["data/counts"]["validation"]["dropped"] == 0 and results["eval/num_pairs"] == 8
+    data_line = next(line for line in log.splitlines() if "data: format standard" in line)
+    assert "train 32 pairs (2 dropped: their prompt alone fills --max_length 64" in data_line
+    assert "validation 8 pairs (0 dropped" in data_line
+
+
 # ----------------------------------------------------------------------------- in process: the reference, the loss
 @pytest.fixture(scope="module")
 def recipe():
@@ -369,7 +432,7 @@ def pair_batches(base, fmt_file="pairs.jsonl", batch_size=5, shuffle=False):
     tokenizer.pad_token, tokenizer.chat_template = tokenizer.eos_token, DEFAULT_CHAT_TEMPLATE
     rows = datasets.load_dataset("json", data_files=str(base / fmt_file), split="train")
     fmt = preference_format(rows, "test")
-    pairs = [{**tokenize_pair(row, fmt, tokenizer, 512, 256), "index": i} for i, row in enumerate(rows)]
+    pairs = [{**tokenize_pair(row, fmt, tokenizer, 512), "index": i} for i, row in enumerate(rows)]
     generator = torch.Generator().manual_seed(0)
     loader = torch.utils.data.DataLoader(
         pairs,
@@ -448,6 +511,67 @@ def test_a_continued_adapter_s_reference_is_the_sft_policy(recipe, base):
     torch.testing.assert_close(reference, plain_logps(sft, pairs[:5]), rtol=1e-5, atol=1e-5)
     assert (reference - plain_logps(AutoModelForCausalLM.from_pretrained(base), pairs[:5])).abs().max() > 1e-3
     assert {name for name, p in model.named_parameters() if p.requires_grad} == trainable
+
+
+def test_the_reference_is_scored_without_dropout_whatever_the_flag(recipe, base):
+    """With --no-disable_dropout the policy trains with the model's dropout, but the reference stays one fixed policy,
+    as the precomputed one (computed in eval mode) is: in train mode, the continued SFT adapter's frozen copy (its
+    lora_dropout is 0.1) and GPT-2's base with a new adapter off (its dropout 0.1) give the log-probs of eval mode, and
+    leave the model in train mode."""
+    from transformers import AutoModelForCausalLM
+
+    from dpo_kit.preference_data import continued_adapter
+    from shared.lora import lora_model
+
+    batch = next(iter(pair_batches(base)[0]))
+    continued = continued_adapter(AutoModelForCausalLM.from_pretrained(base), str(base / "sft_adapter"))
+    assert continued.peft_config["reference"].lora_dropout == 0.1
+    gpt2 = lora_model(
+        AutoModelForCausalLM.from_pretrained(base / "gpt2"),
+        str(base / "gpt2"),
+        r=4,
+        alpha=8,
+        dropout=0.1,
+        target_modules=["all-linear"],
+        task_type="CAUSAL_LM",
+    )
+    for name, model in (("continued adapter", continued), ("gpt2", gpt2)):
+        torch.manual_seed(0)
+        trained = [recipe.reference_logps(OneProcess, model.train(), batch, None) for _ in range(2)]
+        assert model.training, name
+        evaluated = recipe.reference_logps(OneProcess, model.eval(), batch, None)
+        for logps in trained:
+            torch.testing.assert_close(logps, evaluated, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_attention_dropout"])
+def test_disable_dropout_switches_off_every_dropout_of_the_policy(base, name):
+    """--disable_dropout (TRL's default) on users' shapes in train mode, with a LoRA adapter whose lora_dropout is 0.5:
+    GPT-2 (nn.Dropout modules, 0.1 from its config) and a Llama with attention_dropout 0.5, a float that the attention
+    function reads in train mode (TRL's disable_dropout_in_model sets nn.Dropout modules only, and misses it). Before,
+    two forwards differ; after, both give the eval-mode logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dpo_kit.preference_data import disable_dropout
+
+    folder = base / "gpt2" if name == "gpt2" else base
+    config = AutoConfig.from_pretrained(folder)
+    if name != "gpt2":
+        config.attention_dropout = 0.5
+    model = AutoModelForCausalLM.from_pretrained(folder, config=config)
+    lora = LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.5, init_lora_weights=False)
+    model, ids = get_peft_model(model, lora), torch.arange(1, 40)[None]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.train()
+        assert not torch.equal(model(ids).logits, model(ids).logits)
+        switched = disable_dropout(model)
+        trained = [model(ids).logits for _ in range(2)]
+        evaluated = model.eval()(ids).logits
+    assert switched > 0
+    for logits in trained:
+        torch.testing.assert_close(logits, evaluated, rtol=1e-6, atol=1e-6)
 
 
 def test_a_precomputed_reference_equals_the_live_one(recipe, base):
@@ -628,23 +752,172 @@ def test_lora_dpo_trains_a_tied_qwen2_and_gpt2_s_conv1d_layers(recipe, base, tmp
     assert head is model.get_input_embeddings().weight and not head.requires_grad
 
 
-def test_long_prompts_are_cut_from_the_left_and_completions_to_what_max_length_leaves(base):
-    """The end of a long prompt (next to the answer) is kept; each completion gets what --max_length leaves."""
+USER, ANSWER = {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}
+
+
+def chat_tokenizer_of(base, bos: bool = False):
+    """The base's tokenizer as the recipe sets it up (pad token, the default chat template); with ``bos``, one that
+    starts every text with a beginning-of-sequence token, as Llama's and Gemma's do."""
+    from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
+
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.pad_token, tokenizer.chat_template = tokenizer.eos_token, DEFAULT_CHAT_TEMPLATE
+    if bos:
+        tokenizer.add_special_tokens({"bos_token": "<s>"})
+        processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+        tokenizer.backend_tokenizer.post_processor = processor
+    return tokenizer
+
+
+def test_pairs_are_tokenized_and_cut_as_trl_does_by_default(base):
+    """TRL 1.16's DPOTrainer by default (its _prepare_dataset and collator): the end-of-sequence token appended to a
+    string completion only when it does not end with it already; prompt and prompt + completion tokenized whole, the
+    completion starting where their tokens differ (a prompt ending in a space gives the space to the completion's
+    first token); keep_start: prompt + completion cut at max_length, the prompt kept whole, and a pair whose prompt
+    alone fills max_length dropped. --max_prompt_length (TRL before 1.0) first cuts a prompt from the left."""
+    from dpo_kit.preference_data import tokenize_pair
+
+    tokenizer = chat_tokenizer_of(base)
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+
+    def whole(text):
+        return tokenizer(text)["input_ids"]
+
+    row = {"prompt": "Is os.path a module?", "chosen": " yes", "rejected": " no" + eos}
+    pair = tokenize_pair(row, "standard", tokenizer, 1024)
+    assert pair["prompt_ids"] + pair["chosen_ids"] == whole(row["prompt"] + " yes" + eos)
+    assert pair["prompt_ids"] + pair["rejected_ids"] == whole(row["prompt"] + " no" + eos)  # one EOS, not two
+    assert pair["rejected_ids"][-1] == eos_id and pair["rejected_ids"].count(eos_id) == 1
+    assert pair["prompt_ids"] == whole(row["prompt"]) and not pair["dropped"]
+
+    row = {"prompt": "Is asyncio.run a class, a function or a method? ", "chosen": "a function", "rejected": "a class"}
+    pair, apart = tokenize_pair(row, "standard", tokenizer, 1024), whole(row["prompt"])
+    assert pair["prompt_ids"] + pair["chosen_ids"] == whole(row["prompt"] + row["chosen"] + eos)
+    assert pair["prompt_ids"] == apart[:-1] and tokenizer.decode(apart[-1:]) == " "  # the space went on
+    assert tokenizer.decode(pair["chosen_ids"][:1]) == tokenizer.decode(pair["rejected_ids"][:1]) == " a"
+    assert pair["prompt_merged"]
+
+    row = {"prompt": "Is os.path a module?", "chosen": "a function, of course " * 6, "rejected": " no"}
+    pair = tokenize_pair(row, "standard", tokenizer, 20)
+    assert pair["prompt_ids"] == whole(row["prompt"]) and len(pair["prompt_ids"] + pair["chosen_ids"]) == 20
+    assert pair["prompt_ids"] + pair["chosen_ids"] == whole(row["prompt"] + row["chosen"])[:20]
+    assert pair["rejected_ids"] == whole(row["prompt"] + " no" + eos)[len(pair["prompt_ids"]) :]
+    assert pair["completion_cut"] and not pair["dropped"] and not pair["prompt_cut"]
+
+    row = {"prompt": "Is asyncio.run a class or a function?" * 3, "chosen": " yes", "rejected": " no"}
+    prompt = whole(row["prompt"])
+    assert len(prompt) > 20
+    assert tokenize_pair(row, "standard", tokenizer, 20)["dropped"]
+    pair = tokenize_pair(row, "standard", tokenizer, 20, max_prompt_length=8)
+    assert pair["prompt_ids"] == prompt[-8:] and pair["prompt_cut"] and not pair["dropped"]
+    assert pair["chosen_ids"] == whole(row["prompt"] + " yes" + eos)[len(prompt) :][:4]
+
+    prompt = [{"role": "system", "content": "One word."}, {"role": "user", "content": "Is os.path a module? "}]
+    row = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "yes"}], "rejected": [ANSWER]}
+    pair = tokenize_pair(row, "conversational", tokenizer, 1024)
+    template = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True)
+    assert pair["prompt_ids"] == template(prompt, add_generation_prompt=True)["input_ids"]
+    assert pair["prompt_ids"] + pair["chosen_ids"] == template(prompt + row["chosen"])["input_ids"]
+    assert pair["prompt_ids"] + pair["rejected_ids"] == template(prompt + row["rejected"])["input_ids"]
+    assert pair["chosen_ids"].count(eos_id) == 1  # the template's own EOS: nothing appended to a conversation
+
+
+STRINGS = [
+    {"prompt": "Is asyncio.run a class, a function or a method? ", "chosen": "a function", "rejected": "a class"},
+    {"prompt": "Is os.path a module?", "chosen": " yes<|endoftext|>", "rejected": " no"},
+    {"prompt": "Is asyncio.run a class or a function?" * 4, "chosen": " yes", "rejected": " no"},
+    {"prompt": "Name a module:", "chosen": " email.utils, of course" * 6, "rejected": " asyncio"},
+    {"prompt": "", "chosen": "A plain text.", "rejected": "Another text. "},
+]
+USER_LONG = {"role": "user", "content": "Is asyncio.run a class, a function or a method? " * 3}
+CONVERSATIONS = [
+    {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "B"}]},
+    {
+        "prompt": [{"role": "system", "content": "Answer in one word. "}, {"role": "user", "content": "Q? "}],
+        "chosen": [{"role": "assistant", "content": " yes"}],
+        "rejected": [{"role": "assistant", "content": "no " * 30}],
+    },
+    {"prompt": [USER_LONG], "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "B"}]},
+]
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["no_bos", "bos"])
+def test_token_ids_equal_trl_s_own_preprocessing(base, tmp_path, bos):
+    """Our ids against TRL's own (DPOTrainer._prepare_dataset, the function its trainer calls, then its collator's
+    keep_start cut at max_length 64): strings (a prompt ending in a space, a completion already ending in EOS, one cut
+    at max_length, a prompt that fills it, an empty prompt), conversations (the same, through the chat template) and
+    implicit-prompt conversations; a tokenizer without and with a beginning-of-sequence token. The same pairs are
+    kept, and each row's ids and completion mask are equal."""
+    pytest.importorskip("trl")
+    import datasets
+    from trl import DPOConfig
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
 
     from dpo_kit.preference_data import tokenize_pair
 
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    row = {
-        "prompt": "Is asyncio.run a class, a function or a method? " * 3,
-        "chosen": "a function, of course " * 4,
-        "rejected": "a class",
+    tokenizer, length = chat_tokenizer_of(base, bos), 64
+    config = DPOConfig(output_dir=str(tmp_path), max_length=length, bf16=False, report_to=[])
+    collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=length)
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in CONVERSATIONS]
+    counts = collections.Counter()
+    for rows, fmt in ((STRINGS, "standard"), (CONVERSATIONS, "conversational"), (implicit, "conversational_implicit")):
+        trainer = types.SimpleNamespace(_tokenizer=tokenizer)  # all that _prepare_dataset reads of its trainer
+        theirs = DPOTrainer._prepare_dataset(trainer, datasets.Dataset.from_list(rows), tokenizer, config, "train")
+        ours = [tokenize_pair(row, fmt, tokenizer, length) for row in rows]
+        kept = [pair for pair in ours if not pair["dropped"]]
+        assert len(kept) == len(theirs) == len(rows) - 1, fmt  # one long prompt in each
+        for index, (pair, trl_pair) in enumerate(zip(kept, theirs)):
+            ours_batch, trl_batch = collate([pair]), collate([trl_pair])
+            for key in ("input_ids", "completion_mask"):
+                assert torch.equal(ours_batch[key], trl_batch[key]), (fmt, index, key)
+        counts.update(key for pair in ours for key in ("completion_cut", "prompt_merged") if pair[key])
+    assert counts["completion_cut"] >= 2 and counts["prompt_merged"] >= 1, counts
+
+
+def test_the_data_line_counts_what_was_dropped_and_cut_and_refuses_when_nothing_is_left(base):
+    """tokenize_pairs: the pairs whose prompt fills --max_length are dropped from each split, counted and said in the
+    one data line; the kept pairs are indexed 0.. in their split (what a precomputed reference is looked up by); a
+    split left with no pair is refused, naming --max_length and the prompts' lengths."""
+    import datasets
+
+    from dpo_kit.preference_data import tokenize_pairs
+    from shared.runtime import RecipeError
+
+    printed = []
+    accelerator = type("Accelerator", (OneProcess,), {"print": staticmethod(printed.append)})
+    tokenizer = chat_tokenizer_of(base)
+    raw = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(STRINGS),  # the third prompt fills 40 tokens, the fourth answer is cut
+            "validation": datasets.Dataset.from_list(STRINGS[2:4]),
+        }
+    )
+    train, validation, counts = tokenize_pairs(accelerator, raw, "standard", tokenizer, 40, None)
+    assert counts["train"] == {"pairs": 4, "dropped": 1, "completions_cut": 1, "prompts_cut": 0, "prompts_merged": 1}
+    assert counts["validation"] == {
+        "pairs": 1,
+        "dropped": 1,
+        "completions_cut": 1,
+        "prompts_cut": 0,
+        "prompts_merged": 0,
     }
-    whole = tokenizer(row["prompt"])["input_ids"]
-    pair = tokenize_pair(row, "standard", tokenizer, max_length=20, max_prompt_length=8)
-    assert pair["prompt_ids"] == whole[-8:] and pair["prompt_cut"] and pair["completion_cut"]
-    chosen = tokenizer(row["chosen"], add_special_tokens=False)["input_ids"]
-    assert pair["chosen_ids"] == chosen[:12] and pair["rejected_ids"][-1] == tokenizer.eos_token_id
+    assert train["index"] == [0, 1, 2, 3] and validation["index"] == [0]
+    assert printed == [
+        "data: format standard; train 4 pairs (1 dropped: their prompt alone fills --max_length 40; 1 with a "
+        "completion cut at --max_length 40; 1 whose prompt's last token merges into the completion's first, as TRL "
+        "tokenizes them together); validation 1 pairs (1 dropped: their prompt alone fills --max_length 40; 1 with a "
+        "completion cut at --max_length 40)"
+    ]
+    raw["train"] = datasets.Dataset.from_list(STRINGS[:4])  # prompts of 8 tokens and more
+    with pytest.raises(RecipeError) as error:
+        tokenize_pairs(accelerator, raw, "standard", tokenizer, 8, None)
+    assert (
+        "--max_length 8 leaves no completion token in any train pair: every prompt fills it (the shortest has 8 "
+        "tokens" in error.value.message
+    )
 
 
 # ----------------------------------------------------------------------------- refusals
@@ -653,7 +926,6 @@ BAD_ROWS = [
     ({"prompt": "Q?", "chosen": "", "rejected": "no"}, "Row 2 of test has no 'chosen'"),
     ({"prompt": "Q?", "chosen": "same", "rejected": "same"}, "Row 2 of test: 'chosen' and 'rejected' are identical"),
 ]
-USER, ANSWER = {"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A"}
 BAD_CONVERSATIONS = [
     (
         {"chosen": [USER, ANSWER], "rejected": [{"role": "user", "content": "Other?"}, ANSWER]},
@@ -685,11 +957,11 @@ def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
 
 
 def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
-    """In-process: --precompute_reference with LoRA, a negative --rpo_alpha, an adapter trained on another base, a
-    prompt that leaves no completion token, a file without chosen/rejected. And one launch: a bad row stops the run
-    with one paragraph naming the file and the row, printed once, and a non-zero exit."""
+    """In-process: --precompute_reference with LoRA, a negative --rpo_alpha, a --lora_dropout that --disable_dropout
+    (on by default) would switch off, an adapter trained on another base, a file without chosen/rejected. And one
+    launch: a bad row stops the run with one paragraph naming the file and the row, printed once, and a non-zero
+    exit."""
     import datasets
-    from transformers import AutoTokenizer
 
     from dpo_kit.preference_data import preference_format, starting_point
     from shared.runtime import RecipeError
@@ -700,20 +972,13 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     with pytest.raises(SystemExit):
         recipe.parse_args(["--rpo_alpha", "-1"])
     assert "--rpo_alpha weighs the chosen answers' NLL: 0 or more, not -1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recipe.parse_args(["--lora_dropout", "0.1"])
+    assert "--lora_dropout 0.1 would be switched off: --disable_dropout (on by default" in capsys.readouterr().err
+    assert recipe.parse_args(["--lora_dropout", "0.1", "--no-disable_dropout"]).disable_dropout is False
     with pytest.raises(RecipeError) as error:
         starting_point(OneProcess, str(base / "sft_adapter"), "Qwen/Qwen2.5-0.5B", True, base, REPO / "recipes")
     assert f"was trained on {str(base)!r}, not on --model_name_or_path 'Qwen/Qwen2.5-0.5B'" in error.value.message
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    rows = datasets.Dataset.from_list(
-        [
-            {"prompt": "short", "chosen": "a", "rejected": "b"},
-            {"prompt": "a much longer prompt " * 8, "chosen": "a", "rejected": "b"},
-        ]
-    )
-    with pytest.raises(RecipeError) as error:
-        preference_format(rows, "--train_file 'x.jsonl'", tokenizer, max_length=16, max_prompt_length=16)
-    assert "Row 2 of --train_file 'x.jsonl': its 'prompt' has" in error.value.message
-    assert preference_format(rows, "x", tokenizer, max_length=16, max_prompt_length=8) == "standard"
     with pytest.raises(RecipeError) as error:
         preference_format(datasets.Dataset.from_list([{"prompt": "q", "completion": "a"}]), "x")
     assert "x has no 'chosen' and no 'rejected' column" in error.value.message

@@ -17,11 +17,10 @@ launch --config_file accelerate_configs/single_gpu.yaml``, ``--repeats`` rounds 
   (DPOConfig's default is True), ``gradient_checkpointing=False`` (default True), ``lr_scheduler_type``, no warm-up,
   ``optim="adamw_torch_fused"`` (the recipe's fused AdamW), ``logging_steps=1`` on both (per-step losses),
   ``set_seed`` before the trainer is built (the LoRA A matrices drawn from the same RNG state as the recipe's).
-  TRL 1.16 has no ``max_prompt_length``: it cuts prompt + completion from the end (``keep_start``); the recipe cuts
-  the prompt from the left to ``max_prompt_length`` and the completion to what is left. Both give the same rows
-  while no prompt exceeds ``max_prompt_length``: the ids check below refuses otherwise. Left at TRL's defaults
-  because they equal the recipe's: ``loss_type=["sigmoid"]``, ``label_smoothing=0``, no ``ld_alpha``, no
-  ``use_weighting``, ``precompute_ref_log_probs=False``, ``disable_dropout`` (the model has none; LoRA dropout 0),
+  Left at TRL's defaults because they equal the recipe's: ``truncation_mode="keep_start"`` (prompt + completion cut
+  at ``max_length`` from the end, a pair whose prompt fills it dropped: the recipe without ``--max_prompt_length``),
+  ``loss_type=["sigmoid"]``, ``label_smoothing=0``, no ``ld_alpha``, no ``use_weighting``,
+  ``precompute_ref_log_probs=False``, ``disable_dropout`` (on in both; the model has none, LoRA dropout 0),
   reference = the base with the adapter disabled, padding on the right, and the loss of a step the mean over its
   pairs (TRL: each micro-batch's mean, divided by the accumulation steps; equal micro-batches give the same mean).
 - Order: both samplers are Accelerate's seedable sampler, ``torch.randperm`` seeded with ``seed``.
@@ -91,7 +90,6 @@ PRESETS = {
             "vocab_size": 4096,
         },
         "max_length": 256,
-        "max_prompt_length": 128,
         "answer_chars": 700,
         "gradient_accumulation_steps": 1,  # 4 pairs (8 rows of ~220 tokens) a step: ~1.4 s of CPU here
         "max_train_steps": 12,
@@ -107,8 +105,7 @@ PRESETS = {
             "intermediate_size": 128,
             "vocab_size": 400,
         },
-        "max_length": 256,
-        "max_prompt_length": 128,  # the longest prompt has 115 tokens: the recipe cuts none
+        "max_length": 256,  # the longest prompt has 115 tokens: no pair dropped
         "answer_chars": 0,
         "max_train_steps": 16,
         "perf_warmup_steps": 3,
@@ -201,7 +198,7 @@ def build_inputs(work: Path, s: dict) -> tuple[Path, Path, Path]:
 
 # ------------------------------------------------------------------------------------------ A: the recipe
 RECIPE_FLAGS = (
-    "max_length max_prompt_length lora_r lora_alpha lora_dropout lora_target_modules beta loss_type "
+    "max_length lora_r lora_alpha lora_dropout lora_target_modules beta loss_type "
     "per_device_train_batch_size gradient_accumulation_steps max_train_steps learning_rate "
     "lr_scheduler_type num_warmup_steps weight_decay adam_epsilon max_grad_norm seed logging_steps "
     "perf_warmup_steps"
@@ -393,13 +390,14 @@ def trl_worker(args) -> None:
 
 def check_ids(trainer, tokenizer, raw, s: dict) -> dict:
     """Every training pair: TRL's rows (prepared dataset, then its collator's keep_start cut) against the recipe's
-    ``tokenize_pair``: the ids of prompt + chosen and prompt + rejected, and where the completion starts."""
+    ``tokenize_pair``: the pairs both keep, the ids of prompt + chosen and prompt + rejected, and where the completion
+    starts."""
     from dpo_kit.preference_data import tokenize_pair  # what the recipe tokenizes with
 
-    differing, prompts_cut, length = [], 0, s["max_length"]
-    for index, (row, theirs) in enumerate(zip(raw, trainer.train_dataset)):
-        ours = tokenize_pair(row, "conversational", tokenizer, length, s["max_prompt_length"])
-        prompts_cut += ours["prompt_cut"]
+    length = s["max_length"]
+    kept = [pair for row in raw if not (pair := tokenize_pair(row, "conversational", tokenizer, length))["dropped"]]
+    differing = [] if len(kept) == len(trainer.train_dataset) else ["the pairs kept"]
+    for index, (ours, theirs) in enumerate(zip(kept, trainer.train_dataset)):
         for column in ("chosen_ids", "rejected_ids"):
             if ours["prompt_ids"] + ours[column] != (theirs["prompt_ids"] + theirs[column])[:length] or len(
                 ours["prompt_ids"]
@@ -410,7 +408,7 @@ def check_ids(trainer, tokenizer, raw, s: dict) -> dict:
         "pairs_prepared_by_trl": len(trainer.train_dataset),
         "differing": differing[:20],
         "num_differing": len(differing),
-        "prompts_cut_by_recipe": prompts_cut,
+        "pairs_dropped_by_recipe": len(raw) - len(kept),
     }
 
 
@@ -529,15 +527,15 @@ def markdown(report: dict) -> str:
         f"Settings (both sides): preset `{s['preset']}`, model {s['model']}, fp32, 1 process, "
         f"{s['threads_per_process']} thread; LoRA r {s['lora_r']} alpha {s['lora_alpha']} dropout {s['lora_dropout']} "
         f"on {s['lora_target_modules']}; DPO {s['loss_type']}, beta {s['beta']}; {s['per_device_train_batch_size']} "
-        f"pairs x {s['gradient_accumulation_steps']} accumulation; max_length {s['max_length']} (prompts <= "
-        f"{s['max_prompt_length']}); {s['max_train_steps']} steps ({s['perf_warmup_steps']} warm-up left out of the "
+        f"pairs x {s['gradient_accumulation_steps']} accumulation; max_length {s['max_length']} (keep_start); "
+        f"{s['max_train_steps']} steps ({s['perf_warmup_steps']} warm-up left out of the "
         f"speed); lr {s['learning_rate']} {s['lr_scheduler_type']}, no warm-up, AdamW eps {s['adam_epsilon']}, clip "
         f"{s['max_grad_norm']}, seed {s['seed']}.",
         "",
         "## Equal to TRL",
         "",
         f"Token ids: {ids['pairs_checked']} training pairs, {ids['num_differing']} rows differ (TRL prepared "
-        f"{ids['pairs_prepared_by_trl']}; prompts the recipe cut: {ids['prompts_cut_by_recipe']}).",
+        f"{ids['pairs_prepared_by_trl']}; the recipe dropped {ids['pairs_dropped_by_recipe']}).",
         "Work per optimizer step: "
         + ", ".join(
             f"{k.replace('_', ' ')} recipe {v['recipe']:,.1f}, TRL {v['trl']:,.1f}"

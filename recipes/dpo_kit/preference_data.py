@@ -1,7 +1,8 @@
 """Preference pairs and the reference policy for DPO (``recipes/dpo.py``): TRL's preference formats read through
-``llm_kit.sft_data.load_raw_datasets`` and checked row by row, token ids with the prompt cut from the left and the
-completions to ``max_length``, and batches that hold the chosen and the rejected completion of every pair (chosen rows
-first), so that one forward scores both; the adapter to continue, loaded twice, and the switch to the reference.
+``llm_kit.sft_data.load_raw_datasets`` and checked row by row, token ids as TRL 1.16's DPOTrainer makes them by
+default (prompt and completion tokenized together, cut at ``max_length`` from the end, a pair whose prompt fills it
+dropped), and batches that hold the chosen and the rejected completion of every pair (chosen rows first), so that one
+forward scores both; the adapter to continue, loaded twice, the switch to the reference, and dropout switched off.
 
 The formats (TRL's): ``standard``, ``prompt``/``chosen``/``rejected`` strings; ``conversational``, the same columns
 as lists of ``{role, content}`` messages; ``conversational_implicit``, no ``prompt`` column: ``chosen`` and
@@ -13,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import math
+from functools import partial
 from pathlib import Path
 
 import datasets
@@ -27,16 +29,9 @@ FORMATS = ("standard", "conversational", "conversational_implicit")
 SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
 
 
-def preference_format(
-    dataset: datasets.Dataset,
-    source: str,
-    tokenizer=None,
-    max_length: int | None = None,
-    max_prompt_length: int | None = None,
-) -> str:
+def preference_format(dataset: datasets.Dataset, source: str) -> str:
     """The format of ``dataset`` (``FORMATS``), every row checked (``check_pair``; rows count from 1, as the lines of
-    a JSON Lines file). With ``tokenizer``: a prompt that, cut to ``max_prompt_length``, leaves no completion token at
-    ``max_length`` is refused too, by its row (only possible when ``max_prompt_length >= max_length``)."""
+    a JSON Lines file)."""
     columns = dataset.column_names
     missing = [name for name in ("chosen", "rejected") if name not in columns]
     if missing:
@@ -53,18 +48,8 @@ def preference_format(
             "prompt must be its own column (only conversations may hold it in their first turns)."
         )
     fmt = FORMATS[0] if not conversational else FORMATS[1] if "prompt" in columns else FORMATS[2]
-    check_prompts = tokenizer is not None and max_prompt_length >= max_length
     for number, row in enumerate(dataset, start=1):
-        where = f"Row {number} of {source}"
-        check_pair(row, fmt, where)
-        if check_prompts:
-            prompt = len(tokenize_pair(row, fmt, tokenizer, 10**9, 10**9)["prompt_ids"])
-            if min(prompt, max_prompt_length) >= max_length:
-                raise RecipeError(
-                    f"{where}: its 'prompt' has {prompt} tokens, which at --max_length {max_length} leaves no "
-                    f"completion token to compare (--max_prompt_length {max_prompt_length} cuts prompts only beyond "
-                    f"that). Use a --max_prompt_length below --max_length (default: half of it), or drop the row."
-                )
+        check_pair(row, fmt, f"Row {number} of {source}")
     return fmt
 
 
@@ -113,73 +98,103 @@ def split_pair(row: dict, fmt: str) -> tuple:
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def tokenize_pair(row: dict, fmt: str, tokenizer, max_length: int, max_prompt_length: int) -> dict:
-    """``prompt_ids``, ``chosen_ids``, ``rejected_ids`` of one pair: the prompt cut from the left to
-    ``max_prompt_length`` tokens (its end, next to the answer, is kept), each completion cut to what ``max_length``
-    leaves. Conversations: the chat template renders the prompt with its generation prompt and each whole
-    conversation; the completion is the rest of the text, tokenized on its own, so which tokens are the completion is
-    exact (as ``llm_kit.sft_data.tokenize_sample``). Strings: the prompt with the tokenizer's special tokens, the
-    completion without, plus the end-of-sequence token (TRL adds it too)."""
+def tokenize_pair(row: dict, fmt: str, tokenizer, max_length: int, max_prompt_length: int | None = None) -> dict:
+    """``prompt_ids``, ``chosen_ids``, ``rejected_ids`` of one pair as TRL 1.16's DPOTrainer makes them by default
+    (``_prepare_dataset``, then its collator's ``keep_start`` cut). The prompt alone and each prompt + completion are
+    tokenized whole: strings with the tokenizer's special tokens, each completion ending in the end-of-sequence token
+    (appended only when the text does not end with it); conversations through the chat template, the prompt with its
+    generation prompt. The completion starts where the prompt's tokens and both wholes' first differ: a prompt that
+    ends in a space gives it to the completion's first word, as the whole text is tokenized (``prompt_merged``).
+    Then prompt + completion is cut to ``max_length`` from its end; a pair whose prompt alone fills it has no
+    completion token left and is ``dropped`` (TRL drops it). With ``max_prompt_length`` (TRL before 1.0), a longer
+    prompt is first cut from the left, keeping its end, next to the answer (``prompt_cut``)."""
     prompt, chosen, rejected = split_pair(row, fmt)
-    completions = []
     if fmt == "standard":
-        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
-        for completion in (chosen, rejected):
-            ids = tokenizer(completion, add_special_tokens=not prompt)["input_ids"]
-            completions.append(ids + [tokenizer.eos_token_id])
+        eos = tokenizer.eos_token or ""
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        wholes = [
+            tokenizer(prompt + text + ("" if text.endswith(eos) else eos))["input_ids"] for text in (chosen, rejected)
+        ]
     else:
-        prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-        for completion in (chosen, rejected):
-            full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
-            if not full.startswith(prompt_text):
-                raise RecipeError(
-                    "The chat template does not render a conversation as a prefix of its continuation, "
-                    "so the completion tokens cannot be found exactly; use a template that does."
-                )
-            completions.append(tokenizer(full[len(prompt_text) :], add_special_tokens=False)["input_ids"])
-    prompt_cut = len(prompt_ids) > max_prompt_length
+        template = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True)
+        prompt_ids = template(prompt, add_generation_prompt=True)["input_ids"]
+        wholes = [template(prompt + completion)["input_ids"] for completion in (chosen, rejected)]
+    shared = min(common_prefix_length(prompt_ids, whole) for whole in wholes)
+    prompt_merged, prompt_ids, completions = shared < len(prompt_ids), wholes[0][:shared], [w[shared:] for w in wholes]
+    prompt_cut = max_prompt_length is not None and len(prompt_ids) > max_prompt_length
     prompt_ids = prompt_ids[len(prompt_ids) - max_prompt_length :] if prompt_cut else prompt_ids
-    room = max_length - len(prompt_ids)
+    room = max(max_length - len(prompt_ids), 0)
     return {
         "prompt_ids": prompt_ids,
         "chosen_ids": completions[0][:room],
         "rejected_ids": completions[1][:room],
+        "dropped": room == 0,
         "prompt_cut": prompt_cut,
-        "completion_cut": any(len(ids) > room for ids in completions),
+        "completion_cut": room > 0 and any(len(ids) > room for ids in completions),
+        "prompt_merged": prompt_merged,
     }
+
+
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    """How many leading tokens ``ids`` and ``other`` share."""
+    return next((index for index, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
 
 
 def tokenize_pairs(
-    accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int, max_prompt_length: int
+    accelerator,
+    raw_datasets: datasets.DatasetDict,
+    fmt: str,
+    tokenizer,
+    max_length: int,
+    max_prompt_length: int | None,
 ) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
-    """The training and validation pairs as token ids with their ``index`` in the split (what a precomputed
-    reference is looked up by), and per split how many pairs there are and how many were cut (said in one line).
-    Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
+    """The training and validation pairs as token ids (``tokenize_pair``) with their ``index`` in the split (what a
+    precomputed reference is looked up by), the pairs whose prompt fills ``max_length`` dropped; per split how many
+    pairs are kept, dropped and cut, said in one line. A split left without a pair is refused. Call it under
+    ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
     tokenized = raw_datasets.map(
-        lambda row, index: {**tokenize_pair(row, fmt, tokenizer, max_length, max_prompt_length), "index": index},
-        with_indices=True,
+        lambda row: tokenize_pair(row, fmt, tokenizer, max_length, max_prompt_length),
         remove_columns=raw_datasets["train"].column_names,
         desc="tokenizing pairs",
     )
-    counts = {
-        split: {
-            "pairs": len(tokenized[split]),
-            "prompts_cut": sum(tokenized[split]["prompt_cut"]),
-            "completions_cut": sum(tokenized[split]["completion_cut"]),
+    counts, kept = {}, {}
+    for split in ("train", "validation"):
+        kept[split] = tokenized[split].filter(lambda pair: not pair["dropped"], desc="dropping filled prompts")
+        counts[split] = {
+            "pairs": len(kept[split]),
+            "dropped": len(tokenized[split]) - len(kept[split]),
+            "completions_cut": sum(kept[split]["completion_cut"]),
+            "prompts_cut": sum(kept[split]["prompt_cut"]),
+            "prompts_merged": sum(kept[split]["prompt_merged"]),
         }
-        for split in tokenized
-    }
+        if not len(kept[split]):
+            prompts = sorted(len(ids) for ids in tokenized[split]["prompt_ids"])
+            raise RecipeError(
+                f"--max_length {max_length} leaves no completion token in any {split} pair: every prompt fills it "
+                f"(the shortest has {prompts[0]} tokens, the median {prompts[len(prompts) // 2]}). Use a --max_length "
+                "above them, or --max_prompt_length to cut prompts from the left."
+            )
+        columns = ["dropped", "prompt_cut", "completion_cut", "prompt_merged"]
+        kept[split] = kept[split].remove_columns(columns).add_column("index", range(len(kept[split])))
+
+    def said(c: dict) -> str:
+        parts = [
+            f"{c['dropped']} dropped: their prompt alone fills --max_length {max_length}",
+            f"{c['completions_cut']} with a completion cut at --max_length {max_length}",
+        ]
+        if max_prompt_length:
+            parts.append(f"{c['prompts_cut']} prompts cut from the left to --max_prompt_length {max_prompt_length}")
+        if c["prompts_merged"]:
+            parts.append(
+                f"{c['prompts_merged']} whose prompt's last token merges into the completion's first, as TRL "
+                "tokenizes them together"
+            )
+        return "; ".join(parts)
+
     accelerator.print(
-        f"data: format {fmt}; "
-        + "; ".join(
-            f"{split} {c['pairs']} pairs ({c['prompts_cut']} prompts cut from the left to --max_prompt_length "
-            f"{max_prompt_length}, {c['completions_cut']} with a completion cut at --max_length {max_length})"
-            for split, c in counts.items()
-        )
+        f"data: format {fmt}; " + "; ".join(f"{split} {c['pairs']} pairs ({said(c)})" for split, c in counts.items())
     )
-    tokenized = tokenized.remove_columns(["prompt_cut", "completion_cut"])
-    return tokenized["train"], tokenized["validation"], counts
+    return kept["train"], kept["validation"], counts
 
 
 def collate_pairs(pairs: list[dict], pad_token_id: int) -> dict:
@@ -291,17 +306,40 @@ def continued_adapter(model, adapter: str):
 @contextlib.contextmanager
 def reference_policy(model):
     """The reference inside the block: the frozen ``reference`` adapter when there is one, else the base with the
-    adapter off (PEFT's ``disable_adapter``). ``set_adapter`` also sets requires_grad (on for the active adapter
-    unless ``inference_mode``): switching back to ``default`` leaves every flag as it was."""
-    if "reference" not in model.peft_config:
-        with model.disable_adapter():
-            yield
-        return
-    model.set_adapter("reference", inference_mode=True)
+    adapter off (PEFT's ``disable_adapter``), in eval mode: no dropout of the model or of LoRA (also where
+    ``--no-disable_dropout`` keeps it in the policy), so that the reference is one fixed policy, as the precomputed
+    one is. ``set_adapter`` also sets requires_grad (on for the active adapter unless ``inference_mode``): switching
+    back to ``default`` leaves every flag as it was, and the mode is restored."""
+    training = model.training
+    model.eval()
     try:
-        yield
+        if "reference" not in model.peft_config:
+            with model.disable_adapter():
+                yield
+            return
+        model.set_adapter("reference", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter("default")
     finally:
-        model.set_adapter("default")
+        model.train(training)
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Every dropout probability of ``model`` set to 0, LoRA's included, as TRL's ``disable_dropout`` (on by default)
+    does to the policy and the reference: its ``nn.Dropout`` modules, and the float attributes that attention
+    functions read in train mode (``attention_dropout`` of Llama, Qwen2, Mistral ..., which TRL's helper leaves on).
+    Returns how many were above 0."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            switched, module.p = switched + (module.p > 0), 0.0
+        for name, value in list(vars(module).items()):
+            if "drop" in name and isinstance(value, float):
+                switched += value > 0
+                setattr(module, name, 0.0)
+    return switched
 
 
 def sequence_logps(model, batch: dict) -> torch.Tensor:
