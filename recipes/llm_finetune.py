@@ -71,7 +71,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
-from shared.flops import lm_flops_per_token
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from llm_kit.loading import (
     causal_lm_config,
@@ -577,14 +576,6 @@ def main():
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
-    flops_per_token = lm_flops_per_token(
-        config.hidden_size,
-        config.num_hidden_layers,
-        config.vocab_size,
-        total,
-        args.max_length,
-        trainable if lora else None,
-    )  # LoRA: no frozen weight grads
     record = RunRecord(
         accelerator,
         max_train_steps,
@@ -671,7 +662,7 @@ def main():
         "model/trainable_parameters": trainable,
         "model/total_parameters": total,
     }
-    record.write(output_dir, results, model, optimizer, flops_per_token=flops_per_token)  # a collective
+    record.write(output_dir, results, model, optimizer)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()
 

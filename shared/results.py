@@ -4,7 +4,7 @@ A recipe builds ``record = RunRecord(...)`` after ``prepare``, draws its batches
 calls ``record.step(...)`` after each optimizer step and ``record.write(...)`` at the end (a collective: every process
 gathers its numbers; the main one writes ``output_dir/results.json``). One metric vocabulary everywhere:
 ``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it),
-``perf/data_wait_fraction``, ``perf/mfu``, ``memory/peak_gib`` (per device).
+``perf/data_wait_fraction``, ``memory/peak_gib`` (per device).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
-
-from .flops import peak_bf16_flops
 
 GIB = 1024**3
 
@@ -167,8 +165,8 @@ class RunRecord:
                 self.answer_tokens += int(answer_tokens)
         self._window, self._last = [], now
 
-    def _perf(self, flops_per_token: float | None = None) -> dict:
-        """The perf/* entries; ``perf/mfu`` on CUDA with ``flops_per_token``: achieved FLOP/s over the GPUs' peak."""
+    def _perf(self) -> dict:
+        """The perf/* entries."""
         measured, steps = sum(self.step_times), len(self.step_times)
         summary = {
             "perf/measured_steps": steps,
@@ -183,18 +181,9 @@ class RunRecord:
             summary["perf/tokens_per_step"] = self.tokens / steps if steps else None
         if self.answer_tokens:
             summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
-        gpus = [device for device in self.devices if device.type == "cuda"]
-        if flops_per_token and gpus and summary.get("perf/tokens_per_sec"):
-            name = torch.cuda.get_device_name(gpus[0])
-            summary["perf/gpu_name"], summary["perf/peak_flops_per_device"] = name, peak_bf16_flops(name)
-            if summary["perf/peak_flops_per_device"]:  # every process drives len(gpus) GPUs (2 in a device_map split)
-                used = summary["perf/peak_flops_per_device"] * self.accelerator.num_processes * len(gpus)
-                summary["perf/mfu"] = summary["perf/tokens_per_sec"] * flops_per_token / used
         return summary
 
-    def write(
-        self, output_dir: str | os.PathLike, results: dict, model, optimizer=None, flops_per_token: float | None = None
-    ) -> Path:
+    def write(self, output_dir: str | os.PathLike, results: dict, model, optimizer=None) -> Path:
         """A collective (every process gathers its numbers): ``results`` with the loss curve, perf/* and memory/*
         entries, written by the main process to ``output_dir/results.json``; also logged to the trackers."""
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
@@ -225,7 +214,7 @@ class RunRecord:
             "resumed_from_step": self.resumed_from_step,
             "train/loss": curve[-1] if curve else None,
             "train/loss_curve": curve,
-            **self._perf(flops_per_token),
+            **self._perf(),
             "memory/peak_gib": per_device(self.train_peak or peak_memory_gib(self.devices)),
             "memory/load_peak_gib": per_device(self.load_peak),  # host RAM too: loading and offload live there
             "memory/host_peak_gib": {

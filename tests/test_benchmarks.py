@@ -304,13 +304,13 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     runs = {
         "lm-single": {
             "perf/tokens_per_sec": 1000.0,
-            "perf/mfu": 0.30,
+            "mfu": 0.30,
             "perf/step_time_p90_s": 1.1,
             "train/loss_curve": [7.0, 6.51],
         },
         "lm-single-compile": {
             "perf/tokens_per_sec": 1500.0,
-            "perf/mfu": 0.46,
+            "mfu": 0.46,
             "perf/step_time_p90_s": 0.7,
             "train/loss_curve": [7.0, 6.5],
         },
@@ -369,17 +369,44 @@ def test_gpu_check_only_pulls_in_the_references_its_comparisons_need():
 
 
 def fabricated_run(root: Path, name: str, **results) -> dict:
-    """A record and results.json as the runner leaves them, with made-up numbers."""
+    """A record and results.json as the runner leaves them, with made-up numbers: ``peak`` the record's peak memory,
+    ``mfu`` the MFU the runner computes (the recipes' results.json carry none)."""
     folder = root / "work" / name
     folder.mkdir(parents=True)
+    peak, mfu = results.pop("peak", None), results.pop("mfu", None)
     (folder / "results.json").write_text(json.dumps({"config": {}, **results}))
-    peak = results.pop("peak", None)
     return {
         "status": "ok",
         "run_id": name,
         "results_file": f"work/{name}/results.json",
         "memory/peak_gib": {"cuda:0": peak},
+        **({"perf/mfu": mfu} if mfu is not None else {}),
     }
+
+
+def test_mfu_is_the_runners_over_the_gpus_the_run_computed_on(tmp_path):
+    """The runner's MFU of an LM run (the recipes report none): tokens/s x FLOPs per token over the peak of each GPU
+    the run computed on, one per process or the GPUs of a device_map split, whose CPU part is no GPU; none off CUDA."""
+    model_config = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512}
+    results = {
+        "perf/tokens_per_sec": 1000.0,
+        "model/num_parameters": 200_000,
+        "config": {"model_config": model_config},
+    }
+    gpus = [{"name": "NVIDIA H100 80GB HBM3", "peak_bf16_flops": 989e12}]
+    one_gpu = 1000.0 * runner.flops_per_token(model_config, 200_000, 64)["flops/per_token"] / 989e12
+
+    def mfu(device: str, processes: int = 1, split: list[str] | None = None) -> float | None:
+        record = {"recipe": "train_lm", "processes": processes, "sequence_length": 64}
+        runner.add_flops(record, {**results, "device": device, "device_map_devices": split}, tmp_path, gpus)
+        assert record["perf/achieved_tflops"] > 0
+        return record.get("perf/mfu")
+
+    assert mfu("cuda:0") == pytest.approx(one_gpu)
+    assert mfu("cuda:0", processes=2) == pytest.approx(one_gpu / 2)
+    assert mfu("cuda:0", split=["cuda:0", "cuda:1"]) == pytest.approx(one_gpu / 2)
+    assert mfu("cuda:0", split=["cuda:0", "cpu"]) == pytest.approx(one_gpu)  # a split over one GPU and the CPU
+    assert mfu("cpu") is None
 
 
 def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):

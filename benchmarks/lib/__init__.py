@@ -6,6 +6,7 @@ and the studies (``studies/``) share, so that none of them imports another.
 - ``launch``: launching a recipe and waiting for its results.json, or running one unchanged inside a wrapper;
 - ``machine``: the CPU model and flags, RAM, GPUs and library versions of every record; the CPU time other
   processes used during a launch;
+- ``flops``: the two halves of MFU, training FLOPs per token and the GPUs' peak FLOP/s (the recipes report no MFU);
 - ``stats``: the 95 % interval of a ratio from side-by-side repeats;
 - ``questions``: the standard-library questions with docstring answers (the SFT comparison's data).
 
