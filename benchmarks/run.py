@@ -215,6 +215,17 @@ def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> N
         record["perf/mfu"] = achieved / (peak * used)
 
 
+# ------------------------------------------------------------------------------ model-state bytes
+def model_state(run_dir: Path) -> dict | None:
+    """Bytes of parameters, gradients and optimizer state per rank (``{"rank0": {...}, ...}``), as the recipe's
+    processes held them at the end: written beside results.json by benchmarks/with_model_state.py, which every recipe
+    launch goes through (None for the raw baseline)."""
+    files = sorted(
+        run_dir.glob("model_state_rank*.json"), key=lambda path: int(path.stem.removeprefix("model_state_rank"))
+    )
+    return {path.stem.removeprefix("model_state_"): json.loads(path.read_text()) for path in files} or None
+
+
 # ------------------------------------------------------------------------------ one run
 def spec_hash(spec: dict) -> str:
     """Identifies what a run does (its command without paths), to tell a finished run from a changed one."""
@@ -307,6 +318,7 @@ def execute(
         return {**record, "status": "failed", "reason": why, "error_tail": tail}
     results = json.loads(results_path.read_text())
     record.update(summarize(results, threads))
+    record["memory/model_state_bytes"] = model_state(run_dir)
     add_flops(record, results, run_dir, context["machine"]["gpus"])
     for path in run_dir.iterdir():
         # Keep the numbers and the log, not the trained weights (hundreds of MB per run at 350M) or tokenizers.

@@ -429,7 +429,7 @@ def main():
     if accelerator.is_main_process and args.sample_tokens > 0:  # greedy: the saved model generates the same
         prompt, tokens = args.sample_prompt, args.sample_tokens
         results |= greedy_sample(final_model, data.tokenizer, prompt, tokens, accelerator.device)
-    record.write(output_dir, results, model, optimizer)  # a collective
+    record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 

@@ -33,9 +33,9 @@ To use it in your project, copy recipes/train_lm.py, recipes/lm_kit/ and shared/
 launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
 
 Writes to ``output_dir``: the model in Hugging Face format (``model.safetensors``, config, the tokenizer; FSDP shards
-gathered into one), ``results.json`` (losses, ``eval/perplexity``, throughput, peak memory per device, model-state
-bytes per process, the resolved config) and, with ``--checkpointing_steps``, resumable checkpoints in
-``checkpoints/step_N`` (under FSDP each process writes its shard).
+gathered into one), ``results.json`` (losses, ``eval/perplexity``, throughput, peak memory per device, the resolved
+config) and, with ``--checkpointing_steps``, resumable checkpoints in ``checkpoints/step_N`` (under FSDP each process
+writes its shard).
 """
 
 import argparse
@@ -396,7 +396,7 @@ def main():
     if accelerator.is_main_process and args.sample_tokens > 0:  # greedy: the saved model generates the same
         prompt, tokens = args.sample_prompt, args.sample_tokens
         results |= greedy_sample(final_model, data.tokenizer, prompt, tokens, accelerator.device)
-    record.write(output_dir, results, model, optimizer)  # a collective
+    record.write(output_dir, results, model)  # a collective
     # Drop DDP while the process group lives: a gloo group gone first can deadlock DDP's reducer at exit (torch 2.13).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()

@@ -56,28 +56,6 @@ def write_results(
     return path
 
 
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of model state this process holds: parameters, gradients (one per trainable parameter), optimizer state
-    (the ZeRO accounting that decides whether a model fits; activations come on top). DDP holds all of it on every
-    process, FSDP 1/N (a DTensor reports its *global* shape: its local shard is counted). Tied weights count once."""
-    local = lambda tensor: tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    shards = {local(param).data_ptr(): (local(param), param.requires_grad) for param in model.parameters()}
-    parameters = sum(shard.numel() * shard.element_size() for shard, _ in shards.values())
-    gradients = sum(shard.numel() * shard.element_size() for shard, trained in shards.values() if trained)
-    optimizer_state = sum(
-        local(value).numel() * local(value).element_size()
-        for state in (optimizer.state.values() if optimizer else ())
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )  # Adam's 0-d step counter too: it is state
-    return {
-        "parameters": parameters,
-        "gradients": gradients,
-        "optimizer": optimizer_state,
-        "total": parameters + gradients + optimizer_state,
-    }
-
-
 class RunRecord:
     """The loss curve, the clock and peak memory of a run, written with the run's own results to ``results.json`` by
     ``write``. Build it after ``prepare``; ``loss_curve`` continues a resumed run's curve.
@@ -183,7 +161,7 @@ class RunRecord:
             summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
         return summary
 
-    def write(self, output_dir: str | os.PathLike, results: dict, model, optimizer=None) -> Path:
+    def write(self, output_dir: str | os.PathLike, results: dict, model) -> Path:
         """A collective (every process gathers its numbers): ``results`` with the loss curve, perf/* and memory/*
         entries, written by the main process to ``output_dir/results.json``; also logged to the trackers."""
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
@@ -194,11 +172,6 @@ class RunRecord:
             for device, gib in peaks.items()
         }
         curve = self.losses()
-        if accelerator.is_fsdp2:  # after a forward without backward (an evaluation) FSDP2 leaves the root unsharded:
-            from torch.distributed.fsdp import FSDPModule  # resharded, the bytes are those training held
-
-            for module in (module for module in model.modules() if isinstance(module, FSDPModule)):
-                module.reshard()
         unwrapped = accelerator.unwrap_model(model)  # a device_map split's map, on the PEFT wrapper or its base model
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         device_map = vars(unwrapped).get("hf_device_map") or getattr(base, "hf_device_map", None)
@@ -220,7 +193,6 @@ class RunRecord:
             "memory/host_peak_gib": {
                 rank: round(gib["cpu"], 4) for rank, gib in per_rank(peak_memory_gib([torch.device("cpu")])).items()
             },
-            "memory/model_state_bytes": per_rank(model_state_bytes(model, optimizer)),
             **results,
         }
         if accelerator.trackers:

@@ -82,6 +82,16 @@ def test_runs_recorded_with_the_schema(bench):
     assert ok["pipeline-gpipe-m2"]["parallelism"] == "pipeline" and ok["pipeline-gpipe-m2"]["num_microbatches"] == 2
     assert ok["device_map"]["config_file"] == "accelerate_configs/model_sharding_2gpu.yaml"
     assert "perf/mfu" not in ok["single"]  # MFU only on CUDA
+    # Bytes of model state, counted in each process by the runner's wrapper (benchmarks/with_model_state.py): under DDP
+    # every rank holds all of what one process holds; the pipeline's two stages hold the model's parameters between
+    # them.
+    single = ok["single"]["memory/model_state_bytes"]
+    assert set(single) == {"rank0"} and single["rank0"]["optimizer"] > single["rank0"]["parameters"] > 0
+    assert ok["ddp"]["memory/model_state_bytes"] == {"rank0": single["rank0"], "rank1": single["rank0"]}
+    stages = ok["pipeline-gpipe-m2"]["memory/model_state_bytes"]
+    assert set(stages) == {"rank0", "rank1"}
+    assert sum(stage["parameters"] for stage in stages.values()) == single["rank0"]["parameters"]
+    assert ok["raw_ddp"]["memory/model_state_bytes"] is None  # torchrun's baseline runs without the wrapper
     assert {record["purpose"] for record in records.values()} == {"smoke"}  # failed and skipped runs too
 
 
@@ -696,13 +706,19 @@ def imported_names(path: Path) -> set[str]:
 
 
 def test_benchmarks_import_only_their_library():
-    """The tools (runner, compare, GPU check, profiler) and the studies import ``lib`` and never each other: a study
-    that needs what another has (launching, the equal-work check, an interval) finds it in ``lib``. ``lib`` imports
-    neither. A tool or study that needs another's output runs it as a command."""
+    """The tools (runner, compare, GPU check, profiler, the runner's model-state wrapper) and the studies import
+    ``lib`` and never each other: a study that needs what another has (launching, the equal-work check, an interval)
+    finds it in ``lib``. ``lib`` imports neither. A tool or study that needs another's output runs it as a command."""
     tools = sorted((REPO / "benchmarks").glob("*.py"))
     studies = sorted((REPO / "benchmarks" / "studies").glob("*.py"))
     library = sorted((REPO / "benchmarks" / "lib").glob("*.py"))
-    assert {path.name for path in tools} == {"run.py", "compare.py", "gpu_check.py", "profile_recipe.py"}
+    assert {path.name for path in tools} == {
+        "run.py",
+        "compare.py",
+        "gpu_check.py",
+        "profile_recipe.py",
+        "with_model_state.py",
+    }
     assert {path.name for path in studies} >= {"vs_trl.py", "pipeline_vs_naive.py", "raw_ddp_lm.py", "loading.py"}
     ours = {path.stem for path in tools + studies}
     for path in tools + studies + library:
