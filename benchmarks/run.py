@@ -46,7 +46,7 @@ from lib.launch import CONFIGS
 from lib.machine import busy_cpu_seconds, library_versions, machine_info, own_cpu_seconds
 from lib.records import LM_RECIPES, SCHEMA, summarize  # the record schema, shared with compare.py
 from lib.specs import command_for, finetune_runs, llm_runs, lm_runs
-from shared.flops import lm_flops_per_token  # torch-free: the runner stays light
+from lib.flops import lm_flops_per_token  # torch-free: the runner stays light
 
 RUN_MARKER = "TWO_GPU_RECIPES_BENCH_RUN"  # in every process of a run, to find and kill them all on timeout
 
@@ -180,7 +180,7 @@ def plan_runs(matrix: dict, repeats: int) -> list[dict]:
 
 # ------------------------------------------------------------------------------ FLOPs and MFU
 def flops_per_token(model_config: dict, num_parameters: int, sequence_length: int) -> dict:
-    """Training FLOPs per token (shared.flops: 6N + 12 L H S), with the parts the records keep."""
+    """Training FLOPs per token (lib.flops: 6N + 12 L H S), with the parts the records keep."""
     hidden, layers = model_config["hidden_size"], model_config["num_hidden_layers"]
     return {
         "model/non_embedding_parameters": num_parameters - model_config["vocab_size"] * hidden,
@@ -192,7 +192,8 @@ def flops_per_token(model_config: dict, num_parameters: int, sequence_length: in
 
 
 def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> None:
-    """FLOPs per token, achieved FLOP/s and (on CUDA) MFU, for the language-model runs."""
+    """FLOPs per token, achieved FLOP/s and (on CUDA) MFU, for the language-model runs: MFU against the peak of the
+    machine's GPU (lib.flops), from the run's tokens/s (the recipes' results.json carry no MFU)."""
     if record["recipe"] not in LM_RECIPES or not results.get("perf/tokens_per_sec"):
         return
     model_config = results.get("config", {}).get("model_config") or {}
@@ -204,19 +205,25 @@ def add_flops(record: dict, results: dict, run_dir: Path, gpus: list[dict]) -> N
     record.update(flops_per_token(model_config, results["model/num_parameters"], record["sequence_length"]))
     achieved = results["perf/tokens_per_sec"] * record["flops/per_token"]
     record["perf/achieved_tflops"] = achieved / 1e12
-    if results.get("perf/mfu") is not None:  # the recipe measured it, against the peak of the GPU it ran on
-        record["perf/mfu"], record["perf/peak_flops_per_device"] = (
-            results["perf/mfu"],
-            results.get("perf/peak_flops_per_device"),
-        )
-        return
     on_cuda = str(results.get("device", "")).startswith("cuda")
     peak = gpus[0]["peak_bf16_flops"] if gpus else None
     if on_cuda and peak:
-        # Devices the run computes on: one per process, or the devices of a device_map split.
-        used = max(record["processes"], len(results.get("device_map_devices") or []))
+        # GPUs the run computes on: one per process, or the GPUs of a device_map split (not its CPU part).
+        split = [device for device in results.get("device_map_devices") or [] if device.startswith("cuda")]
+        used = max(record["processes"], len(split))
         record["perf/peak_flops_per_device"] = peak
         record["perf/mfu"] = achieved / (peak * used)
+
+
+# ------------------------------------------------------------------------------ model-state bytes
+def model_state(run_dir: Path) -> dict | None:
+    """Bytes of parameters, gradients and optimizer state per rank (``{"rank0": {...}, ...}``), as the recipe's
+    processes held them at the end: written beside results.json by benchmarks/with_model_state.py, which every recipe
+    launch goes through (None for the raw baseline)."""
+    files = sorted(
+        run_dir.glob("model_state_rank*.json"), key=lambda path: int(path.stem.removeprefix("model_state_rank"))
+    )
+    return {path.stem.removeprefix("model_state_"): json.loads(path.read_text()) for path in files} or None
 
 
 # ------------------------------------------------------------------------------ one run
@@ -311,6 +318,7 @@ def execute(
         return {**record, "status": "failed", "reason": why, "error_tail": tail}
     results = json.loads(results_path.read_text())
     record.update(summarize(results, threads))
+    record["memory/model_state_bytes"] = model_state(run_dir)
     add_flops(record, results, run_dir, context["machine"]["gpus"])
     for path in run_dir.iterdir():
         # Keep the numbers and the log, not the trained weights (hundreds of MB per run at 350M) or tokenizers.

@@ -760,7 +760,7 @@ def main():
         "model/trainable_parameters": trainable,
         "model/total_parameters": total,
     }
-    record.write(output_dir, results, model, optimizer)  # a collective
+    record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()
 

@@ -72,7 +72,6 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.flops import lm_flops_per_token
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from llm_kit.loading import (
     causal_lm_config,
@@ -591,14 +590,6 @@ def main():
         history={"train/loss_curve": record.losses()},
         batch=batch_shape,
     )
-    flops_per_token = lm_flops_per_token(
-        config.hidden_size,
-        config.num_hidden_layers,
-        config.vocab_size,
-        total,
-        args.max_length,
-        trainable if lora else None,
-    )  # LoRA: no frozen weight grads
     record = RunRecord(
         accelerator,
         max_train_steps,
@@ -679,7 +670,7 @@ def main():
         "model/trainable_parameters": trainable,
         "model/total_parameters": total,
     }
-    record.write(output_dir, results, model, optimizer, flops_per_token=flops_per_token)  # a collective
+    record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()
 

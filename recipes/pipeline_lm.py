@@ -445,7 +445,7 @@ def main():
         results |= greedy_sample(
             final_model, data.tokenizer, args.sample_prompt, args.sample_tokens, accelerator.device
         )
-    record.write(output_dir, results, model, optimizer, flops_per_token=split.flops_per_token)  # a collective
+    record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 

@@ -33,9 +33,9 @@ To use it in your project, copy recipes/train_lm.py, recipes/lm_kit/ and shared/
 launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
 
 Writes to ``output_dir``: the model in Hugging Face format (``model.safetensors``, config, the tokenizer; FSDP shards
-gathered into one), ``results.json`` (losses, ``eval/perplexity``, throughput, MFU on GPUs, peak memory per device,
-model-state bytes per process, the resolved config) and, with ``--checkpointing_steps``, resumable checkpoints in
-``checkpoints/step_N`` (under FSDP each process writes its shard).
+gathered into one), ``results.json`` (losses, ``eval/perplexity``, throughput, peak memory per device, the resolved
+config) and, with ``--checkpointing_steps``, resumable checkpoints in ``checkpoints/step_N`` (under FSDP each process
+writes its shard).
 """
 
 import argparse
@@ -411,7 +411,7 @@ def main():
         results |= greedy_sample(
             final_model, data.tokenizer, args.sample_prompt, args.sample_tokens, accelerator.device
         )
-    record.write(output_dir, results, model, optimizer, flops_per_token=split.flops_per_token)  # a collective
+    record.write(output_dir, results, model)  # a collective
     # Drop DDP while the process group lives: a gloo group gone first can deadlock DDP's reducer at exit (torch 2.13).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()

@@ -601,7 +601,7 @@ def main():
     results["train/padding_fraction"] = 1 - real / max(padded, 1)
     # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).
     results["train/grad_scale"] = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
-    record.write(output_dir, results, model, optimizer)  # a collective: the main process writes results.json
+    record.write(output_dir, results, model)  # a collective: the main process writes results.json
     # Drop the DDP wrapper while the process group lives: gloo can deadlock in DDP's destructor at exit (torch 2.13).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()

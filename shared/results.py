@@ -4,7 +4,7 @@ A recipe builds ``record = RunRecord(...)`` after ``prepare``, draws its batches
 calls ``record.step(...)`` after each optimizer step and ``record.write(...)`` at the end (a collective: every process
 gathers its numbers; the main one writes ``output_dir/results.json``). One metric vocabulary everywhere:
 ``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it),
-``perf/data_wait_fraction``, ``perf/mfu``, ``memory/peak_gib`` (per device).
+``perf/data_wait_fraction``, ``memory/peak_gib`` (per device).
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
-
-from .flops import peak_bf16_flops
 
 GIB = 1024**3
 
@@ -57,28 +55,6 @@ def write_results(
         tmp.write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
         os.replace(tmp, path)
     return path
-
-
-def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of model state this process holds: parameters, gradients (one per trainable parameter), optimizer state
-    (the ZeRO accounting that decides whether a model fits; activations come on top). DDP holds all of it on every
-    process, FSDP 1/N (a DTensor reports its *global* shape: its local shard is counted). Tied weights count once."""
-    local = lambda tensor: tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    shards = {local(param).data_ptr(): (local(param), param.requires_grad) for param in model.parameters()}
-    parameters = sum(shard.numel() * shard.element_size() for shard, _ in shards.values())
-    gradients = sum(shard.numel() * shard.element_size() for shard, trained in shards.values() if trained)
-    optimizer_state = sum(
-        local(value).numel() * local(value).element_size()
-        for state in (optimizer.state.values() if optimizer else ())
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )  # Adam's 0-d step counter too: it is state
-    return {
-        "parameters": parameters,
-        "gradients": gradients,
-        "optimizer": optimizer_state,
-        "total": parameters + gradients + optimizer_state,
-    }
 
 
 class RunRecord:
@@ -168,8 +144,8 @@ class RunRecord:
                 self.answer_tokens += int(answer_tokens)
         self._window, self._last = [], now
 
-    def _perf(self, flops_per_token: float | None = None) -> dict:
-        """The perf/* entries; ``perf/mfu`` on CUDA with ``flops_per_token``: achieved FLOP/s over the GPUs' peak."""
+    def _perf(self) -> dict:
+        """The perf/* entries."""
         measured, steps = sum(self.step_times), len(self.step_times)
         summary = {
             "perf/measured_steps": steps,
@@ -184,18 +160,9 @@ class RunRecord:
             summary["perf/tokens_per_step"] = self.tokens / steps if steps else None
         if self.answer_tokens:
             summary["perf/answer_tokens_per_sec"] = self.answer_tokens / measured if measured else None
-        gpus = [device for device in self.devices if device.type == "cuda"]
-        if flops_per_token and gpus and summary.get("perf/tokens_per_sec"):
-            name = torch.cuda.get_device_name(gpus[0])
-            summary["perf/gpu_name"], summary["perf/peak_flops_per_device"] = name, peak_bf16_flops(name)
-            if summary["perf/peak_flops_per_device"]:  # every process drives len(gpus) GPUs (2 in a device_map split)
-                used = summary["perf/peak_flops_per_device"] * self.accelerator.num_processes * len(gpus)
-                summary["perf/mfu"] = summary["perf/tokens_per_sec"] * flops_per_token / used
         return summary
 
-    def write(
-        self, output_dir: str | os.PathLike, results: dict, model, optimizer=None, flops_per_token: float | None = None
-    ) -> Path:
+    def write(self, output_dir: str | os.PathLike, results: dict, model) -> Path:
         """A collective (every process gathers its numbers): ``results`` with the loss curve, perf/* and memory/*
         entries, written by the main process to ``output_dir/results.json``; also logged to the trackers."""
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
@@ -206,11 +173,6 @@ class RunRecord:
             for device, gib in peaks.items()
         }
         curve = self.losses()
-        if accelerator.is_fsdp2:  # after a forward without backward (an evaluation) FSDP2 leaves the root unsharded:
-            from torch.distributed.fsdp import FSDPModule  # resharded, the bytes are those training held
-
-            for module in (module for module in model.modules() if isinstance(module, FSDPModule)):
-                module.reshard()
         unwrapped = accelerator.unwrap_model(model)  # a device_map split's map, on the PEFT wrapper or its base model
         base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
         device_map = vars(unwrapped).get("hf_device_map") or getattr(base, "hf_device_map", None)
@@ -226,13 +188,12 @@ class RunRecord:
             "resumed_from_step": self.resumed_from_step,
             "train/loss": curve[-1] if curve else None,
             "train/loss_curve": curve,
-            **self._perf(flops_per_token),
+            **self._perf(),
             "memory/peak_gib": per_device(self.train_peak or peak_memory_gib(self.devices)),
             "memory/load_peak_gib": per_device(self.load_peak),  # host RAM too: loading and offload live there
             "memory/host_peak_gib": {
                 rank: round(gib["cpu"], 4) for rank, gib in per_rank(peak_memory_gib([torch.device("cpu")])).items()
             },
-            "memory/model_state_bytes": per_rank(model_state_bytes(model, optimizer)),
             **results,
         }
         if accelerator.trackers:

@@ -82,6 +82,16 @@ def test_runs_recorded_with_the_schema(bench):
     assert ok["pipeline-gpipe-m2"]["parallelism"] == "pipeline" and ok["pipeline-gpipe-m2"]["num_microbatches"] == 2
     assert ok["device_map"]["config_file"] == "accelerate_configs/model_sharding_2gpu.yaml"
     assert "perf/mfu" not in ok["single"]  # MFU only on CUDA
+    # Bytes of model state, counted in each process by the runner's wrapper (benchmarks/with_model_state.py): under DDP
+    # every rank holds all of what one process holds; the pipeline's two stages hold the model's parameters between
+    # them.
+    single = ok["single"]["memory/model_state_bytes"]
+    assert set(single) == {"rank0"} and single["rank0"]["optimizer"] > single["rank0"]["parameters"] > 0
+    assert ok["ddp"]["memory/model_state_bytes"] == {"rank0": single["rank0"], "rank1": single["rank0"]}
+    stages = ok["pipeline-gpipe-m2"]["memory/model_state_bytes"]
+    assert set(stages) == {"rank0", "rank1"}
+    assert sum(stage["parameters"] for stage in stages.values()) == single["rank0"]["parameters"]
+    assert ok["raw_ddp"]["memory/model_state_bytes"] is None  # torchrun's baseline runs without the wrapper
     assert {record["purpose"] for record in records.values()} == {"smoke"}  # failed and skipped runs too
 
 
@@ -304,13 +314,13 @@ def test_gpu_check_perf_verdicts_say_which_target_was_missed(tmp_path):
     runs = {
         "lm-single": {
             "perf/tokens_per_sec": 1000.0,
-            "perf/mfu": 0.30,
+            "mfu": 0.30,
             "perf/step_time_p90_s": 1.1,
             "train/loss_curve": [7.0, 6.51],
         },
         "lm-single-compile": {
             "perf/tokens_per_sec": 1500.0,
-            "perf/mfu": 0.46,
+            "mfu": 0.46,
             "perf/step_time_p90_s": 0.7,
             "train/loss_curve": [7.0, 6.5],
         },
@@ -369,17 +379,44 @@ def test_gpu_check_only_pulls_in_the_references_its_comparisons_need():
 
 
 def fabricated_run(root: Path, name: str, **results) -> dict:
-    """A record and results.json as the runner leaves them, with made-up numbers."""
+    """A record and results.json as the runner leaves them, with made-up numbers: ``peak`` the record's peak memory,
+    ``mfu`` the MFU the runner computes (the recipes' results.json carry none)."""
     folder = root / "work" / name
     folder.mkdir(parents=True)
+    peak, mfu = results.pop("peak", None), results.pop("mfu", None)
     (folder / "results.json").write_text(json.dumps({"config": {}, **results}))
-    peak = results.pop("peak", None)
     return {
         "status": "ok",
         "run_id": name,
         "results_file": f"work/{name}/results.json",
         "memory/peak_gib": {"cuda:0": peak},
+        **({"perf/mfu": mfu} if mfu is not None else {}),
     }
+
+
+def test_mfu_is_the_runners_over_the_gpus_the_run_computed_on(tmp_path):
+    """The runner's MFU of an LM run (the recipes report none): tokens/s x FLOPs per token over the peak of each GPU
+    the run computed on, one per process or the GPUs of a device_map split, whose CPU part is no GPU; none off CUDA."""
+    model_config = {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512}
+    results = {
+        "perf/tokens_per_sec": 1000.0,
+        "model/num_parameters": 200_000,
+        "config": {"model_config": model_config},
+    }
+    gpus = [{"name": "NVIDIA H100 80GB HBM3", "peak_bf16_flops": 989e12}]
+    one_gpu = 1000.0 * runner.flops_per_token(model_config, 200_000, 64)["flops/per_token"] / 989e12
+
+    def mfu(device: str, processes: int = 1, split: list[str] | None = None) -> float | None:
+        record = {"recipe": "train_lm", "processes": processes, "sequence_length": 64}
+        runner.add_flops(record, {**results, "device": device, "device_map_devices": split}, tmp_path, gpus)
+        assert record["perf/achieved_tflops"] > 0
+        return record.get("perf/mfu")
+
+    assert mfu("cuda:0") == pytest.approx(one_gpu)
+    assert mfu("cuda:0", processes=2) == pytest.approx(one_gpu / 2)
+    assert mfu("cuda:0", split=["cuda:0", "cuda:1"]) == pytest.approx(one_gpu / 2)
+    assert mfu("cuda:0", split=["cuda:0", "cpu"]) == pytest.approx(one_gpu)  # a split over one GPU and the CPU
+    assert mfu("cpu") is None
 
 
 def test_gpu_check_comparisons_fail_with_their_numbers(tmp_path):
@@ -669,13 +706,19 @@ def imported_names(path: Path) -> set[str]:
 
 
 def test_benchmarks_import_only_their_library():
-    """The tools (runner, compare, GPU check, profiler) and the studies import ``lib`` and never each other: a study
-    that needs what another has (launching, the equal-work check, an interval) finds it in ``lib``. ``lib`` imports
-    neither. A tool or study that needs another's output runs it as a command."""
+    """The tools (runner, compare, GPU check, profiler, the runner's model-state wrapper) and the studies import
+    ``lib`` and never each other: a study that needs what another has (launching, the equal-work check, an interval)
+    finds it in ``lib``. ``lib`` imports neither. A tool or study that needs another's output runs it as a command."""
     tools = sorted((REPO / "benchmarks").glob("*.py"))
     studies = sorted((REPO / "benchmarks" / "studies").glob("*.py"))
     library = sorted((REPO / "benchmarks" / "lib").glob("*.py"))
-    assert {path.name for path in tools} == {"run.py", "compare.py", "gpu_check.py", "profile_recipe.py"}
+    assert {path.name for path in tools} == {
+        "run.py",
+        "compare.py",
+        "gpu_check.py",
+        "profile_recipe.py",
+        "with_model_state.py",
+    }
     assert {path.name for path in studies} >= {"vs_trl.py", "pipeline_vs_naive.py", "raw_ddp_lm.py", "loading.py"}
     ours = {path.stem for path in tools + studies}
     for path in tools + studies + library:

@@ -290,7 +290,7 @@ def test_results_json_holds_what_users_compare(runs):
 def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     """The fit planner (tools/plan.py) against exact tensor bytes of these runs: its model-state
     estimate for fp32 AdamW (4 + 4 + 8 bytes per parameter), on the split the recipe makes, is within
-    15 % of memory/model_state_bytes per setup and per rank (pipeline: per stage). The device_map run
+    15 % of the model-state bytes tests/observer saw per setup and per rank (pipeline: per stage). The device_map run
     is one process: its total is checked, and each device's parameters against the saved weights of
     the modules the run put on it."""
     import sys
@@ -319,7 +319,7 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     if "fsdp" in runs:  # full shard: 1/N of every parameter, gradient and optimizer state per rank
         per_rank["fsdp"] = setups["fsdp"]["devices"]
     for mode, devices in per_rank.items():
-        measured = runs[mode]["results"]["memory/model_state_bytes"]
+        measured = read_facts(runs[mode]["dir"])["memory/model_state_bytes"]
         assert len(measured) == len(devices), mode
         for rank, device in enumerate(devices):
             for part in ("parameters", "gradients", "optimizer"):
@@ -330,7 +330,7 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     split = runs["device_map"]
     assert_close(
         sum(device["model_state"] for device in setups["device_map"]["devices"]),
-        split["results"]["memory/model_state_bytes"]["rank0"]["total"],
+        read_facts(split["dir"])["memory/model_state_bytes"]["rank0"]["total"],
         "device_map (one process)",
     )
     first_blocks = split["results"]["blocks_per_stage"][0]

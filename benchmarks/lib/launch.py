@@ -2,8 +2,8 @@
 
 ``launch_and_wait`` waits for one command (``accelerate launch`` of a recipe, or of a wrapper around it) and returns
 its results file with the wall time and the share of the CPUs other processes used meanwhile. ``run_as_main`` is the
-wrapper's side: a profiler or a clock patches what it measures, then runs the recipe file as ``__main__`` with the
-recipe's own command line, so the recipe itself carries no instrumentation.
+wrapper's side: a profiler, a clock or the model-state count patches what it measures, then runs the recipe file as
+``__main__`` with the recipe's own command line, so the recipe itself carries no instrumentation.
 """
 
 from __future__ import annotations
@@ -74,4 +74,30 @@ def run_as_main_after_each_step(argv: list[str], after_step) -> None:
         after_step(samples, tokens)
 
     results.RunRecord.step = step
+    run_as_main(argv)
+
+
+def run_as_main_recording_model_state(argv: list[str]) -> None:
+    """``run_as_main``, with every process writing the bytes of model state it holds (``lib.model_state``) to
+    ``<--output_dir>/model_state_rank<R>.json`` when the recipe hands its model and optimizer to
+    ``accelerator.free_memory`` at the end (every recipe does, after writing its results.json)."""
+    import torch
+    from accelerate import Accelerator
+
+    from lib.model_state import model_state_bytes, reshard_fsdp2_modules
+
+    output_dir = Path(argv[argv.index("--output_dir") + 1])
+    free_memory = Accelerator.free_memory
+
+    def recorded(self, *objects):
+        models = [candidate for candidate in objects if isinstance(candidate, torch.nn.Module)]
+        optimizers = [candidate for candidate in objects if isinstance(candidate, torch.optim.Optimizer)]
+        if models:
+            if self.is_fsdp2:
+                reshard_fsdp2_modules(models[0])
+            state = model_state_bytes(models[0], optimizers[0] if optimizers else None)
+            (output_dir / f"model_state_rank{self.process_index}.json").write_text(json.dumps(state) + "\n")
+        return free_memory(self, *objects)
+
+    Accelerator.free_memory = recorded  # the recipe calls it on its instance: looked up on the class at each call
     run_as_main(argv)

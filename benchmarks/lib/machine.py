@@ -12,7 +12,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from shared.flops import peak_bf16_flops
+from lib.flops import peak_bf16_flops
 
 LIBRARIES = ["torch", "accelerate", "transformers", "datasets", "tokenizers", "numpy", "evaluate"]
 CPU_FLAGS = {"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile", "sve"}

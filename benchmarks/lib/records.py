@@ -23,7 +23,6 @@ COPIED = (
     "memory/peak_gib",
     "memory/load_peak_gib",
     "memory/host_peak_gib",
-    "memory/model_state_bytes",
     "train/padding_fraction",
     "model/num_parameters",
     "model/trainable_parameters",

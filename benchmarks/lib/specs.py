@@ -186,7 +186,9 @@ def llm_runs(setups: list[str], *, steps: int, warmup: int, base: str) -> list[d
 
 
 def command_for(spec: dict, run_dir: Path) -> list[str]:
-    """The command line of one run spec, its output going to ``run_dir`` (``OUTPUT_DIR/work/<run_id>``)."""
+    """The command line of one run spec, its output going to ``run_dir`` (``OUTPUT_DIR/work/<run_id>``). A recipe runs
+    inside ``benchmarks/with_model_state.py``, which writes the bytes of model state each process holds beside its
+    results.json (for the record's ``memory/model_state_bytes``); torchrun's raw baseline runs as it is."""
     if spec["launcher"] == "torchrun":
         prefix = [
             sys.executable,
@@ -198,6 +200,7 @@ def command_for(spec: dict, run_dir: Path) -> list[str]:
         ]
     else:
         prefix = accelerate_launch(spec["config"], *spec.get("launch_args", []))
+        prefix.append(str(REPO / "benchmarks" / "with_model_state.py"))
     # "{output_dir}" in an argument: this runner's output folder (a later group reading an earlier group's run).
     output_dir = run_dir.parents[2]
     args = [str(arg).replace("{output_dir}", str(output_dir)) for arg in spec["args"]]

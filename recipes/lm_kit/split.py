@@ -1,6 +1,6 @@
 """The one split of the language-model recipes (``train_lm.py``'s device_map, ``pipeline_lm.py``'s stages): whole
 decoder blocks, balanced by estimated compute with ``shared.model_split``'s planner, the LM head and loss counted on
-the last part; what each part runs, and the model's training FLOPs per token (for MFU)."""
+the last part; what each part runs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shared.flops import lm_flops_per_token
 from shared.model_split import find_block_list, lm_head_cost_in_blocks, plan_device_map
 
 
@@ -28,15 +27,14 @@ def block_ranges(counts: list[int]) -> list[range]:
 @dataclass(frozen=True)
 class LMSplit:
     """A causal LM's split into parts (stages): ``plan`` (``{module_name: part}``), the ``block_list`` it cuts, the
-    blocks each part runs, each part's estimated compute in blocks; the model's parameter count and training FLOPs per
-    token (``shared.flops``, for MFU); and a line that says so."""
+    blocks each part runs, each part's estimated compute in blocks; the model's parameter count; and a line that says
+    so."""
 
     plan: dict[str, int]
     block_list: str
     blocks_per_stage: list[int]
     stage_costs: list[float]
     num_parameters: int
-    flops_per_token: float
     description: str
 
     def facts(self) -> dict:
@@ -59,15 +57,10 @@ def plan_lm_split(model: nn.Module, num_parts: int, sequence_length: int) -> LMS
     plan = plan_device_map(model, num_parts, last_cost=head_cost)
     counts = blocks_per_part(plan, block_list)
     costs = [count + (head_cost if part == num_parts - 1 else 0) for part, count in enumerate(counts)]
-    config, num_parameters = model.config, sum(parameter.numel() for parameter in model.parameters())
-    flops = lm_flops_per_token(
-        config.hidden_size, config.num_hidden_layers, config.vocab_size, num_parameters, sequence_length
-    )
+    num_parameters = sum(parameter.numel() for parameter in model.parameters())
     size = f"model: {num_parameters / 1e6:.1f}M parameters"
     if num_parts == 1:
-        return LMSplit(
-            plan, block_list, counts, costs, num_parameters, flops, f"{size}, {counts[0]} decoder blocks, unsplit"
-        )
+        return LMSplit(plan, block_list, counts, costs, num_parameters, f"{size}, {counts[0]} decoder blocks, unsplit")
     parts = [f"blocks {blocks.start}-{blocks.stop - 1}" for blocks in block_ranges(counts)]
     parts[0], parts[-1] = "embeddings + " + parts[0], parts[-1] + " + norm + LM head"
     description = (
@@ -76,4 +69,4 @@ def plan_lm_split(model: nn.Module, num_parts: int, sequence_length: int) -> LMS
             f"stage {part}: {text} ({cost / sum(costs):.0%})" for part, (text, cost) in enumerate(zip(parts, costs))
         )
     )
-    return LMSplit(plan, block_list, counts, costs, num_parameters, flops, description)
+    return LMSplit(plan, block_list, counts, costs, num_parameters, description)

@@ -6,12 +6,23 @@ hands its prepared model to ``accelerator.free_memory``, and written to ``<outpu
 - ``device_map/hooks``: the execution device of the hook Accelerate attached to each module of a device_map split;
 - ``compile/compiled_modules``: how many modules run compiled;
 - ``loading/shard_sums``: with FSDP2 low host-RAM loading, the sum of every frozen weight's local shard (tests compare
-  them with the checkpoint's slices).
+  them with the checkpoint's slices);
+- ``memory/model_state_bytes``: the bytes of parameters, gradients and optimizer state this process holds (counted by
+  benchmarks/lib/model_state.py, which the benchmark records use too).
 """
 
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
+
+# benchmarks/lib/model_state.py, loaded by its path: a copied recipe's process has no repository on sys.path.
+_spec = importlib.util.spec_from_file_location(
+    "model_state", Path(__file__).resolve().parents[2] / "benchmarks" / "lib" / "model_state.py"
+)
+model_state = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(model_state)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,13 +80,9 @@ def run_facts(accelerator, model: torch.nn.Module, optimizer=None) -> dict:
     """This process's facts about the model it trained (see the module's docstring)."""
     facts = {"compile/compiled_modules": compiled_modules(model)}
     if accelerator.is_fsdp2:
-        from torch.distributed.fsdp import FSDPModule
-
         # FSDP2 leaves the root's parameters unsharded after a forward without backward (an evaluation): resharded,
         # the facts describe the sharded state that training held.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        model_state.reshard_fsdp2_modules(model)
         facts["fsdp/sharding"] = sharding_facts(model, optimizer)
         if os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() == "true":
             facts["loading/shard_sums"] = {
@@ -83,6 +90,7 @@ def run_facts(accelerator, model: torch.nn.Module, optimizer=None) -> dict:
                 for name, parameter in model.named_parameters()
                 if not parameter.requires_grad
             }
+    facts["memory/model_state_bytes"] = model_state.model_state_bytes(model, optimizer)
     unwrapped = accelerator.unwrap_model(model)
     base = unwrapped.get_base_model() if hasattr(unwrapped, "get_base_model") else unwrapped
     base = unwrapped if "hf_device_map" in vars(unwrapped) else base  # the map is relative to the model it was set on

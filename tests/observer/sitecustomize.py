@@ -33,7 +33,7 @@ it repack its weight in an eval-mode forward without gradients, so that a test s
 
 With OBSERVE_FACTS=1 (tests/launch.py sets it for every launch) and no OBSERVE_DIR, only this is observed: when the
 recipe hands its model to ``Accelerator.free_memory`` at the end, each process writes the test-only facts of
-``facts.py`` (FSDP2 sharding, device_map hooks, compiled modules, low-RAM shard sums) to
+``facts.py`` (FSDP2 sharding, device_map hooks, compiled modules, low-RAM shard sums, model-state bytes) to
 ``<output_dir>.observed/facts-rank<RANK>.json``.
 
 Patches are applied right after the module they patch is imported (a ``sys.meta_path`` finder), before anything else

@@ -172,7 +172,7 @@ def main():
     results.update({"parallelism_requested": parallelism.name, "eval/max_abs_weight_error": weight_error})
     results.update({"model/weight": learned_weight.tolist(), "model/bias": learned_bias.item()})
     results.update({"true/weight": true_weight[0].tolist(), "true/bias": true_bias.item()})
-    record.write(output_dir, results, model, optimizer)  # a collective: the main process writes results.json
+    record.write(output_dir, results, model)  # a collective: the main process writes results.json
     if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
         print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
     # Drop the DDP wrapper while the process group still exists: a gloo group destroyed first can

@@ -1,12 +1,13 @@
 """The two halves of MFU: training FLOPs per token, and the peak FLOP/s of a GPU by name. Plain Python (no torch):
-the benchmark runner reads it too."""
+the runner's parent process stays light. The runner computes each LM run's MFU from its tokens/s (``add_flops`` in
+run.py); the recipes' results.json carry none of it."""
 
 # Peak dense (no 2:4 sparsity) BF16 tensor-core FLOP/s per GPU, FP32 accumulate, boost clock, from NVIDIA's product
 # datasheets (H100/H200: "H100 Tensor Core GPU" and "H200" datasheets, SXM 989.4 TFLOPS, the PCIe/NVL parts lower;
 # A100: "A100 Tensor Core GPU" datasheet, 312; L4, L40/L40S: their datasheets, 121 / 181 / 362; RTX 4090/4080: "Ada
 # Lovelace architecture" whitepaper, appendix A, 165.2 / 97.5 with FP32 accumulate; RTX 3090: "Ampere GA102"
-# whitepaper, 71). MFU is measured against this peak whatever the run's precision. Matched in order against
-# torch.cuda.get_device_name(), so the specific names come first.
+# whitepaper, 71). MFU is measured against this peak whatever the run's precision. Matched in order against the GPU's
+# name as nvidia-smi gives it (torch.cuda.get_device_name() gives the same), so the specific names come first.
 PEAK_BF16_FLOPS = [
     ("H200 NVL", 835e12),
     ("H200", 989e12),
