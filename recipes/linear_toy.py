@@ -38,27 +38,35 @@ from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text}")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    if not float(text) > 0:  # (a ValueError: argparse says "invalid positive_float value")
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return float(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--output_dir", default="outputs/linear_toy", help="results.json and the weights go here (created if needed).")
     add("--overwrite_output_dir", action="store_true", help="Replace the run the --output_dir holds (else refused).")
     add("--seed", type=int, default=42, help="Seed for the data set, the initial weights and the shuffling.")
-    add("--num_samples", type=int, default=4096, help="Size of the generated training set.")
-    add("--in_features", type=int, default=8, help="Inputs per sample (number of true weights).")
-    add("--per_device_train_batch_size", type=int, default=32, help="Samples per process per forward pass.")
-    add("--gradient_accumulation_steps", type=int, default=1, help="Forward/backward passes per step.")
-    add("--num_train_epochs", type=int, default=3, help="Passes over the data (unless --max_train_steps).")
-    add("--max_train_steps", type=int, default=None, help="Stop after this many optimizer steps.")
-    add("--logging_steps", type=int, default=50, help="Print the loss every N optimizer steps.")
-    add("--learning_rate", type=float, default=0.1, help="SGD learning rate.")
-    add("--checkpointing_steps", type=int, default=None, help="Save a checkpoint every N optimizer steps.")
+    add("--num_samples", type=positive_int, default=4096, help="Size of the generated training set.")
+    add("--in_features", type=positive_int, default=8, help="Inputs per sample (number of true weights).")
+    add("--per_device_train_batch_size", type=positive_int, default=32, help="Samples per process per forward pass.")
+    add("--gradient_accumulation_steps", type=positive_int, default=1, help="Forward/backward passes per step.")
+    add("--num_train_epochs", type=positive_int, default=3, help="Passes over the data (unless --max_train_steps).")
+    add("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
+    add("--logging_steps", type=positive_int, default=50, help="Print the loss every N optimizer steps.")
+    add("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
+    add("--checkpointing_steps", type=positive_int, default=None, help="Save a checkpoint every N optimizer steps.")
     add("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' (the newest one saved).")
-    args = parser.parse_args(argv)
-    for name, value in vars(args).items():  # every count and rate: > 0 (None: not given)
-        if isinstance(value, int | float) and not isinstance(value, bool) and name != "seed" and not value > 0:
-            parser.error(f"argument --{name}: must be a number > 0, got {value}")
-    return args
+    return parser.parse_args(argv)
 
 
 def refuse(accelerator: Accelerator, message: str) -> None:  # every process stops; the message printed once

@@ -207,7 +207,7 @@ def test_model_sharding_config_trains_on_one_device(tmp_path):
 def test_batch_size_zero_is_refused(runs):
     run = runs["batch_size_zero"]["run"]
     assert run.returncode != 0
-    assert "argument --per_device_train_batch_size: must be a number > 0, got 0" in run.output
+    assert "--per_device_train_batch_size: must be a whole number >= 1, got 0" in run.output
 
 
 @pytest.mark.slow
