@@ -106,6 +106,7 @@ class Launch:
         launch_args: tuple[str, ...] = (),
         cpu_only: bool | None = None,
         forked: bool = False,
+        observe: bool = False,
     ):
         script_path = script if Path(script).is_absolute() else RECIPES / script
         if config is None:  # ``python SCRIPT ARGS``: one process, no launcher (see ``ONE_PROCESS``)
@@ -125,7 +126,7 @@ class Launch:
                 *map(str, args),
             ]
         self.marker = uuid.uuid4().hex
-        full_env = Launch.environment(self.marker, env)
+        full_env = Launch.environment(self.marker, env, observe=observe)
         if cpu_only is None:  # more processes than GPUs: CPU processes (NCCL refuses two ranks on one GPU)
             processes = 1 if config_path is None else launched_processes(Path(config_path), launch_args)
             cpu_only = processes > visible_gpus()
@@ -136,7 +137,7 @@ class Launch:
         self.started = time.monotonic()
         self.forked = None
         if forked and visible_gpus() == 0 and not launch_args:
-            self.forked = zygote().start(self.command[1:], full_env, self.log)
+            self.forked = zygotes(observe).start(self.command[1:], full_env, self.log)
             if self.forked is not None:
                 return
         self.process = subprocess.Popen(
@@ -150,10 +151,14 @@ class Launch:
         )
 
     @staticmethod
-    def environment(marker: str, env: dict | None = None, base: dict | None = None) -> dict:
-        """The environment of every process of a launch: ``base`` (this process's), the suite's settings, ``env`` and
-        the marker."""
+    def environment(marker: str, env: dict | None = None, base: dict | None = None, observe: bool = False) -> dict:
+        """The environment of every process of a launch: ``base`` (this process's), the suite's settings, the
+        observer's when ``observe``, ``env`` and the marker."""
         base = os.environ if base is None else base
+        observer = {  # test-only facts (FSDP2 sharding, device_map hooks...) taken from outside the recipe: read_facts
+            "OBSERVE_FACTS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), base.get("PYTHONPATH")))),
+        }
         return {
             **base,
             # One thread per process: 2 processes share the 2 cores of a CI machine.
@@ -163,9 +168,7 @@ class Launch:
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
-            # Test-only facts (FSDP2 sharding, device_map hooks...) taken from outside the recipe: see read_facts.
-            "OBSERVE_FACTS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), base.get("PYTHONPATH")))),
+            **(observer if observe else {}),
             **(env or {}),
             RUN_MARKER: marker,
         }
@@ -233,6 +236,7 @@ class Launch:
 # OpenMP of torch's wheels.
 RUNTIME_VARIABLES = (
     RUN_MARKER,
+    "ZYGOTE_SOCKETS",
     "PYTEST_CURRENT_TEST",
     "RECIPES_HOST_RAM_GIB",
     "RANK",
@@ -270,11 +274,13 @@ class Forked:
 
 
 class Zygote:
-    """The suite's one zygote process (tests/zygote.py), started at the first forked launch, stopped at exit."""
+    """One of the suite's zygote processes (tests/zygote.py), started at the first forked launch that needs it, stopped
+    at exit. Each has its own hash seed (Python draws one per process), as each process of a real launch has."""
 
-    def __init__(self):
+    def __init__(self, observe: bool):
         self.path = Path(tempfile.mkdtemp(prefix="zygote-")) / "socket"
-        self.environment = {**Launch.environment("zygote", base=ENVIRONMENT_AT_IMPORT), "CUDA_VISIBLE_DEVICES": ""}
+        environment = Launch.environment("zygote", base=ENVIRONMENT_AT_IMPORT, observe=observe)
+        self.environment = {**environment, "CUDA_VISIBLE_DEVICES": ""}
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("zygote.py")), str(self.path)],
             cwd=REPO,
@@ -282,29 +288,13 @@ class Zygote:
             start_new_session=True,
         )
 
-    def start(self, argv: list[str], environment: dict, log) -> Forked | None:
-        """``python ARGV`` forked with ``environment`` and its output in ``log``; None where ``environment`` differs
-        from the zygote's in a variable that may be read at import time."""
-        differing = {
-            name
-            for name in set(environment) | set(self.environment)
-            if environment.get(name) != self.environment.get(name)
-        }
-        if any(name not in RUNTIME_VARIABLES and not name.startswith(RUNTIME_PREFIXES) for name in differing):
-            return None
+    def wait_until_ready(self) -> None:
         deadline = time.monotonic() + 180
         while not self.path.exists():
             assert self.process.poll() is None, f"the zygote exited with {self.process.returncode}"
             assert time.monotonic() < deadline, "the zygote did not start within 180 s"
             time.sleep(0.1)
         assert self.process.poll() is None, f"the zygote exited with {self.process.returncode}"
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        connection.connect(str(self.path))
-        # What tests/forked_python, started by the launcher for each process, needs to find the zygote.
-        found = {"ZYGOTE_SOCKET": str(self.path), "ZYGOTE_PYTHON": sys.executable}
-        request = {"argv": argv, "env": {**environment, **found}, "cwd": str(REPO)}
-        socket.send_fds(connection, [json.dumps(request).encode()], [log.fileno()])
-        return Forked(connection)
 
     def stop(self) -> None:
         self.process.terminate()  # it kills the forks still running
@@ -312,17 +302,53 @@ class Zygote:
         shutil.rmtree(self.path.parent, ignore_errors=True)
 
 
-_zygote: Zygote | None = None
+class Zygotes:
+    """Two zygotes of one kind (with the observer or without), so that the processes of a launch do not all share one
+    hash seed: the launcher and even ranks are forks of the first, odd ranks of the second (tests/forked_python picks
+    by RANK)."""
+
+    def __init__(self, observe: bool):
+        self.pair = (Zygote(observe), Zygote(observe))
+        self.environment = self.pair[0].environment
+
+    def start(self, argv: list[str], environment: dict, log) -> Forked | None:
+        """``python ARGV`` forked with ``environment`` and its output in ``log``; None where ``environment`` differs
+        from the zygotes' in a variable that may be read at import time."""
+        differing = {
+            name
+            for name in set(environment) | set(self.environment)
+            if environment.get(name) != self.environment.get(name)
+        }
+        if any(name not in RUNTIME_VARIABLES and not name.startswith(RUNTIME_PREFIXES) for name in differing):
+            return None
+        for zygote in self.pair:
+            zygote.wait_until_ready()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(str(self.pair[0].path))
+        # What tests/forked_python, started by the launcher for each process, needs to find the zygotes.
+        found = {
+            "ZYGOTE_SOCKETS": os.pathsep.join(str(zygote.path) for zygote in self.pair),
+            "ZYGOTE_PYTHON": sys.executable,
+        }
+        request = {"argv": argv, "env": {**environment, **found}, "cwd": str(REPO)}
+        socket.send_fds(connection, [json.dumps(request).encode()], [log.fileno()])
+        return Forked(connection)
+
+    def stop(self) -> None:
+        for zygote in self.pair:
+            zygote.stop()
+
+
+_zygotes: dict[bool, Zygotes] = {}
 _zygote_lock = threading.Lock()
 
 
-def zygote() -> Zygote:
-    global _zygote
+def zygotes(observe: bool = False) -> Zygotes:
     with _zygote_lock:
-        if _zygote is None:
-            _zygote = Zygote()
-            atexit.register(_zygote.stop)
-        return _zygote
+        if observe not in _zygotes:
+            _zygotes[observe] = Zygotes(observe)
+            atexit.register(_zygotes[observe].stop)
+        return _zygotes[observe]
 
 
 def launch(
@@ -334,12 +360,16 @@ def launch(
     launch_args: tuple[str, ...] = (),
     cpu_only: bool | None = None,
     forked: bool = True,
+    observe: bool = False,
 ) -> Run:
     """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end
     (``python SCRIPT ARGS`` where CONFIG is ``ONE_PROCESS``).
     ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs).
-    ``forked``: its Python processes are forks of the zygote where ``Launch`` can fork them."""
-    launched = Launch(config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only, forked=forked)
+    ``forked``: its Python processes are forks of the zygotes where ``Launch`` can fork them. ``observe``: every
+    process loads tests/observer (its facts: ``read_facts``); off, Accelerate and the recipe run as a user's do."""
+    launched = Launch(
+        config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only, forked=forked, observe=observe
+    )
     return launched.finish(timeout)
 
 

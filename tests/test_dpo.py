@@ -239,6 +239,9 @@ def runs(base, tmp_path_factory):
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
+    for name in ("fsdp", "offload"):  # their sharding, seen by tests/observer
+        jobs[name].kwargs["observe"] = True
+    jobs["2x4"].kwargs["forked"] = False  # one DPO launch whose processes the launcher starts, as a user's
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
     out = {}
     for name, run in finished.items():

@@ -110,6 +110,7 @@ def test_the_model_sharding_config_splits_the_fine_tune_over_both_gpus(tmp_path)
         "8",
         "--max_train_steps",
         "3",
+        observe=True,  # its hooks, seen by tests/observer
     )
     results = read_results(tmp_path)
     assert results["parallelism"] == "device_map" and sorted(set(results["device_map"].values())) == [

@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from launch import ONE_PROCESS, REPO, devices_for, launch, launch_all, read_facts, read_results, visible_gpus
+from launch import ONE_PROCESS, REPO, Job, devices_for, launch, launch_all, read_facts, read_results, visible_gpus
 from safetensors.torch import load_file
 
 # Tiny preset, 5 optimizer steps of 2 accumulated batches of 8 blocks x 32 tokens. 13 validation
@@ -48,7 +48,12 @@ TRAIN, PIPELINE = "train_lm.py", "pipeline_lm.py"
 
 def launch_two_at_a_time(jobs: dict[str, tuple]) -> dict:
     """``jobs``: name -> (config, recipe, *args). Every run on the kind of device the 2-process runs get (CPU
-    processes where there are fewer than 2 GPUs), so the runs compare exactly."""
+    processes where there are fewer than 2 GPUs), so the runs compare exactly; each seen by tests/observer (its model
+    state bytes, device_map hooks, compiled modules)."""
+    jobs = {
+        name: Job(config, recipe, tuple(args), kwargs={"observe": True})
+        for name, (config, recipe, *args) in jobs.items()
+    }
     return launch_all(jobs, cpu_only=visible_gpus() < 2)
 
 

@@ -56,7 +56,9 @@ def runs(tmp_path_factory):
     for name in ("single", "ddp"):
         resume = ("--resume_from_checkpoint", root / name / "checkpoints" / "step_000003")
         jobs[f"{name}_resumed"] = Job(jobs[name].config, RECIPE, (*TINY, *resume), after=name)
-    jobs["device_map"] = Job("model_sharding_2gpu.yaml", RECIPE, (*TINY, "--parallelism", "device_map"))
+    jobs["device_map"] = Job(  # its hooks, seen by tests/observer
+        "model_sharding_2gpu.yaml", RECIPE, (*TINY, "--parallelism", "device_map"), kwargs={"observe": True}
+    )
     jobs["lora_fsdp"] = Job("fsdp_2gpu.yaml", RECIPE, (*TINY, "--lora_r", "4", "--learning_rate", "1e-3"))
     jobs["grouped"] = Job(
         "single_gpu.yaml",

@@ -14,9 +14,10 @@ and standard streams:
 passes signals on, dies with its parent (``PR_SET_PDEATHSIG``) and exits as the copy does; when it goes, the zygote
 kills the copy's process group. Only on a machine without GPUs (a CUDA context does not survive a fork) and for
 launches whose environment differs from this process's in nothing read at import time (``tests/launch.py`` decides).
-What differs from a started process: the copies of one launch share this process's hash seed (``random`` and NumPy's
-global generator are reseeded), their tracebacks show runpy's frames, and Python's final teardown is skipped
-(``atexit`` handlers run, the standard streams are flushed).
+What differs from a started process: the copies of one launch share their zygote's hash seed (tests/launch.py starts
+two, and odd ranks are copies of the second: ranks do not share one; ``random`` and NumPy's global generator are
+reseeded), and their tracebacks show runpy's frames. A copy exits through Python's own teardown, as a started
+process does.
 
 Usage: ``python tests/zygote.py SOCKET_PATH`` (tests/launch.py starts one per test session);
 ``python tests/zygote.py --client ARGS`` (tests/forked_python)."""
@@ -70,9 +71,11 @@ def run_python(argv: list[str]) -> int:
     return 0
 
 
-def child(request: dict, fds: list[int]) -> None:
+def child(request: dict, fds: list[int]) -> int:
     """The forked copy: its session, standard streams (``fds``: stdin, stdout, stderr, or one log file for stdout and
-    stderr), environment and folder, then ``python ARGV``; never returns."""
+    stderr), environment and folder, then ``python ARGV``; returns its exit code, with which the copy then exits
+    through Python's own teardown (atexit handlers, threads, module and object teardown), as a started process does:
+    a crash there fails the launch."""
     code = 1
     try:
         os.setsid()
@@ -90,19 +93,9 @@ def child(request: dict, fds: list[int]) -> None:
         if argv[:2] == ["-m", LAUNCHER]:
             sys.executable = FORKED_PYTHON  # what the launcher and torchrun start its processes with
         code = run_python(argv)
-        import threading
-
-        threading._shutdown()  # non-daemon threads finish, as at the end of any Python program
     except BaseException:
         sys.excepthook(*sys.exc_info())
-    finally:
-        import atexit
-
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+    return code
 
 
 def serve(socket_path: str) -> None:
@@ -150,7 +143,7 @@ def serve(socket_path: str) -> None:
                 server.close()
                 for other in running.values():
                     other.close()
-                child(request, fds)
+                raise SystemExit(child(request, fds))  # out of serve(): the interpreter's own exit
             for fd in fds:
                 os.close(fd)
             running[pid] = connection
@@ -181,7 +174,8 @@ def client(argv: list[str]) -> None:
     if sys.platform.startswith("linux"):  # dies with its parent, as the recipes' workers do (shared/runtime.py)
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    connection.connect(os.environ["ZYGOTE_SOCKET"])
+    sockets = os.environ["ZYGOTE_SOCKETS"].split(os.pathsep)  # one zygote, one hash seed, per rank's parity
+    connection.connect(sockets[int(os.environ.get("RANK", "0")) % len(sockets)])
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(connection, [json.dumps(request).encode()], [0, 1, 2])
     replies = connection.makefile("r")

@@ -8,7 +8,9 @@ hands its prepared model to ``accelerator.free_memory``, and written to ``<outpu
 - ``loading/shard_sums``: with FSDP2 low host-RAM loading, the sum of every frozen weight's local shard (tests compare
   them with the checkpoint's slices);
 - ``memory/model_state_bytes``: the bytes of parameters, gradients and optimizer state this process holds (counted by
-  benchmarks/lib/model_state.py, which the benchmark records use too).
+  benchmarks/lib/model_state.py, which the benchmark records use too);
+- ``model/tied_embeddings``: whether the LM head's weight is the embedding's own parameter (tied: one parameter), after
+  sharding too.
 """
 
 import importlib.util
@@ -96,4 +98,7 @@ def run_facts(accelerator, model: torch.nn.Module, optimizer=None) -> dict:
     base = unwrapped if "hf_device_map" in vars(unwrapped) else base  # the map is relative to the model it was set on
     device_map = getattr(base, "hf_device_map", None)
     facts["device_map/hooks"] = execution_devices(base, device_map) if device_map else None
+    embeddings = [getattr(base, f"get_{side}_embeddings", lambda: None)() for side in ("input", "output")]
+    if all(hasattr(module, "weight") for module in embeddings):  # one parameter, or two that look alike
+        facts["model/tied_embeddings"] = embeddings[0].weight is embeddings[1].weight
     return facts

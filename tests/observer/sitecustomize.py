@@ -31,7 +31,8 @@ With OBSERVE_AVX512_BF16=1 as well, every ``Linear4bit`` built in the process ta
 it repack its weight in an eval-mode forward without gradients, so that a test sees that path on any CPU.
 ``bitsandbytes["avx512_bf16_claimed"]`` counts the layers told so.
 
-With OBSERVE_FACTS=1 (tests/launch.py sets it for every launch) and no OBSERVE_DIR, only this is observed: when the
+With OBSERVE_FACTS=1 (tests/launch.py sets it for a launch whose test reads its facts, ``observe=True``; every other
+launch runs without this module, as a user's does) and no OBSERVE_DIR, only this is observed: when the
 recipe hands its model to ``Accelerator.free_memory`` at the end, each process writes the test-only facts of
 ``facts.py`` (FSDP2 sharding, device_map hooks, compiled modules, low-RAM shard sums, model-state bytes) to
 ``<output_dir>.observed/facts-rank<RANK>.json``.
