@@ -59,7 +59,7 @@ from transformers.trainer_pt_utils import get_parameter_names
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
+from classifier_kit.classification import baselines, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
 from classifier_kit.device_map import parameter_bytes_per_device
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
@@ -205,8 +205,7 @@ def load_data(
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
         source = (train_file, validation_file, dataset_name, dataset_config_name)
-        raw_datasets = load_splits(*source, seed=seed)
-    check_columns(raw_datasets, text_column, label_column)
+        raw_datasets = load_splits(*source, seed=seed, text_columns=text_column, label_column=label_column)
     for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
         if limit:  # a shuffled subset
             raw_datasets[split] = raw_datasets[split].shuffle(seed=seed)

