@@ -77,7 +77,7 @@ from shared.runtime import (
     stop_quietly_after_a_peer,
     stop_with_launcher,
 )
-from shared.runtime import tokenizer_problem, use_fsdp_on_cpu
+from shared.runtime import model_problem, tokenizer_problem, use_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 
 METRICS_DIR = HERE / "classifier_kit" / "metrics"  # the metric modules evaluate loads offline
@@ -414,7 +414,9 @@ def main():
     set_seed(args.seed)
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    stop_if_found(tokenizer_problem(args.model_name_or_path, args.tokenizer_name))  # a folder without one: refused
+    stop_if_found(
+        model_problem(args.model_name_or_path) or tokenizer_problem(args.model_name_or_path, args.tokenizer_name)
+    )  # a model folder without config.json or a tokenizer: refused before any work
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")  # all agree
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")

