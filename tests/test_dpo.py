@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch, launch_all, read_facts, read_results, save_tiny_llama, visible_gpus
+from launch import ONE_PROCESS, REPO, Job, launch, launch_all, read_facts, read_results, save_tiny_llama, visible_gpus
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -682,6 +682,21 @@ def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
     with pytest.raises(RecipeError) as error:
         preference_format(datasets.Dataset.from_list([good, row]), "test")
     assert message in error.value.message
+
+
+@pytest.mark.slow
+def test_a_real_model_without_data_says_which_bundled_pairs_it_trains_on(base, tmp_path):
+    """A user's model launched without --train_file trains on the offline pairs: it runs, and says so in one line,
+    with the flag that passes theirs."""
+    run = launch(
+        ONE_PROCESS,
+        RECIPE,
+        *("--model_name_or_path", base, "--max_train_steps", "1", "--max_train_samples", "4", "--skip_eval"),
+        *("--output_dir", tmp_path / "out"),
+    )
+    said = [line for line in run.output.splitlines() if "trains on the bundled preference pairs" in line]
+    assert run.returncode == 0 and len(said) == 1, str(run)
+    assert said[0].startswith("data: no --train_file or --dataset_name") and "pass yours with --train_file" in said[0]
 
 
 def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):

@@ -35,19 +35,25 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 def chat_tokenizer(accelerator, name_or_path: str, trust_remote_code: bool = False, tokenizer_name: str | None = None):
-    """The model's tokenizer (or ``tokenizer_name``'s), with a pad token and a chat template (the recipe's default)
-    when it has none. A model folder without a tokenizer is refused, naming what it holds (a collective)."""
+    """The model's tokenizer (or ``tokenizer_name``'s), with a pad token. A model folder without a tokenizer is
+    refused, naming what it holds (a collective)."""
     stop_if_found(tokenizer_problem(name_or_path, tokenizer_name))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss; any id will do
         accelerator.print(f"tokenizer: no pad token, using the end-of-sequence token {tokenizer.eos_token!r}")
+    return tokenizer
+
+
+def add_chat_template(accelerator, tokenizer) -> None:
+    """Give ``tokenizer`` the recipe's default chat template when it has none (said so). Only for data that holds
+    conversations: the template is saved with the model, and one it never trained with would have
+    ``apply_chat_template`` format prompts the model has never seen."""
     if tokenizer.chat_template is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         accelerator.print(
             "tokenizer: no chat template, using the recipe's default (<|role|> lines ending in the EOS token)"
         )
-    return tokenizer
 
 
 def load_raw_datasets(
