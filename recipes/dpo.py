@@ -103,7 +103,7 @@ from shared.runtime import (
     stop_with_launcher,
     use_fsdp_on_cpu,
 )
-from llm_kit.sft_data import chat_tokenizer, check_batches, load_raw_datasets
+from llm_kit.sft_data import add_chat_template, chat_tokenizer, check_batches, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
 # What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: from the base, large
@@ -112,6 +112,12 @@ from llm_kit.sft_eval import exact_match_before, exact_match_results
 # the reward accuracy reaches 78.5 % and the exact match rises to 74 %).
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
 OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0}
+# Said when no data flag is given: a user's model would otherwise train on the offline pairs without a word.
+BUNDLED_DATA = (
+    "data: no --train_file or --dataset_name, so this run trains on the bundled preference pairs (is a standard-"
+    "library name a class, a function or a method? the right answer chosen, a wrong one rejected); pass yours with "
+    "--train_file (JSON Lines, CSV or Parquet: prompt, chosen and rejected)"
+)
 # TRL's metric names (results.json: train/<name>, eval/<name>), as ``metric_means`` orders them; nll_loss: the
 # policy's loss on the chosen completion tokens (what --rpo_alpha weighs; TRL before 1.0 logs it with rpo_alpha).
 METRICS = (
@@ -556,6 +562,7 @@ def main():
         accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
     )
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
+    add_chat_template(accelerator, tokenizer)  # before the data: conversational rows are checked with it
 
     # ------------------------------------------------------------------------------- data
     # main_process_first: the main process reads and tokenizes first (datasets caches it); the others read the cache.
@@ -572,6 +579,8 @@ def main():
             preference_format,
             default_data=stdlib_name_pairs,
         )
+        if not (args.train_file or args.dataset_name):
+            accelerator.print(BUNDLED_DATA)
         train_dataset, eval_dataset, counts = tokenize_pairs(
             accelerator, raw_datasets, fmt, tokenizer, args.max_length, args.max_prompt_length
         )

@@ -102,6 +102,7 @@ from shared.runtime import (
 from shared.sampling import LengthGroupedShuffledSampler
 from llm_kit.sharded_4bit import load_4bit_sharded
 from llm_kit.sft_data import (
+    add_chat_template,
     best_fit_decreasing,
     chat_tokenizer,
     check_batches,
@@ -115,6 +116,12 @@ from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_s
 
 # What the offline default model (no --model_name_or_path) trains with unless a flag says otherwise.
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 600, "learning_rate": 1e-3}
+# Said when no data flag is given: a user's model would otherwise train on the offline questions without a word.
+BUNDLED_DATA = (
+    "data: no --train_file or --dataset_name, so this run trains on the bundled questions (is a standard-library name "
+    "a class, a function or a method?); pass yours with --train_file (JSON Lines, CSV or Parquet: messages, prompt + "
+    "completion, or text)"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -472,6 +479,10 @@ def main():
             args.max_train_samples,
             args.max_eval_samples,
         )
+        if not (args.train_file or args.dataset_name):
+            accelerator.print(BUNDLED_DATA)
+        if fmt == "messages":  # the recipe's template where the model has none: saved only when trained with
+            add_chat_template(accelerator, tokenizer)
         train_dataset, eval_dataset, counts = tokenize_datasets(
             accelerator, raw_datasets, fmt, tokenizer, args.max_length
         )

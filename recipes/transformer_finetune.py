@@ -59,7 +59,7 @@ from transformers.trainer_pt_utils import get_parameter_names
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from classifier_kit.classification import baselines, check_columns, choose_task, load_model_config, load_splits
+from classifier_kit.classification import baselines, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
 from classifier_kit.device_map import parameter_bytes_per_device
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
@@ -77,7 +77,7 @@ from shared.runtime import (
     stop_quietly_after_a_peer,
     stop_with_launcher,
 )
-from shared.runtime import tokenizer_problem, use_fsdp_on_cpu
+from shared.runtime import model_problem, tokenizer_problem, use_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 from shared.signals import install_stop_on_signals
 
@@ -206,8 +206,7 @@ def load_data(
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
         source = (train_file, validation_file, dataset_name, dataset_config_name)
-        raw_datasets = load_splits(*source, seed=seed)
-    check_columns(raw_datasets, text_column, label_column)
+        raw_datasets = load_splits(*source, seed=seed, text_columns=text_column, label_column=label_column)
     for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
         if limit:  # a shuffled subset
             raw_datasets[split] = raw_datasets[split].shuffle(seed=seed)
@@ -417,7 +416,9 @@ def main():
     set_seed(args.seed)
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    stop_if_found(tokenizer_problem(args.model_name_or_path, args.tokenizer_name))  # a folder without one: refused
+    stop_if_found(
+        model_problem(args.model_name_or_path) or tokenizer_problem(args.model_name_or_path, args.tokenizer_name)
+    )  # a model folder without config.json or a tokenizer: refused before any work
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")  # all agree
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")

@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -430,10 +431,23 @@ def load_checkpoint(
     states (``load_state(folder)``, when given, replaces it: pipeline stages load their own files); the recipe then
     skips ``batches_to_skip`` batches of ``epoch`` with ``accelerator.skip_first_batches``, so the resumed run sees
     exactly the batches it would have (counted in this run's batches: ``keep_global_batch`` kept the samples per
-    step). The prepared ``lr_scheduler`` of a run in another process count is brought to this run's count."""
+    step). The prepared ``lr_scheduler`` of a run in another process count is brought to this run's count. A checkpoint
+    whose parameters have other shapes (another model or task) is refused in one paragraph naming them."""
     if checkpoint is None:
         return ResumePoint()
-    (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
+    try:
+        (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
+    except RuntimeError as error:  # torch's load_state_dict: "size mismatch for classifier.weight: copying a param..."
+        shapes = re.search(r"size mismatch for (\S+): .*?torch.Size\((.*?)\).*?torch.Size\((.*?)\)", str(error))
+        if shapes is None:
+            raise
+        name, saved, built = shapes.groups()
+        raise RecipeError(
+            f"Cannot resume from {checkpoint}: its {name} has the shape {saved} and this run's model {built}, so "
+            "it is a checkpoint of another model or task (a classifier's: another number of labels). Resume it with "
+            "the model and data it was trained on, or start this run afresh (no --resume_from_checkpoint, and another "
+            "--output_dir or --overwrite_output_dir)."
+        ) from None
     completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
     saved_processes = (progress.get("batch") or {}).get("num_processes", accelerator.num_processes)
     prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)

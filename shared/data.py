@@ -6,6 +6,8 @@ imported or executed). Each recipe's own data set lives beside it, in its kit.""
 from __future__ import annotations
 
 import hashlib
+import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -20,9 +22,9 @@ DOCSTRING_PACKAGES = ("asyncio", "email", "importlib", "logging", "multiprocessi
 TEST_FOLDERS = {"test", "tests", "idle_test"}
 
 
-def data_file_builder(files: dict[str, str], needs: str) -> str:
-    """The ``datasets`` builder (``csv``, ``json``, ``parquet``) for ``files`` ({split: path}, all of one kind), after
-    refusing a file that is missing or empty, naming its flag (``needs``: what an empty file lacks, said then)."""
+def check_data_files(files: dict[str, str], needs: str) -> None:
+    """Refuse a file of ``files`` ({split: path}) that is missing or empty, naming its flag (``needs``: what an empty
+    file lacks, said then)."""
     for split, file in files.items():
         if not Path(file).is_file():
             raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
@@ -30,10 +32,68 @@ def data_file_builder(files: dict[str, str], needs: str) -> str:
             Path(file).suffix.lower() != ".parquet" and not Path(file).read_bytes().strip()
         ):
             raise RecipeError(f"--{split}_file {file!r} is empty: it needs {needs}.")
+
+
+def load_data_files(files: dict[str, str], needs: str) -> dict[str, datasets.Dataset]:
+    """Each split of ``files`` ({split: path}, all CSV, JSON, JSON Lines or Parquet) read by ``datasets``, one at a
+    time so that an error names its file. Refused in one paragraph naming the file's flag: a missing file, an empty one
+    (``check_data_files``), and one that does not parse (``unreadable``: the 1-based line and why)."""
+    check_data_files(files, needs)
     suffixes = {Path(file).suffix.lower() for file in files.values()}
     if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
         raise RecipeError(f"Data files must all be one of {sorted(DATA_FILE_BUILDERS)}; got {sorted(files.values())}.")
-    return DATA_FILE_BUILDERS[suffixes.pop()]
+    builder, raw = DATA_FILE_BUILDERS[suffixes.pop()], {}
+    for split, file in files.items():
+        try:
+            raw[split] = datasets.load_dataset(builder, data_files={split: file}, split=split)
+        except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
+            if "corresponds to no data" in str(error):  # a CSV file with a header and no rows
+                raise RecipeError(f"--{split}_file {file!r} is empty: it needs {needs}.") from None
+            raise RecipeError(f"Could not read --{split}_file {file!r}: {unreadable(file, error)}") from None
+    return raw
+
+
+def unreadable(file: str, error: Exception) -> str:
+    """Why ``datasets`` could not read ``file``, at the 1-based line (``datasets`` names its own error; the line, or a
+    0-based row, is in a log message above it): for JSON Lines the parser's reason, or a line that is not an object of
+    columns; for CSV a line with more fields than the header (pandas' report, among the error's causes); otherwise
+    the innermost error's type and first line (a .json document, an array of rows, has no lines to name)."""
+    suffix, causes = Path(file).suffix.lower(), [error]
+    while causes[-1].__cause__ or causes[-1].__context__:
+        causes.append(causes[-1].__cause__ or causes[-1].__context__)
+    text = Path(file).read_text(encoding="utf-8", errors="replace") if "json" in suffix else ""
+    for number, line in enumerate(text.splitlines() if suffix == ".jsonl" or text.startswith("{") else [], start=1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except json.JSONDecodeError as bad:  # (a reason may end in "at": "Unterminated string starting at")
+            reason = f"{bad.msg.removesuffix(' at')} at column {bad.colno}"
+            return f"line {number} is not valid JSON ({reason}): {line.strip()[:120]!r}"
+        if not isinstance(row, dict):
+            return f"line {number} is a JSON {type(row).__name__}, not an object of columns: {line.strip()[:120]!r}"
+    for cause in causes:  # pandas: "Error tokenizing data. C error: Expected 2 fields in line 7, saw 3"
+        if fields := re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", str(cause)):
+            header, number, found = fields.groups()
+            return f"line {number} has {found} fields where the header has {header} (quote a text holding a comma)"
+    return f"{type(causes[-1]).__name__}: {(str(causes[-1]).strip().splitlines() or [''])[0][:300]}"
+
+
+def refuse_empty_cells(dataset: datasets.Dataset, columns: list[str], source: str, may_be_empty=()) -> None:
+    """Refuse the first row with nothing in one of ``columns``: a missing value (an empty CSV cell, a JSON null or
+    absent key) or an empty one (blank text, an empty list; ``may_be_empty``: columns where it is a value, a prompt),
+    naming the row (from 1: a JSON Lines file's line, a CSV file's data row), the column and ``source`` (the file's
+    flag). A hole would otherwise become a class of its own ("None") or a tokenizer's traceback."""
+    for number, values in enumerate(zip(*(dataset[column] for column in columns)), start=1):
+        for column, value in zip(columns, values):
+            blank = isinstance(value, str | list) and not (value.strip() if isinstance(value, str) else value)
+            if value is None or value != value or (blank and column not in may_be_empty):
+                raise RecipeError(no_value(f"Row {number} of {source}", column, value))
+
+
+def no_value(where: str, column: str, value, needs: str = "") -> str:
+    """The paragraph for a row with nothing in ``column`` (``value``: None or NaN, or empty), starting with ``where``
+    (``needs``: what every row needs, said after)."""
+    said = "empty or null" if value is None or value != value else repr(value)
+    return f"{where} has no {column!r} (it is {said}){': ' + needs if needs else ''}. Fill it in, or drop the row."
 
 
 def stdlib_root() -> Path:

@@ -530,6 +530,27 @@ def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str |
     return output_dir
 
 
+def model_problem(model_name_or_path: str) -> str | None:
+    """What is wrong with ``--model_name_or_path`` as a local folder, or None (a folder with config.json, or a Hub
+    name): a path that does not exist, or a folder without config.json (transformers would say only that it "should
+    have a `model_type` key in its config.json"), named with what the folder holds."""
+    name, folder = model_name_or_path, Path(model_name_or_path).expanduser()
+    windows = os.sep == "\\" and "\\" in name
+    if (folder.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or windows) and not folder.exists():
+        return (
+            f"--model_name_or_path {name!r} does not exist. Pass a folder with config.json and weights, or a Hub name."
+        )
+    if not folder.is_dir() or (folder / "config.json").is_file():
+        return None
+    held = sorted(path.name for path in folder.iterdir())
+    adapter = ": this one holds a LoRA adapter; its base is adapter_config.json's base_model_name_or_path"
+    return (
+        f"--model_name_or_path {name!r} holds no config.json (it holds: {', '.join(held[:8]) or 'nothing'}), so "
+        "transformers cannot tell which model to build. Pass the folder save_pretrained wrote (config.json beside the "
+        f"weights), or a Hub name{adapter if 'adapter_config.json' in held else ''}."
+    )
+
+
 def tokenizer_problem(model_name_or_path: str, tokenizer_name: str | None) -> str | None:
     """What is wrong with the tokenizer a run would load (``tokenizer_name``, else the model's own), or None: a local
     folder without tokenizer files. transformers would load some tokenizer anyway (a 5-token one that reads every

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch, launch_all, read_facts, read_results, save_tiny_llama, visible_gpus
+from launch import ONE_PROCESS, REPO, Job, launch, launch_all, read_facts, read_results, save_tiny_llama, visible_gpus
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
@@ -959,6 +959,21 @@ def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
     assert message in error.value.message
 
 
+@pytest.mark.slow
+def test_a_real_model_without_data_says_which_bundled_pairs_it_trains_on(base, tmp_path):
+    """A user's model launched without --train_file trains on the offline pairs: it runs, and says so in one line,
+    with the flag that passes theirs."""
+    run = launch(
+        ONE_PROCESS,
+        RECIPE,
+        *("--model_name_or_path", base, "--max_train_steps", "1", "--max_train_samples", "4", "--skip_eval"),
+        *("--output_dir", tmp_path / "out"),
+    )
+    said = [line for line in run.output.splitlines() if "trains on the bundled preference pairs" in line]
+    assert run.returncode == 0 and len(said) == 1, str(run)
+    assert said[0].startswith("data: no --train_file or --dataset_name") and "pass yours with --train_file" in said[0]
+
+
 def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     """In-process: --precompute_reference with LoRA, a negative --rpo_alpha, a --lora_dropout that --disable_dropout
     (on by default) would switch off, an adapter trained on another base, a file without chosen/rejected. And one
@@ -967,6 +982,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     import datasets
 
     from dpo_kit.preference_data import preference_format, starting_point
+    from llm_kit.loading import causal_lm_config
     from shared.runtime import RecipeError
 
     with pytest.raises(SystemExit):
@@ -985,6 +1001,13 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     with pytest.raises(RecipeError) as error:
         preference_format(datasets.Dataset.from_list([{"prompt": "q", "completion": "a"}]), "x")
     assert "x has no 'chosen' and no 'rejected' column" in error.value.message
+    no_config = base / "no_config"  # the weights, config.json left behind: said so, not transformers' model_type
+    no_config.mkdir(exist_ok=True)
+    (no_config / "model.safetensors").unlink(missing_ok=True)
+    (no_config / "model.safetensors").symlink_to(base / "model.safetensors")
+    with pytest.raises(RecipeError) as error:
+        causal_lm_config(OneProcess, str(no_config), 64)
+    assert f"{str(no_config)!r} holds no config.json (it holds: model.safetensors)" in error.value.message
     bad = base / "bad.jsonl"
     rows = [json.loads(line) for line in (base / "pairs.jsonl").read_text().splitlines()[:4]]
     rows[2]["rejected"] = rows[2]["chosen"]

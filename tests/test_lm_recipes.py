@@ -524,6 +524,8 @@ def refusals(tmp_path_factory):
     root = tmp_path_factory.mktemp("refused")
     tiny_text = root / "tiny.txt"
     tiny_text.write_text("x = 1\n")
+    (root / "without_config").mkdir()  # a folder of weights whose config.json was left behind
+    (root / "without_config" / "model.safetensors").write_bytes(b"")
     cases = {
         "layers": ("model_sharding_2gpu.yaml", TRAIN, "--parallelism", "device_map", "--num_layers", "1"),
         "microbatches": (
@@ -545,6 +547,7 @@ def refusals(tmp_path_factory):
         "block_size": (ONE_PROCESS, TRAIN, "--block_size", "512"),
         "device_map_two_processes": ("ddp_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
         "small_corpus": (ONE_PROCESS, TRAIN, "--train_file", tiny_text, "--validation_file", tiny_text),
+        "no_config": (ONE_PROCESS, TRAIN, "--model_name_or_path", root / "without_config"),  # (a traceback before)
     }
     finished = launch_two_at_a_time(
         {
@@ -603,6 +606,13 @@ def test_device_map_with_two_processes_is_refused(refusals):
 @pytest.mark.slow
 def test_corpus_too_small_for_one_block_is_refused(refusals):
     assert "fewer than one block of --block_size 32" in refusals["small_corpus"]
+
+
+@pytest.mark.slow
+def test_a_model_folder_without_config_json_is_refused_saying_so(refusals):
+    message = refusals["no_config"]
+    assert "without_config' holds no config.json (it holds: model.safetensors), so transformers cannot tell" in message
+    assert "Traceback" not in message and "model_type" not in message
 
 
 @pytest.fixture(scope="module")

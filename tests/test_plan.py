@@ -658,6 +658,26 @@ def test_the_launch_line_for_a_config_json_names_what_the_recipe_can_load(tmp_pa
             assert "replace FOLDER_WITH_THE_WEIGHTS with the folder that holds the model's weights" in text
 
 
+@pytest.mark.parametrize("objective, recipe", [("sft", "llm_finetune.py"), ("dpo", "dpo.py")])
+def test_a_fine_tunes_launch_line_names_a_data_file_to_replace(capsys, objective, recipe):
+    """Copied as printed, the line must not train the user's model on the recipe's bundled questions (it did, exit 0,
+    saying nothing): it carries --train_file with a word to replace, which the recipe's own parser reads, and the
+    text says what to put there."""
+    import importlib.util
+    import shlex
+
+    argv = ["--model_size", "7b", "--method", "qlora", "--objective", objective, "--host_ram_gib", "64"]
+    code, out, _ = run_main(argv, capsys)
+    line = next(line for line in out.splitlines() if line.startswith("launch: "))
+    words = shlex.split(line.removeprefix("launch: "))
+    spec = importlib.util.spec_from_file_location(f"{recipe[:-3]}_for_plan_data", REPO / "recipes" / recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(words[words.index(f"recipes/{recipe}") + 1 :])
+    assert code == 0 and args.train_file == "YOUR_DATA.jsonl" and args.model_name_or_path, line
+    assert "replace YOUR_DATA.jsonl with your training data" in out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -908,8 +928,9 @@ def test_the_readme_table_is_the_planners():
 
 
 def test_every_launch_line_of_the_readme_table_is_one_the_gpu_check_runs():
-    """The same config, recipe and flags (values aside: model, length and batch are the GPU check's sizes); the CPU
-    tests run each (config, method) at tiny size too: tests/test_llm_finetune.py's launches."""
+    """The same config, recipe and flags (values aside: model, length and batch are the GPU check's sizes, and the
+    data its own, the offline default, where the line has the user's --train_file); the CPU tests run each (config,
+    method) at tiny size too: tests/test_llm_finetune.py's launches."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_check import checks
 
@@ -921,7 +942,8 @@ def test_every_launch_line_of_the_readme_table_is_one_the_gpu_check_runs():
         words = launch.split()
         config, script = words[words.index("--config_file") + 1].removeprefix("accelerate_configs/"), words[4]
         flags = {word for word in words[5:] if word.startswith("--")}
-        assert any((config, script) == (c, s) and flags <= f | {"--model_name_or_path"} for c, s, f in planned), (
+        own = {"--model_name_or_path", "--train_file"}
+        assert any((config, script) == (c, s) and flags <= f | own for c, s, f in planned), (
             f"the GPU check runs no {config} {script} with {sorted(flags)}"
         )
 

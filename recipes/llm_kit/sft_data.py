@@ -13,7 +13,6 @@ import ast
 import bisect
 import collections
 import hashlib
-import json
 import platform
 from pathlib import Path
 
@@ -22,8 +21,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoTokenizer, DataCollatorWithFlattening
 
-from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, data_file_builder, in_validation_split, split_by_column
-from shared.data import stdlib_root
+from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, in_validation_split, load_data_files, refuse_empty_cells
+from shared.data import no_value, split_by_column, stdlib_root
 from shared.runtime import RecipeError, stop_if_found, tokenizer_problem
 
 ROLES = {"system", "user", "assistant"}
@@ -36,19 +35,25 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 def chat_tokenizer(accelerator, name_or_path: str, trust_remote_code: bool = False, tokenizer_name: str | None = None):
-    """The model's tokenizer (or ``tokenizer_name``'s), with a pad token and a chat template (the recipe's default)
-    when it has none. A model folder without a tokenizer is refused, naming what it holds (a collective)."""
+    """The model's tokenizer (or ``tokenizer_name``'s), with a pad token. A model folder without a tokenizer is
+    refused, naming what it holds (a collective)."""
     stop_if_found(tokenizer_problem(name_or_path, tokenizer_name))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_name or name_or_path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss; any id will do
         accelerator.print(f"tokenizer: no pad token, using the end-of-sequence token {tokenizer.eos_token!r}")
+    return tokenizer
+
+
+def add_chat_template(accelerator, tokenizer) -> None:
+    """Give ``tokenizer`` the recipe's default chat template when it has none (said so). Only for data that holds
+    conversations: the template is saved with the model, and one it never trained with would have
+    ``apply_chat_template`` format prompts the model has never seen."""
     if tokenizer.chat_template is None:
         tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
         accelerator.print(
             "tokenizer: no chat template, using the recipe's default (<|role|> lines ending in the EOS token)"
         )
-    return tokenizer
 
 
 def load_raw_datasets(
@@ -75,13 +80,7 @@ def load_raw_datasets(
     )
     if train_file:
         files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
-        builder = data_file_builder(files, needs="at least one sample")
-        raw = {}
-        for split, file in files.items():  # one at a time, so that an error can name the file
-            try:
-                raw[split] = datasets.load_dataset(builder, data_files={split: file}, split=split)
-            except Exception as error:  # datasets raises many types for unreadable files; report them all plainly
-                raise RecipeError(f"Could not read --{split}_file {file!r}: {unreadable(file, error)}") from None
+        raw = load_data_files(files, needs="at least one sample")
         if "validation" in raw and set(raw["validation"].column_names) != set(raw["train"].column_names):
             raise RecipeError(
                 f"--train_file {files['train']!r} has the columns {raw['train'].column_names} but --validation_file "
@@ -119,26 +118,11 @@ def load_raw_datasets(
     return raw, row_format(raw["train"].select(range(0)), "the training data")
 
 
-def unreadable(file: str, error: Exception) -> str:
-    """Why a data file could not be read: for JSON Lines, the first line that is not a JSON object (datasets names
-    only its own error; the line is in a log message above it)."""
-    if Path(file).suffix.lower() == ".jsonl":
-        with open(file, encoding="utf-8", errors="replace") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as bad:
-                    return f"line {number} is not valid JSON ({bad.msg} at column {bad.colno}): {line.strip()[:120]!r}"
-                if not isinstance(row, dict):
-                    return f"line {number} is a JSON {type(row).__name__}, not an object of columns: {line[:120]!r}"
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
-
-
 def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
-    """Refuse, naming the row, a conversation that tokenize_sample could not learn from (rows count from 1, as lines
-    of a JSON Lines file do)."""
+    """Refuse, naming the row, one that tokenize_sample could not learn from (rows count from 1, as lines of a JSON
+    Lines file do): a missing or empty cell (a prompt may be ""), or a conversation without an answer."""
+    columns = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "text": ["text"]}[fmt]
+    refuse_empty_cells(dataset, columns, source, may_be_empty=("prompt",))
     if fmt == "messages":
         for number, messages in enumerate(dataset["messages"], start=1):
             check_conversation(messages, f"Row {number} of {source}")
@@ -156,6 +140,11 @@ def check_conversation(messages, where: str, column: str = "messages", answer: b
     unknown = sorted({m["role"] for m in messages} - ROLES)
     if unknown:
         raise RecipeError(f"{where} has the role(s) {unknown}; the roles are {sorted(ROLES)}: {str(messages)[:200]}")
+    unusable = lambda m: not isinstance(m["content"], str) or (m["role"] == "assistant" and not m["content"].strip())
+    empty = next((m for m in messages if unusable(m)), None)  # (an empty system or user turn is a turn)
+    if empty is not None:
+        turn = f"{where}: {'an' if empty['role'] == 'assistant' else 'a'} {empty['role']} turn in {column!r}"
+        raise RecipeError(no_value(turn, "content", empty["content"]))
     if answer and not any(m["role"] == "assistant" for m in messages):
         raise RecipeError(
             f"{where} has no assistant turn, so nothing to learn from: {str(messages)[:200]}. Add the "

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from datasets import Dataset, DatasetDict, load_dataset
 
-from shared.data import TEST_FOLDERS, stdlib_root
+from shared.data import TEST_FOLDERS, check_data_files, stdlib_root
 from shared.runtime import RecipeError
 
 # Not ordinary source: test suites (generated data, fixtures), codec tables (walls of hex), whatever pip installed.
@@ -88,7 +88,8 @@ def load_text_corpus(
         return raw, f"Hub dataset {dataset_name}" + (f" ({dataset_config_name})" if dataset_config_name else ""), False
 
     if train_file is not None:
-        files = {"train": [train_file], **({"validation": [validation_file]} if validation_file else {})}
+        files = {"train": train_file, **({"validation": validation_file} if validation_file else {})}
+        check_data_files(files, needs="text to train on")  # (datasets' own error for an empty file is a traceback)
         raw = load_dataset("text", keep_linebreaks=True, data_files=files)
         if "validation" not in raw:
             split = raw["train"].train_test_split(test_size=validation_split_percentage / 100, shuffle=False)

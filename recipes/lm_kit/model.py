@@ -8,7 +8,7 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from shared.runtime import RecipeError
+from shared.runtime import RecipeError, model_problem
 
 from .presets import MODEL_PRESETS
 
@@ -31,7 +31,12 @@ def lm_config(
     ``check(config)`` refuses if given (a recipe's own limits: pipeline_lm.py's decoders whose stages it can cut), and
     fewer blocks than the ``num_stages`` that ``split_by`` (the parallelism's name) cuts the model into."""
     if model_name_or_path:
-        config = AutoConfig.from_pretrained(model_name_or_path)
+        if problem := model_problem(model_name_or_path):  # a missing path, a folder without config.json
+            raise RecipeError(problem)
+        try:
+            config = AutoConfig.from_pretrained(model_name_or_path)
+        except (OSError, ValueError) as error:  # a Hub name offline or unknown, a config transformers cannot read
+            raise RecipeError(f"Could not load --model_name_or_path {model_name_or_path!r}: {error}") from None
     else:
         preset = dict(MODEL_PRESETS[model_size])
         if num_layers:

@@ -11,6 +11,8 @@ from tools.planner.tables import HUB_NAMES
 # In a launch line, for a config.json with no weights beside it: the one word the user must replace (a bare word, so
 # that the shell does not read it as a redirection); the text output says so under the line.
 WEIGHTS_PLACEHOLDER = "FOLDER_WITH_THE_WEIGHTS"
+# The fine-tunes' data flag, always in their lines: without it they train the model on their bundled questions.
+DATA_PLACEHOLDER = "YOUR_DATA.jsonl"
 
 
 def loadable_location(location: str) -> str:
@@ -69,10 +71,10 @@ def _preset_recipe(shape: ModelShape, name: str, request: dict) -> tuple[str, li
 
 
 def _finetune_flags(location: str, request: dict) -> list[str]:
-    """llm_finetune.py's flags for the method (full, LoRA: its default, QLoRA), the rank and the sizes; dpo.py has
-    the same, and ``--no-precompute_reference`` for a reference copy (precomputing is its default)."""
+    """llm_finetune.py's flags for the data, the method (full, LoRA: its default, QLoRA), the rank and the sizes;
+    dpo.py has the same, and ``--no-precompute_reference`` for a reference copy (precomputing is its default)."""
     method = request["method"]
-    flags = [f"--model_name_or_path {location}"]
+    flags = [f"--model_name_or_path {location}", f"--train_file {DATA_PLACEHOLDER}"]
     flags += {"full": ["--full_finetune"], "lora": [], "qlora": ["--load_in_4bit"]}[method]
     if request["precompute_reference"] is False:
         flags.append("--no-precompute_reference")

@@ -3,7 +3,7 @@ it, and why each setup that does not fit does not. (``--json`` prints the result
 
 from __future__ import annotations
 
-from tools.planner.launch import WEIGHTS_PLACEHOLDER
+from tools.planner.launch import DATA_PLACEHOLDER, WEIGHTS_PLACEHOLDER
 from tools.planner.tables import GIB, LABELS, SETUPS, gib
 
 COLUMNS = (
@@ -133,6 +133,11 @@ def _recommendation(recommendation: dict, setups: dict) -> list[str]:
             lines.append(
                 f"        replace {WEIGHTS_PLACEHOLDER} with the folder that holds the model's weights and "
                 "tokenizer (the planner read only a config.json, with no weights beside it)"
+            )
+        if DATA_PLACEHOLDER in recommendation["launch"]:
+            lines.append(
+                f"        replace {DATA_PLACEHOLDER} with your training data (JSON Lines, CSV or Parquet: messages, "
+                "prompt + completion or text; for dpo.py prompt, chosen and rejected)"
             )
     elif recommendation.get("config"):
         lines.append(f"config: accelerate_configs/{recommendation['config']}")
