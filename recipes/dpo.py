@@ -565,8 +565,7 @@ def main():
     add_chat_template(accelerator, tokenizer)  # before the data: conversational rows are checked with it
 
     # ------------------------------------------------------------------------------- data
-    # main_process_first: the main process reads and tokenizes first (datasets caches it); the others read the cache.
-    with accelerator.main_process_first():
+    with accelerator.main_process_first():  # the main process reads and tokenizes first, the others read its cache
         raw_datasets, fmt = load_raw_datasets(  # every row checked by preference_format, which names the format
             args.train_file,
             args.validation_file,
@@ -744,7 +743,7 @@ def main():
                 log.append({"step": completed_steps, **logs})
                 accelerator.log(logs, step=completed_steps)
             if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
-                stop.exit(save_checkpoint_at(completed_steps))  # says which checkpoint and how to resume
+                stop.exit(save_checkpoint_at(completed_steps))
             if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
                 save_checkpoint_at(completed_steps)
     progress_bar.close()

@@ -69,14 +69,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+RESUME = "resume from the newest checkpoint with the same command and --resume_from_checkpoint latest"
+
+
 def refuse(accelerator: Accelerator, message: str) -> None:  # every process stops; the message printed once
     raise SystemExit(f"error: {message}" if accelerator.is_main_process else 1)
-
-
-def resume_hint(checkpoints_dir: Path) -> str:
-    newest = max(checkpoints_dir.glob("step_*/progress.json"), key=lambda p: int(p.parent.name[5:]), default=None)
-    where = f"the newest checkpoint is {newest.parent}" if newest else "no checkpoint was saved"
-    return f"{where}; resume with the same command and --resume_from_checkpoint latest"
 
 
 def save_atomically(accelerator: Accelerator, folder: Path, write, checkpoints_dir: Path) -> None:
@@ -89,10 +86,9 @@ def save_atomically(accelerator: Accelerator, folder: Path, write, checkpoints_d
         error = f"{getattr(failed, 'strerror', None) or failed}, {shutil.disk_usage(folder.parent).free:,} bytes free"
     if error := next(filter(None, gather_object([error])), None):
         shutil.rmtree(tmp, ignore_errors=True)
-        refuse(
-            accelerator,
-            f"saving {folder} failed ({error}); what was saved before is kept: {resume_hint(checkpoints_dir)}",
-        )
+        newest = max(checkpoints_dir.glob("step_*/progress.json"), key=lambda p: int(p.parent.name[5:]), default=None)
+        kept = f"the newest checkpoint is {newest.parent}" if newest else "no checkpoint was saved"
+        refuse(accelerator, f"saving {folder} failed ({error}); all saved before is kept, {kept}: {RESUME}")
     if accelerator.is_main_process:
         folder.mkdir(parents=True, exist_ok=True)
         for entry in sorted(tmp.iterdir(), key=lambda entry: entry.name == "progress.json"):
@@ -223,11 +219,14 @@ def main():
                 accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
             if summed[1] or args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
                 save_atomically(
-                    accelerator, checkpoints_dir / f"step_{completed_steps}", write_checkpoint, checkpoints_dir
+                    accelerator,
+                    folder := checkpoints_dir / f"step_{completed_steps}",
+                    write_checkpoint,
+                    checkpoints_dir,
                 )
             if summed[1]:
                 name = signal.Signals(stop["signal"] or signal.SIGTERM).name
-                accelerator.print(f"stopped by {name} after step {completed_steps}: {resume_hint(checkpoints_dir)}")
+                accelerator.print(f"stopped by {name} after step {completed_steps}: saved {folder}; {RESUME}")
                 raise SystemExit(128 + (stop["signal"] or signal.SIGTERM))
             if completed_steps >= max_train_steps:
                 break

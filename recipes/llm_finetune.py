@@ -652,7 +652,7 @@ def main():
                 progress_bar.set_postfix({"train/loss": f"{loss:.4f}"})
                 accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
             if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
-                stop.exit(save_checkpoint_at(completed_steps))  # says which checkpoint and how to resume
+                stop.exit(save_checkpoint_at(completed_steps))
             if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
                 save_checkpoint_at(completed_steps)
     progress_bar.close()

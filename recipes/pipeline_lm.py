@@ -420,7 +420,7 @@ def main():
                     loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
-                    stop.exit(save_checkpoint_at(completed_steps))  # says which checkpoint, how to resume; exits
+                    stop.exit(save_checkpoint_at(completed_steps))
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                     save_checkpoint_at(completed_steps)
             if completed_steps >= max_train_steps:

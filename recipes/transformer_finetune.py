@@ -571,7 +571,7 @@ def main():
                 accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {logs['train/loss']:.4f}")
                 accelerator.log(logs, step=completed_steps)
             if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
-                stop.exit(save())  # says which checkpoint and how to resume; exits 128 + the signal
+                stop.exit(save())
             if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                 save()
             if completed_steps >= max_train_steps:
