@@ -24,6 +24,7 @@ import shlex
 import shutil
 import socket
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from safetensors import SafetensorError
 from .runtime import RecipeError, main_process_alone, stop_if_found
 
 PROGRESS_FILE = "progress.json"
-# What a failed write raises: the OS's error, safetensors' (no errno), torch.save's writer's ("unexpected pos ...").
+# What a failed write raises: the OS's error, safetensors' (no errno), torch.save's ("unexpected pos", "basic_ios").
 WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
 FINGERPRINT_BYTES = 2**20  # hashed at each end of every file
 LAYOUTS = {
@@ -144,8 +145,9 @@ def failed_save(
 ) -> str:
     """The paragraph for a save that failed with ``error`` (re-raised if it is no failed write): what, why (a full
     disk: how much it needs, how much is free), that what was there before is kept, and where to resume."""
-    if isinstance(error, RuntimeError) and "inline_container" not in str(error):  # (not torch.save's file writer)
-        raise error
+    frames = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__)]
+    if isinstance(error, RuntimeError) and not any("torch/serialization" in frame for frame in frames):
+        raise error  # (a RuntimeError not raised writing a file by torch.save)
     existing = next(parent for parent in [Path(folder), *Path(folder).parents] if parent.exists())
     free, newest = shutil.disk_usage(existing).free, complete_checkpoints(checkpoints_dir)[-1:]
     # torch.save says only "unexpected pos ..." when the disk is full; safetensors' error has no errno.
