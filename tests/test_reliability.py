@@ -306,9 +306,10 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     the script) writes output_dir/debug/: the error, the step, the collective it was waiting in and every thread's
     stack. The message names the folder."""
     out = tmp_path / "run"
-    flags = ("--output_dir", out, *LONG, "--checkpointing_steps", "50", "--dist_timeout", "5")
+    flags = ("--output_dir", out, *LONG, "--checkpointing_steps", "500", "--dist_timeout", "5")
     run = Launch("ddp_2gpu.yaml", REPO / "tools" / "hang_dump.py", TOY, *flags)
     wait_for(lambda: list((out / "checkpoints").glob("step_*")), what="training to start")
+    time.sleep(0.3)  # past the save's last collective: the next is 500 steps away, so rank 0 waits in a step's
     run.worker(rank=1).send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     result = run.finish(timeout=90)
