@@ -423,7 +423,7 @@ def test_a_continued_adapter_s_reference_is_the_sft_policy(recipe, base):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from dpo_kit.preference_data import continued_adapter
+    from llm_kit.adapters import continued_adapter
 
     loader, pairs = pair_batches(base)
     batch = next(iter(loader))
@@ -691,7 +691,8 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     import datasets
     from transformers import AutoTokenizer
 
-    from dpo_kit.preference_data import preference_format, starting_point
+    from dpo_kit.preference_data import preference_format
+    from llm_kit.adapters import starting_point
     from shared.runtime import RecipeError
 
     with pytest.raises(SystemExit):
