@@ -7,7 +7,7 @@ accumulation (``bnpo`` aside: TRL normalises it per micro-batch, and so does thi
 The step's loss (DAPO, TRL's default), over the completion tokens t of every completion i of the optimizer step:
 
     ratio = exp(logp - logp_old)        (logp_old: the policy that generated, before this round's first step)
-    per_token = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i) + beta * KL_t
+    per_token = -min(ratio * A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A_i) + beta * KL_t * ratio
     KL_t = exp(logp_ref - logp) - (logp_ref - logp) - 1        (k3, an unbiased estimate of KL(policy || reference))
     loss = sum over tokens of per_token / (completion tokens of the step)
 
@@ -125,7 +125,8 @@ def per_token_loss(
     beta: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The clipped surrogate per completion token (PPO's, with the advantage of its completion), plus ``beta`` x the
-    k3 estimate of the KL to the reference; and, detached, the token values TRL logs (``kl``, ``clip_ratio/*``).
+    k3 estimate of the KL to the reference times the ratio (DeepSeek-V3.2's unbiased reverse-KL gradient, TRL's
+    default); and, detached, the token values TRL logs (``kl``, ``clip_ratio/*``).
     ``old_logps`` None: the policy that generated is this one (one step per round), so the ratio is exactly 1 and
     only its gradient acts."""
     old_logps = logps.detach() if old_logps is None else old_logps
@@ -139,7 +140,8 @@ def per_token_loss(
     }
     tokens["clip_ratio/region_mean"] = torch.maximum(tokens["clip_ratio/low_mean"], tokens["clip_ratio/high_mean"])
     if beta:
-        kl = torch.exp(reference_logps - logps) - (reference_logps - logps) - 1
+        # x the ratio (TRL's use_bias_correction_kl, on by default): its value is 1 on-policy, its gradient is not.
+        kl = (torch.exp(reference_logps - logps) - (reference_logps - logps) - 1) * ratio
         loss = loss + beta * kl
         tokens["kl"] = kl.detach()
     return loss, tokens
