@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import ProjectConfiguration, set_seed
 from accelerate.utils import disable_fsdp_ram_efficient_loading
+from torch.distributed.fsdp import register_fsdp_forward_method
 from tqdm.auto import tqdm
 
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
@@ -448,11 +449,7 @@ def main():
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,  # a resume: its global batch
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        data_parallel_size,
+        accelerator, checkpoint, args.per_device_train_batch_size, args.gradient_accumulation_steps, data_parallel_size
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     # A round: the prompts of one optimizer step's completions; this process generates and trains its share of them.
@@ -545,6 +542,7 @@ def main():
     reference_model = frozen_copy(
         accelerator, args.model_name_or_path, config, args.trust_remote_code, lora, args.beta
     )
+    register_fsdp_forward_method(model, "generate")  # FSDP2: generate() gathers the root's weights as forward does
     generator = PolicyGenerator(  # colocated: the policy being trained generates this process's share
         accelerator,
         model,
@@ -594,7 +592,6 @@ def main():
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
-        model.train()
         train_dataloader.sampler.set_epoch(epoch)  # reseeds the order: the same on every process and after a resume
         skip = resume.batches_to_skip // args.num_iterations if epoch == resume.epoch else 0  # rounds already done
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
@@ -602,10 +599,12 @@ def main():
             # Generate: the round's rows are its prompts, each repeated --num_generations times; this process takes
             # its share, sampled with its share of the round's noise (the same completions in any process count).
             rows = [row for row in prompts for _ in range(args.num_generations)][share]
-            noise = sampling_noise(
-                args.seed, completed_steps // args.num_iterations, global_batch_size, args.max_completion_length
-            )[share]
-            completions = generator.generate([row["prompt_ids"] for row in rows], noise)
+            completions = generator.generate(
+                [row["prompt_ids"] for row in rows],
+                sampling_noise(
+                    args.seed, completed_steps // args.num_iterations, global_batch_size, args.max_completion_length
+                )[share],
+            )
             # Reward: each function scores this process's completions; every process gathers them all (a collective).
             gathered = score_round(
                 accelerator,
@@ -667,16 +666,16 @@ def main():
                 optimizer.zero_grad()
                 completed_steps += 1
                 progress_bar.update(1)
+                step = {
+                    **metrics.result(accelerator, args.beta),
+                    **round_metrics(gathered, reward_functions, advantages),
+                }
                 window.append(
-                    {**metrics.result(accelerator, args.beta), **round_metrics(gathered, reward_functions, advantages)}
-                )
-                rewards.append(window[-1]["reward"])
-                # On the device until a log reads it; a round's completions count at its first step.
+                    step
+                )  # on the device until a log reads it; a round's completions count at its first step
+                rewards.append(step["reward"])
                 record.step(
-                    completed_steps,
-                    window[-1]["loss"],
-                    global_batch_size * (iteration == 0),
-                    window[-1].pop("num_tokens"),
+                    completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens")
                 )
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                     # Sync point: reads the window's metrics (TRL's: a metric that is NaN in a step is left out).

@@ -48,7 +48,7 @@ def prompt_format(dataset: datasets.Dataset, source: str, tokenizer=None, max_pr
         if fmt == "standard" and not (isinstance(prompt, str) and prompt.strip()):
             raise RecipeError(f"{where} has no 'prompt' string (it is {prompt!r}): fill it in, or drop the row.")
         if fmt == "conversational":
-            check_conversation(prompt, where, "prompt", answer=False)
+            check_conversation(prompt, f"{where} (column 'prompt')", "prompt", answer=False)
             if not prompt:
                 raise RecipeError(f"{where} has an empty 'prompt' conversation: fill it in, or drop the row.")
         if tokenizer is not None and max_prompt_length is not None:

@@ -66,10 +66,12 @@ class NoiseSampler(LogitsProcessor):
 
 class PolicyGenerator:
     """Colocated generation: the policy being trained generates this process's completions, unwrapped from DDP (no
-    gradient to sync), in eval mode (no dropout) and without gradients, with the KV cache, prompts padded on the left,
-    until every row has ended or ``max_completion_length`` tokens. Under FSDP2 (``sharded``) every forward gathers each
-    block's parameters from all processes, so all of them must run as many forwards: ``synced_gpus`` keeps a process
-    whose rows have ended stepping (on padding) until every process's have."""
+    gradient to sync), in eval mode (no dropout; left in training mode after) and without gradients, with the KV cache,
+    prompts padded on the left, until every row has ended or ``max_completion_length`` tokens. Under FSDP2
+    (``sharded``; the recipe registers ``generate`` as a forward method, so that it gathers the root's own parameters
+    as a forward does) every forward gathers each block's parameters from all processes, so all of them must run as
+    many forwards: ``synced_gpus`` keeps a process whose rows have ended stepping (on padding) until every process's
+    have."""
 
     def __init__(
         self,
@@ -108,7 +110,6 @@ class PolicyGenerator:
         for row, ids in enumerate(prompt_ids):  # left-padded: every prompt ends where generation starts
             input_ids[row, length - len(ids) :], attention_mask[row, length - len(ids) :] = torch.tensor(ids), 1
         sampler = NoiseSampler(noise, length, **self.sampling)
-        training = unwrapped.training
         unwrapped.eval()
         try:
             with torch.no_grad():  # (the prepared model's forward keeps its mixed-precision autocast)
@@ -120,7 +121,7 @@ class PolicyGenerator:
                     synced_gpus=self.sharded,
                 )
         finally:
-            unwrapped.train(training)
+            unwrapped.train()  # what follows generation: training
         return cut_at_end(output[:, length:].tolist(), self.eos_token_ids)
 
 
