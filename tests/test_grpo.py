@@ -684,6 +684,12 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
     from grpo_kit.rewards import load_reward_functions
     from shared.runtime import RecipeError
 
+    offline, told = recipe.parse_args([]), recipe.parse_args(["--max_train_steps", "5", "--temperature", "1"])
+    assert offline.max_train_steps == 400 and offline.temperature == 0.7 and offline.top_k == 20
+    assert "--max_train_steps 400" in offline.offline_default_settings and offline.learning_rate == 2e-4
+    assert told.max_train_steps == 5 and told.temperature == 1 and told.top_k == 20  # a flag given wins
+    given = recipe.parse_args(["--model_name_or_path", str(base)])
+    assert given.temperature == 1.0 and given.top_k == 0 and given.learning_rate == 5e-5  # TRL's, and LoRA's rate
     for argv, message in (
         (["--num_generations", "1"], "a group needs at least 2 completions"),
         (["--beta", "-0.1"], "--beta weighs the KL to the reference: 0 (none) or more"),

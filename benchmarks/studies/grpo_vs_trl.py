@@ -414,7 +414,12 @@ def speed(args, argv: list[str], work: Path, output_dir: Path) -> int:
         ),
         "",
         (
-            f"Median ratio {report['ratio']['median']:.3f}, 95 % interval {report['ratio']['interval']}."
+            f"Median ratio {report['ratio']['median']:.3f}, 95 % interval "
+            + (
+                f"[{report['ratio']['interval'][0]:.3f}, {report['ratio']['interval'][1]:.3f}]."
+                if report["ratio"]["interval"]
+                else "- (< 3 rounds)."
+            )
             if equal
             else "Unequal work (mean completion lengths differ by more than 2 %): no verdict."
         ),
