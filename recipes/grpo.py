@@ -401,10 +401,17 @@ def check_layout(
 def frozen_copy(accelerator, name_or_path: str, config, trust_remote_code: bool, lora: bool, beta: float):
     """A full fine-tune's reference with ``beta``: the model as loaded, once more, frozen and in eval mode (TRL's
     ``ref_model``), on the device and never wrapped for gradients: its weights beside the trained ones, with no
-    gradients nor optimizer state. None otherwise (LoRA's reference is the adapter switched off, or its frozen
-    copy)."""
+    gradients nor optimizer state; refused under FSDP2, which would not shard it. None otherwise (LoRA's reference is
+    the adapter switched off, or its frozen copy)."""
     if lora or not beta:
         return None
+    if accelerator.is_fsdp2:
+        raise RecipeError(
+            "--full_finetune with --beta needs a frozen copy of the model as the reference, which this recipe does "
+            "not shard under FSDP2 yet (each GPU would hold all of it, and Accelerate leaves it off the GPU). Train "
+            "with ddp_2gpu.yaml, with a LoRA adapter (its reference is the adapter switched off), or with --beta 0 "
+            "(TRL's default)."
+        )
     reference = load_base_model(accelerator, name_or_path, config, trust_remote_code=trust_remote_code)
     return accelerator.prepare_model(reference.requires_grad_(False).eval(), evaluation_mode=True)
 

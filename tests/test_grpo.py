@@ -710,6 +710,9 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
         and "not a whole number of groups" in error.value.message
     )
     with pytest.raises(RecipeError) as error:
+        recipe.frozen_copy(type("Sharded", (), {"is_fsdp2": True}), str(base), None, False, lora=False, beta=0.1)
+    assert "--full_finetune with --beta needs a frozen copy" in error.value.message
+    with pytest.raises(RecipeError) as error:
         recipe.check_layout(Accelerator, "split", 16, 8, 1)
     assert "needs 2 or more processes" in error.value.message
     assert recipe.check_layout(type("Two", (), {"process_index": 1, "num_processes": 2}), "colocate", 16, 8, 2) == (
