@@ -804,3 +804,22 @@ def test_dpo_vs_trl_judges_only_equal_work_and_equal_losses(tmp_path, monkeypatc
     assert report["refused"] is None and report["equality"]["max_loss_abs_diff"] == pytest.approx(5e-5)
     assert [row["key"] for row in report["summary"]][0] == "perf/samples_per_cpu_s"
     assert all(row["interval"] is not None for row in report["summary"])  # 3 rounds
+
+
+@pytest.mark.slow
+def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path):
+    """studies/grpo_vs_trl.py's first case, where TRL is installed: recipes/grpo.py and TRL's GRPOTrainer on the same
+    fixed completions, DAPO with the KL term and 2 iterations per round: every step's loss and LoRA gradient within
+    1e-6 (the study exits 1 otherwise). Its other cases (each loss type, accumulation, the other options) run in the
+    study itself."""
+    pytest.importorskip("trl")
+    sys.path.insert(0, str(REPO / "benchmarks" / "studies"))
+    import grpo_vs_trl
+
+    argv = ["--cases", "dapo", "--work_dir", str(tmp_path / "work"), "--output_dir", str(tmp_path / "out")]
+    assert grpo_vs_trl.main(argv) == 0, (tmp_path / "out" / "summary.md").read_text()
+    report = json.loads((tmp_path / "out" / "grpo_vs_trl.json").read_text())
+    steps = report["cases"]["dapo"]["comparison"]["steps"]
+    assert len(steps) == grpo_vs_trl.STEPS and all(step["parameters"] > 0 for step in steps)
+    assert max(step["loss_abs_diff"] for step in steps) <= 1e-6 and max(s["grad_max_abs_diff"] for s in steps) <= 1e-6
+    assert steps[1]["loss_recipe"] != steps[0]["loss_recipe"]  # the second step's ratio is against the first's policy

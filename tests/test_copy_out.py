@@ -132,19 +132,32 @@ def test_a_copied_fine_tune_trains_saves_and_evaluates(tmp_path):
 @pytest.mark.slow
 def test_every_copied_recipe_with_a_kit_trains_saves_and_evaluates(tmp_path):
     """Each LM and LLM recipe copied alone (its unit, as its docstring names it, in both layouts) into a project of its
-    own trains, saves its model or adapter, and evaluates, from the copy, every flag but the sizes its default."""
+    own trains, saves its model or adapter, and evaluates, from the copy, every flag but the sizes its default (GRPO:
+    its exact match of greedy answers)."""
     base = tmp_path / "tiny_llama"
     save_tiny_llama(base, num_hidden_layers=2)
     lm = ("--model_size", "tiny", "--corpus_max_mb", "0.5", "--vocab_size", "512", "--block_size", "32")
     lm += ("--max_train_steps", "2", "--per_device_train_batch_size", "4", "--max_eval_samples", "8")
     llm = ("--model_name_or_path", base, "--max_train_steps", "2", "--max_length", "64")
     llm += ("--per_device_train_batch_size", "4", "--max_eval_samples", "8", "--exact_match_samples", "2")
+    grpo = ("--model_name_or_path", base, "--max_train_steps", "2", "--per_device_train_batch_size", "4")
+    grpo += (
+        "--num_generations",
+        "2",
+        "--max_completion_length",
+        "4",
+        "--max_eval_samples",
+        "8",
+        "--exact_match_samples",
+        "2",
+    )
     # recipe: (config, layout, flags, the weights it saves, an evaluation metric)
     cases = {
         "train_lm.py": ("single_gpu.yaml", "one_up", lm, "model.safetensors", "eval/perplexity"),
         "pipeline_lm.py": ("pipeline_2gpu.yaml", "beside", lm, "model.safetensors", "eval/perplexity"),
         "llm_finetune.py": ("single_gpu.yaml", "beside", llm, "adapter_model.safetensors", "eval/loss"),
         "dpo.py": ("single_gpu.yaml", "one_up", llm, "adapter_model.safetensors", "eval/rewards/accuracies"),
+        "grpo.py": ("single_gpu.yaml", "beside", grpo, "adapter_model.safetensors", "eval/exact_match"),
     }
     jobs = {}
     for name, (config, layout, flags, _, _) in cases.items():

@@ -489,7 +489,7 @@ def test_a_continued_adapter_s_reference_is_the_sft_policy(recipe, base):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from dpo_kit.preference_data import continued_adapter
+    from llm_kit.adapters import continued_adapter
 
     loader, pairs = pair_batches(base)
     batch = next(iter(loader))
@@ -523,7 +523,7 @@ def test_the_reference_is_scored_without_dropout_whatever_the_flag(recipe, base)
     leave the model in train mode."""
     from transformers import AutoModelForCausalLM
 
-    from dpo_kit.preference_data import continued_adapter
+    from llm_kit.adapters import continued_adapter
     from shared.lora import lora_model
 
     batch = next(iter(pair_batches(base)[0]))
@@ -981,7 +981,8 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     exit."""
     import datasets
 
-    from dpo_kit.preference_data import preference_format, starting_point
+    from dpo_kit.preference_data import preference_format
+    from llm_kit.adapters import starting_point
     from llm_kit.loading import causal_lm_config
     from shared.runtime import RecipeError
 

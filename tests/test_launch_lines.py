@@ -43,7 +43,7 @@ from launch import CONFIGS, RECIPES, REPO, Job, launch_all
 # The SLURM example's variables, as one machine of the two would see them.
 SHELL_VARIABLES = {"$SLURM_NODEID": "0", "$MASTER_ADDR": "127.0.0.1"}
 # Flag values that stand for the user's own choice: a model ("..."), their data files.
-PLACEHOLDERS = {"...", "chats.jsonl", "train.csv", "dev.csv", "YOUR_DATA.jsonl"}
+PLACEHOLDERS = {"...", "chats.jsonl", "prompts.jsonl", "train.csv", "dev.csv", "YOUR_DATA.jsonl"}
 # A Hub model: ``org/name``, or a legacy name without an org (bert-base-uncased).
 HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 # The scripts a launch line may name: every recipe, and the setup checker (a diagnostic, so it lives in tools/).
@@ -76,6 +76,9 @@ LAUNCHED_ELSEWHERE = {
     ("ddp_2gpu.yaml", "dpo.py"): "test_dpo.py",
     ("fsdp_2gpu.yaml", "dpo.py"): "test_dpo.py",
     ("fsdp_offload_2gpu.yaml", "dpo.py"): "test_dpo.py",
+    ("single_gpu.yaml", "grpo.py"): "test_grpo.py",
+    ("ddp_2gpu.yaml", "grpo.py"): "test_grpo.py",
+    ("fsdp_2gpu.yaml", "grpo.py"): "test_grpo.py",
 }
 # Appended to a launched line (argparse keeps the last value of a flag, so these win over the line's sizes).
 LM_TINY = (

@@ -282,8 +282,9 @@ def test_shared_and_the_kits_hold_only_what_recipes_import():
 KIT_RECIPES = {
     "classifier_kit": {"transformer_finetune"},
     "dpo_kit": {"dpo"},
+    "grpo_kit": {"grpo"},
     "lm_kit": {"train_lm", "pipeline_lm"},
-    "llm_kit": {"llm_finetune", "dpo"},
+    "llm_kit": {"llm_finetune", "dpo", "grpo"},
     "pipeline_kit": {"pipeline_lm"},
 }
 
@@ -440,11 +441,13 @@ def test_no_concept_is_named_two_ways(flags):
 
 def test_one_name_means_one_thing(flags):
     """A flag that several scripts take has the same kind everywhere: a switch, or a value of one type. The linear toy,
-    one file with nothing of shared/, takes step counts only where the others also take "epoch" (a narrower type)."""
+    one file with nothing of shared/, takes step counts only where the others also take "epoch" (a narrower type);
+    DPO's --beta is > 0 (it divides), GRPO's >= 0 (0: no KL term), a float either way."""
+    narrowed = {"--checkpointing_steps": {"positive_int": "steps_or_epoch"}, "--beta": {"positive_float": "float"}}
 
     def kind(action):
         value_type = getattr(action.type, "__name__", str(action.type))
-        narrower = {"positive_int": "steps_or_epoch"} if action.option_strings == ["--checkpointing_steps"] else {}
+        narrower = narrowed.get(action.option_strings[-1], {}) if len(action.option_strings) == 1 else {}
         return (type(action).__name__, narrower.get(value_type, value_type), action.nargs)
 
     seen: dict[str, tuple] = {}

@@ -85,6 +85,9 @@ LLM_TINY = (
 def launches(base: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
     """Name -> (config, recipe, arguments): each recipe under each config it supports."""
     llm = ("--model_name_or_path", str(base), *LLM_TINY)
+    grpo = ("--model_name_or_path", str(base), "--max_train_steps", "4", "--per_device_train_batch_size", "8")
+    grpo += ("--num_generations", "4", "--max_completion_length", "6", "--beta", "0.1", "--num_iterations", "2")
+    grpo += ("--learning_rate", "1e-3", "--max_eval_samples", "8", "--exact_match_samples", "2")
     return {
         "linear_toy/single": ("single_gpu.yaml", "linear_toy.py", ("--max_train_steps", "5")),
         "linear_toy/ddp": ("ddp_2gpu.yaml", "linear_toy.py", ("--max_train_steps", "5")),
@@ -139,6 +142,10 @@ def launches(base: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
             "dpo.py",
             (*llm, "--full_finetune", "--learning_rate", "1e-4", "--per_device_train_batch_size", "2"),
         ),
+        # GRPO on the offline prompts: sampled completions (its own seeded noise), the KL term and 2 steps per round.
+        "grpo/single_lora": ("single_gpu.yaml", "grpo.py", grpo),
+        "grpo/ddp_lora": ("ddp_2gpu.yaml", "grpo.py", (*grpo, "--per_device_train_batch_size", "4")),
+        "grpo/fsdp_lora": ("fsdp_2gpu.yaml", "grpo.py", (*grpo, "--per_device_train_batch_size", "4")),
     }
 
 

@@ -2,7 +2,8 @@
 ``llm_kit.sft_data.load_raw_datasets`` and checked row by row, token ids as TRL 1.16's DPOTrainer makes them by
 default (prompt and completion tokenized together, cut at ``max_length`` from the end, a pair whose prompt fills it
 dropped), and batches that hold the chosen and the rejected completion of every pair (chosen rows first), so that one
-forward scores both; the adapter to continue, loaded twice, the switch to the reference, and dropout switched off.
+forward scores both; the reference's log-probs, live or computed before training (``llm_kit.adapters`` holds the
+adapter to continue and the switch to the reference), and dropout switched off.
 
 The formats (TRL's): ``standard``, ``prompt``/``chosen``/``rejected`` strings; ``conversational``, the same columns
 as lists of ``{role, content}`` messages; ``conversational_implicit``, no ``prompt`` column: ``chosen`` and
@@ -10,12 +11,9 @@ as lists of ``{role, content}`` messages; ``conversational_implicit``, no ``prom
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import math
 from functools import partial
-from pathlib import Path
 
 import datasets
 import torch
@@ -23,11 +21,10 @@ import torch
 from shared.data import no_value
 from shared.runtime import RecipeError
 
-from llm_kit.loading import default_base_model
+from llm_kit.adapters import reference_policy
 from llm_kit.sft_data import check_conversation, collate, stdlib_names, token_losses
 
 FORMATS = ("standard", "conversational", "conversational_implicit")
-SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
 
 
 def preference_format(dataset: datasets.Dataset, source: str) -> str:
@@ -243,88 +240,6 @@ def stdlib_name_pairs() -> datasets.DatasetDict:
 
 
 # ----------------------------------------------------------------------------- the reference policy
-def starting_point(
-    accelerator,
-    adapter: str | None,
-    model_name_or_path: str | None,
-    lora: bool,
-    output_dir: Path,
-    recipes_dir: Path,
-    offline_settings: str = "",
-) -> tuple[str | None, str]:
-    """The SFT adapter to continue (or None) and the base model. Offline (neither given, LoRA): the adapter that
-    ``recipes/llm_finetune.py`` saved by default in ``outputs/llm_finetune``, when there is one (said so), else its
-    default base (``llm_kit.loading.default_base_model``, which may pretrain one first: ``recipes/train_lm.py`` in a
-    subprocess, into ``output_dir/base_model``). An adapter whose base (its
-    adapter_config.json) differs from ``model_name_or_path`` is refused: LoRA weights trained on one base are
-    meaningless on another. ``offline_settings``: what the offline default trains with, printed when given."""
-    if offline_settings:
-        accelerator.print(offline_settings)
-    if adapter is None and model_name_or_path is None and lora and Path(SFT_DEFAULT, "adapter_config.json").is_file():
-        adapter = SFT_DEFAULT
-        accelerator.print(f"offline default: continuing the SFT adapter recipes/llm_finetune.py saved in {adapter}")
-    if adapter is None:
-        return None, model_name_or_path or default_base_model(accelerator, output_dir, recipes_dir)
-    config_file = Path(adapter) / "adapter_config.json"
-    if not config_file.is_file():
-        raise RecipeError(
-            f"--adapter_name_or_path {adapter!r} holds no adapter_config.json: pass the folder a LoRA "
-            "run saved (e.g. outputs/llm_finetune)."
-        )
-    base = json.loads(config_file.read_text())["base_model_name_or_path"]
-    same = (
-        model_name_or_path is None
-        or model_name_or_path == base
-        or (
-            Path(model_name_or_path).is_dir()
-            and Path(base).is_dir()
-            and Path(model_name_or_path).resolve() == Path(base).resolve()
-        )
-    )
-    if not same:
-        raise RecipeError(
-            f"--adapter_name_or_path {adapter!r} was trained on {base!r}, not on --model_name_or_path "
-            f"{model_name_or_path!r}: its weights mean nothing on another base. Leave "
-            "--model_name_or_path out (the adapter's base is used) or pass that base."
-        )
-    return adapter, base
-
-
-def continued_adapter(model, adapter: str):
-    """``model`` with the SFT ``adapter`` loaded twice: ``default``, trained, and ``reference``, a frozen copy (a few
-    MB) that ``reference_policy`` switches to, so that the reference is the SFT policy (disabling the adapter would
-    give the bare base). TRL does the same (its ``ref`` adapter). Checkpoints hold ``default`` only (what requires
-    grad: ``llm_kit.loading.trained_weights_only_in_checkpoints``, called in the recipe)."""
-    from peft import PeftModel
-
-    model = PeftModel.from_pretrained(model, adapter, adapter_name="default", is_trainable=True)
-    model.load_adapter(adapter, adapter_name="reference", is_trainable=False)
-    return model
-
-
-@contextlib.contextmanager
-def reference_policy(model):
-    """The reference inside the block: the frozen ``reference`` adapter when there is one, else the base with the
-    adapter off (PEFT's ``disable_adapter``), in eval mode: no dropout of the model or of LoRA (also where
-    ``--no-disable_dropout`` keeps it in the policy), so that the reference is one fixed policy, as the precomputed
-    one is. ``set_adapter`` also sets requires_grad (on for the active adapter unless ``inference_mode``): switching
-    back to ``default`` leaves every flag as it was, and the mode is restored."""
-    training = model.training
-    model.eval()
-    try:
-        if "reference" not in model.peft_config:
-            with model.disable_adapter():
-                yield
-            return
-        model.set_adapter("reference", inference_mode=True)
-        try:
-            yield
-        finally:
-            model.set_adapter("default")
-    finally:
-        model.train(training)
-
-
 def disable_dropout(model: torch.nn.Module) -> int:
     """Every dropout probability of ``model`` set to 0, LoRA's included, as TRL's ``disable_dropout`` (on by default)
     does to the policy and the reference: its ``nn.Dropout`` modules, and the float attributes that attention

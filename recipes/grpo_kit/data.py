@@ -1,0 +1,184 @@
+"""Prompts for ``recipes/grpo.py``: TRL's prompt-only formats read through ``llm_kit.sft_data.load_raw_datasets`` and
+checked row by row, their token ids, the loader that hands every process the same prompts of a round (each process
+then takes its share of the round's completions), and the micro-batches of prompt + completion rows the loss reads.
+
+The formats (TRL's): ``standard``, a ``prompt`` string (tokenized with the tokenizer's special tokens);
+``conversational``, a ``prompt`` list of ``{role, content}`` messages (rendered by the chat template with the
+generation prompt). Every other column goes to the reward functions."""
+
+from __future__ import annotations
+
+import datasets
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from shared.runtime import RecipeError
+
+from llm_kit.sft_data import check_conversation, collate, stdlib_names
+
+from .rewards import ANSWER_COLUMNS
+
+FORMATS = ("standard", "conversational")
+PROMPT_COLUMNS = ("prompt", "prompt_ids", "index")  # what the reward functions are not given as columns
+
+
+def prompt_ids(prompt, fmt: str, tokenizer) -> list[int]:
+    """The token ids of one prompt, as TRL makes them: the chat template with the generation prompt (conversations),
+    or the tokenizer with its special tokens (strings)."""
+    if fmt == "conversational":
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def prompt_format(dataset: datasets.Dataset, source: str, tokenizer=None, max_prompt_length: int | None = None) -> str:
+    """The format of ``dataset`` (``FORMATS``), every row checked (rows count from 1, as the lines of a JSON Lines
+    file): a ``prompt`` that is empty, not a string like the others, or not a list of messages, is refused naming its
+    row; with ``tokenizer`` and ``max_prompt_length``, so is a prompt of more tokens than that."""
+    columns = dataset.column_names
+    if "prompt" not in columns:
+        raise RecipeError(
+            f"{source} has no 'prompt' column, so there is nothing to generate from. GRPO reads TRL's prompt-only "
+            "formats: a 'prompt' string, or a 'prompt' list of {role, content} messages, plus any columns the reward "
+            f"functions read (such as 'answer'). Columns found: {columns}."
+        )
+    fmt = FORMATS[isinstance(dataset.features["prompt"], (datasets.Sequence, datasets.List, list))]
+    for number, row in enumerate(dataset, start=1):
+        where, prompt = f"Row {number} of {source}", row["prompt"]
+        if fmt == "standard" and not (isinstance(prompt, str) and prompt.strip()):
+            raise RecipeError(f"{where} has no 'prompt' string (it is {prompt!r}): fill it in, or drop the row.")
+        if fmt == "conversational":
+            check_conversation(prompt, f"{where} (column 'prompt')", "prompt", answer=False)
+            if not prompt:
+                raise RecipeError(f"{where} has an empty 'prompt' conversation: fill it in, or drop the row.")
+        if tokenizer is not None and max_prompt_length is not None:
+            length = len(prompt_ids(prompt, fmt, tokenizer))
+            if length > max_prompt_length:
+                raise RecipeError(
+                    f"{where}: its 'prompt' has {length} tokens, more than --max_prompt_length {max_prompt_length}. "
+                    "Pass a larger --max_prompt_length, or shorten or drop the row (prompts are not cut: the model "
+                    "would answer a question it was not asked)."
+                )
+    return fmt
+
+
+def tokenize_prompts(accelerator, dataset: datasets.Dataset, fmt: str, tokenizer) -> tuple[datasets.Dataset, dict]:
+    """``dataset`` with each prompt's ``prompt_ids`` and its ``index`` in the split, and the counts printed in one
+    line (prompts, their longest and median token counts). Call it under ``main_process_first`` (datasets caches
+    it)."""
+    tokenized = dataset.map(
+        lambda row, index: {"prompt_ids": prompt_ids(row["prompt"], fmt, tokenizer), "index": index},
+        with_indices=True,
+        desc="tokenizing prompts",
+    )
+    lengths, columns = (
+        sorted(len(ids) for ids in tokenized["prompt_ids"]),
+        [c for c in dataset.column_names if c != "prompt"],
+    )
+    counts = {
+        "prompts": len(lengths),
+        "longest_prompt_tokens": lengths[-1],
+        "median_prompt_tokens": lengths[len(lengths) // 2],
+    }
+    accelerator.print(
+        f"data: format {fmt}; {counts['prompts']} training prompts (longest {counts['longest_prompt_tokens']} tokens, "
+        f"median {counts['median_prompt_tokens']}); the reward functions also get {columns}"
+    )
+    return tokenized, counts
+
+
+class EpochShuffle(Sampler[int]):
+    """A permutation of ``size`` indices drawn from a generator seeded with ``seed + epoch`` (``set_epoch``): the same
+    order on every process, and again after a resume, with no state to save. Epoch 0 is TRL's order (its
+    ``RepeatSampler`` draws ``torch.randperm`` from a generator seeded with the seed)."""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        yield from torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+
+
+def prompt_loader(dataset: datasets.Dataset, prompts_per_round: int, seed: int) -> DataLoader:
+    """The training prompts, ``prompts_per_round`` at a time (a round: one generation, for ``--num_iterations``
+    optimizer steps), shuffled each epoch, the last incomplete round dropped (as TRL does). Not prepared by
+    Accelerate: every process reads every prompt of the round (and generates its share of the completions), so a
+    group of completions of one prompt may span processes and a resume in another process count reads the same
+    rounds. Refused when the data holds fewer prompts than one round."""
+    if len(dataset) < prompts_per_round:
+        raise RecipeError(
+            f"A round needs {prompts_per_round} prompts (the global batch over --num_generations) but the training "
+            f"data has {len(dataset)}: add prompts, or lower --per_device_train_batch_size or "
+            "--gradient_accumulation_steps."
+        )
+    return DataLoader(
+        dataset, prompts_per_round, sampler=EpochShuffle(len(dataset), seed), drop_last=True, collate_fn=list
+    )
+
+
+def stdlib_name_prompts() -> datasets.DatasetDict:
+    """The offline default: the questions of ``llm_kit.sft_data.stdlib_names`` (is this standard-library name a class,
+    a function or a method?) as conversational prompts with their ``answer`` for the ``accuracy`` reward; held out as
+    there, by top-level definition. Call it under main_process_first."""
+    names = stdlib_names()
+    return datasets.DatasetDict(
+        {
+            split: rows.map(
+                lambda row: {"prompt": row["messages"][:1], "answer": row["messages"][1]["content"]},
+                remove_columns=["messages"],
+            )
+            for split, rows in names.items()
+        }
+    )
+
+
+def as_sft_rows(rows: datasets.Dataset, fmt: str) -> tuple[datasets.Dataset | None, str | None]:
+    """Prompts with their reference answers (the ``answer`` or ``solution`` column) as ``llm_kit.sft_eval`` reads them
+    (``messages`` or ``prompt_completion``), to score greedy answers by exact match; ``(None, None)`` without such a
+    column."""
+    answer_column = next((name for name in ANSWER_COLUMNS if name in rows.column_names), None)
+    if answer_column is None:
+        return None, None
+    if fmt == "standard":
+        return rows.map(
+            lambda row: {"prompt": row["prompt"], "completion": str(row[answer_column])},
+            remove_columns=rows.column_names,
+        ), "prompt_completion"
+    return rows.map(
+        lambda row: {"messages": row["prompt"] + [{"role": "assistant", "content": str(row[answer_column])}]},
+        remove_columns=rows.column_names,
+    ), "messages"
+
+
+def micro_batches(
+    rows: list[dict],
+    completions,
+    advantages: torch.Tensor,
+    batch_size: int,
+    pad_token_id: int,
+    mask_truncated: bool,
+    device,
+) -> list[dict]:
+    """The process's completions of a round as micro-batches of ``batch_size`` rows, in order: each row its prompt
+    followed by its completion, right-padded (``llm_kit.sft_data.collate``: the completion tokens are the scored
+    positions, ``loss_positions``/``loss_targets``), with ``mask`` (the completion tokens the loss counts: all of a
+    row's, or none of a truncated row's with ``mask_truncated``, as TRL's ``mask_truncated_completions``) and each
+    row's ``advantages``, on ``device``."""
+    samples = [
+        {"input_ids": row["prompt_ids"] + ids, "labels": [-100] * len(row["prompt_ids"]) + ids}
+        for row, ids in zip(rows, completions.completion_ids)
+    ]
+    kept = torch.tensor([not (mask_truncated and cut) for cut in completions.truncated])
+    batches = []
+    for start in range(0, len(samples), batch_size):
+        batch = collate(samples[start : start + batch_size], pad_token_id)
+        batch["mask"] = (batch["loss_targets"] != -100) & kept[start : start + batch_size, None]
+        batch["advantages"] = advantages[start : start + batch_size]
+        batches.append({key: value.to(device) for key, value in batch.items()})
+    return batches

@@ -1,0 +1,85 @@
+"""What ``recipes/grpo.py`` logs, by TRL's names (results.json: ``train/<name>``): each round's rewards and
+completions (``reward``, ``reward_std``, ``rewards/<function>/mean`` and ``/std``, ``frac_reward_zero_std``,
+``completions/mean_length`` ... ``completions/clipped_ratio``), each optimizer step's token means (``entropy``, ``kl``,
+``clip_ratio/low_mean`` ...), and the run's completions per second (``perf/completions_per_sec``).
+
+Where TRL averages a token metric over the micro-batches of a step (each micro-batch's own token mean), this takes
+the token mean of the whole step: the same number when the micro-batches hold as many tokens, and one that does not
+depend on how a step is split over processes and accumulation."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.results import RunRecord
+
+from .loss import nanstd
+
+TOKEN_METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def round_metrics(gathered: torch.Tensor, functions: list, advantages: dict) -> dict[str, torch.Tensor]:
+    """TRL's metrics of a round from its global batch: ``gathered`` is one row per completion, a column per reward
+    function (``functions``: ``(name, function)``; NaN: not applicable), then the completion's length in tokens and
+    whether it was truncated; ``advantages`` is what ``loss.group_advantages`` returned for it."""
+    names = [name for name, _ in functions]
+    functions, lengths, truncated = gathered[:, : len(names)], gathered[:, -2], gathered[:, -1].bool()
+    ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1, device=lengths.device)
+    metrics = {"reward": torch.nanmean(advantages["rewards"]), "reward_std": nanstd(advantages["rewards"])}
+    for column, name in enumerate(names):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(functions[:, column])
+        metrics[f"rewards/{name}/std"] = nanstd(functions[:, column])
+    metrics["frac_reward_zero_std"] = advantages["zero_std"].float().mean()
+    for prefix, values in (("", lengths), ("terminated_", ended)):
+        metrics[f"completions/mean_{prefix}length"] = values.mean()
+        metrics[f"completions/min_{prefix}length"] = values.min()
+        metrics[f"completions/max_{prefix}length"] = values.max()
+    metrics["completions/clipped_ratio"] = truncated.float().mean()
+    return metrics
+
+
+class StepMetrics:
+    """One optimizer step's loss, tokens and token metrics, added up over its micro-batches on this process (``add``)
+    and over the processes (``result``: one collective)."""
+
+    def __init__(self, device):
+        # The loss, the tokens trained (prompts and completions), each token metric's sum, the completion tokens.
+        self.sums = torch.zeros(len(TOKEN_METRICS) + 3, device=device)
+        self.extremes = torch.tensor([torch.inf, -torch.inf], device=device)  # clip_ratio/low_min, /high_max
+
+    def add(self, loss: torch.Tensor, batch: dict, tokens: dict[str, torch.Tensor]) -> None:
+        """A micro-batch's share of the step's loss, and ``tokens``: its per-token values (``entropy`` and what
+        ``loss.per_token_loss`` logs)."""
+        mask = batch["mask"].float()
+        sums = [(tokens[name] * mask).sum() if name in tokens else mask.new_zeros(()) for name in TOKEN_METRICS]
+        trained = batch["num_tokens"].sum().to(mask)
+        self.sums += torch.stack([loss.detach(), trained, *(value.detach() for value in sums), mask.sum()])
+        per_row = lambda name: (tokens[name] * mask).sum(dim=1) / mask.sum(dim=1)  # NaN for a row without tokens
+        low, high = per_row("clip_ratio/low_mean"), per_row("clip_ratio/high_mean")
+        low, high = torch.where(low.isnan(), torch.inf, low).min(), torch.where(high.isnan(), -torch.inf, high).max()
+        self.extremes = torch.stack([torch.minimum(self.extremes[0], low), torch.maximum(self.extremes[1], high)])
+
+    def result(self, accelerator, beta: float) -> dict[str, torch.Tensor]:
+        """The step's loss and tokens trained over every process, its token means (``kl`` only with ``beta``), and the
+        smallest low-clip and largest high-clip share of a completion, by TRL's names (on the device)."""
+        everyone = accelerator.gather(torch.cat([self.sums, self.extremes])[None]).view(-1, len(self.sums) + 2)
+        sums = everyone[:, : len(self.sums)].sum(dim=0)
+        step = {"loss": sums[0], "num_tokens": sums[1]}
+        step.update({name: sums[2 + index] / sums[-1].clamp(min=1) for index, name in enumerate(TOKEN_METRICS)})
+        if not beta:
+            step.pop("kl")
+        extremes = torch.stack([everyone[:, -2].min(), everyone[:, -1].max()])
+        extremes = torch.where(extremes.isinf(), torch.nan, extremes)  # no completion token in the step
+        step["clip_ratio/low_min"], step["clip_ratio/high_max"] = extremes
+        return step
+
+
+class CompletionsRecord(RunRecord):
+    """``shared.results.RunRecord`` whose samples are completions: the recipe counts, for each optimizer step, the
+    completions generated for it (all of a round's at its first step, none at the others with ``--num_iterations``),
+    so ``perf/samples_per_sec`` is completions generated per second, written again under its name,
+    ``perf/completions_per_sec``."""
+
+    def _perf(self, flops_per_token: float | None = None) -> dict:
+        summary = super()._perf(flops_per_token)
+        return {**summary, "perf/completions_per_sec": summary["perf/samples_per_sec"]}

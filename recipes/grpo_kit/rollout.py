@@ -1,0 +1,135 @@
+"""Generation for ``recipes/grpo.py``: completions of the round's prompts, behind one small interface, ``Generator``:
+``generate(prompt_ids, noise) -> Rollouts``. ``PolicyGenerator`` is the colocated one (``--generation_mode
+colocate``): every process generates its share with the policy it trains, through transformers' ``generate``. Another
+engine (a vLLM server, a process that only generates) takes the same prompts and noise and returns the same
+``Rollouts``, with the generating policy's per-token log-probs where they differ from the trained policy's.
+
+Sampling is this module's own, not ``generate``'s: ``generate`` runs greedy over scores that ``NoiseSampler`` (a logits
+processor) reduced to the token it sampled, by inverse transform, from a uniform number per completion and position:
+``sampling_noise``, drawn from a generator seeded with the seed and the round. So a completion's sample depends on its
+place in the round, not on the process that generates it nor on what ran before: a resumed run samples what the
+uninterrupted one did, with no RNG state to save, and 1 or 2 processes sample the same completions (unless a logit
+differs in its last bits between batch shapes and a uniform falls exactly there)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+
+@dataclass
+class Rollouts:
+    """Completions of a batch of prompts: each one's token ids (to its first end-of-sequence token, which it keeps, or
+    to ``max_completion_length``), whether it was cut there (``truncated``: no end-of-sequence token), and the
+    generating policy's log-prob of each token (None: the trained policy generated, so the loss recomputes them)."""
+
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+    logps: list[list[float]] | None = None
+
+
+class Generator(Protocol):
+    def generate(self, prompt_ids: list[list[int]], noise: torch.Tensor) -> Rollouts:
+        """Completions of ``prompt_ids`` (one per row, the prompt repeated for each of its completions), sampled with
+        ``noise`` (rows x max_completion_length uniforms, ``sampling_noise``)."""
+
+
+def sampling_noise(seed: int, round_index: int, rows: int, max_completion_length: int) -> torch.Tensor:
+    """The uniforms that sample the round's ``rows`` completions (the global batch, every process the same):
+    ``torch.rand`` from a generator seeded with ``seed`` and ``round_index``."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + round_index) % 2**63)
+    return torch.rand((rows, max_completion_length), generator=generator)
+
+
+class NoiseSampler(LogitsProcessor):
+    """Samples each row's next token from softmax(scores / temperature), after transformers' top-k and top-p filters,
+    by inverse transform with its uniform for this position (``noise``), and leaves that token the only one greedy
+    search can pick. ``prompt_length``: the padded prompts' length (the position is the tokens generated so far)."""
+
+    def __init__(self, noise: torch.Tensor, prompt_length: int, temperature: float, top_k: int, top_p: float):
+        self.noise, self.prompt_length, self.temperature = noise, prompt_length, temperature
+        self.filters = [TopKLogitsWarper(top_k)] if top_k else []
+        self.filters += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        for kept in self.filters:
+            scores = kept(input_ids, scores)
+        cdf = torch.softmax(scores, dim=-1).cumsum(dim=-1)
+        uniform = self.noise[:, input_ids.shape[1] - self.prompt_length].to(cdf.device)[:, None] * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, uniform.contiguous(), right=True).clamp(max=scores.shape[-1] - 1)
+        return torch.full_like(scores, -torch.inf).scatter_(1, tokens, 0.0)
+
+
+class PolicyGenerator:
+    """Colocated generation: the policy being trained generates this process's completions, unwrapped from DDP (no
+    gradient to sync), in eval mode (no dropout; left in training mode after) and without gradients, with the KV cache,
+    prompts padded on the left, until every row has ended or ``max_completion_length`` tokens. Under FSDP2
+    (``sharded``; the recipe registers ``generate`` as a forward method, so that it gathers the root's own parameters
+    as a forward does) every forward gathers each block's parameters from all processes, so all of them must run as
+    many forwards: ``synced_gpus`` keeps a process whose rows have ended stepping (on padding) until every process's
+    have."""
+
+    def __init__(
+        self,
+        accelerator,
+        model,
+        tokenizer,
+        *,
+        max_completion_length: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        sharded: bool,
+    ):
+        self.accelerator, self.model, self.tokenizer, self.sharded = accelerator, model, tokenizer, sharded
+        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        config = getattr(accelerator.unwrap_model(model), "generation_config", None)
+        declared = getattr(config, "eos_token_id", None)
+        declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+        # Every end-of-sequence id the model declares ends a completion (a chat model's end-of-turn token), and the
+        # tokenizer's: TRL's rule.
+        self.eos_token_ids = list(dict.fromkeys([tokenizer.eos_token_id, *declared]))
+        self.config = GenerationConfig(
+            max_new_tokens=max_completion_length,
+            do_sample=False,  # NoiseSampler samples; greedy search then takes its token
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            use_cache=True,
+        )
+
+    def generate(self, prompt_ids: list[list[int]], noise: torch.Tensor) -> Rollouts:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        length, device = max(len(ids) for ids in prompt_ids), self.accelerator.device
+        input_ids = torch.full((len(prompt_ids), length), self.tokenizer.pad_token_id)
+        attention_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):  # left-padded: every prompt ends where generation starts
+            input_ids[row, length - len(ids) :], attention_mask[row, length - len(ids) :] = torch.tensor(ids), 1
+        sampler = NoiseSampler(noise, length, **self.sampling)
+        unwrapped.eval()
+        try:
+            with torch.no_grad():  # (the prepared model's forward keeps its mixed-precision autocast)
+                output = unwrapped.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    generation_config=self.config,
+                    logits_processor=LogitsProcessorList([sampler]),
+                    synced_gpus=self.sharded,
+                )
+        finally:
+            unwrapped.train()  # what follows generation: training
+        return cut_at_end(output[:, length:].tolist(), self.eos_token_ids)
+
+
+def cut_at_end(rows: list[list[int]], eos_token_ids: list[int]) -> Rollouts:
+    """Each row to its first end-of-sequence token (kept; what follows is padding), and whether it has none."""
+    completions, truncated = [], []
+    for ids in rows:
+        end = next((index for index, token in enumerate(ids) if token in eos_token_ids), None)
+        completions.append(ids if end is None else ids[: end + 1])
+        truncated.append(end is None)
+    return Rollouts(completions, truncated)

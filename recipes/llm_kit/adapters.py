@@ -1,0 +1,100 @@
+"""The LoRA adapter the preference and RL recipes (``recipes/dpo.py``, ``recipes/grpo.py``) start from and measure
+against: the SFT adapter to continue (the offline default: what ``recipes/llm_finetune.py`` saved), loaded to train
+and as a frozen reference copy, and the switch to the reference policy (that copy, or the base with the adapter
+off)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from shared.runtime import RecipeError
+
+from .loading import default_base_model
+
+SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
+
+
+def starting_point(
+    accelerator,
+    adapter: str | None,
+    model_name_or_path: str | None,
+    lora: bool,
+    output_dir: Path,
+    recipes_dir: Path,
+    offline_settings: str = "",
+) -> tuple[str | None, str]:
+    """The SFT adapter to continue (or None) and the base model. Offline (neither given, LoRA): the adapter that
+    ``recipes/llm_finetune.py`` saved by default in ``outputs/llm_finetune``, when there is one (said so), else its
+    default base (``llm_kit.loading.default_base_model``, which may pretrain one first: ``recipes/train_lm.py`` in a
+    subprocess, into ``output_dir/base_model``). An adapter whose base (its
+    adapter_config.json) differs from ``model_name_or_path`` is refused: LoRA weights trained on one base are
+    meaningless on another. ``offline_settings``: what the offline default trains with, printed when given."""
+    if offline_settings:
+        accelerator.print(offline_settings)
+    if adapter is None and model_name_or_path is None and lora and Path(SFT_DEFAULT, "adapter_config.json").is_file():
+        adapter = SFT_DEFAULT
+        accelerator.print(f"offline default: continuing the SFT adapter recipes/llm_finetune.py saved in {adapter}")
+    if adapter is None:
+        return None, model_name_or_path or default_base_model(accelerator, output_dir, recipes_dir)
+    config_file = Path(adapter) / "adapter_config.json"
+    if not config_file.is_file():
+        raise RecipeError(
+            f"--adapter_name_or_path {adapter!r} holds no adapter_config.json: pass the folder a LoRA "
+            "run saved (e.g. outputs/llm_finetune)."
+        )
+    base = json.loads(config_file.read_text())["base_model_name_or_path"]
+    same = (
+        model_name_or_path is None
+        or model_name_or_path == base
+        or (
+            Path(model_name_or_path).is_dir()
+            and Path(base).is_dir()
+            and Path(model_name_or_path).resolve() == Path(base).resolve()
+        )
+    )
+    if not same:
+        raise RecipeError(
+            f"--adapter_name_or_path {adapter!r} was trained on {base!r}, not on --model_name_or_path "
+            f"{model_name_or_path!r}: its weights mean nothing on another base. Leave "
+            "--model_name_or_path out (the adapter's base is used) or pass that base."
+        )
+    return adapter, base
+
+
+def continued_adapter(model, adapter: str, reference: bool = True):
+    """``model`` with the SFT ``adapter`` loaded to train (``default``) and, with ``reference``, loaded again as a
+    frozen copy (``reference``, a few MB) that ``reference_policy`` switches to, so that the reference is the SFT
+    policy (disabling the adapter would give the bare base). TRL does the same (its ``ref`` adapter). Checkpoints hold
+    ``default`` only (what requires grad: ``llm_kit.loading.trained_weights_only_in_checkpoints``, called in the
+    recipe)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(model, adapter, adapter_name="default", is_trainable=True)
+    if reference:
+        model.load_adapter(adapter, adapter_name="reference", is_trainable=False)
+    return model
+
+
+@contextlib.contextmanager
+def reference_policy(model):
+    """The reference inside the block: the frozen ``reference`` adapter when there is one, else the base with the
+    adapter off (PEFT's ``disable_adapter``), in eval mode: no dropout of the model or of LoRA (also where the
+    policy keeps its dropout), so that the reference is one fixed policy, as a precomputed one is. ``set_adapter``
+    also sets requires_grad (on for the active adapter unless ``inference_mode``): switching back to ``default``
+    leaves every flag as it was, and the mode is restored."""
+    training = model.training
+    model.eval()
+    try:
+        if "reference" not in model.peft_config:
+            with model.disable_adapter():
+                yield
+            return
+        model.set_adapter("reference", inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter("default")
+    finally:
+        model.train(training)
