@@ -71,7 +71,8 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.signals import install_stop_on_signals
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
 from shared.fsdp import wrap_at_blocks
 from shared.lora import lora_model
@@ -102,7 +103,7 @@ from shared.runtime import (
     stop_with_launcher,
     use_fsdp_on_cpu,
 )
-from llm_kit.sft_data import chat_tokenizer, load_raw_datasets
+from llm_kit.sft_data import add_chat_template, chat_tokenizer, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
 # What the offline default (no model, adapter or data given) trains with unless a flag says otherwise (docs/grpo.md:
@@ -417,20 +418,17 @@ def frozen_copy(accelerator, name_or_path: str, config, trust_remote_code: bool,
 
 
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:
-    """The model, or the trained ``default`` adapter alone, and the tokenizer, for ``from_pretrained`` (a collective).
-    The same as dpo.py's ``save``: kept in each recipe so that each copies alone."""
+    """The model, or the trained ``default`` adapter alone, and the tokenizer, for ``from_pretrained``, written whole
+    or not at all (a collective). The same as dpo.py's ``save``: kept in each recipe so that each copies alone."""
     accelerator.wait_for_everyone()
     state_dict = gathered_state_dict(accelerator, model, trained_only=trained_only)
     kwargs = {"selected_adapters": ["default"]} if trained_only else {}
-    accelerator.unwrap_model(model).save_pretrained(
-        output_dir,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-        state_dict=state_dict,
-        **kwargs,
-    )
-    if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+
+    def write(folder: Path) -> None:
+        accelerator.unwrap_model(model).save_pretrained(folder, state_dict=state_dict, **kwargs)
+        tokenizer.save_pretrained(folder)
+
+    save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)
     accelerator.print(f"saved the {'adapter' if trained_only else 'model'} and the tokenizer to {output_dir}")
 
 
@@ -441,6 +439,7 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
     name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
@@ -454,20 +453,24 @@ def main():
     set_seed(args.seed)
     quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
-    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/grpo.py")  # or a clear refusal
+    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/grpo.py")
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator, checkpoint, args.per_device_train_batch_size, args.gradient_accumulation_steps, data_parallel_size
+        accelerator,
+        checkpoint,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        data_parallel_size,
+        args.seed,
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     # A round: the prompts of one optimizer step's completions; this process generates and trains its share of them.
     prompts_per_round, share = check_layout(
         accelerator, args.generation_mode, global_batch_size, args.num_generations, data_parallel_size
     )
-    # The adapter to continue (offline: the SFT recipe's) and its base, or the offline base; prints offline settings.
     args.adapter_name_or_path, args.model_name_or_path = starting_point(
         accelerator,
         args.adapter_name_or_path,
@@ -481,11 +484,11 @@ def main():
         accelerator, args.model_name_or_path, args.max_completion_length, args.load_in_4bit, args.trust_remote_code
     )
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
+    add_chat_template(accelerator, tokenizer)
 
     # ------------------------------------------------------------------------------- data
-    # main_process_first: the main process reads and tokenizes first (datasets caches it); the others read the cache.
     with accelerator.main_process_first():
-        raw_datasets, fmt = load_raw_datasets(  # every row checked by prompt_format, which names the format
+        raw_datasets, fmt = load_raw_datasets(
             args.train_file,
             args.validation_file,
             args.dataset_name,
@@ -494,7 +497,9 @@ def main():
             args.seed,
             args.max_train_samples,
             args.max_eval_samples,
-            lambda rows, source: prompt_format(rows, source, tokenizer, args.max_prompt_length),
+            lambda rows, source: prompt_format(
+                rows, source, tokenizer, args.max_prompt_length, "accuracy" in args.reward_funcs
+            ),
             default_data=stdlib_name_prompts,
         )
         train_dataset, counts = tokenize_prompts(accelerator, raw_datasets["train"], fmt, tokenizer)
@@ -599,6 +604,15 @@ def main():
     log, rewards = history.get("train/log", []), history.get("train/rewards", [])
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
+    save_checkpoint_at = lambda step: save_checkpoint(
+        accelerator,
+        checkpoints_dir,
+        step,
+        args.checkpoints_total_limit,
+        layout=layout,
+        history={"train/loss_curve": record.losses(), "train/log": log, "train/rewards": list(map(float, rewards))},
+        batch=batch_shape,
+    )
     record = CompletionsRecord(accelerator, max_train_steps, history.get("train/loss_curve"), args.perf_warmup_steps)
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
@@ -607,8 +621,7 @@ def main():
         skip = resume.batches_to_skip // args.num_iterations if epoch == resume.epoch else 0  # rounds already done
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         for prompts in record.timed(active_dataloader):
-            # Generate: the round's rows are its prompts, each repeated --num_generations times; this process takes
-            # its share, sampled with its share of the round's noise (the same completions in any process count).
+            # Generate: this process's share of the round, with its share of the noise (the same in any process count).
             rows = [row for row in prompts for _ in range(args.num_generations)][share]
             completions = generator.generate(
                 [row["prompt_ids"] for row in rows],
@@ -681,9 +694,7 @@ def main():
                     **metrics.result(accelerator, args.beta),
                     **round_metrics(gathered, reward_functions, advantages),
                 }
-                window.append(
-                    step
-                )  # on the device until a log reads it; a round's completions count at its first step
+                window.append(step)
                 rewards.append(step["reward"])
                 record.step(
                     completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens")
@@ -694,26 +705,15 @@ def main():
                     logs["train/learning_rate"], window = lr_scheduler.get_last_lr()[0], []
                     log.append({"step": completed_steps, **logs})
                     accelerator.log(logs, step=completed_steps)
+                if completed_steps % args.num_iterations == 0 and stop.requested(completed_steps):  # at a round's end
+                    stop.exit(save_checkpoint_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
                 if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                    save_checkpoint(
-                        accelerator,
-                        checkpoints_dir,
-                        completed_steps,
-                        args.checkpoints_total_limit,
-                        layout=layout,
-                        history={
-                            "train/loss_curve": record.losses(),
-                            "train/log": log,
-                            "train/rewards": list(map(float, rewards)),
-                        },
-                        batch=batch_shape,
-                    )
+                    save_checkpoint_at(completed_steps)
             if completed_steps >= max_train_steps:
                 break
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save
-    # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
     save(accelerator, model, tokenizer, output_dir, trained_only=lora)
 
     # ------------------------------------------------------------------------- evaluation
@@ -721,7 +721,7 @@ def main():
         "recipe": "grpo",
         "config": run_config,
         "train/log": log,
-        "train/rewards": list(map(float, rewards)),  # sync point: reads every step's mean reward
+        "train/rewards": list(map(float, rewards)),
         "method": method,
         "data/counts": counts,
         **{key: value for key, value in logs.items() if key != "train/loss"},  # the last logged window's TRL metrics
@@ -732,7 +732,7 @@ def main():
         "model/trainable_parameters": trainable,
         "model/total_parameters": total,
     }
-    record.write(output_dir, results, model, optimizer)  # a collective
+    record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()
 

@@ -12,6 +12,7 @@ import datasets
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from shared.data import refuse_empty_cells
 from shared.runtime import RecipeError
 
 from llm_kit.sft_data import check_conversation, collate, stdlib_names
@@ -31,11 +32,16 @@ def prompt_ids(prompt, fmt: str, tokenizer) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def prompt_format(dataset: datasets.Dataset, source: str, tokenizer=None, max_prompt_length: int | None = None) -> str:
+def prompt_format(
+    dataset: datasets.Dataset, source: str, tokenizer=None, max_prompt_length: int | None = None, answers: bool = False
+) -> str:
     """The format of ``dataset`` (``FORMATS``), every row checked (rows count from 1, as the lines of a JSON Lines
     file): a ``prompt`` that is empty, not a string like the others, or not a list of messages, is refused naming its
-    row; with ``tokenizer`` and ``max_prompt_length``, so is a prompt of more tokens than that."""
+    row; with ``tokenizer`` and ``max_prompt_length``, so is a prompt of more tokens than that; with ``answers`` (the
+    accuracy reward reads them), a row with no ``answer`` (or ``solution``): its completions would score 0 silently."""
     columns = dataset.column_names
+    if answers:
+        refuse_empty_cells(dataset, [column for column in ANSWER_COLUMNS if column in columns][:1], source)
     if "prompt" not in columns:
         raise RecipeError(
             f"{source} has no 'prompt' column, so there is nothing to generate from. GRPO reads TRL's prompt-only "

@@ -80,6 +80,6 @@ class CompletionsRecord(RunRecord):
     so ``perf/samples_per_sec`` is completions generated per second, written again under its name,
     ``perf/completions_per_sec``."""
 
-    def _perf(self, flops_per_token: float | None = None) -> dict:
-        summary = super()._perf(flops_per_token)
+    def _perf(self) -> dict:
+        summary = super()._perf()
         return {**summary, "perf/completions_per_sec": summary["perf/samples_per_sec"]}

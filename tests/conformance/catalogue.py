@@ -103,6 +103,8 @@ def tiny_args(name: str, models: dict[str, Path]) -> tuple[str, ...]:
         "pipeline_lm.py": (*LM, "--num_microbatches", "2"),
         "llm_finetune.py": llm,
         "dpo.py": llm,
+        "grpo.py": (*llm[:2], "--max_train_samples", "32", "--max_eval_samples", "8", "--exact_match_samples", "4")
+        + ("--num_generations", "4", "--max_completion_length", "6", "--per_device_train_batch_size", "4"),
     }
     assert name in runs, f"{name} has no tiny run: add one to tests/conformance/catalogue.py's tiny_args"
     every = 50 if name == "linear_toy.py" else 2

@@ -69,6 +69,13 @@ DATA_SHAPES = {
         args=TINY_LLAMA,
         not_applicable={"missing_label": NO_LABEL},
     ),
+    # Prompts with the column the accuracy reward reads (a reward column's hole: no answer to score against).
+    "grpo.py": DataShape(
+        row=lambda i: {"prompt": f"Is item {i} a class?", "answer": "a class"},
+        label="answer",
+        text="prompt",
+        args=lambda models: (*TINY_LLAMA(models), "--num_generations", "2", "--max_completion_length", "4"),
+    ),
     "train_lm.py": DataShape(
         suffix=".txt",
         args=lambda models: ("--model_size", "tiny", "--max_train_steps", "1"),
