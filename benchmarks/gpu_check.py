@@ -637,7 +637,8 @@ def weights_dominant_base(folder: Path) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     sys.path.insert(0, str(REPO / "recipes"))  # the recipes' kits (llm_kit/, lm_kit/)
-    from lib.questions import stdlib_questions
+    sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: its standard-library questions
+    from harness.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
 
     questions = stdlib_questions()

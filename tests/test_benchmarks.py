@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The tools (run, compare, gpu_check) and their library (lib.*); the studies by their file names.
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "benchmarks" / "studies")]
 import run as runner
 
 SMOKE_SETUPS = {"single", "ddp", "raw_ddp", "device_map", "pipeline-gpipe-m2"}
@@ -753,7 +751,6 @@ def test_dpo_vs_trl_judges_only_equal_work_and_equal_losses(tmp_path, monkeypatc
     """studies/dpo_vs_trl.py gives a speed verdict only where both sides trained the same tokens per step (within
     1 %) on identically tokenized pairs, and exits 1 when a step's loss differs by more than 1e-4 (the equality
     claim), saying so in summary.md. Fabricated launches: nothing trains here."""
-    sys.path.insert(0, str(REPO / "benchmarks" / "studies"))
     import dpo_vs_trl
 
     def fake_side(out, warmup):
@@ -813,7 +810,6 @@ def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path):
     1e-6 (the study exits 1 otherwise). Its other cases (each loss type, accumulation, the other options) run in the
     study itself."""
     pytest.importorskip("trl")
-    sys.path.insert(0, str(REPO / "benchmarks" / "studies"))
     import grpo_vs_trl
 
     argv = ["--cases", "dapo", "--work_dir", str(tmp_path / "work"), "--output_dir", str(tmp_path / "out")]

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from launch import REPO, Job, launch_all
+from harness.launch import REPO, Job, launch_all
 
 SMALL = ("--sizes_mb", "1", "4", "--iterations", "3", "--warmup", "1")
 # The one sum all-reduce that the checker verifies; the broken-link test corrupts its result.

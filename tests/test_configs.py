@@ -3,7 +3,7 @@
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
-from launch import CONFIGS
+from harness.launch import CONFIGS
 
 CONFIG_FILES = sorted(CONFIGS.glob("*.yaml"))
 
@@ -45,7 +45,7 @@ def test_config_checker_catches_what_launches_silently_wrong(tmp_path):
     import subprocess
     import sys
 
-    from launch import REPO
+    from harness.launch import REPO
 
     unquoted = tmp_path / "unquoted_no.yaml"
     unquoted.write_text(

@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO, Job, launch_all, read_results, save_tiny_llama
+from harness.launch import REPO, Job, launch_all, read_results
+from harness.models import save_tiny_llama
 
 RECIPES = sorted(path.name for path in (REPO / "recipes").glob("*.py"))
 

@@ -8,17 +8,16 @@ dropout; token ids as TRL's own preprocessing makes them), and the refusals. CPU
 import collections
 import json
 import math
-import sys
 import types
 from functools import partial
 
 import numpy as np
 import pytest
 import torch
-from launch import ONE_PROCESS, REPO, Job, launch, launch_all, read_facts, read_results, save_tiny_llama, visible_gpus
+from harness.launch import ONE_PROCESS, REPO, Job, launch, launch_all, read_facts, read_results, visible_gpus
+from harness.models import save_tiny_llama
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(REPO))
 RECIPE = "dpo.py"
 # LoRA without dropout, 4 steps, AdamW's epsilon large enough that the weights read out the gradients compared
 # (as tests/test_llm_finetune.py), a high learning rate so that 4 steps move the rewards; with RPO's NLL term.

@@ -12,7 +12,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from launch import Job, assert_offloaded_apart_from_plain, launch_all, observed, observer_env, read_facts, read_results
+from harness.launch import (
+    Job,
+    assert_offloaded_apart_from_plain,
+    launch_all,
+    observed,
+    observer_env,
+    read_facts,
+    read_results,
+)
 from safetensors.torch import load_file
 
 # The language model: tiny preset, 5 optimizer steps of 2 accumulated batches, 2 processes x 4 blocks

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, launch_ok, read_facts, read_results, visible_gpus
+from harness.launch import REPO, launch_ok, read_facts, read_results, visible_gpus
 
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' library (lib/): MFU is theirs, not the recipes'
 import shared.runtime
 from lib.flops import lm_flops_per_token, peak_bf16_flops
 
@@ -152,7 +150,6 @@ def test_qlora_split_over_the_gpu_and_the_cpu_never_puts_the_whole_model_on_the_
     """QLoRA under the device_map split: quantized on the CPU, each block then moved to its device, so no GPU's peak
     nears the whole 4-bit model (loaded onto the GPU first, it sat there whole before the split). The same check
     benchmarks/gpu_check.py runs, with its numbers."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     import gpu_check
 
     result = gpu_check.qlora_split_verdict(tmp_path, cuda=True)

@@ -9,15 +9,14 @@ installed). CPU processes stand in for GPUs."""
 
 import json
 import math
-import sys
 
 import numpy as np
 import pytest
 import torch
-from launch import REPO, Job, launch, launch_all, read_facts, read_results, save_tiny_llama, visible_gpus
+from harness.launch import REPO, Job, launch, launch_all, read_facts, read_results, visible_gpus
+from harness.models import save_tiny_llama
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(REPO))
 RECIPE = "grpo.py"
 FIXED = REPO / "tests" / "scripts" / "grpo_fixed_completions.py"
 # A user's reward file in TRL's signature: the share of vowels (never constant, so every group has a signal) and one

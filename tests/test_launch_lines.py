@@ -38,7 +38,7 @@ import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 from accelerate.utils import DistributedType
-from launch import CONFIGS, RECIPES, REPO, Job, launch_all
+from harness.launch import CONFIGS, RECIPES, REPO, Job, launch_all
 
 # The SLURM example's variables, as one machine of the two would see them.
 SHELL_VARIABLES = {"$SLURM_NODEID": "0", "$MASTER_ADDR": "127.0.0.1"}

@@ -15,7 +15,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
-from launch import REPO
+from harness.launch import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.py"))
 TOOLS = sorted(path for path in (REPO / "tools").rglob("*.py") if "__pycache__" not in path.parts)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import ONE_PROCESS, REPO, Job, devices_for, launch_all, launch_ok, read_results, visible_gpus
+from harness.launch import ONE_PROCESS, REPO, Job, devices_for, launch_all, launch_ok, read_results, visible_gpus
 from safetensors.torch import load_file
 
 STEPS = "30"

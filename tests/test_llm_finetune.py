@@ -7,12 +7,11 @@ import json
 import os
 import random
 import re
-import sys
 
 import numpy as np
 import pytest
 import torch
-from launch import (
+from harness.launch import (
     ONE_PROCESS,
     RECIPES,
     REPO,
@@ -24,12 +23,11 @@ from launch import (
     observer_env,
     read_facts,
     read_results,
-    save_tiny_llama,
     visible_gpus,
 )
+from harness.models import save_tiny_llama
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(REPO))
 RECIPE = "llm_finetune.py"
 # LoRA without dropout in fp32, 4 steps: what the exactness checks compare. --adam_epsilon 1e-4: AdamW's step
 # m / (sqrt(v) + eps) turns a 1e-7 relative difference (summation order) in a gradient near eps = 1e-8 into a

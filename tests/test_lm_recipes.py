@@ -10,7 +10,17 @@ import shutil
 
 import numpy as np
 import pytest
-from launch import ONE_PROCESS, REPO, Job, devices_for, launch, launch_all, read_facts, read_results, visible_gpus
+from harness.launch import (
+    ONE_PROCESS,
+    REPO,
+    Job,
+    devices_for,
+    launch,
+    launch_all,
+    read_facts,
+    read_results,
+    visible_gpus,
+)
 from safetensors.torch import load_file
 
 # Tiny preset, 5 optimizer steps of 2 accumulated batches of 8 blocks x 32 tokens. 13 validation
@@ -298,11 +308,7 @@ def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     15 % of the model-state bytes tests/observer saw per setup and per rank (pipeline: per stage). The device_map run
     is one process: its total is checked, and each device's parameters against the saved weights of
     the modules the run put on it."""
-    import sys
 
-    from launch import REPO
-
-    sys.path.insert(0, str(REPO))
     from tools.planner import plan, preset_shape
 
     single = runs["single"]["results"]
@@ -477,12 +483,10 @@ def test_training_starts_from_a_saved_model_and_its_tokenizer(runs, resumed):
 def dropout_runs(tmp_path_factory):
     """A tiny GPT-2 with its default dropout (0.1 on embeddings, attention and residuals), trained 3 steps by
     train_lm.py with and without --eval_before_training."""
-    import sys
 
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    sys.path.insert(0, str(REPO))
     from lm_kit.data import train_bpe_tokenizer
 
     root = tmp_path_factory.mktemp("dropout")

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launch import launch_ok
+from harness.launch import launch_ok
 
 
 @pytest.mark.slow

@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO
+from harness.launch import REPO
 
-sys.path.insert(0, str(REPO))
 from tools.planner.cli import main
 from tools.planner.fits import plan
 from tools.planner.memory import block_activation_bytes, lora_params_per_block, precision_profile
@@ -931,7 +930,6 @@ def test_every_launch_line_of_the_readme_table_is_one_the_gpu_check_runs():
     """The same config, recipe and flags (values aside: model, length and batch are the GPU check's sizes, and the
     data its own, the offline default, where the line has the user's --train_file); the CPU tests run each (config,
     method) at tiny size too: tests/test_llm_finetune.py's launches."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from gpu_check import checks
 
     planned = {

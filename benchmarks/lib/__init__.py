@@ -9,9 +9,9 @@
 - ``flops``: the two halves of MFU, training FLOPs per token and the GPUs' peak FLOP/s (the recipes report no MFU);
 - ``model_state``: the bytes of model state a process holds (the runner's wrapper ``with_model_state.py`` and the
   tests' observer count with it);
-- ``stats``: the 95 % interval of a ratio from side-by-side repeats;
-- ``questions``: the standard-library questions with docstring answers (the SFT comparison's data).
+- ``stats``: the 95 % interval of a ratio from side-by-side repeats.
 
-Dependencies point one way: tools and studies import ``lib``; ``lib`` imports only ``lib``, ``shared`` and
-(``questions``) the LLM recipes' kit. Callers put ``benchmarks/`` and the repository root on ``sys.path`` first.
+Dependencies point one way: tools and studies import ``lib``; ``lib`` imports only ``lib`` and ``shared``. The data
+and completions the studies share with the tests are the tests' own (``tests/harness/questions.py``,
+``fixed_completions.py``). Callers put ``benchmarks/`` and the repository root on ``sys.path`` first.
 """

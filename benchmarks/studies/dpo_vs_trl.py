@@ -169,7 +169,8 @@ def build_inputs(work: Path, s: dict) -> tuple[Path, Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lib.questions import stdlib_questions
+    sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: its standard-library questions
+    from harness.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
     from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE
 

@@ -8,10 +8,10 @@
 Both sides train a tiny Llama (random weights, seed 0, untied, fp32, a byte-level BPE tokenizer with the recipe's
 default chat template) with a LoRA adapter on the recipe's offline prompts (standard-library questions as
 conversations, with their ``answer``), rewarded by the recipe's own ``accuracy`` function, which TRL calls in its
-signature. Neither side samples: both score the completions of ``lib.fixed_completions`` (the recipe through a runpy
-wrapper that replaces its generator, ``--recipe_side``; TRL through a subclass whose ``_generate_single_turn`` returns
-them, ``--trl_worker``), so both train on the same tokens. The prompts come in the same order: the recipe's epoch 0 is
-TRL's ``RepeatSampler`` permutation.
+signature. Neither side samples: both score the completions of ``harness.fixed_completions`` (the tests' own, in
+tests/harness/; the recipe through a runpy wrapper that replaces its generator, ``--recipe_side``; TRL through a
+subclass whose ``_generate_single_turn`` returns them, ``--trl_worker``), so both train on the same tokens. The
+prompts come in the same order: the recipe's epoch 0 is TRL's ``RepeatSampler`` permutation.
 
 Each case sets TRL's loss options on both sides (a loss type, ``beta`` > 0 for the KL term against the adapter
 switched off, ``num_iterations`` 2, so that every second step's ratio is against the policy that generated) and runs
@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes")]  # lib/, shared/, the recipes' kits
-from lib.fixed_completions import fixed_completions, patch_recipe_generator  # both sides score the same tokens
+# lib/, shared/, the recipes' kits, and the tests' harness (the completions both sides score: the same tokens)
+sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes"), str(REPO / "tests")]
+from harness.fixed_completions import fixed_completions, patch_recipe_generator
 from lib.launch import launch_and_wait, run_as_main  # a side in its own process; the recipe unchanged in a wrapper
 from lib.machine import library_versions, machine_info  # as every record
 from lib.stats import bootstrap_interval  # 95 % interval of a median ratio

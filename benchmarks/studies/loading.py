@@ -91,7 +91,8 @@ def make_model(folder: Path, preset: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lib.questions import stdlib_questions
+    sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: its standard-library questions
+    from harness.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -323,7 +324,8 @@ def low_ram_model(folder: Path, model_size: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lib.questions import stdlib_questions
+    sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: its standard-library questions
+    from harness.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
     from lm_kit.presets import MODEL_PRESETS
 

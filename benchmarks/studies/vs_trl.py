@@ -210,7 +210,8 @@ def build_inputs(work: Path, settings: dict) -> tuple[Path, Path, Path]:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lib.questions import stdlib_questions
+    sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: its standard-library questions
+    from harness.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
 
     shape = settings["model"]

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from launch import RECIPES, save_tiny_llama
+from harness.launch import RECIPES
+from harness.models import save_tiny_llama
 
 RECIPE_NAMES = sorted(path.name for path in RECIPES.glob("*.py"))
 # The launch config of a recipe's 2-process runs (the default: data parallel).

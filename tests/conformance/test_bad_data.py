@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from launch import ONE_PROCESS, RECIPES, Job, launch_all, save_tiny_llama
+from harness.launch import ONE_PROCESS, RECIPES, Job, launch_all
+from harness.models import save_tiny_llama
 
 ROWS, BAD_ROW = 8, 3  # the files' good rows, and the 1-based row (or line) that holds the hole or the broken JSON
 # The cases every data-reading recipe gets.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import ONE_PROCESS, Launch, Run, launch, read_results
+from harness.launch import ONE_PROCESS, Launch, Run, launch, read_results
 from safetensors.numpy import load_file
 
 from .catalogue import OPT_OUTS, RECIPE_NAMES, TWO_PROCESSES, flags, max_train_steps, offering, tiny_args, tiny_models

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from launch import ONE_PROCESS, Launch, launch
+from harness.launch import ONE_PROCESS, Launch, launch
 
 from .catalogue import RECIPE_NAMES, TWO_PROCESSES, flags, tiny_args, tiny_models
 

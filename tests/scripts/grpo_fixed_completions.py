@@ -1,4 +1,4 @@
-"""recipes/grpo.py, unchanged, with completions fixed in advance (``benchmarks/lib/fixed_completions.py``, keyed by
+"""recipes/grpo.py, unchanged, with completions fixed in advance (``tests/harness/fixed_completions.py``, keyed by
 each row's sampling noise, which is the same in any process count) instead of sampled: runs that must score the same
 tokens in 1 and 2 processes, with and without accumulation.
 ``accelerate launch ... tests/scripts/grpo_fixed_completions.py [the recipe's flags]``."""
@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO / "recipes"), str(REPO / "benchmarks"), str(REPO)]
-from lib.fixed_completions import patch_recipe_generator
+sys.path[:0] = [str(REPO / "recipes"), str(REPO / "tests"), str(REPO)]
+from harness.fixed_completions import patch_recipe_generator
 
 patch_recipe_generator(by_noise=True)
 sys.argv = [str(REPO / "recipes" / "grpo.py"), *sys.argv[1:]]

@@ -1,14 +1,14 @@
 """The test harness runs what users run: a forked launch (a copy of the test zygote per process) differs from a
-started one in nothing a recipe can see. Each rank has a hash seed of its own, tests/observer is loaded only where a
+started one in nothing a recipe can see. Each rank has a hash seed of its own, observer/ is loaded only where a
 test asks for its facts, and a crash in Python's teardown at exit fails a forked launch as it fails a started one."""
 
 import re
 from pathlib import Path
 
 import pytest
-from launch import ONE_PROCESS, launch
+from harness.launch import ONE_PROCESS, launch
 
-SCRIPT = Path(__file__).parent / "scripts" / "process_facts.py"
+SCRIPT = Path(__file__).parent / "process_facts.py"
 
 
 def facts(output: str) -> dict[str, tuple[str, str, str]]:

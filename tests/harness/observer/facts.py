@@ -1,6 +1,6 @@
 """Test-only facts about a finished run, taken by the observer (``sitecustomize.py``) in each process when the recipe
 hands its prepared model to ``accelerator.free_memory``, and written to ``<output_dir>.observed/facts-rank<R>.json``
-(``read_facts`` in tests/launch.py reads them). None of this is in a recipe or in ``results.json``:
+(``read_facts`` in launch.py reads them). None of this is in a recipe or in ``results.json``:
 
 - ``fsdp/sharding``: what this process holds under FSDP2 (``sharding_facts``);
 - ``device_map/hooks``: the execution device of the hook Accelerate attached to each module of a device_map split;
@@ -21,7 +21,7 @@ import torch
 
 # benchmarks/lib/model_state.py, loaded by its path: a copied recipe's process has no repository on sys.path.
 _spec = importlib.util.spec_from_file_location(
-    "model_state", Path(__file__).resolve().parents[2] / "benchmarks" / "lib" / "model_state.py"
+    "model_state", Path(__file__).resolve().parents[3] / "benchmarks" / "lib" / "model_state.py"
 )
 model_state = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(model_state)

@@ -1,26 +1,26 @@
 """A process that has imported torch, transformers and PEFT once, and forks a fresh copy of itself for each Python
-process of a launch (``tests/launch.py`` asks it), the way multiprocessing's forkserver does: importing those libraries
+process of a launch (``launch.py`` asks it), the way multiprocessing's forkserver does: importing those libraries
 is most of a tiny run's time.
 
 A copy runs what the process would have run, in a session of its own, with that process's environment, working folder
 and standard streams:
 
 - the launcher, ``python -m accelerate.commands.launch ARGS``: Accelerate's launcher module runs as ``__main__`` with
-  ``sys.executable`` set to ``tests/forked_python``, so the ``python SCRIPT ARGS`` processes it starts (its 1-process
+  ``sys.executable`` set to ``forked_python``, so the ``python SCRIPT ARGS`` processes it starts (its 1-process
   launcher's child; torchrun's workers) are copies too;
 - ``python [-u] SCRIPT ARGS`` (a recipe): the script runs as ``__main__``, as ``python`` runs it.
 
-``tests/forked_python`` stands in for ``python``: it asks for a copy with its own environment, folder and streams,
+``forked_python`` stands in for ``python``: it asks for a copy with its own environment, folder and streams,
 passes signals on, dies with its parent (``PR_SET_PDEATHSIG``) and exits as the copy does; when it goes, the zygote
 kills the copy's process group. Only on a machine without GPUs (a CUDA context does not survive a fork) and for
-launches whose environment differs from this process's in nothing read at import time (``tests/launch.py`` decides).
-What differs from a started process: the copies of one launch share their zygote's hash seed (tests/launch.py starts
+launches whose environment differs from this process's in nothing read at import time (``launch.py`` decides).
+What differs from a started process: the copies of one launch share their zygote's hash seed (launch.py starts
 two, and odd ranks are copies of the second: ranks do not share one; ``random`` and NumPy's global generator are
 reseeded), and their tracebacks show runpy's frames. A copy exits through Python's own teardown, as a started
 process does.
 
-Usage: ``python tests/zygote.py SOCKET_PATH`` (tests/launch.py starts one per test session);
-``python tests/zygote.py --client ARGS`` (tests/forked_python)."""
+Usage: ``python tests/harness/zygote.py SOCKET_PATH`` (launch.py starts one per test session);
+``python tests/harness/zygote.py --client ARGS`` (forked_python)."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def serve(socket_path: str) -> None:
 
 
 def client(argv: list[str]) -> None:
-    """``python ARGV`` for a launcher (tests/forked_python): a copy from the zygote runs it with this process's
+    """``python ARGV`` for a launcher (forked_python): a copy from the zygote runs it with this process's
     environment, folder and standard streams; signals to this process are passed on, and it exits as the copy does."""
     import ctypes
 

@@ -1,5 +1,5 @@
 """Prints what a test of the harness asks about this process: its rank's string hash (a per-process random seed),
-whether tests/observer was loaded and Accelerate's free_memory patched; with --crash_at_exit, it leaves an object whose
+whether observer/ was loaded and Accelerate's free_memory patched; with --crash_at_exit, it leaves an object whose
 finalizer crashes the interpreter (SIGSEGV) during Python's own teardown, after the script has ended."""
 
 import ctypes

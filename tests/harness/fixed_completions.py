@@ -1,5 +1,6 @@
 """Completions fixed in advance, for comparing GRPO runs that must score the same tokens: recipes/grpo.py in 1 and 2
-processes (tests/test_grpo.py) and against TRL's GRPOTrainer (studies/grpo_vs_trl.py). A completion is one of four,
+processes (tests/test_grpo.py, through tests/scripts/grpo_fixed_completions.py) and against TRL's GRPOTrainer
+(benchmarks/studies/grpo_vs_trl.py imports it from here). A completion is one of four,
 chosen by a hash of its prompt's token ids and a key: its copy (the k-th row of the batch with that prompt), or the
 sampling noise the recipe gives its row (the same in any process count, also where a group spans processes): the
 answers "class", "function" and "method" with the end-of-sequence token, or words that run to ``max_completion_length``

@@ -3,7 +3,7 @@
 Python imports ``sitecustomize`` at start-up from the first folder of ``sys.path`` that has one, so every process of a
 launch whose environment puts this folder on PYTHONPATH (the launcher, its workers) loads it, with no change to the
 recipes. It does nothing unless OBSERVE_DIR is set; then, at exit, each process that ran a script writes
-``<script>-rank<RANK>-<pid>.json`` into OBSERVE_DIR (``observed`` in tests/launch.py reads them) with:
+``<script>-rank<RANK>-<pid>.json`` into OBSERVE_DIR (``observed`` in launch.py reads them) with:
 
 - ``opened``: every weights file it opened, through ``safetensors.safe_open`` (what transformers' ``from_pretrained``
   and ``safetensors.torch.load_file`` read with) or ``torch.load``. A process that built its model on the meta device
@@ -31,7 +31,7 @@ With OBSERVE_AVX512_BF16=1 as well, every ``Linear4bit`` built in the process ta
 it repack its weight in an eval-mode forward without gradients, so that a test sees that path on any CPU.
 ``bitsandbytes["avx512_bf16_claimed"]`` counts the layers told so.
 
-With OBSERVE_FACTS=1 (tests/launch.py sets it for a launch whose test reads its facts, ``observe=True``; every other
+With OBSERVE_FACTS=1 (launch.py sets it for a launch whose test reads its facts, ``observe=True``; every other
 launch runs without this module, as a user's does) and no OBSERVE_DIR, only this is observed: when the
 recipe hands its model to ``Accelerator.free_memory`` at the end, each process writes the test-only facts of
 ``facts.py`` (FSDP2 sharding, device_map hooks, compiled modules, low-RAM shard sums, model-state bytes) to
@@ -205,7 +205,7 @@ def patch_accelerate(accelerator_module) -> None:
 def write_facts(accelerator, model, optimizer) -> None:
     """``facts.run_facts`` of this process, to ``<output_dir>.observed/facts-rank<RANK>.json`` (``--output_dir`` of the
     script's own arguments)."""
-    from facts import run_facts  # tests/observer/facts.py, beside this file on PYTHONPATH
+    from facts import run_facts  # observer/facts.py, beside this file on PYTHONPATH
 
     argv = sys.argv[1:]
     output_dir = next((arg.split("=", 1)[1] for arg in argv if arg.startswith("--output_dir=")), None)

@@ -5,7 +5,7 @@ workers) is killed. Configs use ``main_process_port: 0`` so concurrent runs neve
 
 Importing torch, transformers and PEFT is most of a tiny run's time. On a machine without GPUs ``launch`` runs every
 Python process of a launch (Accelerate's launcher, and the processes it starts: the child of its 1-process launcher,
-torchrun's workers) as a fork of the zygote (tests/zygote.py), a process that imported those libraries once. The
+torchrun's workers) as a fork of the zygote (zygote.py), a process that imported those libraries once. The
 launcher's code, the environment, the arguments and the recipe's code stay the user's. Launches that set a variable
 read at import time (the observer's), the tests of the launch itself (``Launch``: killed launchers and workers,
 restarts) and GPU machines start real processes; test_linear_toy.py and test_llm_finetune.py compare forked runs with
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "accelerate_configs"
 # The ``config`` that runs ``python SCRIPT ARGS`` instead of ``accelerate launch``: one process, and no launcher
 # importing torch before the script does (a few seconds a run). For refusals a single process sees before any
@@ -249,7 +249,7 @@ RUNTIME_PREFIXES = ("ACCELERATE_", "FSDP_", "MASTER_", "TORCHELASTIC_")
 
 
 class Forked:
-    """A launch whose first process is a fork of the zygote (tests/zygote.py): its pid, and its exit code once the
+    """A launch whose first process is a fork of the zygote (zygote.py): its pid, and its exit code once the
     zygote reports it (one JSON line each)."""
 
     def __init__(self, connection: socket.socket):
@@ -274,7 +274,7 @@ class Forked:
 
 
 class Zygote:
-    """One of the suite's zygote processes (tests/zygote.py), started at the first forked launch that needs it, stopped
+    """One of the suite's zygote processes (zygote.py), started at the first forked launch that needs it, stopped
     at exit. Each has its own hash seed (Python draws one per process), as each process of a real launch has."""
 
     def __init__(self, observe: bool):
@@ -304,7 +304,7 @@ class Zygote:
 
 class Zygotes:
     """Two zygotes of one kind (with the observer or without), so that the processes of a launch do not all share one
-    hash seed: the launcher and even ranks are forks of the first, odd ranks of the second (tests/forked_python picks
+    hash seed: the launcher and even ranks are forks of the first, odd ranks of the second (forked_python picks
     by RANK)."""
 
     def __init__(self, observe: bool):
@@ -325,7 +325,7 @@ class Zygotes:
             zygote.wait_until_ready()
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(str(self.pair[0].path))
-        # What tests/forked_python, started by the launcher for each process, needs to find the zygotes.
+        # What forked_python, started by the launcher for each process, needs to find the zygotes.
         found = {
             "ZYGOTE_SOCKETS": os.pathsep.join(str(zygote.path) for zygote in self.pair),
             "ZYGOTE_PYTHON": sys.executable,
@@ -366,7 +366,7 @@ def launch(
     (``python SCRIPT ARGS`` where CONFIG is ``ONE_PROCESS``).
     ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs).
     ``forked``: its Python processes are forks of the zygotes where ``Launch`` can fork them. ``observe``: every
-    process loads tests/observer (its facts: ``read_facts``); off, Accelerate and the recipe run as a user's do."""
+    process loads observer/ (its facts: ``read_facts``); off, Accelerate and the recipe run as a user's do."""
     launched = Launch(
         config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only, forked=forked, observe=observe
     )
@@ -385,7 +385,7 @@ def read_results(output_dir: str | Path) -> dict:
 
 
 def read_facts(output_dir: str | Path) -> dict:
-    """What tests/observer/facts.py saw in each process of the run that wrote ``output_dir``, by fact:
+    """What observer/facts.py saw in each process of the run that wrote ``output_dir``, by fact:
     ``{"fsdp/sharding": {"rank0": ..., "rank1": ...}, "device_map/hooks": {"rank0": ...}, ...}``."""
     facts: dict = {}
     for path in sorted(Path(str(output_dir).rstrip("/") + ".observed").glob("facts-rank*.json")):
@@ -396,7 +396,7 @@ def read_facts(output_dir: str | Path) -> dict:
 
 
 def observer_env(folder: Path) -> dict:
-    """The environment that makes every process of a launch load ``tests/observer/sitecustomize.py``, which writes what
+    """The environment that makes every process of a launch load ``observer/sitecustomize.py``, which writes what
     the process did (weights files opened, activation bytes saved per backward, 4-bit calls) in ``folder`` at exit."""
     folder.mkdir(parents=True, exist_ok=True)
     return {
@@ -470,37 +470,3 @@ def launch_all(jobs: dict, cpu_only: bool | None = None, workers: int = 2) -> di
             assert job.after is None or job.after in futures, f"{name} runs after {job.after}, which must come first"
             futures[name] = pool.submit(run, job)
         return {name: future.result() for name, future in futures.items()}
-
-
-def save_tiny_llama(folder: Path, num_hidden_layers: int):
-    """A tiny untied Llama (hidden 64) and a byte-level BPE tokenizer trained on the standard-library questions
-    (``benchmarks/lib/questions.py``),
-    with no chat template and no pad token (the LLM recipes must add both), saved to ``folder``; returns the
-    questions. Seeded: the same weights every time."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from benchmarks.lib.questions import stdlib_questions
-    from lm_kit.data import train_bpe_tokenizer
-
-    questions = stdlib_questions()
-    tokenizer = train_bpe_tokenizer(
-        (m["content"] for row in questions["train"] for m in row["messages"]), vocab_size=400
-    )
-    tokenizer.pad_token = None
-    tokenizer.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=len(tokenizer),
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    return questions

@@ -1,7 +1,8 @@
 """Questions about standard-library functions, answered by their docstrings: long answers, the SFT data on which the
-benchmarks compare the recipe with TRL and the tests build their tiny models' tokenizers and chats. (The recipe's own
-offline default is ``llm_kit.sft_data.stdlib_names``, one-word answers.) Callers put the repository root and
-``recipes/`` (the kits) on ``sys.path`` first."""
+tests build their tiny models' tokenizers and chats (``models.save_tiny_llama``) and the benchmarks compare the recipe
+with TRL (they import it from here: a fixture of the tests, built on the LLM recipes' kit). The recipe's own offline
+default is ``llm_kit.sft_data.stdlib_names``, one-word answers. Callers put the repository root and ``recipes/`` (the
+kits) on ``sys.path`` first."""
 
 from __future__ import annotations
 
