@@ -238,7 +238,7 @@ def runs(base, tmp_path_factory):
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
-    for name in ("fsdp", "offload"):  # their sharding, seen by tests/observer
+    for name in ("fsdp", "offload"):  # their sharding, seen by the observer
         jobs[name].kwargs["observe"] = True
     jobs["2x4"].kwargs["forked"] = False  # one DPO launch whose processes the launcher starts, as a user's
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
@@ -275,7 +275,7 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
             assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (name, key)
         assert max_relative_difference(adapter(runs[name]), adapter(runs["1x8"])) <= 1e-5, name
     assert runs["2x4"]["results"]["parallelism"] == "ddp" and runs["fsdp"]["results"]["parallelism"] == "fsdp"
-    for name in ("fsdp", "offload"):  # seen by tests/observer
+    for name in ("fsdp", "offload"):  # seen by the observer
         for facts in read_facts(runs[name]["dir"])["fsdp/sharding"].values():
             assert facts["dtensor_parameters"] == facts["parameters"] > 0, name
     offloaded = read_facts(runs["offload"]["dir"])["fsdp/sharding"]

@@ -83,7 +83,7 @@ def runs(tmp_path_factory):
             shutil.copy(root / "fsdp" / tokenizer_file, stopped)
 
     jobs = {
-        # Both observed (tests/observer): the activation bytes autograd saved per backward, with and without
+        # Both observed (tests/harness/observer): the activation bytes autograd saved per backward, with and without
         # gradient checkpointing, on the same micro-batches.
         "fsdp": lm("fsdp_2gpu.yaml", "--checkpointing_steps", "2", env=observer_env(root / "observed" / "fsdp")),
         "ddp": lm("ddp_2gpu.yaml"),
@@ -104,7 +104,7 @@ def runs(tmp_path_factory):
     }
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
-    for name in ("ddp", "finetune", "offload"):  # their sharding and model-state bytes, seen by tests/observer
+    for name in ("ddp", "finetune", "offload"):  # their sharding and model-state bytes, seen by the observer
         jobs[name].kwargs["observe"] = True
     finished = launch_all(jobs)
     out = {}
@@ -129,7 +129,7 @@ def max_weight_difference(dir_a, dir_b) -> float:
 def test_auto_picks_fsdp_under_the_fsdp_config(runs):
     results = runs["fsdp"]["results"]
     assert (results["parallelism"], results["parallelism_requested"]) == ("fsdp", "auto")
-    for facts in read_facts(runs["fsdp"]["dir"])["fsdp/sharding"].values():  # really sharded: tests/observer
+    for facts in read_facts(runs["fsdp"]["dir"])["fsdp/sharding"].values():  # really sharded: the observer
         assert (
             facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
         )
@@ -151,7 +151,7 @@ def test_fsdp_trains_like_ddp(runs):
 @pytest.mark.slow
 def test_parameters_are_sharded_dtensors(runs):
     """Every parameter is a DTensor and each process holds half of the model's elements."""
-    sharding = read_facts(runs["fsdp"]["dir"])["fsdp/sharding"]  # seen by tests/observer
+    sharding = read_facts(runs["fsdp"]["dir"])["fsdp/sharding"]  # seen by the observer
     assert set(sharding) == {"rank0", "rank1"}
     num_layers = runs["fsdp"]["results"]["config"]["model_config"]["num_hidden_layers"]
     for facts in sharding.values():
@@ -164,7 +164,7 @@ def test_parameters_are_sharded_dtensors(runs):
 
 @pytest.mark.slow
 def test_model_state_per_process_is_about_half_of_ddps(runs):
-    """Parameters + gradients + AdamW state (exact tensor bytes, seen by tests/observer): DDP holds all of it on every
+    """Parameters + gradients + AdamW state (exact tensor bytes, seen by the observer): DDP holds all of it on every
     process."""
     fsdp, ddp = (read_facts(runs[name]["dir"])["memory/model_state_bytes"] for name in ("fsdp", "ddp"))
     assert set(fsdp) == set(ddp) == {"rank0", "rank1"}
@@ -210,10 +210,10 @@ def test_gradient_checkpointing_saves_fewer_activations_and_gives_the_same_losse
 @pytest.mark.slow
 def test_cpu_offload_really_offloads_and_trains_like_fsdp(runs):
     """Every FSDP2 parameter of the offload run is under FSDP2's CPUOffloadPolicy, none of the fsdp_2gpu.yaml run's,
-    and the steps are FSDP's (``assert_offloaded_apart_from_plain`` in tests/launch.py: what differs on which
+    and the steps are FSDP's (``assert_offloaded_apart_from_plain`` in tests/harness/launch.py: what differs on which
     device)."""
     offload, fsdp = runs["offload"]["results"], runs["fsdp"]["results"]
-    offload_sharding = read_facts(runs["offload"]["dir"])["fsdp/sharding"]  # seen by tests/observer
+    offload_sharding = read_facts(runs["offload"]["dir"])["fsdp/sharding"]  # seen by the observer
     for facts in offload_sharding.values():
         assert facts["dtensor_parameters"] == facts["parameters"]
     assert_offloaded_apart_from_plain(offload_sharding, read_facts(runs["fsdp"]["dir"])["fsdp/sharding"])
@@ -246,7 +246,7 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
     results = runs["finetune"]["results"]
     assert (results["parallelism"], results["completed_steps"]) == ("fsdp", 2)
     assert "fsdp: one unit per BertLayer" in runs["finetune"]["log"]
-    sharding = read_facts(runs["finetune"]["dir"])["fsdp/sharding"]  # seen by tests/observer
+    sharding = read_facts(runs["finetune"]["dir"])["fsdp/sharding"]  # seen by the observer
     for facts in sharding.values():
         assert (
             facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]

@@ -108,14 +108,14 @@ def test_the_model_sharding_config_splits_the_fine_tune_over_both_gpus(tmp_path)
         "8",
         "--max_train_steps",
         "3",
-        observe=True,  # its hooks, seen by tests/observer
+        observe=True,  # its hooks, seen by the observer
     )
     results = read_results(tmp_path)
     assert results["parallelism"] == "device_map" and sorted(set(results["device_map"].values())) == [
         "cuda:0",
         "cuda:1",
     ]
-    assert read_facts(tmp_path)["device_map/hooks"]["rank0"] == results["device_map"]  # tests/observer
+    assert read_facts(tmp_path)["device_map/hooks"]["rank0"] == results["device_map"]  # the observer
     assert set(results["memory/peak_gib"]) == {"cuda:0", "cuda:1"}
 
 

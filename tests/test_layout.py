@@ -171,7 +171,7 @@ def test_instrumentation_is_behind_run_record(path):
     """What a user sees of a run (loss curve, speed, memory, results.json) is RunRecord's (shared/results.py): a recipe
     imports nothing else of shared.results and uses only ``timed``, ``step``, ``losses`` and ``write`` of it. What only
     tests and benchmarks read (sharding facts, hooks, shard sums, model-state bytes) is taken from outside
-    (tests/observer, the benchmarks' wrapper), so no recipe names it."""
+    (tests/harness/observer, the benchmarks' wrapper), so no recipe names it."""
     tree = ast.parse(path.read_text())
     imported = {
         (node.module, alias.name)
@@ -194,8 +194,8 @@ def test_instrumentation_is_behind_run_record(path):
 
 def test_shared_and_the_kits_write_no_test_or_benchmark_only_key():
     """A user's copy carries no key that only tests and benchmarks read: MFU is the benchmark runner's
-    (benchmarks/run.py, from a run's tokens/s), model-state bytes are counted from outside the recipe (tests/observer,
-    the runner's wrapper benchmarks/with_model_state.py)."""
+    (benchmarks/run.py, from a run's tokens/s), model-state bytes are counted from outside the recipe
+    (tests/harness/observer, the runner's wrapper benchmarks/with_model_state.py)."""
     for path in python_files(REPO / "shared") + [path for kit in KITS for path in python_files(kit)]:
         for key in ("perf/mfu", "perf/peak_flops_per_device", "memory/model_state_bytes"):
             assert key not in path.read_text(), f"{path.relative_to(REPO)} names {key}"

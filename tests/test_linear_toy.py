@@ -107,7 +107,7 @@ def test_ddp_ends_with_the_same_weights_as_one_process(runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["single", "ddp"])
 def test_a_run_forked_from_the_zygote_equals_one_the_launcher_started(runs, name):
-    """The suite forks most launches' Python processes from one that has imported the libraries (tests/zygote.py):
+    """The suite forks most launches' Python processes from one that has imported the libraries (tests/harness/zygote.py):
     the same weights, bit for bit, and the same losses as processes the launcher starts."""
     forked, started = runs[name], runs[f"{name}_not_forked"]
     assert (forked["dir"] / "model.safetensors").read_bytes() == (started["dir"] / "model.safetensors").read_bytes()

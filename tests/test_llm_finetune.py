@@ -289,15 +289,15 @@ def runs(base, base_96, tmp_path_factory):
     jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
-    # What these runs really did, seen by tests/observer (no extra launch): the weights files each process opened
+    # What these runs really did, seen by the observer (no extra launch): the weights files each process opened
     # (low-RAM loading), the activation bytes autograd saved per backward (gradient checkpointing), the calls into
     # bitsandbytes' 4-bit kernels (QLoRA).
     for name in ("offload", "fsdp", "full", "2x4", "qlora", "qlora_fsdp"):
         jobs[name].env = observer_env(root / "observed" / name)
-    for name in ("device_map", "1x8"):  # their hooks and model-state bytes, seen by tests/observer
+    for name in ("device_map", "1x8"):  # their hooks and model-state bytes, seen by the observer
         jobs[name].kwargs["observe"] = True
     for name in ("qlora_eval", "qlora_eval_no_exact_match", "qlora_eval_hidden_96"):
-        # Every 4-bit layer believes the CPU has AVX512-BF16 (see tests/observer/sitecustomize.py), on any machine.
+        # Every 4-bit layer believes the CPU has AVX512-BF16 (see the observer's sitecustomize.py), on any machine.
         jobs[name].env = {**observer_env(root / "observed" / name), "OBSERVE_AVX512_BF16": "1"}
     # Every run on the kind of device the 2-process runs get, so that the exact comparisons compare like with like.
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
@@ -345,7 +345,7 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
 
 @pytest.mark.slow
 def test_a_run_forked_from_the_zygote_equals_one_the_launcher_started(runs):
-    """tests/zygote.py forks most launches' processes from one that imported transformers, PEFT and bitsandbytes: a
+    """tests/harness/zygote.py forks most launches' processes from one that imported transformers, PEFT and bitsandbytes: a
     2-process LoRA run ends with the same adapter, bit for bit, and the same losses as its started twin."""
     forked, started = runs["2x4_forked"], runs["2x4"]
     assert forked["results"]["train/loss_curve"] == started["results"]["train/loss_curve"]
@@ -360,7 +360,7 @@ def test_lora_trains_under_fsdp2_and_a_device_map_split_like_one_process(runs):
     fsdp, split = runs["fsdp"]["results"], runs["device_map"]["results"]
     assert fsdp["parallelism"] == "fsdp" and fsdp["distributed_type"] == "FSDP"
     # Sharded for real: every parameter a DTensor, each process holding about half of the elements.
-    for facts in read_facts(runs["fsdp"]["dir"])["fsdp/sharding"].values():  # seen by tests/observer
+    for facts in read_facts(runs["fsdp"]["dir"])["fsdp/sharding"].values():  # seen by the observer
         assert (
             facts["dtensor_parameters"] == facts["parameters"] and facts["local_numel"] <= 0.55 * facts["global_numel"]
         )
@@ -381,7 +381,7 @@ def test_lora_with_cpu_offload_trains_like_one_process(runs):
     the steps are one process's."""
     offload = runs["offload"]["results"]
     assert offload["parallelism"] == "fsdp"
-    sharding = {name: read_facts(runs[name]["dir"])["fsdp/sharding"] for name in ("offload", "fsdp")}  # tests/observer
+    sharding = {name: read_facts(runs[name]["dir"])["fsdp/sharding"] for name in ("offload", "fsdp")}  # the observer
     assert_offloaded_apart_from_plain(sharding["offload"], sharding["fsdp"])
     np.testing.assert_allclose(offload["train/loss_curve"], runs["1x8"]["results"]["train/loss_curve"], rtol=1e-5)
     assert max_relative_difference(adapter(runs["offload"]), adapter(runs["1x8"])) <= 1e-5
@@ -416,7 +416,7 @@ def test_low_ram_loading_reads_the_checkpoint_in_rank_0_only_and_hands_its_weigh
     for key in (("offload", "rank0"), ("fsdp", "rank0"), ("fsdp", "rank1")):
         assert held[key]["meta_parameters"] == 0 and held[key]["held_bytes"] == held[key]["bytes"] > 0, (key, held)
     checkpoint = load_file(base / "model.safetensors")
-    for rank, sums in read_facts(runs["offload"]["dir"])["loading/shard_sums"].items():  # tests/observer
+    for rank, sums in read_facts(runs["offload"]["dir"])["loading/shard_sums"].items():  # the observer
         assert len(sums) == len(checkpoint), sorted(sums)
         for name, value in sums.items():
             weight = checkpoint[name.removeprefix("base_model.model.").replace(".base_layer", "")]
@@ -535,7 +535,7 @@ def test_qlora_trains_sharded_in_two_processes_like_one_process(runs):
     np.testing.assert_allclose(fsdp["train/loss_curve"], one["train/loss_curve"], rtol=1e-5)
     observed_ranks = runs["qlora_fsdp"]["observed"]
     assert set(observed_ranks) == {"rank0", "rank1"}
-    seen, seen_one = read_facts(runs["qlora_fsdp"]["dir"]), read_facts(runs["qlora"]["dir"])  # tests/observer
+    seen, seen_one = read_facts(runs["qlora_fsdp"]["dir"]), read_facts(runs["qlora"]["dir"])  # the observer
     for rank, facts in seen["fsdp/sharding"].items():
         went_through_4bit_weights(observed_ranks[rank], linear_layers=28, steps=2)
         assert (
@@ -648,7 +648,7 @@ def test_qlora_under_fsdp_trains_tied_embeddings_and_conv1d_layers_like_one_proc
     assert set(architectures["observed"][name]) == {"rank0", "rank1"}
     for rank, process in architectures["observed"][name].items():
         went_through_4bit_weights(process, linear_layers=2 * (7 if name == "qwen2" else 4), steps=2)
-        seen = read_facts(architectures[f"{name}_fsdp"]["dir"])  # tests/observer
+        seen = read_facts(architectures[f"{name}_fsdp"]["dir"])  # the observer
         # Tied after sharding: one parameter (an untied copy of a frozen head trains to the same losses).
         assert seen["model/tied_embeddings"][rank] == (name == "qwen2"), (rank, seen["model/tied_embeddings"])
         facts = seen["fsdp/sharding"][rank]

@@ -58,7 +58,7 @@ TRAIN, PIPELINE = "train_lm.py", "pipeline_lm.py"
 
 def launch_two_at_a_time(jobs: dict[str, tuple]) -> dict:
     """``jobs``: name -> (config, recipe, *args). Every run on the kind of device the 2-process runs get (CPU
-    processes where there are fewer than 2 GPUs), so the runs compare exactly; each seen by tests/observer (its model
+    processes where there are fewer than 2 GPUs), so the runs compare exactly; each seen by the observer (its model
     state bytes, device_map hooks, compiled modules)."""
     jobs = {
         name: Job(config, recipe, tuple(args), kwargs={"observe": True})
@@ -174,7 +174,7 @@ def test_every_mode_ran_as_asked(runs):
     # Two GPUs, or two CPU "devices": the same split, hooks and moves.
     split = runs["device_map"]["results"]
     assert split["device_map_devices"] == (["cuda:0", "cuda:1"] if visible_gpus() >= 2 else ["cpu", "cpu"])
-    assert read_facts(runs["device_map"]["dir"])["device_map/hooks"]["rank0"] == split["device_map"]  # tests/observer
+    assert read_facts(runs["device_map"]["dir"])["device_map/hooks"]["rank0"] == split["device_map"]  # the observer
     assert runs["device_map"]["results"]["blocks_per_stage"] == runs["1f1b"]["results"]["blocks_per_stage"]
     assert len(runs["device_map"]["results"]["blocks_per_stage"]) == 2
 
@@ -219,7 +219,7 @@ def test_compile_compiles_each_block_and_trains_like_eager(runs):
     own graph and past 8 fall back to eager (hence use_cache=False in the recipe's forward)."""
     compiled, eager = runs["compile"]["results"], runs["single"]["results"]
     modules = {
-        name: read_facts(runs[name]["dir"])["compile/compiled_modules"]["rank0"]  # seen by tests/observer
+        name: read_facts(runs[name]["dir"])["compile/compiled_modules"]["rank0"]  # seen by the observer
         for name in ("compile", "single")
     }
     assert modules["compile"] >= 4 and modules["single"] == 0  # the tiny's 4 blocks
@@ -305,7 +305,7 @@ def test_results_json_holds_what_users_compare(runs):
 def test_fit_planner_model_state_matches_the_measured_bytes(runs):
     """The fit planner (tools/plan.py) against exact tensor bytes of these runs: its model-state
     estimate for fp32 AdamW (4 + 4 + 8 bytes per parameter), on the split the recipe makes, is within
-    15 % of the model-state bytes tests/observer saw per setup and per rank (pipeline: per stage). The device_map run
+    15 % of the model-state bytes the observer saw per setup and per rank (pipeline: per stage). The device_map run
     is one process: its total is checked, and each device's parameters against the saved weights of
     the modules the run put on it."""
 

@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
     for name in ("single", "ddp"):
         resume = ("--resume_from_checkpoint", root / name / "checkpoints" / "step_000003")
         jobs[f"{name}_resumed"] = Job(jobs[name].config, RECIPE, (*TINY, *resume), after=name)
-    jobs["device_map"] = Job(  # its hooks, seen by tests/observer
+    jobs["device_map"] = Job(  # its hooks, seen by the observer
         "model_sharding_2gpu.yaml", RECIPE, (*TINY, "--parallelism", "device_map"), kwargs={"observe": True}
     )
     jobs["lora_fsdp"] = Job("fsdp_2gpu.yaml", RECIPE, (*TINY, "--lora_r", "4", "--learning_rate", "1e-3"))
@@ -223,7 +223,7 @@ def test_device_map_split_goes_through_accelerates_hooks(runs):
     assert results["parallelism"] == "device_map" and results["num_processes"] == 1
     layers = [name for name in results["device_map"] if ".layer." in name]
     assert len(layers) == 6
-    hooks = read_facts(runs["device_map"]["dir"])["device_map/hooks"]["rank0"]  # seen by tests/observer
+    hooks = read_facts(runs["device_map"]["dir"])["device_map/hooks"]["rank0"]  # seen by the observer
     assert hooks == results["device_map"]
     assert [results["device_map"]["bert.embeddings"], results["device_map"]["classifier"]] == split_devices_here()
     assert "device_map: parameters per device" in runs["device_map"]["log"]

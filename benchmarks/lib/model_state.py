@@ -1,7 +1,7 @@
 """The bytes of model state one process holds at the end of a run, taken from outside the recipe when it hands its
 model and optimizer to ``accelerator.free_memory``: by the runner's wrapper (``benchmarks/with_model_state.py``, for
-the records' ``memory/model_state_bytes``) and by the tests' observer (``tests/observer/facts.py``). results.json
-does not carry it."""
+the records' ``memory/model_state_bytes``) and by the tests' observer (``tests/harness/observer/facts.py``).
+results.json does not carry it."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ A, the recipe through its own command line, then B, DPOTrainer (``--trl_worker``
 launch --config_file accelerate_configs/single_gpu.yaml``, ``--repeats`` rounds A B A B.
 - Model: a Llama of the preset's shape, random weights (seed 0), untied, fp32, and a byte-level BPE tokenizer trained
   on the data, with the recipe's default chat template (``llm_kit.sft_data.DEFAULT_CHAT_TEMPLATE``).
-- Data: ``lib.questions.stdlib_questions()`` as conversational pairs: the question; chosen, its docstring;
-  rejected, the
-  next different docstring. The ``cpu`` preset lengthens both answers with the docstrings that follow
-  (``answer_chars``), so that rows are ~seq 256 and a step is compute, not overhead. Written to JSONL, read by both.
+- Data: ``harness.questions.stdlib_questions()`` (the tests', tests/harness/) as conversational pairs: the
+  question; chosen, its docstring; rejected, the next different docstring. The ``cpu`` preset lengthens both answers
+  with the docstrings that follow (``answer_chars``), so that rows are ~seq 256 and a step is compute, not overhead.
+  Written to JSONL, read by both.
 - Aligned (TRL's defaults that differ from the recipe's, or that the recipe has no twin of): ``bf16=False``
   (DPOConfig's default is True), ``gradient_checkpointing=False`` (default True), ``lr_scheduler_type``, no warm-up,
   ``optim="adamw_torch_fused"`` (the recipe's fused AdamW), ``logging_steps=1`` on both (per-step losses),

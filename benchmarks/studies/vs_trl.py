@@ -13,8 +13,8 @@ they are told: the recipe's flags and the ``SFTConfig``/``LoraConfig`` are both 
 - Model: a Llama of the preset's shape with random weights (seed 0), saved once, and a byte-level BPE tokenizer trained
   on the data (``lm_kit.data.train_bpe_tokenizer``) whose chat template is the recipe's default one plus TRL's
   ``{% generation %}`` markers (both render the same text; the markers tell TRL which tokens are the answer).
-- Data: ``lib.questions.stdlib_questions()`` (what does this standard-library function do? -> its docstring),
-  written to JSONL files in the ``messages`` format, read by both.
+- Data: ``harness.questions.stdlib_questions()`` (the tests', tests/harness/): what does this standard-library
+  function do? -> its docstring, written to JSONL files in the ``messages`` format, read by both.
 - Loss: assistant tokens only. The recipe's labels; TRL ``assistant_only_loss=True`` (``completion_only_loss`` is for
   prompt/completion data). Both normalise a step's loss by all answer tokens of the global batch (TRL through
   Trainer's ``num_items_in_batch``). The worker checks that TRL's tokens and labels equal the recipe's
