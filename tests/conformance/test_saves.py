@@ -60,12 +60,11 @@ def small_disk(folder: Path, size: str = "64m"):
 
 
 def fill(disk: Path) -> None:
-    """Write zeros to ``disk`` until it is full."""
-    with open(disk / "filler", "wb") as filler:
-        with contextlib.suppress(OSError):
-            while True:
-                filler.write(bytes(2**20))
-                filler.flush()
+    """Write zeros to ``disk`` until it is full (a run's checkpoints may have filled it already)."""
+    with contextlib.suppress(OSError), open(disk / "filler", "wb") as filler:
+        while True:
+            filler.write(bytes(2**20))
+            filler.flush()
 
 
 def disk_full_run(name: str, models: dict, disk: Path) -> dict:
