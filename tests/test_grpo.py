@@ -235,7 +235,7 @@ def runs(base, sampled, tmp_path_factory):
         jobs[name].args += ("--resume_from_checkpoint", checkpoint)
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
-    jobs["gpt2_fsdp"].kwargs["observe"] = True  # its sharding, seen by the observer
+    jobs["gpt2_fsdp"].kwargs["observe"] = True  # its sharding, seen by tests/observer
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
     out = {}
     for name, run in finished.items():

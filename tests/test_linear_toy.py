@@ -50,25 +50,10 @@ def runs(tmp_path_factory):
             "linear_toy.py",
             (*train, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"),
         ),
-        # The same two runs, their processes started by the launcher and not forked from the zygote.
-        "single_not_forked": Job(
-            "single_gpu.yaml",
-            "linear_toy.py",
-            (*train, "--per_device_train_batch_size", "16"),
-            kwargs={"forked": False},
-        ),
-        "ddp_not_forked": Job(
-            "ddp_2gpu.yaml", "linear_toy.py", (*train, "--per_device_train_batch_size", "8"), kwargs={"forked": False}
-        ),
         "copied": Job("ddp_2gpu.yaml", copied, (*train, "--per_device_train_batch_size", "8")),
         "broken": Job("ddp_2gpu.yaml", broken, (*train, "--per_device_train_batch_size", "8")),
         # Refusals. Argument checking needs no launcher: one process.
         "batch_size_zero": Job(ONE_PROCESS, "linear_toy.py", ("--per_device_train_batch_size", "0")),
-        # A refusal through the 1-process launcher (which repeats the error and exits 1), forked and started.
-        "refused_launch": Job("single_gpu.yaml", "linear_toy.py", ("--per_device_train_batch_size", "0")),
-        "refused_launch_not_forked": Job(
-            "single_gpu.yaml", "linear_toy.py", ("--per_device_train_batch_size", "0"), kwargs={"forked": False}
-        ),
         "output_dir": Job("ddp_2gpu.yaml", "linear_toy.py", ("--max_train_steps", "2")),
         "too_small": Job(
             "ddp_2gpu.yaml", "linear_toy.py", ("--num_samples", "16", "--per_device_train_batch_size", "16")
@@ -86,7 +71,7 @@ def runs(tmp_path_factory):
     outputs = {}
     for name, run in finished.items():
         outputs[name] = {"dir": root / name, "run": run, "log": run.output}
-        if name in ("single", "ddp", "accumulation", "copied", "broken", "single_not_forked", "ddp_not_forked"):
+        if name in ("single", "ddp", "accumulation", "copied", "broken"):
             assert run.returncode == 0, f"{name}: {run}"
             outputs[name]["results"] = read_results(root / name)
     outputs["broken"]["script"] = broken
@@ -102,25 +87,6 @@ def test_ddp_ends_with_the_same_weights_as_one_process(runs):
     assert np.abs(weights(single) - weights(ddp)).max() <= 1e-5
     # Same data in the same order: the per-step global losses agree too.
     np.testing.assert_allclose(single["train/loss_curve"], ddp["train/loss_curve"], rtol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["single", "ddp"])
-def test_a_run_forked_from_the_zygote_equals_one_the_launcher_started(runs, name):
-    """The suite forks most launches' Python processes from one that has imported the libraries (tests/harness/zygote.py):
-    the same weights, bit for bit, and the same losses as processes the launcher starts."""
-    forked, started = runs[name], runs[f"{name}_not_forked"]
-    assert (forked["dir"] / "model.safetensors").read_bytes() == (started["dir"] / "model.safetensors").read_bytes()
-    assert forked["results"]["train/loss_curve"] == started["results"]["train/loss_curve"]
-    assert forked["results"]["num_processes"] == started["results"]["num_processes"]
-
-
-@pytest.mark.slow
-def test_a_refusal_forked_from_the_zygote_exits_and_reads_like_one_the_launcher_started(runs):
-    forked, started = runs["refused_launch"]["run"], runs["refused_launch_not_forked"]["run"]
-    assert forked.returncode == started.returncode == 1  # the launcher's, not argparse's 2
-    errors = lambda run: [line for line in run.output.splitlines() if "error:" in line]
-    assert errors(forked) == errors(started) and len(errors(started)) >= 2, started.output  # the launcher repeats it
 
 
 @pytest.mark.slow

@@ -273,8 +273,6 @@ def runs(base, base_96, tmp_path_factory):
             after="1x8",
         ),
     }
-    # The 2x4 run again, its processes forked from the tests' zygote (2x4's start the usual way: they are observed).
-    jobs["2x4_forked"] = jobs["2x4"]
     # Resumed in another process count: the 2x4 run's step-1 checkpoint in 1 process (accumulation 2, checkpointing),
     # that run's step-2 checkpoint in 2 processes (accumulation 1); the 1x8 run's (global batch 8) in 2 processes at
     # 8 per device, which no accumulation keeps: refused. Early steps: the cosine schedule's rates, read a few steps
@@ -341,17 +339,6 @@ def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
         np.testing.assert_allclose(results["train/loss_curve"], reference["train/loss_curve"], rtol=1e-5, err_msg=name)
         assert max_relative_difference(adapter(runs[name]), adapter(runs["1x8"])) <= 1e-5, name
     assert runs["2x4"]["results"]["num_processes"] == 2 and runs["2x4"]["results"]["parallelism"] == "ddp"
-
-
-@pytest.mark.slow
-def test_a_run_forked_from_the_zygote_equals_one_the_launcher_started(runs):
-    """tests/harness/zygote.py forks most launches' processes from one that imported transformers, PEFT and bitsandbytes: a
-    2-process LoRA run ends with the same adapter, bit for bit, and the same losses as its started twin."""
-    forked, started = runs["2x4_forked"], runs["2x4"]
-    assert forked["results"]["train/loss_curve"] == started["results"]["train/loss_curve"]
-    assert (forked["dir"] / "adapter_model.safetensors").read_bytes() == (
-        started["dir"] / "adapter_model.safetensors"
-    ).read_bytes()
 
 
 @pytest.mark.slow

@@ -8,8 +8,8 @@ Python process of a launch (Accelerate's launcher, and the processes it starts: 
 torchrun's workers) as a fork of the zygote (zygote.py), a process that imported those libraries once. The
 launcher's code, the environment, the arguments and the recipe's code stay the user's. Launches that set a variable
 read at import time (the observer's), the tests of the launch itself (``Launch``: killed launchers and workers,
-restarts) and GPU machines start real processes; test_linear_toy.py and test_llm_finetune.py compare forked runs with
-started ones (weights bit for bit, losses, a refusal's exit code and paragraph).
+restarts) and GPU machines start real processes; test_harness.py compares forked runs with started ones (weights bit
+for bit, losses, a refusal's exit code and paragraph).
 
 The suite runs on the hardware it finds: CPU only (CI), one GPU, two or more GPUs. A launch of more
 processes than there are GPUs runs as CPU processes over gloo (CUDA hidden): NCCL refuses two ranks on
