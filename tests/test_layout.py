@@ -300,6 +300,52 @@ def test_each_kit_is_imported_by_its_own_recipes_alone():
         assert users <= recipes, f"{kit}/ is imported by {sorted(users - recipes)}, not one of its recipes {recipes}"
 
 
+# The tests' helpers (tests/harness/, tests/scripts/, tests/conformance/catalogue.py: what the tests launch and build
+# with, not the tests themselves) that import a kit or benchmarks/, each with its reason. Any other is a failure.
+HELPER_IMPORTS = {
+    ("harness/models.py", "lm_kit"): "the tiny models' tokenizer is trained as the LM recipes train theirs",
+    ("harness/questions.py", "llm_kit"): "the questions walk the standard library as the SFT recipe's own data does",
+    ("harness/fixed_completions.py", "grpo_kit"): "it stands in for the GRPO kit's generator, which it replaces",
+    ("harness/observer/facts.py", "benchmarks"): "one counter of model-state bytes for the tests and the benchmark "
+    "records (benchmarks/lib/model_state.py, which the tests check the planner against)",
+}
+
+
+def test_the_tests_helpers_import_no_kit_and_nothing_of_benchmarks_but_those_listed():
+    """What the tests launch and build with stands apart from the recipes' kits and from benchmarks/: a builder a test
+    needs lives in tests/, not in a kit or in benchmarks/lib/. (Test files import the kits they test; benchmarks may
+    import the builders they measure with, from tests/harness/.)"""
+    tests = REPO / "tests"
+    helpers = [
+        path
+        for path in python_files(tests)
+        if not path.name.startswith("test_") and path.name not in ("conftest.py", "__init__.py")
+    ]
+    assert tests / "harness" / "launch.py" in helpers
+    benchmarks = {name.split(".")[0] for name, path in repository_modules().items() if "benchmarks" in path.parts}
+    found = set()
+    for path in helpers:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in KIT_RECIPES:
+                    found.add((path.relative_to(tests).as_posix(), top))
+                elif top in benchmarks:
+                    found.add((path.relative_to(tests).as_posix(), "benchmarks"))
+            if isinstance(node, ast.Constant) and node.value == "benchmarks":  # a module loaded by its path
+                found.add((path.relative_to(tests).as_posix(), "benchmarks"))
+    assert found <= set(HELPER_IMPORTS), (
+        f"tests' helpers import a kit or benchmarks/, unlisted: {found - set(HELPER_IMPORTS)}"
+    )
+    assert set(HELPER_IMPORTS) <= found, f"listed, no longer imported (take them off): {set(HELPER_IMPORTS) - found}"
+
+
 def test_imports_point_one_way_and_form_no_cycle():
     graph = import_graph()
     kits = tuple(kit.name for kit in KITS)
