@@ -25,23 +25,27 @@ def copy_project(destination: Path) -> Path:
     return destination / "train.py"
 
 
+def launch_runs(root, jobs: dict[str, Job], trained: bool = True) -> dict:
+    """A scenario's launches, two at a time, on the kind of device the 2-process runs get (CPU processes where there
+    are fewer than 2 GPUs). Name -> its folder, run and log, and where ``trained`` (each run must succeed) its
+    results.json."""
+    finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
+    out = {}
+    for name, run in finished.items():
+        out[name] = {"dir": root / name, "run": run, "log": run.output}
+        if trained:
+            assert run.returncode == 0, f"{name}: {run}"
+            out[name]["results"] = read_results(root / name)
+    return out
+
+
+# ----------------------------------------------------------------------------- one process, DDP, accumulation
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Every launch of this file, two at a time, shared by the tests. Three runs with the same seed and global batch
-    of 16; a copied project, and one with the tutorial's bug; the refusals. The 1-process runs use the kind of device
-    the 2-process run gets (CPU processes where there are fewer than 2 GPUs)."""
+def trained(tmp_path_factory):
+    """Three runs with the same seed and global batch of 16: 1 process x 16, 2 processes x 8, and 1 process x 8 with 2
+    accumulation steps."""
     root = tmp_path_factory.mktemp("linear_toy")
     train = ("--max_train_steps", STEPS)
-    copied = copy_project(root / "project")
-    # The tutorial's bug, reproduced: the model left out of prepare(), so gradients are never averaged.
-    broken = copy_project(root / "broken")
-    broken.write_text(
-        broken.read_text().replace(
-            WRAPPED, "optimizer, train_dataloader = accelerator.prepare(optimizer, train_dataloader)"
-        )
-    )
-    blocker = root / "a_file"
-    blocker.write_text("not a folder")
     jobs = {
         "single": Job("single_gpu.yaml", "linear_toy.py", (*train, "--per_device_train_batch_size", "16")),
         "ddp": Job("ddp_2gpu.yaml", "linear_toy.py", (*train, "--per_device_train_batch_size", "8")),
@@ -50,37 +54,15 @@ def runs(tmp_path_factory):
             "linear_toy.py",
             (*train, "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2"),
         ),
-        "copied": Job("ddp_2gpu.yaml", copied, (*train, "--per_device_train_batch_size", "8")),
-        "broken": Job("ddp_2gpu.yaml", broken, (*train, "--per_device_train_batch_size", "8")),
-        # Refusals. Argument checking needs no launcher: one process.
-        "batch_size_zero": Job(ONE_PROCESS, "linear_toy.py", ("--per_device_train_batch_size", "0")),
-        "output_dir": Job("ddp_2gpu.yaml", "linear_toy.py", ("--max_train_steps", "2")),
-        "too_small": Job(
-            "ddp_2gpu.yaml", "linear_toy.py", ("--num_samples", "16", "--per_device_train_batch_size", "16")
-        ),
-        # The silent-duplicate trap: a plain Accelerator() under a 2-process config without CUDA (GPUs hidden here,
-        # so the trap is reproduced on every machine).
-        "plain_accelerator": Job(
-            "ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "plain_accelerator.py", kwargs={"cpu_only": True}
-        ),
     }
     for name, job in jobs.items():
-        if name != "plain_accelerator":
-            job.args = (*job.args, "--output_dir", blocker / "out" if name == "output_dir" else root / name)
-    finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
-    outputs = {}
-    for name, run in finished.items():
-        outputs[name] = {"dir": root / name, "run": run, "log": run.output}
-        if name in ("single", "ddp", "accumulation", "copied", "broken"):
-            assert run.returncode == 0, f"{name}: {run}"
-            outputs[name]["results"] = read_results(root / name)
-    outputs["broken"]["script"] = broken
-    return outputs
+        job.args = (*job.args, "--output_dir", root / name)
+    return launch_runs(root, jobs)
 
 
 @pytest.mark.slow
-def test_ddp_ends_with_the_same_weights_as_one_process(runs):
-    single, ddp = runs["single"]["results"], runs["ddp"]["results"]
+def test_ddp_ends_with_the_same_weights_as_one_process(trained):
+    single, ddp = trained["single"]["results"], trained["ddp"]["results"]
     assert ddp["num_processes"] == 2 and ddp["distributed_type"] in ("MULTI_CPU", "MULTI_GPU")
     assert single["num_processes"] == 1
     assert single["global_batch_size"] == ddp["global_batch_size"] == 16
@@ -90,8 +72,8 @@ def test_ddp_ends_with_the_same_weights_as_one_process(runs):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_ends_with_the_same_weights(runs):
-    single, accumulation = runs["single"]["results"], runs["accumulation"]["results"]
+def test_gradient_accumulation_ends_with_the_same_weights(trained):
+    single, accumulation = trained["single"]["results"], trained["accumulation"]["results"]
     assert accumulation["global_batch_size"] == 16
     assert accumulation["completed_steps"] == single["completed_steps"] == int(STEPS)
     assert np.abs(weights(single) - weights(accumulation)).max() <= 1e-5
@@ -99,8 +81,8 @@ def test_gradient_accumulation_ends_with_the_same_weights(runs):
 
 
 @pytest.mark.slow
-def test_loss_goes_down_and_the_true_weights_are_learned(runs):
-    results = runs["ddp"]["results"]
+def test_loss_goes_down_and_the_true_weights_are_learned(trained):
+    results = trained["ddp"]["results"]
     curve = results["train/loss_curve"]
     assert len(curve) == int(STEPS)
     assert curve[-1] < 0.1 * curve[0]
@@ -108,8 +90,8 @@ def test_loss_goes_down_and_the_true_weights_are_learned(runs):
 
 
 @pytest.mark.slow
-def test_results_json_holds_what_users_compare(runs):
-    results = runs["ddp"]["results"]
+def test_results_json_holds_what_users_compare(trained):
+    results = trained["ddp"]["results"]
     for key in (
         "num_processes",
         "distributed_type",
@@ -134,33 +116,56 @@ def test_results_json_holds_what_users_compare(runs):
 
 
 @pytest.mark.slow
-def test_saved_safetensors_are_the_learned_weights(runs):
-    out = runs["ddp"]["dir"]
+def test_saved_safetensors_are_the_learned_weights(trained):
+    out = trained["ddp"]["dir"]
     saved = load_file(out / "model.safetensors")
-    results = runs["ddp"]["results"]
+    results = trained["ddp"]["results"]
     np.testing.assert_allclose(saved["weight"].numpy()[0], results["model/weight"], rtol=0, atol=0)
 
 
 @pytest.mark.slow
-def test_only_the_main_process_prints(runs):
-    log = runs["ddp"]["log"]
+def test_only_the_main_process_prints(trained):
+    log = trained["ddp"]["log"]
     assert log.count("learned weight:") == 1
     assert "global batch size 16 = 8 per device x 2 processes x 1 accumulation steps" in log
 
 
-@pytest.mark.slow
-def test_a_copied_recipe_runs_unchanged(runs):
-    assert np.abs(weights(runs["copied"]["results"]) - weights(runs["ddp"]["results"])).max() == 0
+# ----------------------------------------------------------------------------- a user's copy
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """A user's project holding the recipe alone, and one with the tutorial's bug: the model left out of prepare(), so
+    gradients are never averaged. Both as the ddp run, 2 processes x 8."""
+    root = tmp_path_factory.mktemp("linear_toy_copies")
+    copied = copy_project(root / "project")
+    broken = copy_project(root / "broken")
+    broken.write_text(
+        broken.read_text().replace(
+            WRAPPED, "optimizer, train_dataloader = accelerator.prepare(optimizer, train_dataloader)"
+        )
+    )
+    args = ("--max_train_steps", STEPS, "--per_device_train_batch_size", "8")
+    jobs = {
+        "copied": Job("ddp_2gpu.yaml", copied, (*args, "--output_dir", root / "copied")),
+        "broken": Job("ddp_2gpu.yaml", broken, (*args, "--output_dir", root / "broken")),
+    }
+    out = launch_runs(root, jobs)
+    out["broken"]["script"] = broken
+    return out
 
 
 @pytest.mark.slow
-def test_equivalence_check_catches_a_model_not_wrapped_in_ddp(runs):
+def test_a_copied_recipe_runs_unchanged(copies, trained):
+    assert np.abs(weights(copies["copied"]["results"]) - weights(trained["ddp"]["results"])).max() == 0
+
+
+@pytest.mark.slow
+def test_equivalence_check_catches_a_model_not_wrapped_in_ddp(copies, trained):
     """The tutorial's bug, reproduced: leave the model out of prepare(), so gradients are never
     averaged. Each process then trains on its own half of the data and the weights must differ
     from 1-process training: proof that the equivalence test above can fail."""
     assert WRAPPED in (REPO / "recipes" / "linear_toy.py").read_text()
-    assert WRAPPED not in runs["broken"]["script"].read_text()
-    assert np.abs(weights(runs["broken"]["results"]) - weights(runs["single"]["results"])).max() > 1e-4
+    assert WRAPPED not in copies["broken"]["script"].read_text()
+    assert np.abs(weights(copies["broken"]["results"]) - weights(trained["single"]["results"])).max() > 1e-4
 
 
 def test_model_sharding_config_trains_on_one_device(tmp_path):
@@ -169,31 +174,61 @@ def test_model_sharding_config_trains_on_one_device(tmp_path):
     assert results["num_processes"] == 1 and results["parallelism"] == "single"
 
 
+# ----------------------------------------------------------------------------- refusals
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """Bad input, each refused. Argument checking needs no launcher: one process."""
+    root = tmp_path_factory.mktemp("linear_toy_refusals")
+    blocker = root / "a_file"
+    blocker.write_text("not a folder")
+    jobs = {
+        "batch_size_zero": Job(
+            ONE_PROCESS,
+            "linear_toy.py",
+            ("--per_device_train_batch_size", "0", "--output_dir", root / "batch_size_zero"),
+        ),
+        "output_dir": Job(
+            "ddp_2gpu.yaml", "linear_toy.py", ("--max_train_steps", "2", "--output_dir", blocker / "out")
+        ),
+        "too_small": Job(
+            "ddp_2gpu.yaml",
+            "linear_toy.py",
+            ("--num_samples", "16", "--per_device_train_batch_size", "16", "--output_dir", root / "too_small"),
+        ),
+        # The silent-duplicate trap: a plain Accelerator() under a 2-process config without CUDA (GPUs hidden here,
+        # so the trap is reproduced on every machine).
+        "plain_accelerator": Job(
+            "ddp_2gpu.yaml", Path(__file__).parent / "scripts" / "plain_accelerator.py", kwargs={"cpu_only": True}
+        ),
+    }
+    return launch_runs(root, jobs, trained=False)
+
+
 @pytest.mark.slow
-def test_batch_size_zero_is_refused(runs):
-    run = runs["batch_size_zero"]["run"]
+def test_batch_size_zero_is_refused(refusals):
+    run = refusals["batch_size_zero"]["run"]
     assert run.returncode != 0
     assert "--per_device_train_batch_size: must be a whole number >= 1, got 0" in run.output
 
 
 @pytest.mark.slow
-def test_output_dir_that_cannot_be_created_is_refused(runs):
-    run = runs["output_dir"]["run"]
+def test_output_dir_that_cannot_be_created_is_refused(refusals):
+    run = refusals["output_dir"]["run"]
     assert run.returncode != 0
     assert "Cannot use --output_dir" in run.output and "a_file/out" in run.output
 
 
 @pytest.mark.slow
-def test_data_set_too_small_for_the_global_batch_is_refused(runs):
-    run = runs["too_small"]["run"]
+def test_data_set_too_small_for_the_global_batch_is_refused(refusals):
+    run = refusals["too_small"]["run"]
     assert run.returncode != 0
     assert "One optimizer step needs 32 samples" in run.output
 
 
 @pytest.mark.slow
-def test_processes_expected_but_not_seen_is_refused(runs):
+def test_processes_expected_but_not_seen_is_refused(refusals):
     """The silent-duplicate trap: a plain Accelerator() under a 2-process config without CUDA."""
-    run = runs["plain_accelerator"]["run"]
+    run = refusals["plain_accelerator"]["run"]
     assert run.returncode != 0
     assert "The launcher started 2 processes (WORLD_SIZE=2) but the Accelerator sees 1" in run.output
     assert "processes seen" not in run.output
