@@ -91,164 +91,6 @@ def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-@pytest.fixture(scope="module")
-def runs(base, tmp_path_factory):
-    root = tmp_path_factory.mktemp("dpo")
-    data = (
-        "--model_name_or_path",
-        base,
-        "--train_file",
-        base / "pairs.jsonl",
-        "--validation_file",
-        base / "pairs_validation.jsonl",
-    )
-    gpt2 = (
-        "--model_name_or_path",
-        base / "gpt2",
-        "--train_file",
-        base / "strings_long.jsonl",
-        "--validation_file",
-        base / "strings_validation.jsonl",
-        "--max_length",
-        "64",
-        "--max_train_steps",
-        "2",
-        "--logging_steps",
-        "1",
-    )
-    jobs = {
-        # The same 8 pairs per step three ways; the 1x8 run also evaluates, scores answers and checkpoints.
-        "1x8": (
-            "single_gpu.yaml",
-            *data,
-            *EXACT,
-            "--per_device_train_batch_size",
-            "8",
-            "--checkpointing_steps",
-            "2",
-            "--exact_match_samples",
-            "4",
-            "--per_device_eval_batch_size",
-            "3",
-        ),
-        "2x4": (
-            "ddp_2gpu.yaml",
-            *data,
-            *EXACT,
-            "--per_device_train_batch_size",
-            "4",
-            "--per_device_eval_batch_size",
-            "3",
-        ),
-        "1x4x2": (
-            "single_gpu.yaml",
-            *data,
-            *EXACT,
-            "--per_device_train_batch_size",
-            "4",
-            "--gradient_accumulation_steps",
-            "2",
-            "--skip_eval",
-        ),
-        "fsdp": ("fsdp_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval"),
-        "offload": ("fsdp_offload_2gpu.yaml", *data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval"),
-        # A full fine-tune in 2 processes with IPO, on implicit-prompt conversations: one pass of reference
-        # log-probs before training, then one model.
-        "full": (
-            "ddp_2gpu.yaml",
-            "--model_name_or_path",
-            base,
-            "--train_file",
-            base / "implicit.jsonl",
-            "--full_finetune",
-            "--loss_type",
-            "ipo",
-            "--max_train_steps",
-            "3",
-            "--learning_rate",
-            "1e-3",
-            "--per_device_train_batch_size",
-            "4",
-            "--logging_steps",
-            "1",
-            "--rpo_alpha",
-            "0.5",
-        ),
-        # The SFT adapter continued, on strings from a CSV, with label smoothing; its base comes from the adapter.
-        "sft_adapter": (
-            "single_gpu.yaml",
-            "--adapter_name_or_path",
-            base / "sft_adapter",
-            "--train_file",
-            base / "strings.csv",
-            "--max_train_steps",
-            "3",
-            "--learning_rate",
-            "1e-2",
-            "--label_smoothing",
-            "0.1",
-            "--per_device_train_batch_size",
-            "8",
-            "--logging_steps",
-            "1",
-            "--max_length",
-            "24",
-            "--max_prompt_length",
-            "12",
-        ),
-        # GPT-2 with its dropout, the defaults otherwise (evaluation on): a new LoRA adapter and a full fine-tune, each
-        # step logged; the two pairs whose prompt fills --max_length are dropped.
-        "gpt2_lora": ("single_gpu.yaml", *gpt2, "--learning_rate", "1e-2"),
-        "gpt2_full": ("single_gpu.yaml", *gpt2, "--full_finetune"),
-        # Resumed from the 1x8 run's step-2 checkpoint, to the same end.
-        "resumed": Job(
-            "single_gpu.yaml",
-            RECIPE,
-            (
-                *data,
-                *EXACT,
-                "--per_device_train_batch_size",
-                "8",
-                "--exact_match_samples",
-                "4",
-                "--per_device_eval_batch_size",
-                "3",
-                "--resume_from_checkpoint",
-                root / "1x8" / "checkpoints" / "step_000002",
-            ),
-            after="1x8",
-        ),
-        # The same checkpoint resumed in 2 processes of 4 pairs: the global batch of 8 kept, the scheduler's count
-        # (a prepared scheduler steps once per process) brought to 2 processes.
-        "resumed_in_2": Job(
-            "ddp_2gpu.yaml",
-            RECIPE,
-            (
-                *data,
-                *EXACT,
-                "--per_device_train_batch_size",
-                "4",
-                "--skip_eval",
-                "--resume_from_checkpoint",
-                root / "1x8" / "checkpoints" / "step_000002",
-            ),
-            after="1x8",
-        ),
-    }
-    jobs = {name: job if isinstance(job, Job) else Job(job[0], RECIPE, tuple(job[1:])) for name, job in jobs.items()}
-    for name, job in jobs.items():
-        job.args = (*job.args, "--output_dir", root / name)
-    for name in ("fsdp", "offload"):  # their sharding, seen by the observer
-        jobs[name].kwargs["observe"] = True
-    jobs["2x4"].kwargs["forked"] = False  # one DPO launch whose processes the launcher starts, as a user's
-    finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
-    out = {}
-    for name, run in finished.items():
-        assert run.returncode == 0, f"{name}: {run}"
-        out[name] = {"dir": root / name, "results": read_results(root / name), "log": run.output}
-    return out
-
-
 def adapter(run) -> dict:
     return load_file(run["dir"] / "adapter_model.safetensors")
 
@@ -258,33 +100,119 @@ def max_relative_difference(a: dict, b: dict) -> float:
     return max(((a[name] - b[name]).norm() / a[name].norm()).item() for name in a)
 
 
+def pairs_data(base) -> tuple:
+    """The tiny Llama and its explicit-prompt conversations, with their validation file."""
+    return (
+        "--model_name_or_path",
+        base,
+        "--train_file",
+        base / "pairs.jsonl",
+        "--validation_file",
+        base / "pairs_validation.jsonl",
+    )
+
+
+def launch_runs(root, jobs: dict[str, Job]) -> dict:
+    """A scenario's launches, each into ``root/name``, two at a time, every one on the kind of device the 2-process
+    runs get (so that the exact comparisons compare like with like), and each must succeed. Name -> its folder,
+    results.json and log."""
+    for name, job in jobs.items():
+        job.args = (*job.args, "--output_dir", root / name)
+    finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
+    out = {}
+    for name, run in finished.items():
+        assert run.returncode == 0, f"{name}: {run}"
+        out[name] = {"dir": root / name, "results": read_results(root / name), "log": run.output}
+    return out
+
+
+# ----------------------------------------------------------------------------- a new adapter: the same steps every way
+@pytest.fixture(scope="module")
+def lora(base, tmp_path_factory):
+    """The same 8 pairs per step three ways, 1 x 8, 2 x 4 and 1 x 4 x 2, and 2 x 4 under FSDP2 and FSDP2 with CPU
+    offload (their sharding seen by the observer); the 1 x 8 run also evaluates, scores answers and checkpoints, and is
+    resumed from its step-2 checkpoint in 1 process and in 2. The 2 x 4 run is the one DPO launch whose processes the
+    launcher starts, as a user's."""
+    root = tmp_path_factory.mktemp("dpo_lora")
+    data = pairs_data(base)
+    checkpoint = ("--resume_from_checkpoint", root / "1x8" / "checkpoints" / "step_000002")
+    jobs = {
+        "1x8": Job(
+            "single_gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "8", "--checkpointing_steps", "2")
+            + ("--exact_match_samples", "4", "--per_device_eval_batch_size", "3"),
+        ),
+        "2x4": Job(
+            "ddp_2gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "3"),
+            kwargs={"forked": False},
+        ),
+        "1x4x2": Job(
+            "single_gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--skip_eval"),
+        ),
+        "fsdp": Job(
+            "fsdp_2gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval"),
+            kwargs={"observe": True},
+        ),
+        "offload": Job(
+            "fsdp_offload_2gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval"),
+            kwargs={"observe": True},
+        ),
+        # Resumed from the 1x8 run's step-2 checkpoint, to the same end.
+        "resumed": Job(
+            "single_gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "8", "--exact_match_samples", "4")
+            + ("--per_device_eval_batch_size", "3", *checkpoint),
+            after="1x8",
+        ),
+        # The same checkpoint resumed in 2 processes of 4 pairs: the global batch of 8 kept, the scheduler's count
+        # (a prepared scheduler steps once per process) brought to 2 processes.
+        "resumed_in_2": Job(
+            "ddp_2gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval", *checkpoint),
+            after="1x8",
+        ),
+    }
+    return launch_runs(root, jobs)
+
+
 @pytest.mark.slow
-def test_one_process_two_processes_and_accumulation_give_the_same_steps(runs):
+def test_one_process_two_processes_and_accumulation_give_the_same_steps(lora):
     """The step loss is the mean over every pair of the global batch, whatever the processes and accumulation."""
-    reference = runs["1x8"]["results"]
+    reference = lora["1x8"]["results"]
     assert reference["global_batch_size"] == 8 and reference["completed_steps"] == 4
     # Step 1: the policy is the reference (a new adapter starts at zero), so every margin is 0 and the DPO loss log 2;
     # RPO adds 0.5 x the chosen tokens' NLL (exactly: the full fine-tune's test, which logs every step).
     assert reference["train/loss_curve"][0] > math.log(2) + 0.5
     assert reference["train/log"][-1]["train/nll_loss"] > 0
     for name in ("2x4", "1x4x2", "fsdp", "offload"):
-        results = runs[name]["results"]
+        results = lora[name]["results"]
         assert results["global_batch_size"] == 8, name
         np.testing.assert_allclose(results["train/loss_curve"], reference["train/loss_curve"], rtol=1e-6, err_msg=name)
         for key in ("train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen", "train/nll_loss"):
             assert results[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (name, key)
-        assert max_relative_difference(adapter(runs[name]), adapter(runs["1x8"])) <= 1e-5, name
-    assert runs["2x4"]["results"]["parallelism"] == "ddp" and runs["fsdp"]["results"]["parallelism"] == "fsdp"
+        assert max_relative_difference(adapter(lora[name]), adapter(lora["1x8"])) <= 1e-5, name
+    assert lora["2x4"]["results"]["parallelism"] == "ddp" and lora["fsdp"]["results"]["parallelism"] == "fsdp"
     for name in ("fsdp", "offload"):  # seen by the observer
-        for facts in read_facts(runs[name]["dir"])["fsdp/sharding"].values():
+        for facts in read_facts(lora[name]["dir"])["fsdp/sharding"].values():
             assert facts["dtensor_parameters"] == facts["parameters"] > 0, name
-    offloaded = read_facts(runs["offload"]["dir"])["fsdp/sharding"]
+    offloaded = read_facts(lora["offload"]["dir"])["fsdp/sharding"]
     assert all(facts["offloaded_parameters"] == facts["parameters"] for facts in offloaded.values())
 
 
 @pytest.mark.slow
-def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(runs):
-    results, two = runs["1x8"]["results"], runs["2x4"]["results"]
+def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(lora):
+    results, two = lora["1x8"]["results"], lora["2x4"]["results"]
     assert [entry["step"] for entry in results["train/log"]] == [2, 4]
     names = (
         "rewards/chosen",
@@ -306,24 +234,24 @@ def test_trl_metrics_are_logged_per_step_and_on_the_validation_set(runs):
     )
     assert results["perf/tokens_per_step"] > 0 and results["perf/samples_per_sec"] > 0
     assert results["perf/samples_per_step"] == 8
-    assert results["eval/exact_match_num_prompts"] == 4 and "exact match before training" in runs["1x8"]["log"]
+    assert results["eval/exact_match_num_prompts"] == 4 and "exact match before training" in lora["1x8"]["log"]
 
 
 @pytest.mark.slow
-def test_a_resumed_run_ends_where_the_uninterrupted_one_does(runs):
-    resumed, full = runs["resumed"]["results"], runs["1x8"]["results"]
+def test_a_resumed_run_ends_where_the_uninterrupted_one_does(lora):
+    resumed, full = lora["resumed"]["results"], lora["1x8"]["results"]
     assert resumed["resumed_from_step"] == 2
     assert resumed["train/loss_curve"] == full["train/loss_curve"]
     assert resumed["train/log"] == full["train/log"]
-    assert all(torch.equal(a, b) for a, b in zip(adapter(runs["resumed"]).values(), adapter(runs["1x8"]).values()))
+    assert all(torch.equal(a, b) for a, b in zip(adapter(lora["resumed"]).values(), adapter(lora["1x8"]).values()))
     assert resumed["eval/loss"] == full["eval/loss"]
 
 
 @pytest.mark.slow
-def test_a_resume_in_another_process_count_ends_where_the_run_would(runs):
+def test_a_resume_in_another_process_count_ends_where_the_run_would(lora):
     """A 1-process checkpoint resumed in 2 processes: same global batch, the learning rate goes on where it was (a
     prepared scheduler counts a step once per process), so it ends as the uninterrupted 1-process run does."""
-    resumed, full = runs["resumed_in_2"], runs["1x8"]
+    resumed, full = lora["resumed_in_2"], lora["1x8"]
     assert resumed["results"]["resumed_from_step"] == 2 and resumed["results"]["num_processes"] == 2
     assert "resuming a 1-process checkpoint in 2 processes" in resumed["log"]
     assert resumed["results"]["train/loss_curve"] == pytest.approx(full["results"]["train/loss_curve"], abs=1e-6)
@@ -331,62 +259,102 @@ def test_a_resume_in_another_process_count_ends_where_the_run_would(runs):
         assert torch.allclose(adapter(resumed)[name], tensor, atol=1e-6), name
 
 
+# ----------------------------------------------------------------------------- a full fine-tune
+@pytest.fixture(scope="module")
+def full(base, tmp_path_factory):
+    """A full fine-tune in 2 processes with IPO, on implicit-prompt conversations: one pass of reference log-probs
+    before training, then one model."""
+    root = tmp_path_factory.mktemp("dpo_full")
+    args = ("--model_name_or_path", base, "--train_file", base / "implicit.jsonl", "--full_finetune")
+    args += ("--loss_type", "ipo", "--max_train_steps", "3", "--learning_rate", "1e-3")
+    args += ("--per_device_train_batch_size", "4", "--logging_steps", "1", "--rpo_alpha", "0.5")
+    return launch_runs(root, {"full": Job("ddp_2gpu.yaml", RECIPE, args)})
+
+
 @pytest.mark.slow
-def test_a_full_fine_tune_computes_the_reference_first_and_trains_one_model(runs):
+def test_a_full_fine_tune_computes_the_reference_first_and_trains_one_model(full):
     """IPO: at step 1 the policy is the precomputed reference (the same model, before any step), so every margin is
     0 and the IPO loss is (0 - 1 / (2 beta))^2 = 25; the step's loss adds RPO's 0.5 x the logged NLL of the chosen
     tokens. The implicit prompts were found; the whole model is saved."""
-    results = runs["full"]["results"]
+    results = full["full"]["results"]
     assert results["method"] == "full" and results["data/format"] == "conversational_implicit"
     first = results["train/log"][0]
     assert results["train/loss_curve"][0] == pytest.approx(25.0 + 0.5 * first["train/nll_loss"], rel=1e-6)
     assert first["train/loss"] == pytest.approx(results["train/loss_curve"][0], rel=1e-6)
     assert first["train/rewards/margins"] == pytest.approx(0, abs=1e-6) and first["train/nll_loss"] > 0
     assert results["train/loss_curve"][-1] < results["train/loss_curve"][0]
-    assert "reference: the log-probs of" in runs["full"]["log"]
-    assert (runs["full"]["dir"] / "model.safetensors").is_file()
+    assert "reference: the log-probs of" in full["full"]["log"]
+    assert (full["full"]["dir"] / "model.safetensors").is_file()
     assert results["model/trainable_parameters"] == results["model/total_parameters"]
 
 
+# ----------------------------------------------------------------------------- an SFT adapter continued
+@pytest.fixture(scope="module")
+def continued(base, tmp_path_factory):
+    """The SFT adapter continued, on strings from a CSV, with label smoothing; its base comes from the adapter."""
+    root = tmp_path_factory.mktemp("dpo_continued")
+    args = ("--adapter_name_or_path", base / "sft_adapter", "--train_file", base / "strings.csv")
+    args += ("--max_train_steps", "3", "--learning_rate", "1e-2", "--label_smoothing", "0.1")
+    args += ("--per_device_train_batch_size", "8", "--logging_steps", "1", "--max_length", "24")
+    args += ("--max_prompt_length", "12")
+    return launch_runs(root, {"sft_adapter": Job("single_gpu.yaml", RECIPE, args)})
+
+
 @pytest.mark.slow
-def test_an_sft_adapter_is_continued_against_its_frozen_copy(runs, base):
+def test_an_sft_adapter_is_continued_against_its_frozen_copy(continued, base):
     """The reference is the SFT policy: at step 1 the margins are 0 (loss log 2, label smoothing or not); the saved
     adapter is the continued SFT adapter alone (its rank and targets, no reference copy), moved from where it
     started; prompts longer than --max_prompt_length were cut and counted."""
-    results = runs["sft_adapter"]["results"]
+    results = continued["sft_adapter"]["results"]
     assert results["train/loss_curve"][0] == pytest.approx(math.log(2), abs=1e-6)
     assert results["data/format"] == "standard"
     assert results["config"]["model_name_or_path"] == str(base)
-    saved, started = adapter(runs["sft_adapter"]), load_file(base / "sft_adapter" / "adapter_model.safetensors")
+    saved, started = adapter(continued["sft_adapter"]), load_file(base / "sft_adapter" / "adapter_model.safetensors")
     assert saved.keys() == started.keys() and not any("reference" in name for name in saved)
     assert max_relative_difference(started, saved) > 1e-4
-    assert json.loads((runs["sft_adapter"]["dir"] / "adapter_config.json").read_text())["r"] == 4
+    assert json.loads((continued["sft_adapter"]["dir"] / "adapter_config.json").read_text())["r"] == 4
     assert results["data/counts"]["train"]["prompts_cut"] > 0
 
 
+# ----------------------------------------------------------------------------- GPT-2 with its dropout, the defaults
+@pytest.fixture(scope="module")
+def gpt2(base, tmp_path_factory):
+    """GPT-2 with its dropout, the defaults otherwise (evaluation on): a new LoRA adapter and a full fine-tune, each
+    step logged; the two pairs whose prompt fills --max_length are dropped."""
+    root = tmp_path_factory.mktemp("dpo_gpt2")
+    args = ("--model_name_or_path", base / "gpt2", "--train_file", base / "strings_long.jsonl")
+    args += ("--validation_file", base / "strings_validation.jsonl", "--max_length", "64")
+    args += ("--max_train_steps", "2", "--logging_steps", "1")
+    jobs = {
+        "gpt2_lora": Job("single_gpu.yaml", RECIPE, (*args, "--learning_rate", "1e-2")),
+        "gpt2_full": Job("single_gpu.yaml", RECIPE, (*args, "--full_finetune")),
+    }
+    return launch_runs(root, jobs)
+
+
 @pytest.mark.slow
-def test_dropout_is_off_so_that_the_first_step_starts_at_the_reference(runs, base):
+def test_dropout_is_off_so_that_the_first_step_starts_at_the_reference(gpt2, base):
     """TRL's disable_dropout, the default: GPT-2 keeps its dropout of 0.1 in its config, yet at step 1 the policy is
     the reference, so every margin is 0 and the loss ln 2, with a new LoRA adapter (the reference: the adapter off)
     and with a full fine-tune (the reference: log-probs computed before training). The continued SFT adapter's own
     lora_dropout (0.1) is off too: its first loss is ln 2 (test_an_sft_adapter_is_continued_against_its_frozen_copy).
     Without it, dropout in the policy's forward alone moves step 1 off the reference."""
     for name in ("gpt2_lora", "gpt2_full"):
-        results, first = runs[name]["results"], runs[name]["results"]["train/log"][0]
+        results, first = gpt2[name]["results"], gpt2[name]["results"]["train/log"][0]
         assert first["step"] == 1 and results["method"] == name.removeprefix("gpt2_"), name
         assert first["train/rewards/margins"] == pytest.approx(0, abs=1e-7), name
         assert first["train/rewards/chosen"] == pytest.approx(0, abs=1e-7), name
         assert results["train/loss_curve"][0] == pytest.approx(math.log(2), abs=1e-6), name
         assert results["train/loss_curve"][-1] != results["train/loss_curve"][0], name  # and it trains
-        assert "dropout: off in the policy and the reference" in runs[name]["log"], name
+        assert "dropout: off in the policy and the reference" in gpt2[name]["log"], name
     assert json.loads((base / "gpt2" / "config.json").read_text())["resid_pdrop"] == 0.1
 
 
 @pytest.mark.slow
-def test_pairs_whose_prompt_fills_max_length_are_dropped_and_counted(runs):
+def test_pairs_whose_prompt_fills_max_length_are_dropped_and_counted(gpt2):
     """TRL's rule: a pair whose prompt alone fills --max_length has no completion token left, and is dropped; the
     data line and results.json say how many, per split."""
-    results, log = runs["gpt2_lora"]["results"], runs["gpt2_lora"]["log"]
+    results, log = gpt2["gpt2_lora"]["results"], gpt2["gpt2_lora"]["log"]
     assert results["data/counts"]["train"]["pairs"] == 32 and results["data/counts"]["train"]["dropped"] == 2
     assert results["data/counts"]["validation"]["dropped"] == 0 and results["eval/num_pairs"] == 8
     data_line = next(line for line in log.splitlines() if "data: format standard" in line)
