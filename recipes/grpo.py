@@ -80,12 +80,14 @@ from llm_kit.adapters import continued_adapter, starting_point
 from llm_kit.loading import causal_lm_config, load_base_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
-from grpo_kit.data import as_sft_rows, micro_batches, prompt_format, prompt_loader
+from grpo_kit.data import as_sft_rows, micro_batches, prompt_format, prompt_loader, rounds
 from grpo_kit.data import stdlib_name_prompts, tokenize_prompts
-from grpo_kit.loss import LOSS_TYPES, add_fixed_logps, completion_logps, group_advantages, per_token_loss, reduce_loss
-from grpo_kit.metrics import CompletionsRecord, StepMetrics, round_metrics
+from grpo_kit.loss import LOSS_TYPES, add_fixed_logps, completion_logps, completion_tokens, group_advantages
+from grpo_kit.loss import per_token_loss, reduce_loss
+from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog, round_metrics
 from grpo_kit.rewards import FORMAT_PATTERN, load_reward_functions, score_round, trainer_state
 from grpo_kit.rollout import PolicyGenerator, sampling_noise
+from grpo_kit.split import split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.runtime import (
     RecipeError,
@@ -375,20 +377,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def check_layout(
-    accelerator, generation_mode: str, global_batch_size: int, num_generations: int, data_parallel_size: int
+    accelerator, global_batch_size: int, num_generations: int, data_parallel_size: int
 ) -> tuple[int, slice]:
     """The prompts of a round (the global batch over ``num_generations``) and this process's share of the round's
-    completions (its rows of the global batch); or a refusal: ``split``, not built yet (and impossible in one
-    process); a global batch that holds no whole number of groups."""
-    if generation_mode == "split":
-        alone = accelerator.num_processes == 1
-        raise RecipeError(
-            "--generation_mode split (one process only generates with the current policy while the others train, one "
-            "step off-policy) is designed but not built yet"
-            + (" (and it needs 2 or more processes: one generates, the others train)" if alone else "")
-            + ": grpo_kit/rollout.py's Generator is its interface and docs/grpo.md says what is left. Use "
-            "--generation_mode colocate (the default): every process generates its share and trains on it."
-        )
+    completions (its rows of the global batch: a trainer's, in the split layout); or a refusal: a global batch that
+    holds no whole number of groups."""
     if global_batch_size % num_generations:
         raise RecipeError(
             f"The global batch of {global_batch_size} completions (--per_device_train_batch_size x processes x "
@@ -455,7 +448,9 @@ def main():
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/grpo.py")
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
-    data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
+    # Split: the last process only generates, the others train (process groups of their own: a collective).
+    split = split_layout(accelerator, args.generation_mode, parallelism.name)
+    data_parallel_size = accelerator.num_processes - bool(split) if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
@@ -468,9 +463,7 @@ def main():
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     # A round: the prompts of one optimizer step's completions; this process generates and trains its share of them.
-    prompts_per_round, share = check_layout(
-        accelerator, args.generation_mode, global_batch_size, args.num_generations, data_parallel_size
-    )
+    prompts_per_round, share = check_layout(accelerator, global_batch_size, args.num_generations, data_parallel_size)
     args.adapter_name_or_path, args.model_name_or_path = starting_point(
         accelerator,
         args.adapter_name_or_path,
@@ -553,13 +546,15 @@ def main():
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
         wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         check_offload_fits_host_ram(accelerator, model)
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    # Split: the trainers' DDP over their own group (the generating process never trains), which gets their weights.
+    model, optimizer, lr_scheduler = (split.prepare if split else accelerator.prepare)(model, optimizer, lr_scheduler)
     # A full fine-tune's reference with --beta: a frozen copy of the model as loaded (its weights once more, no grads).
     reference_model = frozen_copy(
         accelerator, args.model_name_or_path, config, args.trust_remote_code, lora, args.beta
     )
     register_fsdp_forward_method(model, "generate")  # FSDP2: generate() gathers the root's weights as forward does
-    generator = PolicyGenerator(  # colocated: the policy being trained generates this process's share
+    # Colocated: the policy generates this process's share; split: the generating process's rounds, to the trainers.
+    policy_generator = PolicyGenerator(
         accelerator,
         model,
         tokenizer,
@@ -568,7 +563,9 @@ def main():
         top_k=args.top_k,
         top_p=args.top_p,
         sharded=layout == "fsdp",
+        logps=bool(split),
     )
+    generator = split or policy_generator
     sft_rows, sft_fmt = as_sft_rows(raw_datasets["validation"], fmt)
     exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
         accelerator,
@@ -600,8 +597,7 @@ def main():
         lr_scheduler,
         load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
     )
-    completed_steps, history, window, logs = resume.completed_steps, resume.history, [], {}
-    log, rewards = history.get("train/log", []), history.get("train/rewards", [])
+    completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
     save_checkpoint_at = lambda step: save_checkpoint(
@@ -609,108 +605,131 @@ def main():
         checkpoints_dir,
         step,
         args.checkpoints_total_limit,
+        write_state=split.save_state if split else None,  # split: also the generating process's next round
         layout=layout,
-        history={"train/loss_curve": record.losses(), "train/log": log, "train/rewards": list(map(float, rewards))},
+        history={"train/loss_curve": record.losses(), **train_log.history()},
         batch=batch_shape,
     )
-    record = CompletionsRecord(accelerator, max_train_steps, history.get("train/loss_curve"), args.perf_warmup_steps)
+
+    def at_step_end(completed_steps):  # every process's (split: the generating process's at a round's end)
+        if completed_steps % args.num_iterations == 0 and stop.requested(completed_steps):
+            stop.exit(save_checkpoint_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
+        if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
+            save_checkpoint_at(completed_steps)
+
+    record = CompletionsRecord(
+        accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps
+    )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
-    for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
-        train_dataloader.sampler.set_epoch(epoch)  # reseeds the order: the same on every process and after a resume
-        skip = resume.batches_to_skip // args.num_iterations if epoch == resume.epoch else 0  # rounds already done
-        active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        for prompts in record.timed(active_dataloader):
-            # Generate: this process's share of the round, with its share of the noise (the same in any process count).
-            rows = [row for row in prompts for _ in range(args.num_generations)][share]
-            completions = generator.generate(
-                [row["prompt_ids"] for row in rows],
-                sampling_noise(
-                    args.seed, completed_steps // args.num_iterations, global_batch_size, args.max_completion_length
-                )[share],
-            )
-            # Reward: each function scores this process's completions; every process gathers them all (a collective).
-            gathered = score_round(
-                accelerator,
-                reward_functions,
-                rows,
-                completions,
-                tokenizer,
-                fmt,
-                trainer_state=trainer_state(completed_steps, max_train_steps, epoch),
-            )
-            # Advantages: each reward against its group's, over the global batch; this process keeps its rows'.
-            advantages = group_advantages(
-                gathered[:, : len(reward_functions)], args.reward_weights, args.num_generations, args.scale_rewards
-            )
-            batches = micro_batches(
-                rows,
-                completions,
-                advantages["advantages"][share].cpu(),
-                args.per_device_train_batch_size,
-                tokenizer.pad_token_id,
-                args.mask_truncated_completions,
-                accelerator.device,
-            )
-            # The generating policy's log-probs (the ratio of a round's later steps is against it) and the reference's.
-            add_fixed_logps(batches, model, reference_model, args.temperature, args.num_iterations > 1, args.beta > 0)
+    prompt_rounds = rounds(  # every process reads every round's prompts, in the same order
+        accelerator,
+        train_dataloader,
+        resume.epoch,
+        resume.batches_to_skip // args.num_iterations,
+        math.ceil(max_train_steps / steps_per_epoch),
+    )
+    if split and split.generates:  # split: this process makes every round, one ahead of the trainers, then stops
+        split.serve(
+            policy_generator,
+            model,
+            prompt_rounds,
+            first_round=completed_steps // args.num_iterations,
+            last_round=math.ceil(max_train_steps / args.num_iterations) - 1,
+            num_generations=args.num_generations,
+            seed=args.seed,
+            num_iterations=args.num_iterations,
+            max_train_steps=max_train_steps,
+            at_step_end=at_step_end,
+            checkpoint=checkpoint,
+        )
+    for prompts in record.timed(prompt_rounds if not (split and split.generates) else []):
+        # Generate: this process's share of the round, with its share of the noise (the same in any process count).
+        rows = [row for row in prompts for _ in range(args.num_generations)][share]
+        completions = generator.generate(
+            [row["prompt_ids"] for row in rows],
+            sampling_noise(
+                args.seed, completed_steps // args.num_iterations, global_batch_size, args.max_completion_length
+            )[share],
+        )
+        # Reward: each function scores this process's completions; every trainer gathers them all (a collective).
+        gathered = score_round(
+            accelerator,
+            reward_functions,
+            rows,
+            completions,
+            tokenizer,
+            fmt,
+            group=split and split.trainers,
+            trainer_state=trainer_state(completed_steps, max_train_steps, completed_steps // steps_per_epoch),
+        )
+        # Advantages: each reward against its group's, over the global batch; this process keeps its rows'.
+        advantages = group_advantages(
+            gathered[:, : len(reward_functions)], args.reward_weights, args.num_generations, args.scale_rewards
+        )
+        batches = micro_batches(
+            rows,
+            completions,
+            advantages["advantages"][share].cpu(),
+            args.per_device_train_batch_size,
+            tokenizer.pad_token_id,
+            args.mask_truncated_completions,
+            accelerator.device,
+        )
+        # The generating policy's log-probs (the ratio of later steps is against them; split: sent) and the reference's.
+        add_fixed_logps(
+            batches,
+            model,
+            reference_model,
+            args.temperature,
+            old=args.num_iterations > 1 and completions.logps is None,
+            reference=args.beta > 0,
+        )
+        step_tokens = completion_tokens(gathered, args.mask_truncated_completions)
 
-            for iteration in range(min(args.num_iterations, max_train_steps - completed_steps)):  # this round's steps
-                # Sync point: the step's completion tokens (an all-reduce), counted before the first backward.
-                step_tokens = accelerator.reduce(sum(batch["mask"].sum() for batch in batches), "sum")
-                metrics = StepMetrics(accelerator.device)
-                for index, batch in enumerate(batches):  # all but the last skip DDP's all-reduce / FSDP2's scatter
-                    with accelerator.no_sync(model) if index < len(batches) - 1 else contextlib.nullcontext():
-                        logps, entropy = completion_logps(model, batch, args.temperature)
-                        token_loss, tokens = per_token_loss(
-                            logps,
-                            batch.get("old_logps"),
-                            batch.get("reference_logps"),
-                            batch["advantages"],
-                            epsilon=args.epsilon,
-                            epsilon_high=args.epsilon_high,
-                            beta=args.beta,
-                        )
-                        loss = reduce_loss(
-                            token_loss,
-                            batch["mask"],
-                            args.loss_type,
-                            step_tokens=step_tokens,
-                            step_completions=global_batch_size,
-                            micro_batches=len(batches),
-                            processes=data_parallel_size,
-                            max_completion_length=args.max_completion_length,
-                        )
-                        accelerator.backward(loss * data_parallel_size)  # DDP/FSDP average N processes' gradients
-                    metrics.add(loss, batch, {**tokens, "entropy": entropy})
-                if args.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad()
-                completed_steps += 1
-                progress_bar.update(1)
-                step = {
-                    **metrics.result(accelerator, args.beta),
-                    **round_metrics(gathered, reward_functions, advantages),
-                }
-                window.append(step)
-                rewards.append(step["reward"])
-                record.step(
-                    completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens")
-                )
-                if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                    # Sync point: reads the window's metrics (TRL's: a metric that is NaN in a step is left out).
-                    logs = {f"train/{k}": torch.stack([s[k] for s in window]).nanmean().item() for k in window[0]}
-                    logs["train/learning_rate"], window = lr_scheduler.get_last_lr()[0], []
-                    log.append({"step": completed_steps, **logs})
-                    accelerator.log(logs, step=completed_steps)
-                if completed_steps % args.num_iterations == 0 and stop.requested(completed_steps):  # at a round's end
-                    stop.exit(save_checkpoint_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
-                if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                    save_checkpoint_at(completed_steps)
-            if completed_steps >= max_train_steps:
-                break
+        for iteration in range(min(args.num_iterations, max_train_steps - completed_steps)):  # this round's steps
+            metrics = StepMetrics(accelerator.device)
+            for index, batch in enumerate(batches):  # all but the last skip DDP's all-reduce / FSDP2's scatter
+                with accelerator.no_sync(model) if index < len(batches) - 1 else contextlib.nullcontext():
+                    logps, entropy = completion_logps(model, batch, args.temperature)
+                    token_loss, tokens = per_token_loss(
+                        logps,
+                        batch.get("old_logps"),
+                        batch.get("reference_logps"),
+                        batch["advantages"],
+                        epsilon=args.epsilon,
+                        epsilon_high=args.epsilon_high,
+                        beta=args.beta,
+                    )
+                    loss = reduce_loss(
+                        token_loss,
+                        batch["mask"],
+                        args.loss_type,
+                        step_tokens=step_tokens,
+                        step_completions=global_batch_size,
+                        micro_batches=len(batches),
+                        processes=data_parallel_size,
+                        max_completion_length=args.max_completion_length,
+                    )
+                    accelerator.backward(loss * data_parallel_size)  # DDP/FSDP average N processes' gradients
+                metrics.add(loss, batch, {**tokens, "entropy": entropy})
+            if args.max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+            completed_steps += 1
+            progress_bar.update(1)
+            step = {
+                **metrics.result(accelerator, args.beta, group=split and split.trainers),
+                **round_metrics(gathered, reward_functions, advantages),
+            }
+            record.step(completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens"))
+            train_log.add(accelerator, completed_steps, step, lr_scheduler.get_last_lr()[0])
+            at_step_end(completed_steps)
+        generator.update(model)  # split: the round's weights to the generating process (colocated: nothing)
+        if completed_steps >= max_train_steps:
+            break
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save
@@ -720,11 +739,11 @@ def main():
     results = {
         "recipe": "grpo",
         "config": run_config,
-        "train/log": log,
-        "train/rewards": list(map(float, rewards)),
+        **train_log.history(),
         "method": method,
         "data/counts": counts,
-        **{key: value for key, value in logs.items() if key != "train/loss"},  # the last logged window's TRL metrics
+        **{key: value for key, value in train_log.last.items() if key != "train/loss"},  # TRL's, the last window's
+        **(split.times() if split else {}),  # each role's busy and idle seconds (a collective)
         **exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before),
         "parallelism": parallelism.name,
         "data/format": fmt,

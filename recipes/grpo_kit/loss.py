@@ -86,6 +86,14 @@ def completion_logps(model, batch: dict, temperature: float, chunk_tokens: int =
     return logps, entropy
 
 
+def completion_tokens(gathered: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """The completion tokens a step's loss counts, every process's: the round's gathered lengths (``score_round``'s
+    second-to-last column), those of truncated completions left out with ``mask_truncated`` (the micro-batches'
+    ``mask``, summed over every process, with no collective of its own)."""
+    lengths, truncated = gathered[:, -2], gathered[:, -1].bool()
+    return torch.where(truncated & mask_truncated, 0.0, lengths).sum()
+
+
 def add_fixed_logps(batches: list[dict], model, reference_model, temperature: float, old: bool, reference: bool):
     """Adds to each batch the log-probs that stay fixed over a round (no gradient; the model unwrapped from DDP):
     with ``old``, ``old_logps``, the policy's before the round's first step (the one that generated); with
