@@ -178,6 +178,8 @@ def save_final(
     the main process untimed (a merge can take minutes). A collective."""
     output_dir, problem = Path(output_dir), None
     tmp = output_dir / ".final.tmp"
+    # Counted first: save_pretrained empties the dict as it writes its shards.
+    needed = sum(t.numel() * t.element_size() for t in (state_dict or {}).values() if hasattr(t, "numel")) or None
     with main_process_alone(accelerator):
         if accelerator.is_main_process:
             try:
@@ -191,8 +193,6 @@ def save_final(
                     os.replace(entry, target)
                 shutil.rmtree(tmp)
             except WRITE_ERRORS as error:
-                tensors = (state_dict or {}).values()
-                needed = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel")) or None
                 problem = failed_save(f"the trained model to {output_dir}", error, tmp, checkpoints_dir, needed)
                 shutil.rmtree(tmp, ignore_errors=True)
     stop_if_found(problem)

@@ -21,7 +21,11 @@ from .catalogue import RECIPE_NAMES, TWO_PROCESSES, flags, tiny_args, tiny_model
 
 SAVING = [name for name in RECIPE_NAMES if "--output_dir" in flags(name)]
 CHECKPOINTING = [name for name in SAVING if "--checkpointing_steps" in flags(name)]
-EARLIER = {"results.json": '{"eval/accuracy": 0.9}\n', "model.safetensors": "an earlier run's weights"}
+EARLIER = {  # what an earlier run left: its results, weights and config
+    "results.json": '{"eval/accuracy": 0.9}\n',
+    "model.safetensors": "an earlier run's weights",
+    "config.json": '{"model_type": "an earlier run\'s"}\n',
+}
 
 
 def errors(output: str) -> list[str]:
@@ -56,12 +60,11 @@ def small_disk(folder: Path, size: str = "64m"):
 
 
 def fill(disk: Path) -> None:
-    """Write zeros to ``disk`` until it is full."""
-    with open(disk / "filler", "wb") as filler:
-        with contextlib.suppress(OSError):
-            while True:
-                filler.write(bytes(2**20))
-                filler.flush()
+    """Write zeros to ``disk`` until it is full (a run's checkpoints may have filled it already)."""
+    with contextlib.suppress(OSError), open(disk / "filler", "wb") as filler:
+        while True:
+            filler.write(bytes(2**20))
+            filler.flush()
 
 
 def disk_full_run(name: str, models: dict, disk: Path) -> dict:
@@ -174,3 +177,23 @@ def test_ctrl_c_in_a_2_process_run_ends_the_step_saves_and_says_so_in_one_line(t
     assert len(stopped) == 1 and "--resume_from_checkpoint latest" in stopped[0][2], str(finished)
     assert (Path(stopped[0][1]) / "progress.json").is_file()
     assert "KeyboardInterrupt" not in finished.output and not traced_through_a_recipe(finished.output), str(finished)
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_the_final_save_keeps_the_earlier_output(tmp_path):
+    """The issue's case: output on a tmpfs that holds the tokenizer train_lm.py saves first but not the model. The
+    final save failed with two SafetensorError tracebacks and left config.json alone, the earlier run's model gone;
+    it goes to a temporary folder and is refused in one paragraph, the earlier run's files as they were."""
+    with small_disk(tmp_path / "disk", size="1m") as disk:
+        out = earlier_run(disk / "out")
+        args = (*tiny_args("train_lm.py", {"llama": "", "bert": ""}), "--checkpointing_steps", "1000")
+        run = launch(ONE_PROCESS, "train_lm.py", *args, "--output_dir", out, "--overwrite_output_dir")
+        left = {path.name: path.read_text() for path in out.iterdir() if path.name in EARLIER}
+        tmp = [path.name for path in out.rglob("*") if ".tmp" in path.name]
+    assert run.returncode != 0, str(run)
+    printed = errors(run.output)
+    assert len(printed) == 1, str(run)
+    assert f"Saving the trained model to {out} failed: No space left on device (it needs about" in printed[0]
+    assert "no complete checkpoint holds this run's training" in printed[0], printed[0]
+    assert "--resume_from_checkpoint latest" in printed[0] and not traced_through_a_recipe(run.output)
+    assert left == EARLIER and not tmp, (left, tmp)
