@@ -21,8 +21,8 @@ numbers).
 
 Which config fits what: single_gpu.yaml: one GPU (or the CPU); ddp_2gpu.yaml: two GPUs, each generating and training
 its share (TRL's colocated layout); fsdp_2gpu.yaml: a model that does not fit one GPU, sharded (every generated token
-gathers each block from both GPUs). ``--generation_mode split`` (one process only generates, the others only train) is
-designed in grpo_kit/rollout.py and refused for now.
+gathers each block from both GPUs); ddp_2gpu.yaml with ``--generation_mode split``: the last process only generates,
+the others only train, one round behind it (grpo_kit/split.py).
 
 Launch (from the repository root):
     # CPU smoke run, or one GPU:
@@ -33,7 +33,7 @@ Launch (from the repository root):
     # a model sharded over two GPUs, its reference the base with the adapter off:
     accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/grpo.py \\
         --model_name_or_path ... --mixed_precision bf16 --gradient_checkpointing --beta 0.04
-    # the split layout (refused for now: docs/grpo.md):
+    # the split layout: one GPU generates the next round while the other trains on this one:
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/grpo.py --generation_mode split
 
 To use it in your project, copy recipes/grpo.py, recipes/grpo_kit/, recipes/llm_kit/ and shared/ (and
@@ -208,7 +208,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["colocate", "split"],
         default="colocate",
         help="colocate: every process generates its share of the completions and trains on them (TRL's default); "
-        "split: one process only generates, the others only train (designed, refused for now).",
+        "split: the last process only generates, the others only train, one round behind it (2+ processes, DDP).",
     )
     generation.add_argument(
         "--num_generations",
@@ -676,7 +676,7 @@ def main():
             args.mask_truncated_completions,
             accelerator.device,
         )
-        # The generating policy's log-probs (the ratio of later steps is against them; split: sent) and the reference's.
+        # The generating policy's log-probs (later steps' ratio is against them; split: sent) and the reference's.
         add_fixed_logps(
             batches,
             model,

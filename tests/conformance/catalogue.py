@@ -19,6 +19,16 @@ from launch import RECIPES, save_tiny_llama
 RECIPE_NAMES = sorted(path.name for path in RECIPES.glob("*.py"))
 # The launch config of a recipe's 2-process runs (the default: data parallel).
 TWO_PROCESSES = {"pipeline_lm.py": "pipeline_2gpu.yaml"}
+# A recipe's second layout that resumes in its own way, by the flags that choose it (the name: the recipe, then the
+# flags), and the launch arguments of its "another process count": grpo.py's split layout (the last process generates,
+# the others train; one process is refused), resumed with two trainers instead of one (2 x 2 accumulation: what keeps
+# the global batch of 4 is 2 x 1 each).
+LAYOUTS = {
+    "grpo.py --generation_mode split": (
+        ("--generation_mode", "split", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"),
+        ("--num_processes", "3"),
+    )
+}
 # Cases a recipe does not take, and why (its own tests hold what it does instead).
 OPT_OUTS = {
     ("resume_in_another_process_count", "linear_toy.py"): "the one-file toy refuses a checkpoint of another process "
