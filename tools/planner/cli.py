@@ -171,7 +171,7 @@ def _add_method_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num_generations",
-        type=positive_int,
+        type=int,  # the recipe's type; a group of fewer than 2 is refused by fits.plan
         default=8,
         help="GRPO: completions per prompt (a group), generated together: the KV cache a generating GPU holds.",
     )
