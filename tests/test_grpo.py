@@ -854,7 +854,8 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
     """Each refusal is one paragraph naming the flag, the file or the row."""
     import datasets
 
-    from grpo_kit.data import prompt_format
+    from grpo_kit.data import check_layout, prompt_format
+    from grpo_kit.loss import frozen_copy
     from grpo_kit.rewards import load_reward_functions
     from grpo_kit.split import split_layout
     from shared.runtime import RecipeError
@@ -879,13 +880,13 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
         num_processes, process_index = 1, 0
 
     with pytest.raises(RecipeError) as error:
-        recipe.check_layout(Accelerator, 12, 8, 1)
+        check_layout(Accelerator, 12, 8, 1)
     assert (
         "global batch of 12 completions" in error.value.message
         and "not a whole number of groups" in error.value.message
     )
     with pytest.raises(RecipeError) as error:
-        recipe.frozen_copy(type("Sharded", (), {"is_fsdp2": True}), str(base), None, False, lora=False, beta=0.1)
+        frozen_copy(type("Sharded", (), {"is_fsdp2": True}), str(base), None, False, lora=False, beta=0.1)
     assert "--full_finetune with --beta needs a frozen copy" in error.value.message
     two = type("Two", (), {"process_index": 1, "num_processes": 2})
     for accelerator, parallelism in ((Accelerator, "single"), (two, "fsdp")):
@@ -897,7 +898,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
             and "Launch it with 2 or more processes and accelerate_configs/ddp_2gpu.yaml" in error.value.message
         )
     assert split_layout(Accelerator, "colocate", "single") is None
-    assert recipe.check_layout(two, 16, 8, 2) == (2, slice(8, 16))
+    assert check_layout(two, 16, 8, 2) == (2, slice(8, 16))
     for names, message in (
         (["accuracy"], "which the data lacks (its columns: ['prompt'])"),
         ([f"{tmp_path / 'missing.py'}:f"], "the file"),

@@ -111,6 +111,22 @@ class EpochShuffle(Sampler[int]):
         yield from torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
 
 
+def check_layout(
+    accelerator, global_batch_size: int, num_generations: int, data_parallel_size: int
+) -> tuple[int, slice]:
+    """The prompts of a round (the global batch over ``num_generations``) and this process's share of the round's
+    completions (its rows of the global batch: a trainer's, in the split layout); or a refusal: a global batch that
+    holds no whole number of groups."""
+    if global_batch_size % num_generations:
+        raise RecipeError(
+            f"The global batch of {global_batch_size} completions (--per_device_train_batch_size x processes x "
+            f"--gradient_accumulation_steps) is not a whole number of groups of --num_generations {num_generations}: "
+            f"pass a --num_generations that divides {global_batch_size}, or a batch that {num_generations} divides."
+        )
+    rows, rank = global_batch_size // data_parallel_size, accelerator.process_index if data_parallel_size > 1 else 0
+    return global_batch_size // num_generations, slice(rank * rows, (rank + 1) * rows)
+
+
 def rounds(accelerator, train_dataloader: DataLoader, first_epoch: int, rounds_to_skip: int, epochs: int):
     """The prompts of every round from where training picks up (``load_checkpoint``'s epoch, and the rounds of it
     already done) to the end of epoch ``epochs`` - 1: each epoch in its own order (``EpochShuffle.set_epoch``: the same

@@ -14,7 +14,7 @@ import torch
 from shared.results import RunRecord
 
 from .loss import nanstd
-from .split import gather
+from .collectives import gather
 
 TOKEN_METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 

@@ -21,7 +21,7 @@ import torch
 
 from shared.runtime import RecipeError
 
-from .split import gather, stop_if_any
+from .collectives import gather, stop_if_any
 
 ANSWER_COLUMNS = ("answer", "solution")
 # What a reasoning model's completion looks like (open-r1's format reward): its reasoning, then its answer.

@@ -19,6 +19,10 @@ from typing import Protocol
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
+from .data import micro_batches
+from .loss import add_fixed_logps, completion_tokens, group_advantages
+from .rewards import score_round
+
 
 @dataclass
 class Rollouts:
@@ -153,3 +157,58 @@ def cut_at_end(rows: list[list[int]], eos_token_ids: list[int]) -> Rollouts:
         completions.append(ids if end is None else ids[: end + 1])
         truncated.append(end is None)
     return Rollouts(completions, truncated)
+
+
+def training_round(
+    accelerator,
+    generator: Generator,
+    prompts: list[dict],
+    *,
+    round_index: int,
+    share: slice,
+    num_generations: int,
+    seed: int,
+    global_batch_size: int,
+    max_completion_length: int,
+    reward_functions,
+    reward_weights: list[float],
+    scale_rewards: str,
+    tokenizer,
+    fmt: str,
+    per_device_train_batch_size: int,
+    mask_truncated: bool,
+    model,
+    reference_model,
+    temperature: float,
+    num_iterations: int,
+    beta: float,
+    group=None,
+    trainer_state=None,
+) -> tuple[list[dict], torch.Tensor, dict, torch.Tensor]:
+    """This process's part of round ``round_index``: its ``share`` of the round's completions (every prompt
+    ``num_generations`` times) generated with its share of the round's noise (split: received from the generating
+    process); scored by every reward function and gathered from every process (``group``: the trainers') (a
+    collective); each advantage against its group's over the global batch; its rows cut into micro-batches with the
+    log-probs that stay fixed over the round (the generating policy's where a later step's ratio needs them and the
+    generator did not send them; the reference's with ``beta``). Returns the micro-batches, the gathered rewards and
+    lengths (``rewards.score_round``), the advantages (``loss.group_advantages``) and the step's completion tokens
+    over every process (the loss's normaliser, counted before the first backward)."""
+    rows = [row for row in prompts for _ in range(num_generations)][share]
+    noise = sampling_noise(seed, round_index, global_batch_size, max_completion_length)[share]
+    completions = generator.generate([row["prompt_ids"] for row in rows], noise)
+    gathered = score_round(
+        accelerator, reward_functions, rows, completions, tokenizer, fmt, group=group, trainer_state=trainer_state
+    )
+    advantages = group_advantages(gathered[:, : len(reward_functions)], reward_weights, num_generations, scale_rewards)
+    batches = micro_batches(
+        rows,
+        completions,
+        advantages["advantages"][share].cpu(),
+        per_device_train_batch_size,
+        tokenizer.pad_token_id,
+        mask_truncated,
+        accelerator.device,
+    )
+    old = num_iterations > 1 and completions.logps is None
+    add_fixed_logps(batches, model, reference_model, temperature, old, reference=beta > 0)
+    return batches, gathered, advantages, completion_tokens(gathered, mask_truncated)

@@ -28,13 +28,14 @@ batch)."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from shared.runtime import RecipeError, stop_if_found
+from shared.runtime import RecipeError
 
 from .rollout import Rollouts, sampling_noise
 
@@ -56,29 +57,6 @@ def split_layout(accelerator, generation_mode: str, parallelism: str) -> SplitLa
             "also runs in one process and under FSDP."
         )
     return SplitLayout(accelerator)
-
-
-def gather(accelerator, tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """``accelerator.gather`` (every process's ``tensor``, concatenated), or over ``group`` alone (the split layout's
-    trainers: the generating process takes no part). Every member passes the same shape."""
-    if group is None:
-        return accelerator.gather(tensor)
-    pieces = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(pieces, tensor.contiguous(), group=group)
-    return torch.cat(pieces)
-
-
-def stop_if_any(accelerator, problem: str | None, group=None) -> None:
-    """``shared.runtime.stop_if_found`` (a paragraph found by any process stops every process, printed once), or over
-    ``group`` alone: its members stop, and the generating process, waiting for them, is stopped with them by the
-    launcher."""
-    if group is None:
-        return stop_if_found(problem)
-    problems = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(problems, problem, group=group)
-    found = next((found for found in problems if found), None)
-    if found:
-        raise RecipeError(found, printed=accelerator.is_main_process)
 
 
 class SplitLayout:
@@ -193,21 +171,22 @@ class SplitLayout:
         model,
         prompt_rounds,
         *,
-        first_round: int,
-        last_round: int,
+        completed_steps: int,
+        max_train_steps: int,
+        num_iterations: int,
         num_generations: int,
         seed: int,
-        num_iterations: int,
-        max_train_steps: int,
         at_step_end,
         checkpoint: Path | None,
     ) -> None:
         """The generating process's loop, round by round in step with the trainers' (the module's docstring):
-        ``prompt_rounds`` are the rounds' prompts from ``first_round`` on (every process reads the same), each
-        prompt repeated ``num_generations`` times and sampled with the round's noise (``sampling_noise``), the whole
-        global batch at once by ``generator`` (a ``PolicyGenerator`` that returns its log-probs);
+        ``prompt_rounds`` are the rounds' prompts from the one ``completed_steps`` reached on (every process reads the
+        same), each prompt repeated ``num_generations`` times and sampled with the round's noise
+        (``sampling_noise``), the whole global batch at once by ``generator`` (a ``PolicyGenerator`` that returns its
+        log-probs);
         ``at_step_end(completed_steps)`` takes part in the trainers' stop and checkpoint at a round's end. Resumed
         from ``checkpoint``, the round it holds (``IN_FLIGHT``) is sent first."""
+        first_round, last_round = completed_steps // num_iterations, math.ceil(max_train_steps / num_iterations) - 1
         prompt_rounds = iter(prompt_rounds)
         saved = Path(checkpoint or "") / IN_FLIGHT
         started, prompts = time.perf_counter(), next(prompt_rounds)
