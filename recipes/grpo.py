@@ -21,8 +21,8 @@ numbers).
 
 Which config fits what: single_gpu.yaml: one GPU (or the CPU); ddp_2gpu.yaml: two GPUs, each generating and training
 its share (TRL's colocated layout); fsdp_2gpu.yaml: a model that does not fit one GPU, sharded (every generated token
-gathers each block from both GPUs). ``--generation_mode split`` (one process only generates, the others only train) is
-designed in grpo_kit/rollout.py and refused for now.
+gathers each block from both GPUs); ddp_2gpu.yaml with ``--generation_mode split``: the last process only generates,
+the others only train, one round behind it (grpo_kit/split.py).
 
 Launch (from the repository root):
     # CPU smoke run, or one GPU:
@@ -33,7 +33,7 @@ Launch (from the repository root):
     # a model sharded over two GPUs, its reference the base with the adapter off:
     accelerate launch --config_file accelerate_configs/fsdp_2gpu.yaml recipes/grpo.py \\
         --model_name_or_path ... --mixed_precision bf16 --gradient_checkpointing --beta 0.04
-    # the split layout (refused for now: docs/grpo.md):
+    # the split layout: one GPU generates the next round while the other trains on this one:
     accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/grpo.py --generation_mode split
 
 To use it in your project, copy recipes/grpo.py, recipes/grpo_kit/, recipes/llm_kit/ and shared/ (and
@@ -48,6 +48,7 @@ the mean reward of every optimizer step; ``perf/completions_per_sec``) and ``che
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -80,29 +81,17 @@ from llm_kit.adapters import continued_adapter, starting_point
 from llm_kit.loading import causal_lm_config, load_base_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from shared.model_split import find_block_list
-from grpo_kit.data import as_sft_rows, micro_batches, prompt_format, prompt_loader
-from grpo_kit.data import stdlib_name_prompts, tokenize_prompts
-from grpo_kit.loss import LOSS_TYPES, add_fixed_logps, completion_logps, group_advantages, per_token_loss, reduce_loss
-from grpo_kit.metrics import CompletionsRecord, StepMetrics, round_metrics
-from grpo_kit.rewards import FORMAT_PATTERN, load_reward_functions, score_round, trainer_state
-from grpo_kit.rollout import PolicyGenerator, sampling_noise
+from grpo_kit.data import as_sft_rows, check_layout, prompt_format, prompt_loader, rounds, stdlib_name_prompts
+from grpo_kit.data import tokenize_prompts
+from grpo_kit.loss import LOSS_TYPES, completion_logps, frozen_copy, grpo_loss
+from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog, round_metrics
+from grpo_kit.rewards import FORMAT_PATTERN, load_reward_functions, trainer_state
+from grpo_kit.rollout import PolicyGenerator, training_round
+from grpo_kit.split import split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.runtime import (
-    RecipeError,
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    name_the_gpu,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    quiet_library_logs,
-    report_recipe_errors,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
-    use_fsdp_on_cpu,
-)
+from shared.runtime import add_reliability_flags, build_accelerator, choose_parallelism, fused_adamw, name_the_gpu
+from shared.runtime import positive_float, positive_int, prepare_output_dir, quiet_library_logs, report_recipe_errors
+from shared.runtime import stop_quietly_after_a_peer, stop_with_launcher, use_fsdp_on_cpu
 from llm_kit.sft_data import add_chat_template, chat_tokenizer, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
@@ -123,216 +112,116 @@ OFFLINE_SETTINGS = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    data = parser.add_argument_group("data")
-    data.add_argument(
+    add = parser.add_argument_group("data").add_argument
+    add(
         "--train_file",
-        help="Prompts (.jsonl/.json, .csv, .parquet): a 'prompt' column (a string, or a list of "
-        "{role, content} messages) and whatever columns the reward functions read (e.g. 'answer').",
+        help="Prompts (.jsonl/.json, .csv, .parquet): a 'prompt' column (a string, or a list of {role, content} "
+        "messages) and whatever columns the reward functions read (e.g. 'answer').",
     )
-    data.add_argument(
-        "--validation_file",
-        help="Held-out prompts, same format, for the exact match of greedy answers (default: held out from the "
-        "training data, --validation_split_percentage).",
-    )
-    data.add_argument(
-        "--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/DeepMath-103K'."
-    )
-    data.add_argument("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
-    data.add_argument(
-        "--validation_split_percentage",
-        type=positive_float,
-        default=5,
-        help="Share of the training data held out for validation when there is no validation split.",
-    )
-    data.add_argument(
-        "--max_prompt_length",
-        type=positive_int,
-        help="Refuse prompts of more tokens than this, naming the row (default: no limit, as TRL).",
-    )
-    data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training prompts.")
-    data.add_argument(
-        "--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation prompts."
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
+    add("--validation_file", help="Held-out prompts, same format (default: held out, --validation_split_percentage).")
+    add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/DeepMath-103K'.")
+    add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
+    add("--validation_split_percentage", type=positive_float, default=5, help="Held out when there is no validation.")
+    add("--max_prompt_length", type=positive_int, help="Refuse longer prompts, naming the row (default: no limit).")
+    add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training prompts.")
+    add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation prompts.")
+    add = parser.add_argument_group("model").add_argument
+    add(
         "--model_name_or_path",
-        help="Local folder or Hub name of a causal LM. Default: the base of "
-        "--adapter_name_or_path; offline: outputs/train_lm, pretrained first if missing.",
+        help="Local folder or Hub name of a causal LM. Default: the base of --adapter_name_or_path; offline: "
+        "outputs/train_lm, pretrained first if missing.",
     )
-    model.add_argument(
+    add(
         "--adapter_name_or_path",
         help="A LoRA adapter to continue (e.g. outputs/llm_finetune, what llm_finetune.py saved); with --beta, its "
         "frozen copy is the reference. Its own rank and targets are kept (--lora_* apply to a new adapter only).",
     )
-    model.add_argument(
-        "--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none."
-    )
-    model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
-    model.add_argument(
+    add("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none.")
+    add("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
+    add(
         "--parallelism",
         choices=["auto", "single", "ddp", "fsdp"],
         default="auto",
         help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; else single).",
     )
-    model.add_argument(
-        "--full_finetune",
-        action="store_true",
-        help="Train every weight instead of a LoRA adapter (with --beta, a frozen copy of the model is the reference)",
-    )
-    model.add_argument(
-        "--load_in_4bit",
-        action="store_true",
-        help="QLoRA: the base model in 4-bit NF4 with double quantization (bitsandbytes), a LoRA adapter on top.",
-    )
-    model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
-    model.add_argument(
-        "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
-    )
-    model.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
-    model.add_argument(
-        "--lora_target_modules",
-        nargs="+",
-        default=["all-linear"],
-        help="Module names (or suffixes) to adapt; 'all-linear': every linear layer but the output head.",
-    )
-    model.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
-    )
-    generation = parser.add_argument_group("generation")
-    generation.add_argument(
+    add("--full_finetune", action="store_true", help="Train every weight (with --beta: a frozen copy, the reference).")
+    add("--load_in_4bit", action="store_true", help="QLoRA: the base in 4-bit NF4 (bitsandbytes), LoRA on top.")
+    add("--lora_r", type=positive_int, default=8, help="LoRA rank.")
+    add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
+    add("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path.")
+    add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
+    add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
+    add = parser.add_argument_group("generation").add_argument
+    add(
         "--generation_mode",
         choices=["colocate", "split"],
         default="colocate",
         help="colocate: every process generates its share of the completions and trains on them (TRL's default); "
-        "split: one process only generates, the others only train (designed, refused for now).",
+        "split: the last process only generates, the others only train, one round behind it (2+ processes, DDP).",
     )
-    generation.add_argument(
-        "--num_generations",
-        type=int,
-        default=8,
-        help="Completions per prompt (a group): at least 2, dividing the global batch.",
-    )
-    generation.add_argument(
-        "--max_completion_length", type=positive_int, default=512, help="Generate at most this many tokens."
-    )
-    generation.add_argument(
-        "--temperature", type=positive_float, default=1.0, help="Sampling temperature (also in the log-probs)."
-    )
-    generation.add_argument("--top_p", type=positive_float, default=1.0, help="Nucleus sampling (1.0: off).")
-    generation.add_argument("--top_k", type=int, default=0, help="Sample among the k likeliest tokens (0: off).")
-    grpo = parser.add_argument_group("GRPO")
-    grpo.add_argument(
+    add("--num_generations", type=int, default=8, help="Completions per prompt: at least 2, dividing the batch.")
+    add("--max_completion_length", type=positive_int, default=512, help="Generate at most this many tokens.")
+    add("--temperature", type=positive_float, default=1.0, help="Sampling temperature (also in the log-probs).")
+    add("--top_p", type=positive_float, default=1.0, help="Nucleus sampling (1.0: off).")
+    add("--top_k", type=int, default=0, help="Sample among the k likeliest tokens (0: off).")
+    add = parser.add_argument_group("GRPO").add_argument
+    add(
         "--reward_funcs",
         nargs="+",
         default=["accuracy"],
         help="Reward functions: accuracy (the completion equals the 'answer' or 'solution' column, normalised), "
         "format (it matches --format_pattern), or path/to/file.py:function in TRL's signature.",
     )
-    grpo.add_argument("--reward_weights", type=float, nargs="+", help="One weight per reward function (default: 1).")
-    grpo.add_argument(
-        "--format_pattern", default=FORMAT_PATTERN, help="The regular expression the format reward asks for."
-    )
-    grpo.add_argument(
+    add("--reward_weights", type=float, nargs="+", help="One weight per reward function (default: 1).")
+    add("--format_pattern", default=FORMAT_PATTERN, help="The regular expression the format reward asks for.")
+    add(
         "--loss_type",
         choices=LOSS_TYPES,
         default="dapo",
-        help="How token losses make the step's loss: dapo (TRL's default): over all completion tokens of the step; "
-        "grpo: each completion's mean, then their mean; dr_grpo: over completions x --max_completion_length; bnpo: "
-        "each micro-batch's token mean.",
+        help="dapo (TRL's default): over all completion tokens of the step; grpo: each completion's mean, then their "
+        "mean; dr_grpo: over completions x --max_completion_length; bnpo: each micro-batch's token mean.",
     )
-    grpo.add_argument(
-        "--beta",
-        type=float,
-        default=0.0,
-        help="KL (k3) coefficient to the reference: 0 (TRL's default) uses none; DeepSeek-R1 used 0.001.",
-    )
-    grpo.add_argument("--epsilon", type=positive_float, default=0.2, help="Clip the ratio below at 1 - epsilon.")
-    grpo.add_argument("--epsilon_high", type=positive_float, help="Clip above at 1 + this (default: --epsilon).")
-    grpo.add_argument(
+    add("--beta", type=float, default=0.0, help="KL (k3) coefficient to the reference (0, TRL's default: none).")
+    add("--epsilon", type=positive_float, default=0.2, help="Clip the ratio below at 1 - epsilon.")
+    add("--epsilon_high", type=positive_float, help="Clip above at 1 + this (default: --epsilon).")
+    add(
         "--scale_rewards",
         choices=["group", "batch", "none"],
         default="group",
         help="Divide each advantage by the standard deviation of its group's rewards, of the batch's, or not at all.",
     )
-    grpo.add_argument(
-        "--num_iterations",
-        type=positive_int,
-        default=1,
-        help="Optimizer steps per round of completions; after the first, the ratio is against the policy that "
-        "generated them.",
-    )
-    grpo.add_argument(
-        "--mask_truncated_completions",
-        action="store_true",
-        help="Leave completions that reached --max_completion_length without ending out of the loss.",
-    )
-    training = parser.add_argument_group("training")
-    training.add_argument(
-        "--per_device_train_batch_size",
-        type=positive_int,
-        default=8,
-        help="Completions per process per forward pass (TRL's meaning).",
-    )
-    training.add_argument(
+    add("--num_iterations", type=positive_int, default=1, help="Optimizer steps per round of completions.")
+    add("--mask_truncated_completions", action="store_true", help="Leave unended completions out of the loss.")
+    add = parser.add_argument_group("training").add_argument
+    add("--per_device_train_batch_size", type=positive_int, default=8, help="Completions per process per forward.")
+    add(
         "--gradient_accumulation_steps",
         type=positive_int,
         help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
-        "batch in this process count). A round generates every completion of an optimizer step at once.",
+        "batch in this process count).",
     )
-    training.add_argument(
-        "--num_train_epochs",
-        type=positive_int,
-        default=1,
-        help="Passes over the prompts (ignored with --max_train_steps).",
-    )
-    training.add_argument(
-        "--max_train_steps",
-        type=positive_int,
-        help="Stop after this many optimizer steps (default: --num_train_epochs; offline default: 400).",
-    )
-    training.add_argument(
-        "--learning_rate",
-        type=positive_float,
-        help="Peak AdamW learning rate (default: 5e-5 with LoRA, TRL's 1e-6 for a full fine-tune; offline: 2e-4).",
-    )
-    training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
-    training.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
-    training.add_argument(
-        "--lr_scheduler_type", default="linear", help="transformers.get_scheduler name: linear, cosine, constant, ..."
-    )
-    training.add_argument(
-        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
-    )
-    training.add_argument(
-        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables)."
-    )
-    training.add_argument(
-        "--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision."
-    )
-    training.add_argument("--seed", type=int, default=42, help="Seed for the LoRA initialisation, order and sampling.")
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--output_dir", default="outputs/grpo", help="Adapter (or model), tokenizer, results.json, checkpoints."
-    )
-    output.add_argument(
+    add("--num_train_epochs", type=positive_int, default=1, help="Passes over the prompts (unless --max_train_steps).")
+    add("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps (offline default: 400).")
+    add("--learning_rate", type=positive_float, help="Peak AdamW rate (LoRA 5e-5, full TRL's 1e-6; offline 2e-4).")
+    add("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
+    add("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
+    add("--lr_scheduler_type", default="linear", help="transformers.get_scheduler name: linear, cosine, constant, ...")
+    add("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
+    add("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables).")
+    add("--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision.")
+    add("--seed", type=int, default=42, help="Seed for the LoRA initialisation, order and sampling.")
+    add = parser.add_argument_group("output").add_argument
+    add("--output_dir", default="outputs/grpo", help="Adapter (or model), tokenizer, results.json, checkpoints.")
+    add(
         "--exact_match_samples",
         type=int,
         help="Score greedy answers to N (shuffled) validation prompts against their 'answer' (or 'solution'), before "
         "and after training (default: 100 when the answers are short, else none; 0 skips; not under FSDP).",
     )
-    output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
-    output.add_argument(
-        "--logging_steps",
-        type=positive_int,
-        default=10,
-        help="Log the loss and TRL's metrics every N optimizer steps.",
-    )
-    output.add_argument("--skip_eval", action="store_true", help="Skip the exact match before and after training.")
-    output.add_argument(
-        "--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers."
-    )
+    add("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
+    add("--logging_steps", type=positive_int, default=10, help="Log the loss and TRL's metrics every N steps.")
+    add("--skip_eval", action="store_true", help="Skip the exact match before and after training.")
+    add("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers.")
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
     if args.full_finetune and (args.load_in_4bit or args.adapter_name_or_path):
@@ -374,49 +263,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def check_layout(
-    accelerator, generation_mode: str, global_batch_size: int, num_generations: int, data_parallel_size: int
-) -> tuple[int, slice]:
-    """The prompts of a round (the global batch over ``num_generations``) and this process's share of the round's
-    completions (its rows of the global batch); or a refusal: ``split``, not built yet (and impossible in one
-    process); a global batch that holds no whole number of groups."""
-    if generation_mode == "split":
-        alone = accelerator.num_processes == 1
-        raise RecipeError(
-            "--generation_mode split (one process only generates with the current policy while the others train, one "
-            "step off-policy) is designed but not built yet"
-            + (" (and it needs 2 or more processes: one generates, the others train)" if alone else "")
-            + ": grpo_kit/rollout.py's Generator is its interface and docs/grpo.md says what is left. Use "
-            "--generation_mode colocate (the default): every process generates its share and trains on it."
-        )
-    if global_batch_size % num_generations:
-        raise RecipeError(
-            f"The global batch of {global_batch_size} completions (--per_device_train_batch_size x processes x "
-            f"--gradient_accumulation_steps) is not a whole number of groups of --num_generations {num_generations}: "
-            f"pass a --num_generations that divides {global_batch_size}, or a batch that {num_generations} divides."
-        )
-    rows, rank = global_batch_size // data_parallel_size, accelerator.process_index if data_parallel_size > 1 else 0
-    return global_batch_size // num_generations, slice(rank * rows, (rank + 1) * rows)
-
-
-def frozen_copy(accelerator, name_or_path: str, config, trust_remote_code: bool, lora: bool, beta: float):
-    """A full fine-tune's reference with ``beta``: the model as loaded, once more, frozen and in eval mode (TRL's
-    ``ref_model``), on the device and never wrapped for gradients: its weights beside the trained ones, with no
-    gradients nor optimizer state; refused under FSDP2, which would not shard it. None otherwise (LoRA's reference is
-    the adapter switched off, or its frozen copy)."""
-    if lora or not beta:
-        return None
-    if accelerator.is_fsdp2:
-        raise RecipeError(
-            "--full_finetune with --beta needs a frozen copy of the model as the reference, which this recipe does "
-            "not shard under FSDP2 yet (each GPU would hold all of it, and Accelerate leaves it off the GPU). Train "
-            "with ddp_2gpu.yaml, with a LoRA adapter (its reference is the adapter switched off), or with --beta 0 "
-            "(TRL's default)."
-        )
-    reference = load_base_model(accelerator, name_or_path, config, trust_remote_code=trust_remote_code)
-    return accelerator.prepare_model(reference.requires_grad_(False).eval(), evaluation_mode=True)
-
-
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:
     """The model, or the trained ``default`` adapter alone, and the tokenizer, for ``from_pretrained``, written whole
     or not at all (a collective). The same as dpo.py's ``save``: kept in each recipe so that each copies alone."""
@@ -455,7 +301,9 @@ def main():
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/grpo.py")
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
-    data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
+    # Split: the last process only generates, the others train (process groups of their own: a collective).
+    split = split_layout(accelerator, args.generation_mode, parallelism.name)
+    data_parallel_size = accelerator.num_processes - bool(split) if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
@@ -468,9 +316,7 @@ def main():
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     # A round: the prompts of one optimizer step's completions; this process generates and trains its share of them.
-    prompts_per_round, share = check_layout(
-        accelerator, args.generation_mode, global_batch_size, args.num_generations, data_parallel_size
-    )
+    prompts_per_round, share = check_layout(accelerator, global_batch_size, args.num_generations, data_parallel_size)
     args.adapter_name_or_path, args.model_name_or_path = starting_point(
         accelerator,
         args.adapter_name_or_path,
@@ -553,13 +399,17 @@ def main():
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
         wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         check_offload_fits_host_ram(accelerator, model)
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    # A full fine-tune's reference with --beta: a frozen copy of the model as loaded (its weights once more, no grads).
+    # Split: the trainers' DDP over their own group (the generating process never trains), which gets their weights.
+    model, optimizer, lr_scheduler = (split.prepare if split else accelerator.prepare)(model, optimizer, lr_scheduler)
+    # A full fine-tune's reference with --beta: a frozen copy of the model as loaded (its weights once more, no grads);
+    # none on the split layout's generating process, which never trains.
+    trains = not (split and split.generates)
     reference_model = frozen_copy(
-        accelerator, args.model_name_or_path, config, args.trust_remote_code, lora, args.beta
+        accelerator, args.model_name_or_path, config, args.trust_remote_code, lora, args.beta if trains else 0
     )
     register_fsdp_forward_method(model, "generate")  # FSDP2: generate() gathers the root's weights as forward does
-    generator = PolicyGenerator(  # colocated: the policy being trained generates this process's share
+    # Colocated: the policy generates this process's share; split: the generating process's rounds, to the trainers.
+    policy_generator = PolicyGenerator(
         accelerator,
         model,
         tokenizer,
@@ -568,7 +418,9 @@ def main():
         top_k=args.top_k,
         top_p=args.top_p,
         sharded=layout == "fsdp",
+        logps=bool(split),
     )
+    generator = split or policy_generator
     sft_rows, sft_fmt = as_sft_rows(raw_datasets["validation"], fmt)
     exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
         accelerator,
@@ -600,8 +452,7 @@ def main():
         lr_scheduler,
         load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
     )
-    completed_steps, history, window, logs = resume.completed_steps, resume.history, [], {}
-    log, rewards = history.get("train/log", []), history.get("train/rewards", [])
+    completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
     save_checkpoint_at = lambda step: save_checkpoint(
@@ -609,108 +460,107 @@ def main():
         checkpoints_dir,
         step,
         args.checkpoints_total_limit,
+        write_state=split.save_state if split else None,  # split: also the generating process's next round
         layout=layout,
-        history={"train/loss_curve": record.losses(), "train/log": log, "train/rewards": list(map(float, rewards))},
+        history={"train/loss_curve": record.losses(), **train_log.history()},
         batch=batch_shape,
     )
-    record = CompletionsRecord(accelerator, max_train_steps, history.get("train/loss_curve"), args.perf_warmup_steps)
+
+    def at_step_end(completed_steps):  # every process's (split: the generating process's at a round's end)
+        if completed_steps % args.num_iterations == 0 and stop.requested(completed_steps):
+            stop.exit(save_checkpoint_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
+        if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
+            save_checkpoint_at(completed_steps)
+
+    record = CompletionsRecord(
+        accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps
+    )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
-    for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
-        train_dataloader.sampler.set_epoch(epoch)  # reseeds the order: the same on every process and after a resume
-        skip = resume.batches_to_skip // args.num_iterations if epoch == resume.epoch else 0  # rounds already done
-        active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        for prompts in record.timed(active_dataloader):
-            # Generate: this process's share of the round, with its share of the noise (the same in any process count).
-            rows = [row for row in prompts for _ in range(args.num_generations)][share]
-            completions = generator.generate(
-                [row["prompt_ids"] for row in rows],
-                sampling_noise(
-                    args.seed, completed_steps // args.num_iterations, global_batch_size, args.max_completion_length
-                )[share],
-            )
-            # Reward: each function scores this process's completions; every process gathers them all (a collective).
-            gathered = score_round(
-                accelerator,
-                reward_functions,
-                rows,
-                completions,
-                tokenizer,
-                fmt,
-                trainer_state=trainer_state(completed_steps, max_train_steps, epoch),
-            )
-            # Advantages: each reward against its group's, over the global batch; this process keeps its rows'.
-            advantages = group_advantages(
-                gathered[:, : len(reward_functions)], args.reward_weights, args.num_generations, args.scale_rewards
-            )
-            batches = micro_batches(
-                rows,
-                completions,
-                advantages["advantages"][share].cpu(),
-                args.per_device_train_batch_size,
-                tokenizer.pad_token_id,
-                args.mask_truncated_completions,
-                accelerator.device,
-            )
-            # The generating policy's log-probs (the ratio of a round's later steps is against it) and the reference's.
-            add_fixed_logps(batches, model, reference_model, args.temperature, args.num_iterations > 1, args.beta > 0)
+    prompt_rounds = rounds(  # every process reads every round's prompts, in the same order
+        accelerator,
+        train_dataloader,
+        resume.epoch,
+        resume.batches_to_skip // args.num_iterations,
+        math.ceil(max_train_steps / steps_per_epoch),
+    )
+    if not trains:  # split: this process makes every round, one ahead of the trainers, then stops
+        split.serve(
+            policy_generator,
+            model,
+            prompt_rounds,
+            completed_steps=completed_steps,
+            max_train_steps=max_train_steps,
+            num_iterations=args.num_iterations,
+            num_generations=args.num_generations,
+            seed=args.seed,
+            at_step_end=at_step_end,
+            checkpoint=checkpoint,
+        )
+    # The loss's settings, the same every step (loss.py: TRL's clipped ratio, KL term and reductions).
+    loss_of = functools.partial(
+        grpo_loss,
+        loss_type=args.loss_type,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        beta=args.beta,
+        step_completions=global_batch_size,
+        processes=data_parallel_size,
+        max_completion_length=args.max_completion_length,
+    )
+    for prompts in record.timed(prompt_rounds if trains else []):
+        # Rollout (rollout.py): this process's share generated (split: received), scored, gathered, its advantages.
+        batches, gathered, advantages, step_tokens = training_round(
+            accelerator,
+            generator,
+            prompts,
+            round_index=completed_steps // args.num_iterations,
+            share=share,
+            num_generations=args.num_generations,
+            seed=args.seed,
+            global_batch_size=global_batch_size,
+            max_completion_length=args.max_completion_length,
+            reward_functions=reward_functions,
+            reward_weights=args.reward_weights,
+            scale_rewards=args.scale_rewards,
+            tokenizer=tokenizer,
+            fmt=fmt,
+            per_device_train_batch_size=args.per_device_train_batch_size,
+            mask_truncated=args.mask_truncated_completions,
+            model=model,
+            reference_model=reference_model,
+            temperature=args.temperature,
+            num_iterations=args.num_iterations,
+            beta=args.beta,
+            group=split and split.trainers,
+            trainer_state=trainer_state(completed_steps, max_train_steps, completed_steps // steps_per_epoch),
+        )
 
-            for iteration in range(min(args.num_iterations, max_train_steps - completed_steps)):  # this round's steps
-                # Sync point: the step's completion tokens (an all-reduce), counted before the first backward.
-                step_tokens = accelerator.reduce(sum(batch["mask"].sum() for batch in batches), "sum")
-                metrics = StepMetrics(accelerator.device)
-                for index, batch in enumerate(batches):  # all but the last skip DDP's all-reduce / FSDP2's scatter
-                    with accelerator.no_sync(model) if index < len(batches) - 1 else contextlib.nullcontext():
-                        logps, entropy = completion_logps(model, batch, args.temperature)
-                        token_loss, tokens = per_token_loss(
-                            logps,
-                            batch.get("old_logps"),
-                            batch.get("reference_logps"),
-                            batch["advantages"],
-                            epsilon=args.epsilon,
-                            epsilon_high=args.epsilon_high,
-                            beta=args.beta,
-                        )
-                        loss = reduce_loss(
-                            token_loss,
-                            batch["mask"],
-                            args.loss_type,
-                            step_tokens=step_tokens,
-                            step_completions=global_batch_size,
-                            micro_batches=len(batches),
-                            processes=data_parallel_size,
-                            max_completion_length=args.max_completion_length,
-                        )
-                        accelerator.backward(loss * data_parallel_size)  # DDP/FSDP average N processes' gradients
-                    metrics.add(loss, batch, {**tokens, "entropy": entropy})
-                if args.max_grad_norm:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad()
-                completed_steps += 1
-                progress_bar.update(1)
-                step = {
-                    **metrics.result(accelerator, args.beta),
-                    **round_metrics(gathered, reward_functions, advantages),
-                }
-                window.append(step)
-                rewards.append(step["reward"])
-                record.step(
-                    completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens")
-                )
-                if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                    # Sync point: reads the window's metrics (TRL's: a metric that is NaN in a step is left out).
-                    logs = {f"train/{k}": torch.stack([s[k] for s in window]).nanmean().item() for k in window[0]}
-                    logs["train/learning_rate"], window = lr_scheduler.get_last_lr()[0], []
-                    log.append({"step": completed_steps, **logs})
-                    accelerator.log(logs, step=completed_steps)
-                if completed_steps % args.num_iterations == 0 and stop.requested(completed_steps):  # at a round's end
-                    stop.exit(save_checkpoint_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
-                if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                    save_checkpoint_at(completed_steps)
-            if completed_steps >= max_train_steps:
-                break
+        for iteration in range(min(args.num_iterations, max_train_steps - completed_steps)):  # this round's steps
+            metrics = StepMetrics(accelerator.device)
+            for index, batch in enumerate(batches):  # all but the last skip DDP's all-reduce / FSDP2's scatter
+                with accelerator.no_sync(model) if index < len(batches) - 1 else contextlib.nullcontext():
+                    logps, entropy = completion_logps(model, batch, args.temperature)
+                    loss, tokens = loss_of(logps, batch, step_tokens=step_tokens, micro_batches=len(batches))
+                    accelerator.backward(loss * data_parallel_size)  # DDP/FSDP average N processes' gradients
+                metrics.add(loss, batch, {**tokens, "entropy": entropy})
+            if args.max_grad_norm:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+            completed_steps += 1
+            progress_bar.update(1)
+            step = {
+                **metrics.result(accelerator, args.beta, group=split and split.trainers),
+                **round_metrics(gathered, reward_functions, advantages),
+            }
+            record.step(completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens"))
+            train_log.add(accelerator, completed_steps, step, lr_scheduler.get_last_lr()[0])
+            at_step_end(completed_steps)
+        generator.update(model)  # split: the round's weights to the generating process (colocated: nothing)
+        if completed_steps >= max_train_steps:
+            break
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save
@@ -720,11 +570,11 @@ def main():
     results = {
         "recipe": "grpo",
         "config": run_config,
-        "train/log": log,
-        "train/rewards": list(map(float, rewards)),
+        **train_log.history(),
         "method": method,
         "data/counts": counts,
-        **{key: value for key, value in logs.items() if key != "train/loss"},  # the last logged window's TRL metrics
+        **{key: value for key, value in train_log.last.items() if key != "train/loss"},  # TRL's, the last window's
+        **(split.times() if split else {}),  # each role's busy and idle seconds (a collective)
         **exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before),
         "parallelism": parallelism.name,
         "data/format": fmt,

@@ -114,6 +114,19 @@ def base(tmp_path_factory):
     return folder
 
 
+def split_args(base, model: str = "") -> tuple:
+    """The split layout (the last process generates, the others train) of the Llama (or ``base / model``): the user's
+    vowels reward (its groups always have a signal), the KL term, one step per round and a checkpoint after each
+    (each holds the trainers' weights and the round the generating process made for after it), evaluation on."""
+    rewards = ("--reward_funcs", f"{base / 'rewards.py'}:vowels", "--num_generations", "4", *SMALL)
+    return ("--model_name_or_path", base / model, *rewards, "--generation_mode", "split", "--num_iterations", "1") + (
+        "--checkpointing_steps",
+        "1",
+        "--exact_match_samples",
+        "4",
+    )
+
+
 def sampled_args(base) -> tuple:
     """The sampled run (the offline prompts, the accuracy reward and the user's vowels, evaluation on)."""
     rewards = ("--reward_funcs", "accuracy", f"{base / 'rewards.py'}:vowels", "--reward_weights", "1", "2")
@@ -215,7 +228,40 @@ def runs(base, sampled, tmp_path_factory):
             "1e-3",
             "--skip_eval",
         ),
-        # A reward function that raises on the questions about methods, in 2 processes.
+        # The split layout: 1 process generates, 1 trains 8 completions a step; 1 generates, 2 train 4 each.
+        "split": ("ddp_2gpu.yaml", RECIPE, *split_args(base), "--per_device_train_batch_size", "8"),
+        "split_in_3": ("ddp_2gpu.yaml", RECIPE, *split_args(base), "--per_device_train_batch_size", "4"),
+        # Resumed from the split run's step 2, in 2 processes again (the next round comes from the checkpoint).
+        "split_resumed": ("ddp_2gpu.yaml", RECIPE, *split_args(base), "--per_device_train_batch_size", "8"),
+        # Every weight of a tied Qwen2 trained in the split layout (all of them sent to the generating process).
+        "split_full": (
+            "ddp_2gpu.yaml",
+            RECIPE,
+            *split_args(base, "qwen2"),
+            "--full_finetune",
+            "--learning_rate",
+            "1e-3",
+            "--max_train_steps",
+            "3",
+            "--per_device_train_batch_size",
+            "8",
+        ),
+        # A reward function that raises on the questions about methods, in 2 processes, colocated and split.
+        "split_bad_reward": (
+            "ddp_2gpu.yaml",
+            RECIPE,
+            "--model_name_or_path",
+            base,
+            "--reward_funcs",
+            f"{base / 'rewards.py'}:picky",
+            "--generation_mode",
+            "split",
+            "--per_device_train_batch_size",
+            "8",
+            "--num_generations",
+            "4",
+            *SMALL,
+        ),
         "bad_reward": (
             "ddp_2gpu.yaml",
             RECIPE,
@@ -233,13 +279,16 @@ def runs(base, sampled, tmp_path_factory):
     jobs = {name: Job(job[0], job[1], tuple(job[2:])) for name, job in jobs.items()}
     for name in ("resumed", "resumed_in_2"):
         jobs[name].args += ("--resume_from_checkpoint", checkpoint)
+    jobs["split_resumed"].args += ("--resume_from_checkpoint", root / "split" / "checkpoints" / "step_000002")
+    jobs["split_resumed"].after = "split"
+    jobs["split_in_3"].kwargs["launch_args"] = ("--num_processes", "3")
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
     jobs["gpt2_fsdp"].kwargs["observe"] = True  # its sharding, seen by tests/observer
     finished = launch_all(jobs, cpu_only=visible_gpus() < 2)
     out = {}
     for name, run in finished.items():
-        assert (run.returncode == 0) == (name != "bad_reward"), f"{name}: {run}"
+        assert (run.returncode == 0) == (not name.endswith("bad_reward")), f"{name}: {run}"
         results = read_results(root / name) if run.returncode == 0 else None
         out[name] = {"dir": root / name, "results": results, "log": run.output, "returncode": run.returncode}
     return out
@@ -357,13 +406,127 @@ def test_users_shapes_train_qlora_fsdp2_and_every_weight(runs):
 
 
 @pytest.mark.slow
-def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_row(runs):
-    run = runs["bad_reward"]
+@pytest.mark.parametrize("name", ["bad_reward", "split_bad_reward"])
+def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_row(runs, name):
+    """Colocated, and split (the trainers score their completions; the generating process, waiting for their
+    weights, is stopped with them)."""
+    run = runs[name]
     assert run["returncode"] != 0 and not (run["dir"] / "results.json").exists()
     message = "] error: The reward function 'picky' raised ValueError: no methods here on the completion "
     assert run["log"].count(message) == 1, run["log"][-3000:]  # printed once (the launcher's box aside)
     assert run["log"].count("] error: ") == 1 and "of the prompt \"[{'role': 'user', 'content': 'Is `" in run["log"]
     assert "[rank0]: Traceback" not in run["log"] and "[rank1]: Traceback" not in run["log"]
+
+
+# ----------------------------------------------------------------------------- the split layout
+def policy_at(run: dict, step: int, base_folder):
+    """The policy a run trained, as its checkpoint after ``step`` steps holds it (0: as it started: a new adapter's
+    B is zero, so the base model; a full fine-tune's, the model as saved), in eval mode."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base_folder)
+    full = run["results"]["method"] == "full"
+    if not full:
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    if step:
+        saved = load_file(run["dir"] / "checkpoints" / f"step_{step:06d}" / "model.safetensors")
+        missing, unexpected = model.load_state_dict(saved, strict=False)
+        assert not unexpected, unexpected
+        if full:  # (a tied output head is the embedding, saved once)
+            assert set(missing) <= {"lm_head.weight"}, missing
+        else:
+            assert saved and not any("lora" in name for name in missing), missing
+    return model.eval()
+
+
+def in_flight(run: dict, step: int) -> dict:
+    """The round the generating process had made for after step ``step``, as that step's checkpoint holds it."""
+    return torch.load(run["dir"] / "checkpoints" / f"step_{step:06d}" / "round_in_flight.pt", weights_only=True)
+
+
+def scored(policy, made: dict, pad_token_id: int, advantages=None):
+    """The round's one micro-batch (``grpo_kit.data.micro_batches``) and the policy's log-probs of its completions."""
+    from grpo_kit.data import micro_batches
+    from grpo_kit.loss import completion_logps
+    from grpo_kit.rollout import Rollouts
+
+    rows = [{"prompt_ids": ids} for ids in made["prompt_ids"]]
+    rollouts = Rollouts(made["completion_ids"], made["truncated"], made["logps"])
+    advantages = torch.zeros(len(rows)) if advantages is None else advantages
+    (batch,) = micro_batches(rows, rollouts, advantages, len(rows), pad_token_id, False, "cpu")
+    with torch.no_grad():
+        return batch, completion_logps(policy, batch, 1.0)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["split", "split_full"])
+def test_split_rounds_are_made_one_round_behind_and_trained_against_their_generating_policy(runs, base, name):
+    """The split layout, LoRA on the Llama and every weight of the tied Qwen2: the round trained at step k + 1 was
+    made by the generating process with the weights the trainers sent after step k - 1 (its log-probs, saved in
+    step k's checkpoint, are that policy's, not step k's); and the loss of step k + 1 is the clipped loss of those
+    completions under step k's policy against those log-probs (the ratio's denominator), with the KL term to the
+    base model (the adapter switched off)."""
+    from grpo_kit.loss import group_advantages, per_token_loss, reduce_loss
+
+    run, folder = runs[name], base / "qwen2" if name == "split_full" else base
+    results, tokenizer = run["results"], tokenizer_of(folder)
+    assert results["num_processes"] == 2 and results["parallelism"] == "ddp"
+    assert "generation: split (rank 1 generates every round, one ahead; rank 0 trains)" in run["log"]
+    assert all(results[f"perf/{role}_{kind}_s"] > 0 for role in ("generator", "trainer") for kind in ("busy", "idle"))
+    vowels = {}
+    exec(REWARDS, vowels)
+    steps = results["completed_steps"]
+    for step in range(1, steps):
+        made = in_flight(run, step)
+        assert made["round"] == step and len(made["completion_ids"]) == 8
+        batch, generating = scored(policy_at(run, step - 1, folder), made, tokenizer.pad_token_id)
+        mask = batch["mask"]
+        torch.testing.assert_close(generating[mask], batch["old_logps"][mask], rtol=0, atol=2e-5)
+        texts = tokenizer.batch_decode(made["completion_ids"], skip_special_tokens=True)
+        rewards = vowels["vowels"]([[{"role": "assistant", "content": text}] for text in texts])
+        advantages = group_advantages(torch.tensor(rewards)[:, None], [1.0], 4, "group")["advantages"]
+        policy = policy_at(run, step, folder)
+        batch, logps = scored(policy, made, tokenizer.pad_token_id, advantages)
+        assert (logps - batch["old_logps"])[mask].abs().max() > 1e-4  # not on-policy: one round behind
+        if name == "split":  # the KL term's reference: the base, the adapter switched off
+            with policy.disable_adapter(), torch.no_grad():
+                _, reference = scored(policy, made, tokenizer.pad_token_id)
+        else:
+            reference = scored(policy_at(run, 0, folder), made, tokenizer.pad_token_id)[1]
+        token_loss, _ = per_token_loss(
+            logps, batch["old_logps"], reference, advantages, epsilon=0.2, epsilon_high=0.2, beta=0.1
+        )
+        expected = reduce_loss(
+            token_loss,
+            mask,
+            "dapo",
+            step_tokens=mask.sum(),
+            step_completions=8,
+            micro_batches=1,
+            processes=1,
+            max_completion_length=6,
+        )
+        assert results["train/loss_curve"][step] == pytest.approx(expected.item(), rel=1e-4, abs=1e-6), step
+    assert not (run["dir"] / "checkpoints" / f"step_{steps:06d}" / "round_in_flight.pt").exists()
+
+
+@pytest.mark.slow
+def test_split_in_three_processes_and_resumed_ends_as_the_two_process_run(runs):
+    """Two trainers of 4 (DDP over their own group; the generating process takes no part) train as one trainer of
+    8, to summation order; resumed from step 2 (the trainers' state and the round the generating process had made),
+    the run ends bit for bit where the uninterrupted one did."""
+    split, in_3, resumed = (runs[name]["results"] for name in ("split", "split_in_3", "split_resumed"))
+    assert in_3["num_processes"] == 3 and in_3["global_batch_size"] == split["global_batch_size"] == 8
+    assert "rank 2 generates every round, one ahead; ranks 0-1 train, data parallel" in runs["split_in_3"]["log"]
+    np.testing.assert_allclose(in_3["train/loss_curve"], split["train/loss_curve"], rtol=1e-5, atol=1e-7)
+    assert in_3["train/rewards"] == pytest.approx(split["train/rewards"], abs=1e-6)
+    ours, theirs = adapter(runs["split_in_3"]), adapter(runs["split"])
+    assert max((ours[k] - theirs[k]).abs().max().item() for k in ours) <= 1e-6
+    assert resumed["resumed_from_step"] == 2 and resumed["train/loss_curve"] == split["train/loss_curve"]
+    assert resumed["train/rewards"] == split["train/rewards"] and resumed["train/log"] == split["train/log"]
+    assert all(torch.equal(a, b) for a, b in zip(adapter(runs["split_resumed"]).values(), theirs.values()))
 
 
 # ----------------------------------------------------------------------------- in process: the arithmetic
@@ -544,6 +707,16 @@ def test_generation_samples_by_its_noise_and_training_scores_its_tokens(base):
         for t, token in enumerate(ids):
             expected = torch.log_softmax(output.logits[t][row] / 0.7, dim=-1)[token]
             assert logps[row, t].item() == pytest.approx(expected.item(), abs=1e-5), (row, t)
+    # The split layout's generating process returns the log-prob its policy gave each token it sampled (the same
+    # samples), which the micro-batch carries as the ratio's denominator at the completion positions.
+    generator.logps = True
+    sampled = generator.generate(prompts, noise)
+    assert sampled.completion_ids == together.completion_ids and together.logps is None
+    (batch,) = micro_batches(rows, sampled, torch.zeros(4), 4, tokenizer.pad_token_id, False, "cpu")
+    for row, ids in enumerate(sampled.completion_ids):
+        assert len(sampled.logps[row]) == len(ids)
+        torch.testing.assert_close(batch["old_logps"][row, : len(ids)], logps[row, : len(ids)], rtol=0, atol=1e-5)
+        assert (batch["old_logps"][row, len(ids) :] == 0).all()
 
 
 def generator_sampler(generator, noise, length):
@@ -680,8 +853,10 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
     """Each refusal is one paragraph naming the flag, the file or the row."""
     import datasets
 
-    from grpo_kit.data import prompt_format
+    from grpo_kit.data import check_layout, prompt_format
+    from grpo_kit.loss import frozen_copy
     from grpo_kit.rewards import load_reward_functions
+    from grpo_kit.split import split_layout
     from shared.runtime import RecipeError
 
     offline, told = recipe.parse_args([]), recipe.parse_args(["--max_train_steps", "5", "--temperature", "1"])
@@ -704,21 +879,25 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
         num_processes, process_index = 1, 0
 
     with pytest.raises(RecipeError) as error:
-        recipe.check_layout(Accelerator, "colocate", 12, 8, 1)
+        check_layout(Accelerator, 12, 8, 1)
     assert (
         "global batch of 12 completions" in error.value.message
         and "not a whole number of groups" in error.value.message
     )
     with pytest.raises(RecipeError) as error:
-        recipe.frozen_copy(type("Sharded", (), {"is_fsdp2": True}), str(base), None, False, lora=False, beta=0.1)
+        frozen_copy(type("Sharded", (), {"is_fsdp2": True}), str(base), None, False, lora=False, beta=0.1)
     assert "--full_finetune with --beta needs a frozen copy" in error.value.message
-    with pytest.raises(RecipeError) as error:
-        recipe.check_layout(Accelerator, "split", 16, 8, 1)
-    assert "needs 2 or more processes" in error.value.message
-    assert recipe.check_layout(type("Two", (), {"process_index": 1, "num_processes": 2}), "colocate", 16, 8, 2) == (
-        2,
-        slice(8, 16),
-    )
+    two = type("Two", (), {"process_index": 1, "num_processes": 2})
+    for accelerator, parallelism in ((Accelerator, "single"), (two, "fsdp")):
+        with pytest.raises(RecipeError) as error:
+            split_layout(accelerator, "split", parallelism)
+        assert (
+            f"this launch has {accelerator.num_processes} process(es) with parallelism {parallelism}"
+            in (error.value.message)
+            and "Launch it with 2 or more processes and accelerate_configs/ddp_2gpu.yaml" in error.value.message
+        )
+    assert split_layout(Accelerator, "colocate", "single") is None
+    assert check_layout(two, 16, 8, 2) == (2, slice(8, 16))
     for names, message in (
         (["accuracy"], "which the data lacks (its columns: ['prompt'])"),
         ([f"{tmp_path / 'missing.py'}:f"], "the file"),

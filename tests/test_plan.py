@@ -849,6 +849,68 @@ def test_dpo_flags_on_the_command_line(capsys):
         assert code == 2 and "--objective dpo --method full only" in err and len(err.strip().splitlines()) == 1
 
 
+# ------------------------------------------------------------------------------- GRPO (recipes/grpo.py)
+def test_grpo_holds_the_kv_cache_of_a_group_while_it_generates_and_a_reference_only_with_beta():
+    """Colocated, every GPU's generation moment is the KV cache of --num_generations x --seq_len tokens (K and V of
+    each block: K/V heads x head size x 2 B in bf16; 70B has 8 K/V heads of 64) and one step's fp32 logits and
+    probabilities; a group twice as large, twice that. --beta 0: no reference; LoRA with --beta: a reference forward
+    and no second model; full with --beta: a bf16 copy on each replica, refused under FSDP2 (grpo.py does not shard
+    it). SFT has no generation moment."""
+    shape = preset_shape("70b")
+    grpo = dict(**TABLE, objective="grpo")
+    lora = plan(shape, **grpo, method="lora")
+    kv = 8 * 1024 * 80 * 2 * 8 * 128 * 2
+    logits = 8 * 8 * shape.vocab_size
+    for setup in ("single", "ddp", "fsdp", "fsdp_offload"):
+        assert gpu(lora, setup)["phases_checkpointed"]["generation"] == kv + logits, setup
+    sixteen = gpu(plan(shape, **grpo, method="lora", num_generations=16), "ddp")
+    assert sixteen["phases"]["generation"] == 2 * (kv + logits)
+    assert gpu(lora, "ddp")["reference"] == 0 and "reference_forward" not in gpu(lora, "ddp")["phases"]
+    with_beta = gpu(plan(shape, **grpo, method="lora", beta=0.04), "ddp")
+    assert with_beta["reference"] == 0 and with_beta["phases"]["reference_forward"] > 0
+    shape = preset_shape("7b")
+    full = plan(shape, **grpo, method="full", beta=0.04)
+    assert gpu(full, "ddp")["reference"] == shape.num_parameters * 2
+    assert gpu(plan(shape, **grpo, method="full"), "ddp")["reference"] == 0
+    assert full["setups"]["fsdp"]["recipe"] is None and full["setups"]["ddp"]["recipe"] == "recipes/grpo.py"
+    assert "generation" not in gpu(plan(shape, **TABLE, method="lora"), "ddp")["phases"]
+
+
+def test_grpo_generation_split_trains_without_the_cache_and_generates_without_optimizer_state():
+    """--generation_mode split on 2 GPUs: the trainer holds no KV cache and, alone, no DDP buckets; the generating
+    GPU holds the weights as loaded (LoRA: the bf16 base and the fp32 adapter), the cache and the overhead, no
+    gradients, optimizer state or activations; on 3 GPUs the 2 trainers have DDP's buckets. Its launch line asks for
+    the split."""
+    from tools.planner.launch import launch_line
+
+    shape = preset_shape("7b")
+    result = plan(shape, **TABLE, objective="grpo", method="lora")
+    trainer, generator = result["setups"]["generation_split"]["devices"]
+    ddp = gpu(result, "ddp")
+    assert "generation" not in trainer["phases"] and trainer["buffers"] == 0
+    assert trainer["total_checkpointed"] < ddp["total_checkpointed"]
+    assert generator["gradients"] == generator["optimizer"] == generator["activations"] == 0
+    assert generator["parameters"] == ddp["parameters"]
+    cache = ddp["phases"]["generation"]
+    assert generator["total"] == generator["parameters"] + cache + generator["overhead"]
+    three = plan(shape, **{**TABLE, "gpus": 3}, objective="grpo", method="lora")["setups"]["generation_split"]
+    assert len(three["devices"]) == 3 and three["devices"][0]["buffers"] == ddp["buffers"] > 0
+    line = launch_line(shape, "generation_split", True, "ddp_2gpu.yaml", result["inputs"])
+    assert line.startswith("accelerate launch --config_file accelerate_configs/ddp_2gpu.yaml recipes/grpo.py ")
+    assert "--num_generations 8" in line and "--generation_mode split" in line
+
+
+def test_grpo_flags_on_the_command_line(capsys):
+    code, out, _ = run_main(
+        ["--model_size", "7b", "--objective", "grpo", "--method", "full", "--beta", "0.04", "--num_generations", "4"],
+        capsys,
+    )
+    assert code == 0 and "GRPO, full fine-tuning; beta 0.04 (reference: a frozen copy)" in out
+    assert "generation_split gpu1" in out and "--beta 0.04" not in out  # full with beta: DDP does not fit
+    code, out, err = run_main(["--objective", "grpo", "--num_generations", "1"], capsys)
+    assert code == 2 and "--num_generations must be a whole number >= 2" in err and len(err.strip().splitlines()) == 1
+
+
 # ------------------------------------------------------------------------------- the README's table
 # Named sizes, and Hub models whose shapes the planner knows offline (tools/planner/tables.py's HUB_CONFIGS).
 README_MODELS = {
@@ -873,6 +935,16 @@ README_DPO_METHODS = {
 }
 
 
+# GRPO (recipes/grpo.py, micro-batch 1 completion of prompt + completion = 1,024 tokens, a group of 8 generated
+# together): the 7B and 70B rows, colocated in the three columns; the best choice may be the generation split.
+README_GRPO_MODELS = {"7b": "Llama-2-7B", "70b": "Llama-2-70B"}
+README_GRPO_METHODS = {
+    "GRPO full, beta 0.04": dict(method="full", beta=0.04),
+    "GRPO LoRA": dict(method="lora"),
+    "GRPO QLoRA": dict(method="qlora"),
+}
+
+
 def readme_rows() -> tuple[list[str], list[str]]:
     """The README's "what fits on two 24 GB cards" rows and the launch lines of their best choices (SFT's), from the
     planner (TABLE's inputs). A cell is the per-GPU peak / the host RAM the machine needs, in GiB, and the verdict."""
@@ -888,6 +960,9 @@ def readme_rows() -> tuple[list[str], list[str]]:
     for size, name in README_DPO_MODELS.items():
         for label, method in README_DPO_METHODS.items():
             rows.append(readme_row(name, label, plan(preset_shape(size), **TABLE, objective="dpo", **method)))
+    for size, name in README_GRPO_MODELS.items():
+        for label, method in README_GRPO_METHODS.items():
+            rows.append(readme_row(name, label, plan(preset_shape(size), **TABLE, objective="grpo", **method)))
     return rows, launches
 
 

@@ -146,6 +146,8 @@ def launches(base: Path) -> dict[str, tuple[str, str, tuple[str, ...]]]:
         "grpo/single_lora": ("single_gpu.yaml", "grpo.py", grpo),
         "grpo/ddp_lora": ("ddp_2gpu.yaml", "grpo.py", (*grpo, "--per_device_train_batch_size", "4")),
         "grpo/fsdp_lora": ("fsdp_2gpu.yaml", "grpo.py", (*grpo, "--per_device_train_batch_size", "4")),
+        # The split layout: rank 1 generates each round one ahead, rank 0 trains on the last one.
+        "grpo/split_lora": ("ddp_2gpu.yaml", "grpo.py", (*grpo, "--generation_mode", "split")),
     }
 
 

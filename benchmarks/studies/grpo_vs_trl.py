@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 # lib/, shared/, the recipes' kits, and the tests' harness (the completions both sides score: the same tokens)
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes"), str(REPO / "tests")]
 from harness.fixed_completions import fixed_completions, patch_recipe_generator
+from lib.grpo_inputs import SPEED_MODEL, SPEED_VOCAB_SIZE, build_inputs  # the tiny Llama and the prompts
 from lib.launch import launch_and_wait, run_as_main  # a side in its own process; the recipe unchanged in a wrapper
 from lib.machine import library_versions, machine_info  # as every record
 from lib.stats import bootstrap_interval  # 95 % interval of a median ratio
@@ -99,8 +100,8 @@ CASES = {
 # The speed comparison: a model whose step is compute (hidden 256, 4 layers, a 4,096-token vocabulary), completions of
 # 32 tokens, 2 prompts x 8 completions a step, no KL term and one step per round (TRL's defaults).
 SPEED = {
-    "model": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8},
-    "vocab_size": 4096,
+    "model": SPEED_MODEL,
+    "vocab_size": SPEED_VOCAB_SIZE,
     "max_completion_length": 32,
     "num_generations": 8,
     "per_device_train_batch_size": 16,
@@ -127,40 +128,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)  # TRL's side, launched by main
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-# ----------------------------------------------------------------------------------- model and data, made once
-def build_inputs(work: Path, shape: dict, vocab_size: int = 400) -> tuple[Path, Path]:
-    """The prompt file (200 of the recipe's offline prompts, with answers) and the model folder (a Llama of
-    ``shape``)."""
-    import torch
-    from grpo_kit.data import stdlib_name_prompts
-    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE
-    from lm_kit.data import train_bpe_tokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    prompts = work / "prompts.jsonl"
-    if not prompts.is_file():
-        rows = stdlib_name_prompts()["train"].select(range(200))
-        prompts.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
-    model_dir = work / ("model-" + "-".join(map(str, [*shape.values(), vocab_size])))
-    if not (model_dir / "config.json").is_file():
-        texts = (m["content"] for line in prompts.read_text().splitlines() for m in json.loads(line)["prompt"])
-        tokenizer = train_bpe_tokenizer([*texts, "class", "function", "method", "the name is documented"], vocab_size)
-        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
-        tokenizer.save_pretrained(model_dir)
-        config = LlamaConfig(
-            **shape,
-            num_key_value_heads=shape["num_attention_heads"],
-            vocab_size=len(tokenizer),
-            tie_word_embeddings=False,
-            max_position_embeddings=512,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.eos_token_id,
-        )
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    return model_dir, prompts
 
 
 # ------------------------------------------------------------------------------------ what both sides capture

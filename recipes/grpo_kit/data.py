@@ -111,6 +111,32 @@ class EpochShuffle(Sampler[int]):
         yield from torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
 
 
+def check_layout(
+    accelerator, global_batch_size: int, num_generations: int, data_parallel_size: int
+) -> tuple[int, slice]:
+    """The prompts of a round (the global batch over ``num_generations``) and this process's share of the round's
+    completions (its rows of the global batch: a trainer's, in the split layout); or a refusal: a global batch that
+    holds no whole number of groups."""
+    if global_batch_size % num_generations:
+        raise RecipeError(
+            f"The global batch of {global_batch_size} completions (--per_device_train_batch_size x processes x "
+            f"--gradient_accumulation_steps) is not a whole number of groups of --num_generations {num_generations}: "
+            f"pass a --num_generations that divides {global_batch_size}, or a batch that {num_generations} divides."
+        )
+    rows, rank = global_batch_size // data_parallel_size, accelerator.process_index if data_parallel_size > 1 else 0
+    return global_batch_size // num_generations, slice(rank * rows, (rank + 1) * rows)
+
+
+def rounds(accelerator, train_dataloader: DataLoader, first_epoch: int, rounds_to_skip: int, epochs: int):
+    """The prompts of every round from where training picks up (``load_checkpoint``'s epoch, and the rounds of it
+    already done) to the end of epoch ``epochs`` - 1: each epoch in its own order (``EpochShuffle.set_epoch``: the same
+    on every process and after a resume), the done rounds skipped (``skip_first_batches``)."""
+    for epoch in range(first_epoch, epochs):
+        train_dataloader.sampler.set_epoch(epoch)
+        skip = rounds_to_skip if epoch == first_epoch else 0
+        yield from accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+
+
 def prompt_loader(dataset: datasets.Dataset, prompts_per_round: int, seed: int) -> DataLoader:
     """The training prompts, ``prompts_per_round`` at a time (a round: one generation, for ``--num_iterations``
     optimizer steps), shuffled each epoch, the last incomplete round dropped (as TRL does). Not prepared by
@@ -175,7 +201,8 @@ def micro_batches(
     followed by its completion, right-padded (``llm_kit.sft_data.collate``: the completion tokens are the scored
     positions, ``loss_positions``/``loss_targets``), with ``mask`` (the completion tokens the loss counts: all of a
     row's, or none of a truncated row's with ``mask_truncated``, as TRL's ``mask_truncated_completions``) and each
-    row's ``advantages``, on ``device``."""
+    row's ``advantages``, on ``device``; and ``old_logps`` where the generator sent the log-probs of the policy that
+    generated (the split layout: 0 at the fillers)."""
     samples = [
         {"input_ids": row["prompt_ids"] + ids, "labels": [-100] * len(row["prompt_ids"]) + ids}
         for row, ids in zip(rows, completions.completion_ids)
@@ -186,5 +213,9 @@ def micro_batches(
         batch = collate(samples[start : start + batch_size], pad_token_id)
         batch["mask"] = (batch["loss_targets"] != -100) & kept[start : start + batch_size, None]
         batch["advantages"] = advantages[start : start + batch_size]
+        if completions.logps is not None:  # a row's scored positions are its completion tokens, in order
+            batch["old_logps"] = torch.zeros(batch["loss_targets"].shape)
+            for row, logps in enumerate(completions.logps[start : start + batch_size]):
+                batch["old_logps"][row, : len(logps)] = torch.tensor(logps)
         batches.append({key: value.to(device) for key, value in batch.items()})
     return batches

@@ -23,6 +23,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from llm_kit.adapters import reference_policy
+from llm_kit.loading import load_base_model
+from shared.runtime import RecipeError
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 
@@ -86,6 +88,14 @@ def completion_logps(model, batch: dict, temperature: float, chunk_tokens: int =
     return logps, entropy
 
 
+def completion_tokens(gathered: torch.Tensor, mask_truncated: bool) -> torch.Tensor:
+    """The completion tokens a step's loss counts, every process's: the round's gathered lengths (``score_round``'s
+    second-to-last column), those of truncated completions left out with ``mask_truncated`` (the micro-batches'
+    ``mask``, summed over every process, with no collective of its own)."""
+    lengths, truncated = gathered[:, -2], gathered[:, -1].bool()
+    return torch.where(truncated & mask_truncated, 0.0, lengths).sum()
+
+
 def add_fixed_logps(batches: list[dict], model, reference_model, temperature: float, old: bool, reference: bool):
     """Adds to each batch the log-probs that stay fixed over a round (no gradient; the model unwrapped from DDP):
     with ``old``, ``old_logps``, the policy's before the round's first step (the one that generated); with
@@ -101,6 +111,24 @@ def add_fixed_logps(batches: list[dict], model, reference_model, temperature: fl
             elif reference:
                 with reference_policy(model):
                     batch["reference_logps"] = completion_logps(model, batch, temperature)[0]
+
+
+def frozen_copy(accelerator, name_or_path: str, config, trust_remote_code: bool, lora: bool, beta: float):
+    """A full fine-tune's reference with ``beta``: the model as loaded, once more, frozen and in eval mode (TRL's
+    ``ref_model``), on the device and never wrapped for gradients: its weights beside the trained ones, with no
+    gradients nor optimizer state; refused under FSDP2, which would not shard it. None otherwise (LoRA's reference is
+    the adapter switched off, or its frozen copy)."""
+    if lora or not beta:
+        return None
+    if accelerator.is_fsdp2:
+        raise RecipeError(
+            "--full_finetune with --beta needs a frozen copy of the model as the reference, which this recipe does "
+            "not shard under FSDP2 yet (each GPU would hold all of it, and Accelerate leaves it off the GPU). Train "
+            "with ddp_2gpu.yaml, with a LoRA adapter (its reference is the adapter switched off), or with --beta 0 "
+            "(TRL's default)."
+        )
+    reference = load_base_model(accelerator, name_or_path, config, trust_remote_code=trust_remote_code)
+    return accelerator.prepare_model(reference.requires_grad_(False).eval(), evaluation_mode=True)
 
 
 def token_logps_and_entropy(
@@ -173,3 +201,42 @@ def reduce_loss(
     if loss_type == "bnpo":
         return summed / mask.sum().clamp(min=1) / (micro_batches * processes)
     return summed / step_tokens.clamp(min=1)
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    batch: dict,
+    *,
+    step_tokens: torch.Tensor,
+    micro_batches: int,
+    loss_type: str,
+    epsilon: float,
+    epsilon_high: float,
+    beta: float,
+    step_completions: int,
+    processes: int,
+    max_completion_length: int,
+) -> tuple[torch.Tensor, dict]:
+    """A micro-batch's share of the step's loss: its per-token loss (``per_token_loss``: the clipped ratio against
+    the round's ``old_logps``, or 1 on-policy, and the KL term with ``beta``) reduced as ``loss_type`` says
+    (``reduce_loss``), and the token statistics TRL logs."""
+    token_loss, tokens = per_token_loss(
+        logps,
+        batch.get("old_logps"),
+        batch.get("reference_logps"),
+        batch["advantages"],
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        beta=beta,
+    )
+    loss = reduce_loss(
+        token_loss,
+        batch["mask"],
+        loss_type,
+        step_tokens=step_tokens,
+        step_completions=step_completions,
+        micro_batches=micro_batches,
+        processes=processes,
+        max_completion_length=max_completion_length,
+    )
+    return loss, tokens

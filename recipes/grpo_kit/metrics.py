@@ -14,6 +14,7 @@ import torch
 from shared.results import RunRecord
 
 from .loss import nanstd
+from .collectives import gather
 
 TOKEN_METRICS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -59,10 +60,12 @@ class StepMetrics:
         low, high = torch.where(low.isnan(), torch.inf, low).min(), torch.where(high.isnan(), -torch.inf, high).max()
         self.extremes = torch.stack([torch.minimum(self.extremes[0], low), torch.maximum(self.extremes[1], high)])
 
-    def result(self, accelerator, beta: float) -> dict[str, torch.Tensor]:
-        """The step's loss and tokens trained over every process, its token means (``kl`` only with ``beta``), and the
-        smallest low-clip and largest high-clip share of a completion, by TRL's names (on the device)."""
-        everyone = accelerator.gather(torch.cat([self.sums, self.extremes])[None]).view(-1, len(self.sums) + 2)
+    def result(self, accelerator, beta: float, group=None) -> dict[str, torch.Tensor]:
+        """The step's loss and tokens trained over every process (``group``: its processes, the split layout's
+        trainers), its token means (``kl`` only with ``beta``), and the smallest low-clip and largest high-clip share
+        of a completion, by TRL's names (on the device)."""
+        mine = torch.cat([self.sums, self.extremes])[None]
+        everyone = gather(accelerator, mine, group).view(-1, len(self.sums) + 2)
         sums = everyone[:, : len(self.sums)].sum(dim=0)
         step = {"loss": sums[0], "num_tokens": sums[1]}
         step.update({name: sums[2 + index] / sums[-1].clamp(min=1) for index, name in enumerate(TOKEN_METRICS)})
@@ -83,3 +86,28 @@ class CompletionsRecord(RunRecord):
     def _perf(self) -> dict:
         summary = super()._perf()
         return {**summary, "perf/completions_per_sec": summary["perf/samples_per_sec"]}
+
+
+class TrainLog:
+    """What a run logs of its optimizer steps, by TRL's names: every step's metrics (``add``); every
+    ``logging_steps`` (and at the last step) the window's means (a metric that is NaN in a step left out, as TRL does)
+    sent to the trackers and kept in ``log`` (results.json's ``train/log``), the last window's in ``last``; every
+    step's mean reward in ``rewards`` (``train/rewards``). A resumed run goes on from its checkpoint's ``history``."""
+
+    def __init__(self, history: dict, logging_steps: int, max_train_steps: int):
+        self.log, self.rewards = history.get("train/log", []), history.get("train/rewards", [])
+        self.logging_steps, self.max_train_steps, self.window, self.last = logging_steps, max_train_steps, [], {}
+
+    def add(self, accelerator, completed_steps: int, step: dict, learning_rate: float) -> None:
+        self.window.append(step)
+        self.rewards.append(step["reward"])
+        if completed_steps % self.logging_steps == 0 or completed_steps == self.max_train_steps:
+            # Sync point: reads the window's metrics.
+            logs = {f"train/{k}": torch.stack([s[k] for s in self.window]).nanmean().item() for k in self.window[0]}
+            logs["train/learning_rate"], self.window, self.last = learning_rate, [], logs
+            self.log.append({"step": completed_steps, **logs})
+            accelerator.log(logs, step=completed_steps)
+
+    def history(self) -> dict:
+        """``train/log`` and ``train/rewards`` so far (JSON), for a checkpoint and results.json."""
+        return {"train/log": self.log, "train/rewards": list(map(float, self.rewards))}

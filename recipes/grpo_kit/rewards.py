@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from shared.runtime import RecipeError, stop_if_found
+from shared.runtime import RecipeError
+
+from .collectives import gather, stop_if_any
 
 ANSWER_COLUMNS = ("answer", "solution")
 # What a reasoning model's completion looks like (open-r1's format reward): its reasoning, then its answer.
@@ -167,12 +169,12 @@ def score(functions, prompts: list, completions: list, completion_ids: list, col
     return values, None
 
 
-def score_round(accelerator, functions, rows: list[dict], completions, tokenizer, fmt: str, **extra):
+def score_round(accelerator, functions, rows: list[dict], completions, tokenizer, fmt: str, group=None, **extra):
     """This process's completions of a round scored by every reward function (``score``, their text decoded as TRL
     passes it: a string, or an assistant message for conversational prompts), gathered from every process (a
-    collective): one row per completion of the round, a column per function (NaN: not applicable), then its length
-    in tokens and whether it was truncated. A reward function that failed on any process stops every process, its
-    paragraph printed once."""
+    collective; ``group``: from its processes alone, the split layout's trainers): one row per completion of the
+    round, a column per function (NaN: not applicable), then its length in tokens and whether it was truncated. A
+    reward function that failed on any process stops every process, its paragraph printed once."""
     texts = tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
     texts = [[{"role": "assistant", "content": text}] for text in texts] if fmt == "conversational" else texts
     columns = [name for name in rows[0] if name not in ("prompt", "prompt_ids", "index")]  # the data's other columns
@@ -181,9 +183,8 @@ def score_round(accelerator, functions, rows: list[dict], completions, tokenizer
     lengths = [
         [len(ids), cut, problem is not None] for ids, cut in zip(completions.completion_ids, completions.truncated)
     ]
-    gathered = accelerator.gather(
-        torch.cat([scores, torch.tensor(lengths, dtype=torch.float)], dim=1).to(accelerator.device)
-    )
+    mine = torch.cat([scores, torch.tensor(lengths, dtype=torch.float)], dim=1).to(accelerator.device)
+    gathered = gather(accelerator, mine, group)
     if gathered[:, -1].any():  # (every process sees it: all of them take part in the collective that prints it)
-        stop_if_found(problem)
+        stop_if_any(accelerator, problem, group)
     return gathered[:, :-1]

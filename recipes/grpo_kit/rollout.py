@@ -19,6 +19,10 @@ from typing import Protocol
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
+from .data import micro_batches
+from .loss import add_fixed_logps, completion_tokens, group_advantages
+from .rewards import score_round
+
 
 @dataclass
 class Rollouts:
@@ -36,6 +40,10 @@ class Generator(Protocol):
         """Completions of ``prompt_ids`` (one per row, the prompt repeated for each of its completions), sampled with
         ``noise`` (rows x max_completion_length uniforms, ``sampling_noise``)."""
 
+    def update(self, model) -> None:
+        """After each round's optimizer steps (and once before the first round): the trained policy, for a generator
+        that does not hold it (``split.SplitLayout`` sends its weights to the generating process)."""
+
 
 def sampling_noise(seed: int, round_index: int, rows: int, max_completion_length: int) -> torch.Tensor:
     """The uniforms that sample the round's ``rows`` completions (the global batch, every process the same):
@@ -47,20 +55,27 @@ def sampling_noise(seed: int, round_index: int, rows: int, max_completion_length
 class NoiseSampler(LogitsProcessor):
     """Samples each row's next token from softmax(scores / temperature), after transformers' top-k and top-p filters,
     by inverse transform with its uniform for this position (``noise``), and leaves that token the only one greedy
-    search can pick. ``prompt_length``: the padded prompts' length (the position is the tokens generated so far)."""
+    search can pick. ``prompt_length``: the padded prompts' length (the position is the tokens generated so far).
+    With ``logps``, also keeps each sampled token's log-prob under softmax(scores / temperature) before the filters
+    (the distribution the training forward scores: TRL's), one column per position, in ``self.logps``."""
 
-    def __init__(self, noise: torch.Tensor, prompt_length: int, temperature: float, top_k: int, top_p: float):
+    def __init__(
+        self, noise: torch.Tensor, prompt_length: int, temperature: float, top_k: int, top_p: float, logps=False
+    ):
         self.noise, self.prompt_length, self.temperature = noise, prompt_length, temperature
         self.filters = [TopKLogitsWarper(top_k)] if top_k else []
         self.filters += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+        self.logps = [] if logps else None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
+        scores = unfiltered = scores.float() / self.temperature
         for kept in self.filters:
             scores = kept(input_ids, scores)
         cdf = torch.softmax(scores, dim=-1).cumsum(dim=-1)
         uniform = self.noise[:, input_ids.shape[1] - self.prompt_length].to(cdf.device)[:, None] * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, uniform.contiguous(), right=True).clamp(max=scores.shape[-1] - 1)
+        if self.logps is not None:
+            self.logps.append(torch.log_softmax(unfiltered, dim=-1).gather(1, tokens)[:, 0])
         return torch.full_like(scores, -torch.inf).scatter_(1, tokens, 0.0)
 
 
@@ -71,7 +86,8 @@ class PolicyGenerator:
     (``sharded``; the recipe registers ``generate`` as a forward method, so that it gathers the root's own parameters
     as a forward does) every forward gathers each block's parameters from all processes, so all of them must run as
     many forwards: ``synced_gpus`` keeps a process whose rows have ended stepping (on padding) until every process's
-    have."""
+    have. ``logps``: return the log-prob the policy gave each sampled token (the split layout's generating process,
+    whose policy is not the one the trainers score with)."""
 
     def __init__(
         self,
@@ -84,9 +100,10 @@ class PolicyGenerator:
         top_k: int,
         top_p: float,
         sharded: bool,
+        logps: bool = False,
     ):
         self.accelerator, self.model, self.tokenizer, self.sharded = accelerator, model, tokenizer, sharded
-        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        self.sampling, self.logps = {"temperature": temperature, "top_k": top_k, "top_p": top_p}, logps
         config = getattr(accelerator.unwrap_model(model), "generation_config", None)
         declared = getattr(config, "eos_token_id", None)
         declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
@@ -109,7 +126,7 @@ class PolicyGenerator:
         attention_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
         for row, ids in enumerate(prompt_ids):  # left-padded: every prompt ends where generation starts
             input_ids[row, length - len(ids) :], attention_mask[row, length - len(ids) :] = torch.tensor(ids), 1
-        sampler = NoiseSampler(noise, length, **self.sampling)
+        sampler = NoiseSampler(noise, length, **self.sampling, logps=self.logps)
         unwrapped.eval()
         try:
             with torch.no_grad():  # (the prepared model's forward keeps its mixed-precision autocast)
@@ -122,7 +139,14 @@ class PolicyGenerator:
                 )
         finally:
             unwrapped.train()  # what follows generation: training
-        return cut_at_end(output[:, length:].tolist(), self.eos_token_ids)
+        rollouts = cut_at_end(output[:, length:].tolist(), self.eos_token_ids)
+        if self.logps:  # each row's, to its end
+            logps = torch.stack(sampler.logps, dim=1).tolist()
+            rollouts.logps = [row[: len(ids)] for row, ids in zip(logps, rollouts.completion_ids)]
+        return rollouts
+
+    def update(self, model) -> None:
+        """Nothing: the policy it generates with is the one being trained."""
 
 
 def cut_at_end(rows: list[list[int]], eos_token_ids: list[int]) -> Rollouts:
@@ -133,3 +157,58 @@ def cut_at_end(rows: list[list[int]], eos_token_ids: list[int]) -> Rollouts:
         completions.append(ids if end is None else ids[: end + 1])
         truncated.append(end is None)
     return Rollouts(completions, truncated)
+
+
+def training_round(
+    accelerator,
+    generator: Generator,
+    prompts: list[dict],
+    *,
+    round_index: int,
+    share: slice,
+    num_generations: int,
+    seed: int,
+    global_batch_size: int,
+    max_completion_length: int,
+    reward_functions,
+    reward_weights: list[float],
+    scale_rewards: str,
+    tokenizer,
+    fmt: str,
+    per_device_train_batch_size: int,
+    mask_truncated: bool,
+    model,
+    reference_model,
+    temperature: float,
+    num_iterations: int,
+    beta: float,
+    group=None,
+    trainer_state=None,
+) -> tuple[list[dict], torch.Tensor, dict, torch.Tensor]:
+    """This process's part of round ``round_index``: its ``share`` of the round's completions (every prompt
+    ``num_generations`` times) generated with its share of the round's noise (split: received from the generating
+    process); scored by every reward function and gathered from every process (``group``: the trainers') (a
+    collective); each advantage against its group's over the global batch; its rows cut into micro-batches with the
+    log-probs that stay fixed over the round (the generating policy's where a later step's ratio needs them and the
+    generator did not send them; the reference's with ``beta``). Returns the micro-batches, the gathered rewards and
+    lengths (``rewards.score_round``), the advantages (``loss.group_advantages``) and the step's completion tokens
+    over every process (the loss's normaliser, counted before the first backward)."""
+    rows = [row for row in prompts for _ in range(num_generations)][share]
+    noise = sampling_noise(seed, round_index, global_batch_size, max_completion_length)[share]
+    completions = generator.generate([row["prompt_ids"] for row in rows], noise)
+    gathered = score_round(
+        accelerator, reward_functions, rows, completions, tokenizer, fmt, group=group, trainer_state=trainer_state
+    )
+    advantages = group_advantages(gathered[:, : len(reward_functions)], reward_weights, num_generations, scale_rewards)
+    batches = micro_batches(
+        rows,
+        completions,
+        advantages["advantages"][share].cpu(),
+        per_device_train_batch_size,
+        tokenizer.pad_token_id,
+        mask_truncated,
+        accelerator.device,
+    )
+    old = num_iterations > 1 and completions.logps is None
+    add_fixed_logps(batches, model, reference_model, temperature, old, reference=beta > 0)
+    return batches, gathered, advantages, completion_tokens(gathered, mask_truncated)

@@ -82,13 +82,16 @@ def exact_match_rows(
 
 
 def main_process_exact_match(accelerator, model, tokenizer, rows, fmt: str) -> tuple[float, list[dict]]:
-    """``exact_match`` of ``rows`` on the main process alone (NaN and no answers elsewhere, or without rows)."""
+    """``exact_match`` of ``rows`` on the main process alone (NaN and no answers elsewhere, or without rows), in eval
+    mode; the model is left in the mode it was in."""
     score, answers = math.nan, []
     if rows is not None:
         with main_process_alone(accelerator):
             if accelerator.is_main_process:
+                training = model.training
                 model.eval()
                 score, answers = exact_match(accelerator.unwrap_model(model), tokenizer, rows, fmt, accelerator.device)
+                model.train(training)
     return score, answers
 
 

@@ -20,6 +20,17 @@ from harness.models import save_tiny_llama
 RECIPE_NAMES = sorted(path.name for path in RECIPES.glob("*.py"))
 # The launch config of a recipe's 2-process runs (the default: data parallel).
 TWO_PROCESSES = {"pipeline_lm.py": "pipeline_2gpu.yaml"}
+# A recipe's second layout that resumes in its own way: the flags that choose it (the name: the recipe, then the
+# flags), the launch arguments of its runs and of its resume in another process count. grpo.py's split layout (the
+# last process generates, the others train; one process is refused): 3 processes (2 trainers of 2 completions),
+# resumed in 2 (1 trainer; keep_global_batch makes it 2 x 2 accumulation).
+LAYOUTS = {
+    "grpo.py --generation_mode split": (
+        ("--generation_mode", "split", "--per_device_train_batch_size", "2"),
+        ("--num_processes", "3"),
+        (),
+    )
+}
 # Cases a recipe does not take, and why (its own tests hold what it does instead).
 OPT_OUTS = {
     ("resume_in_another_process_count", "linear_toy.py"): "the one-file toy refuses a checkpoint of another process "

@@ -16,16 +16,17 @@ import pytest
 from harness.launch import ONE_PROCESS, Launch, Run, launch, read_results
 from safetensors.numpy import load_file
 
-from .catalogue import OPT_OUTS, RECIPE_NAMES, TWO_PROCESSES, flags, max_train_steps, offering, tiny_args, tiny_models
+from .catalogue import LAYOUTS, OPT_OUTS, RECIPE_NAMES, TWO_PROCESSES, flags, max_train_steps, offering, tiny_args
+from .catalogue import tiny_models
 
-RESUMING = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name)]
+RESUMING = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name)] + list(LAYOUTS)
 STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+): .*?(/\S+/checkpoints/step_\d+)(.*)$", re.MULTILINE)
 
 
-def stopped_by(signal_number: int, config: str, script: str, *args, output_dir: Path) -> Run:
+def stopped_by(signal_number: int, config: str, script: str, *args, output_dir: Path, launch_args=()) -> Run:
     """A started 2-process launch, sent ``signal_number`` (to the launcher alone) once its first checkpoint is
     complete."""
-    run = Launch(config, script, *args, "--output_dir", output_dir)
+    run = Launch(config, script, *args, "--output_dir", output_dir, launch_args=launch_args)
     for _ in range(3000):  # up to 5 minutes
         if list((output_dir / "checkpoints").glob("step_*/progress.json")):
             run.process.send_signal(signal_number)
@@ -58,17 +59,20 @@ def damage_a_newer_copy(checkpoints: Path) -> Path:
 
 
 def scenario(name: str, models: dict, root: Path) -> dict:
-    """The launches of one recipe, in order: uninterrupted, stopped, damaged and resumed, refused."""
-    args, two = tiny_args(name, models), TWO_PROCESSES.get(name, "ddp_2gpu.yaml")
-    other = two if ("resume_in_another_process_count", name) in OPT_OUTS else "single_gpu.yaml"
+    """The launches of one recipe (or one of its ``LAYOUTS``), in order: uninterrupted, stopped, damaged and resumed,
+    refused."""
+    folder, layout = root / re.sub(r"\W+", "_", name), LAYOUTS.get(name)
+    (name, *_), (flags_of_layout, count, other_count) = name.split(), layout or ((), (), ())
+    args, two = (*tiny_args(name, models), *flags_of_layout), TWO_PROCESSES.get(name, "ddp_2gpu.yaml")
+    other = two if ("resume_in_another_process_count", name) in OPT_OUTS or layout else "single_gpu.yaml"
     skips = ("damaged_checkpoint_skipped", name) not in OPT_OUTS
-    folder = root / Path(name).stem
-    runs = {"uninterrupted": launch(two, name, *args, "--output_dir", folder / "uninterrupted")}
-    runs["stopped"] = stopped_by(signal.SIGTERM, two, name, *args, output_dir=folder / "stopped")
+    runs = {"uninterrupted": launch(two, name, *args, "--output_dir", folder / "uninterrupted", launch_args=count)}
+    runs["stopped"] = stopped_by(signal.SIGTERM, two, name, *args, output_dir=folder / "stopped", launch_args=count)
     resume = (*args, "--output_dir", folder / "stopped", "--resume_from_checkpoint", "latest")
     runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints") if skips else None
-    runs["resumed"] = launch(other, name, *resume)
-    runs["reseeded"] = launch(ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
+    runs["resumed"] = launch(other, name, *resume, launch_args=other_count)
+    reseeded = (ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
+    runs["reseeded"] = launch(*reseeded, launch_args=other_count)
     if not skips:  # refused in one line instead: a damaged newest checkpoint, another process count
         runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints")
         runs["damaged_refused"] = launch(two, name, *resume)
@@ -141,7 +145,7 @@ def test_resumed_in_another_process_count_it_ends_as_the_uninterrupted_run(runs,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", offering("--resume_from_checkpoint", "damaged_checkpoint_skipped"))
+@pytest.mark.parametrize("name", offering("--resume_from_checkpoint", "damaged_checkpoint_skipped") + list(LAYOUTS))
 def test_latest_skips_a_damaged_newer_checkpoint_and_says_so(runs, name):
     damaged, resumed = runs[name]["damaged"], runs[name]["resumed"]
     assert f"skipping the damaged checkpoint {damaged.name}" in resumed.output, str(resumed)

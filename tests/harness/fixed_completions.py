@@ -45,6 +45,28 @@ def patch_recipe_generator(by_noise: bool = False) -> None:
     def generate(self, prompt_ids, noise):
         keys = [repr(float(row[0])) for row in noise] if by_noise else None
         completions = fixed_completions(prompt_ids, self.tokenizer, self.config.max_new_tokens, keys)
-        return rollout.cut_at_end(completions, self.eos_token_ids)
+        rollouts = rollout.cut_at_end(completions, self.eos_token_ids)
+        if self.logps:  # the split layout's generating process: its policy's log-probs of them, as sampling gives
+            rollouts.logps = policy_logps(self, prompt_ids, rollouts)
+        return rollouts
 
     rollout.PolicyGenerator.generate = generate
+
+
+def policy_logps(generator, prompt_ids, rollouts) -> list[list[float]]:
+    """The log-probs the generator's policy gives each completion token (eval mode, no gradient), as the recipe's
+    sampler returns them: the recipe's own training forward (``grpo_kit.loss.completion_logps``)."""
+    import torch
+    from grpo_kit.data import micro_batches
+    from grpo_kit.loss import completion_logps
+
+    model = generator.accelerator.unwrap_model(generator.model)
+    rows = [{"prompt_ids": ids} for ids in prompt_ids]
+    (batch,) = micro_batches(
+        rows, rollouts, torch.zeros(len(rows)), len(rows), generator.tokenizer.pad_token_id, False, model.device
+    )
+    model.eval()
+    with torch.no_grad():
+        logps = completion_logps(model, batch, generator.sampling["temperature"])[0].tolist()
+    model.train()
+    return [row[: len(ids)] for row, ids in zip(logps, rollouts.completion_ids)]

@@ -53,6 +53,8 @@ def main(argv=None) -> int:
             method=args.method,
             objective=args.objective,
             precompute_reference=args.precompute_reference,
+            num_generations=args.num_generations,
+            beta=args.beta,
             lora_r=args.lora_r,
             lora_dropout=args.lora_dropout,
             gradient_checkpointing=args.gradient_checkpointing,
@@ -161,9 +163,24 @@ def _add_method_flags(parser: argparse.ArgumentParser) -> None:
         "--objective",
         choices=list(OBJECTIVES),
         default="sft",
-        help="sft (recipes/llm_finetune.py; the presets' full fine-tuning: train_lm.py, pipeline_lm.py) or dpo "
-        "(recipes/dpo.py: each sample a chosen and a rejected sequence in one forward, --micro_batch counts pairs; "
-        "--method still says what trains, as dpo.py's --full_finetune, default, --load_in_4bit do).",
+        help="sft (recipes/llm_finetune.py; the presets' full fine-tuning: train_lm.py, pipeline_lm.py), dpo "
+        "(recipes/dpo.py: each sample a chosen and a rejected sequence in one forward, --micro_batch counts pairs) or "
+        "grpo (recipes/grpo.py: --micro_batch completions per forward, --seq_len prompt + completion tokens, the KV "
+        "cache of --num_generations of them while generating; colocated and the generation split); --method still "
+        "says what trains, as the recipes' --full_finetune, default, --load_in_4bit do.",
+    )
+    parser.add_argument(
+        "--num_generations",
+        type=int,  # the recipe's type; a group of fewer than 2 is refused by fits.plan
+        default=8,
+        help="GRPO: completions per prompt (a group), generated together: the KV cache a generating GPU holds.",
+    )
+    parser.add_argument(
+        "--beta",
+        type=float,
+        default=0.0,
+        help="GRPO: the KL coefficient (recipes/grpo.py's, TRL's default 0); > 0 adds a reference forward every step "
+        "and, with --method full, a frozen copy of the model in the compute dtype.",
     )
     parser.add_argument(
         "--precompute_reference",

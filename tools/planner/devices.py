@@ -11,6 +11,8 @@ from __future__ import annotations
 from tools.planner.memory import (
     block_activation_bytes,
     block_input_bytes,
+    generation_logit_bytes,
+    kv_cache_bytes,
     gradients_in_flight_bytes,
     head_activation_bytes,
     lora_params_per_block,
@@ -33,12 +35,18 @@ MODEL_STATE = ("parameters", "reference", "gradients", "optimizer", "quantizatio
 
 
 def reference_copy(request: dict) -> bool:
-    """DPO with full fine-tuning and ``--no-precompute_reference``: a frozen second model in the compute dtype."""
+    """A frozen second model in the compute dtype: DPO with full fine-tuning and ``--no-precompute_reference``, GRPO
+    with full fine-tuning and ``--beta`` > 0."""
+    if request["objective"] == "grpo":
+        return request["method"] == "full" and request["beta"] > 0
     return request["objective"] == "dpo" and request["method"] == "full" and not request["precompute_reference"]
 
 
 def reference_forward(request: dict) -> bool:
-    """A reference forward every step: DPO with LoRA or QLoRA (the adapter disabled) or with a reference copy."""
+    """A reference forward every step: DPO with LoRA or QLoRA (the adapter disabled) or with a reference copy; GRPO
+    with ``--beta`` > 0."""
+    if request["objective"] == "grpo":
+        return request["beta"] > 0
     return request["objective"] == "dpo" and (request["method"] != "full" or reference_copy(request))
 
 
@@ -68,8 +76,42 @@ def device_estimate(label, kind, state, compute, shape, request, p, buckets=Fals
     step = trained * p["adam"] / 2 if request["mixed_precision"] == "fp16" and kind != "offload" else 0
     what = "foreach AdamW's temporary (fp16)" if step else "fused AdamW: in place, no temporary"
     terms["optimizer_step"] = (step, f"{what} {millions(trained)} x {p['adam'] // 2 if step else 0} B = {gib(step)}")
+    terms["kv_cache"] = _generation(shape, request, p, compute.get("generates", request["objective"] == "grpo"))
     terms["overhead"] = (request["overhead"], f"CUDA context, NCCL, fragmentation = {gib(request['overhead'])}")
-    return _bill(label, kind, state, compute, p, terms, _moments(activations, temporaries, step))
+    return _bill(label, kind, state, compute, p, terms, _moments(activations, temporaries, step, terms["kv_cache"][0]))
+
+
+def generator_estimate(label: str, shape: ModelShape, request: dict, p: dict, state: dict) -> dict:
+    """The generation split's generating GPU: the weights as loaded (``state``; LoRA: the frozen base and the
+    adapter; QLoRA: with its constants), no gradients, optimizer state or activations; the KV cache."""
+    terms = {name: (0, "0") for name in (*MODEL_STATE, "buffers", "activations", "activations_checkpointed")}
+    terms.update({name: (0, "0") for name in ("temporaries", "optimizer_step")})
+    held = model_state_bytes(request["method"], p, state["params"], state["linear"], state["adapter"])
+    weights, formula = held["parameters"]
+    terms["parameters"] = (weights, f"{formula} = {gib(weights)} (generates only: no gradients, no optimizer state)")
+    if request["method"] == "qlora":
+        constants = quantization_constant_bytes(state["constants_linear"], p)
+        quantized = millions(state["constants_linear"])
+        terms["quantization_constants"] = (constants, f"{quantized} 4-bit weights' constants = {gib(constants)}")
+    terms["kv_cache"] = _generation(shape, request, p, True)
+    terms["overhead"] = (request["overhead"], f"CUDA context, NCCL, fragmentation = {gib(request['overhead'])}")
+    compute = dict(blocks=shape.num_layers, has_head=True, in_flight=0)
+    phases = {"generation": terms["kv_cache"][0]}
+    return _bill(label, "generator", {**state, "adapter": 0}, compute, p, terms, (phases, phases))
+
+
+def _generation(shape: ModelShape, request: dict, p: dict, generates: bool) -> tuple:
+    """GRPO's generation on this GPU: the KV cache of one group (``num_generations`` x ``seq_len`` tokens) and one
+    step's logits."""
+    if not generates:
+        return 0, "0"
+    rows, s = request["num_generations"], request["seq_len"]
+    kv, logits = kv_cache_bytes(shape, rows, s, p), generation_logit_bytes(shape, rows)
+    head_dim = shape.hidden_size // shape.num_heads
+    return kv + logits, (
+        f"KV cache {rows} completions x {s} tokens x {shape.num_layers} blocks x 2 x {shape.num_kv_heads} x "
+        f"{head_dim} x {p['compute']} B = {gib(kv)} + the step's logits {gib(logits)} = {gib(kv + logits)}"
+    )
 
 
 def _model_state_terms(kind: str, method: str, p: dict, state: dict) -> dict:
@@ -196,7 +238,7 @@ def _temporaries(kind: str, shape: ModelShape, request: dict, p: dict, compute: 
         (found["head_copy"], "the fp32 LM head cast for its matmul"),
         (found["dequantized"], "one dequantized 4-bit weight"),
         (found["working"], "gradients in flight through one block"),
-        (found["reference"], "DPO's reference forward (no_grad: its logits, one block's working set)"),
+        (found["reference"], "the reference forward (no_grad: its logits, one block's working set)"),
     ]
     parts = [(value, what) for value, what in parts if value]
     total = sum(value for value, _ in parts)
@@ -205,9 +247,10 @@ def _temporaries(kind: str, shape: ModelShape, request: dict, p: dict, compute: 
     return found
 
 
-def _moments(activations: dict, temporaries: dict, step: float) -> tuple[dict, dict]:
-    """What exists besides the fixed state at the three moments, without and with checkpointing. Autocast's cache
-    keeps every weight copy until the forward returns, so checkpointing frees them only for the blocks' backward."""
+def _moments(activations: dict, temporaries: dict, step: float, generation: float = 0) -> tuple[dict, dict]:
+    """What exists besides the fixed state at the three moments, without and with checkpointing (and GRPO's
+    generation, the step's activations gone). Autocast's cache keeps every weight copy until the forward returns, so
+    checkpointing frees them only for the blocks' backward."""
     stored, checkpointed = activations["blocks_stored"], activations["blocks_stored_checkpointed"]
     heads, recomputed = activations["heads"], activations["recomputed"]
     copies, head_copy = temporaries["copies"], temporaries["head_copy"]
@@ -222,6 +265,8 @@ def _moments(activations: dict, temporaries: dict, step: float) -> tuple[dict, d
         "block_backward": checkpointed + recomputed + temporaries["copies_one_block"] + working + dequantized,
         "optimizer_step": step,
     }
+    if generation:  # GRPO: before the step's forward, with nothing of it stored yet
+        phases["generation"] = phases_checkpointed["generation"] = generation
     if temporaries["reference"]:  # DPO: after the policy's forward, before its backward
         reference = temporaries["reference"] + dequantized
         phases["reference_forward"] = stored + heads + reference

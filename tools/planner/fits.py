@@ -56,6 +56,8 @@ def plan(
     method: str = "full",
     objective: str = "sft",
     precompute_reference: bool | None = None,
+    num_generations: int = 8,
+    beta: float = 0.0,
     lora_r: int = 8,
     lora_dropout: float = 0.0,
     gradient_checkpointing: bool = False,
@@ -70,8 +72,10 @@ def plan(
     ``micro_batch``: sequences per forward pass on one device (pipeline: per micro-batch, with
     ``num_microbatches`` of them per batch; DPO: pairs, two sequences each). ``method``: full, lora or qlora (LoRA
     rank ``lora_r`` on ``lora_targets``, default every linear layer of the blocks). ``objective``: sft or dpo
-    (``recipes/dpo.py``); ``precompute_reference``: DPO with full fine-tuning only, reference log-probabilities
-    computed before training (default, True) or a frozen reference copy (False). ``gradient_checkpointing``: the
+    (``recipes/dpo.py``) or grpo (``recipes/grpo.py``); ``precompute_reference``: DPO with full fine-tuning only,
+    reference log-probabilities computed before training (default, True) or a frozen reference copy (False).
+    ``num_generations`` (GRPO: the sequences of one group, whose KV cache a generating GPU holds) and ``beta`` (GRPO:
+    > 0, a reference forward; with full fine-tuning a frozen copy). ``gradient_checkpointing``: the
     estimate and the recommendation assume it (False: the recommendation weighs the best setup with and without it).
     ``cpu_offload``: prefer ``fsdp_offload``. ``host_ram_gib``: the target machine's RAM (default:
     ``typical_host_ram_gib``). ``precision``: overrides of ``precision_profile`` for setups other than our recipes'.
@@ -89,6 +93,8 @@ def plan(
         objective=objective,
         # The recipe's default: full DPO precomputes; LoRA's reference is the base itself (the flag does not apply).
         precompute_reference=(precompute_reference is not False) if objective == "dpo" and method == "full" else None,
+        num_generations=num_generations if objective == "grpo" else None,
+        beta=beta if objective == "grpo" else None,
         lora_r=lora_r,
         lora_dropout=lora_dropout,
         mixed_precision=mixed_precision,
@@ -142,6 +148,11 @@ def _check(shape: ModelShape, request: dict, precompute_reference: bool | None) 
             "--precompute_reference / --no-precompute_reference apply to --objective dpo --method full only (with "
             "LoRA and QLoRA the reference is the base with the adapter disabled: no second model)"
         )
+    generations = request["num_generations"]
+    if request["objective"] == "grpo" and not (isinstance(generations, int) and generations >= 2):
+        raise ValueError(f"--num_generations must be a whole number >= 2 (a group), got {generations}")
+    if request["objective"] == "grpo" and not request["beta"] >= 0:
+        raise ValueError(f"--beta must be >= 0, got {request['beta']}")
     if request["method"] != "full" and not adapted_linears(shape, request["lora_targets"]):
         raise ValueError(f"{shape.name}: LoRA finds no linear layer to adapt in its blocks")
 
@@ -182,6 +193,8 @@ def _inputs(request: dict) -> dict:
         "method": request["method"],
         "objective": request["objective"],
         "precompute_reference": request["precompute_reference"],
+        "num_generations": request["num_generations"],
+        "beta": request["beta"],
         "lora_r": request["lora_r"] if lora else None,
         "lora_dropout": request["lora_dropout"] if lora else None,
         "mixed_precision": request["mixed_precision"],
@@ -222,6 +235,7 @@ def relative_speed(name: str, checkpointing: bool, request: dict) -> float:
         "single": 1.0,
         "device_map": 1.0,
         "fsdp_offload": 0.3 * gpus,
+        "generation_split": gpus - 1,  # the trainers' rate; generation overlaps their step (docs/grpo.md)
     }[name]
     return speed * (0.75 if checkpointing else 1.0)
 
@@ -311,6 +325,13 @@ def _why(name: str, key: str, checkpointing: bool, request: dict, setups: dict) 
             f"not the model, so every GPU would hold all of the model state. FSDP (full shard) divides parameters, "
             f"gradients and optimizer state by {gpus} ({peak} per GPU) and every GPU still computes; the price is "
             "all-gathering the parameters in forward and backward (about 1.5x DDP's traffic)."
+        )
+    if name == "generation_split":
+        ddp = f"DDP ({gib(setups['ddp'][key])}) and FSDP ({gib(setups['fsdp'][key])} per GPU) do not fit"
+        return (
+            f"{ddp}. The generation split does ({peak} on its fullest GPU): {gpus - 1} GPU(s) only train (no KV "
+            "cache) and one only generates (its weights and the KV cache: no gradients, no optimizer state), a round "
+            "ahead; a step takes the longer of generating and training."
         )
     if name == "pipeline":
         m, p = request["num_microbatches"], gpus

@@ -33,7 +33,7 @@ def launch_line(shape: ModelShape, name: str, checkpointing: bool, config: str |
     there is neither."""
     if config is None:
         return None
-    dpo = request["objective"] == "dpo"
+    dpo = request["objective"] in ("dpo", "grpo")  # the preference and RL recipes take a model by name or path
     if request["method"] == "full" and shape.name in MODEL_PRESETS and not dpo:
         recipe, flags = _preset_recipe(shape, name, request)
     elif name == "pipeline":
@@ -43,7 +43,10 @@ def launch_line(shape: ModelShape, name: str, checkpointing: bool, config: str |
         location = HUB_NAMES.get(shape.name) or (None if preset else loadable_location(shape.name))
         if location is None:
             return None
-        recipe, flags = "dpo.py" if dpo else "llm_finetune.py", _finetune_flags(location, request)
+        recipe = {"dpo": "dpo.py", "grpo": "grpo.py"}.get(request["objective"], "llm_finetune.py")
+        flags = _grpo_flags(location, request) if recipe == "grpo.py" else _finetune_flags(location, request)
+    if name == "generation_split":
+        flags.append("--generation_mode split")
     if name == "device_map":
         # Explicit: on a 2-GPU box the 1-process config would pick it anyway, on one GPU or none it would not.
         flags.append("--parallelism device_map")
@@ -81,4 +84,19 @@ def _finetune_flags(location: str, request: dict) -> list[str]:
     if method != "full" and request["lora_r"] != 8:
         flags.append(f"--lora_r {request['lora_r']}")
     flags += [f"--max_length {request['seq_len']}", f"--per_device_train_batch_size {request['micro_batch']}"]
+    return flags
+
+
+def _grpo_flags(location: str, request: dict) -> list[str]:
+    """grpo.py's flags: the data, the method, the rank, completions per forward, the group and ``--beta``; the
+    prompt and completion lengths are the user's (``--seq_len`` is their sum), so the line leaves them out."""
+    method = request["method"]
+    flags = [f"--model_name_or_path {location}", f"--train_file {DATA_PLACEHOLDER}"]
+    flags += {"full": ["--full_finetune"], "lora": [], "qlora": ["--load_in_4bit"]}[method]
+    if method != "full" and request["lora_r"] != 8:
+        flags.append(f"--lora_r {request['lora_r']}")
+    flags.append(f"--per_device_train_batch_size {request['micro_batch']}")
+    flags.append(f"--num_generations {request['num_generations']}")
+    if request["beta"]:
+        flags.append(f"--beta {request['beta']:g}")
     return flags

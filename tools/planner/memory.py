@@ -85,6 +85,16 @@ the GPU holds, A = LoRA parameters, Q = parameters of the blocks' linear layers,
   (TRL's DPOTrainer runs it after the policy's forward, the worse of the two orders), under FSDP with the
   reference copy's gathered units (root + 2 blocks).
 
+- GRPO (``recipes/grpo.py``): training is SFT's on completions (``--micro_batch`` completions of ``--seq_len`` =
+  prompt + completion tokens per forward). Generating, a process holds its weights (no activations: the step's are
+  gone) and the KV cache of the rows it generates at once, planned as one group: ``--num_generations`` sequences of
+  ``--seq_len`` tokens, 2 (K and V) x kv x (h / a) x c bytes per token and block (a larger round scales it
+  linearly), with the last position's fp32 logits and sampling probabilities (8 B per row and vocabulary entry).
+  With ``--beta`` > 0 a reference forward every step (LoRA: the adapter disabled; full: a frozen copy in the
+  compute dtype, as DPO's ``--no-precompute_reference``). The generation split (``--generation_mode split``): the
+  last GPU only generates (its weights as loaded, no gradients nor optimizer state, the KV cache), the others only
+  train (no KV cache; two GPUs: one trainer, no DDP buckets).
+
 This module holds the per-element, per-token and per-block formulas; ``devices.py`` adds them up for one GPU and
 for the host.
 """
@@ -94,6 +104,7 @@ from __future__ import annotations
 from tools.planner.shapes import ModelShape
 from tools.planner.tables import (
     CONSTANT_BYTES,
+    GENERATION_BYTES_PER_LOGIT,
     LOSS_BYTES_PER_LOGIT,
     NF4_BYTES,
     REFERENCE_BYTES_PER_LOGIT,
@@ -266,6 +277,18 @@ def gradients_in_flight_bytes(shape: ModelShape, tokens: int, p: dict) -> int:
 
 
 # ------------------------------------------------------------------------------- DPO's reference
+def kv_cache_bytes(shape: ModelShape, rows: int, seq_len: int, p: dict) -> int:
+    """The KV cache of ``rows`` sequences of ``seq_len`` tokens: K and V of every block, kv heads of h / a each, in
+    the compute dtype (what the attention's projections return under autocast)."""
+    head_dim = shape.hidden_size // shape.num_heads
+    return int(rows * seq_len * shape.num_layers * 2 * shape.num_kv_heads * head_dim * p["compute"])
+
+
+def generation_logit_bytes(shape: ModelShape, rows: int) -> int:
+    """One generation step's last-position logits and sampling probabilities, fp32, per row (``rows``)."""
+    return int(rows * GENERATION_BYTES_PER_LOGIT * shape.vocab_size) if shape.has_lm_head else 0
+
+
 def reference_forward_bytes(shape: ModelShape, tokens: int, p: dict) -> int:
     """DPO's reference forward under no_grad: nothing stored for backward, but while it runs the fp32 logits of its
     ``tokens`` and their log-softmax (8 B per token and vocabulary entry) and one block's working set (3 f m + 2 h r

@@ -57,9 +57,16 @@ def _heading(model: dict, inputs: dict) -> list[str]:
         }[inputs["precompute_reference"]]
         lora = f"{lora}; reference: {reference}"
         batch = f"micro-batch {inputs['micro_batch']} pairs ({2 * inputs['micro_batch']} sequences)"
-    objective = "DPO, " if inputs["objective"] == "dpo" else ""
+    if inputs["objective"] == "grpo":
+        reference = "a frozen copy" if method == "full" else "the base with the adapter disabled"
+        lora = f"{lora}; beta {inputs['beta']:g}" + (f" (reference: {reference})" if inputs["beta"] else "")
+        batch = (
+            f"micro-batch {inputs['micro_batch']} completions, the KV cache of {inputs['num_generations']} while "
+            "generating"
+        )
+    objective = {"dpo": "DPO, ", "grpo": "GRPO, "}.get(inputs["objective"], "")
     pipeline = f"; pipeline: {inputs['pipeline_schedule']}, {inputs['num_microbatches']} micro-batches"
-    pipeline = "" if objective else pipeline  # recipes/dpo.py has no pipeline
+    pipeline = "" if objective else pipeline  # recipes/dpo.py and grpo.py have no pipeline
     return [
         f"model {model['name']}: {model['num_parameters'] / 1e6:,.1f}M parameters (hidden {model['hidden_size']}, "
         f"{model['num_layers']} blocks, {model['num_heads']} heads / {model['num_kv_heads']} K/V, MLP "
@@ -137,7 +144,8 @@ def _recommendation(recommendation: dict, setups: dict) -> list[str]:
         if DATA_PLACEHOLDER in recommendation["launch"]:
             lines.append(
                 f"        replace {DATA_PLACEHOLDER} with your training data (JSON Lines, CSV or Parquet: messages, "
-                "prompt + completion or text; for dpo.py prompt, chosen and rejected)"
+                "prompt + completion or text; for dpo.py prompt, chosen and rejected; for grpo.py a prompt and what "
+                "the rewards read)"
             )
     elif recommendation.get("config"):
         lines.append(f"config: accelerate_configs/{recommendation['config']}")
@@ -150,8 +158,8 @@ def _arithmetic(name: str, setup: dict, checkpointing: bool) -> list[str]:
     device = max(setup["devices"], key=lambda d: d[total_key])
     activations = "activations_checkpointed" if checkpointing else "activations"
     lines = [f"arithmetic ({name}, {device['device']}, bytes per element as the module docstring says):"]
-    for term in (*STATE_TERMS[:1], "reference", *STATE_TERMS[1:], activations, *OTHER_TERMS):
-        if term != "reference" or device["arithmetic"]["reference"] != "0":
+    for term in (*STATE_TERMS[:1], "reference", *STATE_TERMS[1:], activations, *OTHER_TERMS, "kv_cache"):
+        if term not in ("reference", "kv_cache") or device["arithmetic"][term] != "0":
             lines.append(f"  {term}: {device['arithmetic'][term]}")
     phases = device["phases_checkpointed" if checkpointing else "phases"]
     lines.append(

@@ -8,14 +8,16 @@ at a time).
 
 Pipeline and device_map split the blocks as the recipes do (``recipes/pipeline_lm.py``): whole blocks, balanced by
 compute, the embeddings on the first device and the LM head (+ loss) on the last. DPO (``recipes/dpo.py``) trains
-under single, ddp, fsdp and fsdp_offload only: no split is estimated for it.
+under single, ddp, fsdp and fsdp_offload only: no split is estimated for it. GRPO (``recipes/grpo.py``) trains
+under those four colocated (each GPU generates its share, then trains) and ``generation_split`` (one GPU only
+generates, the others only train).
 """
 
 from __future__ import annotations
 
 from lm_kit.presets import MODEL_PRESETS
 from shared.model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition
-from tools.planner.devices import device_estimate, host_ram, reference_copy
+from tools.planner.devices import device_estimate, generator_estimate, host_ram, reference_copy
 from tools.planner.memory import (
     lora_params_per_block,
     model_state_bytes,
@@ -23,7 +25,7 @@ from tools.planner.memory import (
     quantization_constant_bytes,
 )
 from tools.planner.shapes import ModelShape
-from tools.planner.tables import DPO_SETUPS, NF4_BYTES, gib
+from tools.planner.tables import DPO_SETUPS, GRPO_SETUPS, NF4_BYTES, gib
 
 
 def estimate(shape: ModelShape, request: dict, only: str | None = None) -> dict:
@@ -59,8 +61,10 @@ def _estimate_setups(shape: ModelShape, request: dict, only: str | None) -> dict
     for name in ("fsdp", "fsdp_offload"):
         if only in (None, name):
             setups[name] = _sharded(name, shape, request, p_sharded, everything)
-    if request["objective"] == "dpo":
-        return setups  # recipes/dpo.py has no split
+    if request["objective"] == "grpo" and only in (None, "generation_split"):
+        setups["generation_split"] = _generation_split(shape, request, p_replica, everything)
+    if request["objective"] in ("dpo", "grpo"):
+        return setups  # recipes/dpo.py and grpo.py have no block split
     if shape.num_layers < gpus or only not in (None, "pipeline", "device_map"):
         return setups  # fewer blocks than GPUs: no split gives every GPU a block
     counts = split_blocks(shape, gpus, request["seq_len"])
@@ -76,6 +80,19 @@ def _replicas(shape, request, p, everything, processes: int, buckets: bool) -> d
     device = device_estimate("gpu0", "replica", everything, whole, shape, request, p, buckets)
     devices = [device] + [{**device, "device": f"gpu{rank}"} for rank in range(1, processes)]
     return {"devices": devices, "identical": True, **host_ram(request, p, shape, processes, processes, 0)}
+
+
+def _generation_split(shape, request, p, everything) -> dict:
+    """recipes/grpo.py --generation_mode split: GPUs 0 .. N-2 train a full replica each (DDP buckets from two
+    trainers on), no KV cache; the last GPU generates: its weights as loaded and the KV cache (no reference copy:
+    the generating process never scores)."""
+    trainers = request["gpus"] - 1
+    whole = dict(blocks=shape.num_layers, has_head=True, in_flight=1, generates=False)
+    trainer = device_estimate("gpu0", "replica", everything, whole, shape, request, p, buckets=trainers > 1)
+    devices = [trainer] + [{**trainer, "device": f"gpu{rank}"} for rank in range(1, trainers)]
+    devices.append(generator_estimate(f"gpu{trainers}", shape, request, p, {**everything, "reference": 0}))
+    gpus = request["gpus"]
+    return {"devices": devices, "identical": False, **host_ram(request, p, shape, gpus, gpus, 0)}
 
 
 def _sharded(name, shape, request, p, everything) -> dict:
@@ -169,7 +186,7 @@ def _summarize(name: str, setup: dict, shape: ModelShape, request: dict) -> None
     setup["fits_without_checkpointing"] = setup["peak_without_checkpointing"] <= budget and loads_and_hosts
     setup["over_by"] = max(0, setup["peak"] - budget)
     setup["host_over_by"] = max(0, setup["host_ram"] - host_budget)
-    setup["recipe"] = recipe_for(shape, request["method"], name, request["objective"])
+    setup["recipe"] = recipe_for(shape, request["method"], name, request["objective"], request.get("beta", 0))
 
 
 def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | None, str | None]:
@@ -203,11 +220,14 @@ def gpu_load_peak(shape: ModelShape, request: dict, name: str) -> tuple[int | No
     )
 
 
-def recipe_for(shape: ModelShape, method: str, name: str, objective: str = "sft") -> str | None:
+def recipe_for(shape: ModelShape, method: str, name: str, objective: str = "sft", beta: float = 0) -> str | None:
     """The recipe that trains this setup, or None (pipelines are full fine-tuning of the presets only; DPO has no
-    split)."""
+    split; GRPO's full fine-tune with ``beta`` refuses FSDP2, which would not shard its frozen copy)."""
     if objective == "dpo":
         return "recipes/dpo.py" if name in DPO_SETUPS else None
+    if objective == "grpo":
+        refused = method == "full" and beta > 0 and name in ("fsdp", "fsdp_offload")
+        return "recipes/grpo.py" if name in GRPO_SETUPS and not refused else None
     if name == "pipeline":
         return "recipes/pipeline_lm.py" if method == "full" and shape.name in MODEL_PRESETS else None
     if method == "full" and shape.name in MODEL_PRESETS:

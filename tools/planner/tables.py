@@ -85,6 +85,8 @@ LOSS_BYTES_PER_LOGIT = 12
 RMSNORM_BYTES = 4  # LlamaRMSNorm normalizes in fp32 and keeps that copy for backward
 # DPO's reference forward (no_grad): per token and vocabulary entry, the fp32 logits and their fp32 log-softmax.
 REFERENCE_BYTES_PER_LOGIT = 8
+# GRPO's generation step: the last position's fp32 logits and the sampler's fp32 probabilities, per row and entry.
+GENERATION_BYTES_PER_LOGIT = 8
 
 # ------------------------------------------------------------------------------- fixed costs and margins
 DEFAULT_OVERHEAD_GIB = 1.0  # per GPU: CUDA context, NCCL's buffers, allocator fragmentation
@@ -97,15 +99,18 @@ TIGHT = 0.9
 METHODS = ("full", "lora", "qlora")  # from the heaviest to the lightest model state
 LABELS = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
 MIXED_PRECISION = ("no", "bf16", "fp16")
-# What the loss trains for: sft (recipes/llm_finetune.py, train_lm.py, pipeline_lm.py) or dpo (recipes/dpo.py: a
-# chosen and a rejected sequence per sample, against a frozen reference).
-OBJECTIVES = ("sft", "dpo")
-SEQUENCES_PER_SAMPLE = {"sft": 1, "dpo": 2}
-SETUPS = ("single", "ddp", "fsdp", "fsdp_offload", "pipeline", "device_map")  # the table's order
+# What the loss trains for: sft (recipes/llm_finetune.py, train_lm.py, pipeline_lm.py), dpo (recipes/dpo.py: a
+# chosen and a rejected sequence per sample, against a frozen reference) or grpo (recipes/grpo.py: completions it
+# generates, trained one sequence each; a KV cache while it generates).
+OBJECTIVES = ("sft", "dpo", "grpo")
+SEQUENCES_PER_SAMPLE = {"sft": 1, "dpo": 2, "grpo": 1}
+# The table's order; generation_split: recipes/grpo.py --generation_mode split (one GPU generates, the others train).
+SETUPS = ("single", "ddp", "fsdp", "fsdp_offload", "pipeline", "device_map", "generation_split")
 # The recommendation's order: the first that fits wins (the fastest first; fits.py says why each stands where it does).
-PREFERENCE = ("ddp", "fsdp", "pipeline", "single", "device_map", "fsdp_offload")
-# The setups recipes/dpo.py trains: no pipeline, no device_map split.
+PREFERENCE = ("ddp", "fsdp", "generation_split", "pipeline", "single", "device_map", "fsdp_offload")
+# The setups recipes/dpo.py trains: no pipeline, no device_map split; recipes/grpo.py also its generation split.
 DPO_SETUPS = ("single", "ddp", "fsdp", "fsdp_offload")
+GRPO_SETUPS = (*DPO_SETUPS, "generation_split")
 # The accelerate config for each setup on two GPUs (accelerate_configs/).
 CONFIGS = {
     "single": "single_gpu.yaml",
@@ -114,4 +119,5 @@ CONFIGS = {
     "fsdp_offload": "fsdp_offload_2gpu.yaml",
     "pipeline": "pipeline_2gpu.yaml",
     "device_map": "model_sharding_2gpu.yaml",
+    "generation_split": "ddp_2gpu.yaml",
 }
