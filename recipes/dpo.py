@@ -83,9 +83,8 @@ from llm_kit.loading import causal_lm_config, load_base_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from llm_kit.adapters import SFT_DEFAULT, continued_adapter, starting_point
 from shared.model_split import find_block_list
-from dpo_kit.preference_data import as_sft_rows, collate_pairs, disable_dropout, precompute_reference
-from dpo_kit.preference_data import preference_format, reference_logps, sequence_logps
-from dpo_kit.preference_data import stdlib_name_pairs, tokenize_pairs
+from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
+from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps, sequence_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.runtime import (

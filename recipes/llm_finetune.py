@@ -108,9 +108,9 @@ from llm_kit.sft_data import (
     check_batches,
     collate,
     load_raw_datasets,
-    token_losses,
     tokenize_datasets,
 )
+from llm_kit.loss import token_losses
 from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_samples
 
 
