@@ -133,212 +133,131 @@ METRICS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    data = parser.add_argument_group("data")
-    data.add_argument(
+    add = parser.add_argument_group("data").add_argument
+    add(
         "--train_file",
-        help="Preference pairs (.jsonl/.json, .csv, .parquet): prompt + chosen + "
-        "rejected (strings or messages), or chosen + rejected conversations sharing their prompt turns.",
+        help="Preference pairs (.jsonl/.json, .csv, .parquet): prompt + chosen + rejected (strings or messages), "
+        "or chosen + rejected conversations sharing their prompt turns.",
     )
-    data.add_argument(
-        "--validation_file",
-        help="Validation pairs, same format (default: held out from the training "
-        "data, --validation_split_percentage).",
-    )
-    data.add_argument(
-        "--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/ultrafeedback_binarized'."
-    )
-    data.add_argument("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
-    data.add_argument(
-        "--validation_split_percentage",
-        type=positive_float,
-        default=5,
-        help="Share of the training data held out for validation when there is no validation split.",
-    )
-    data.add_argument(
+    add("--validation_file", help="Validation pairs, same format (default: held out from the training data).")
+    add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/ultrafeedback_binarized'.")
+    add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
+    add("--validation_split_percentage", type=positive_float, default=5, help="Held out without a validation split.")
+    add(
         "--max_length",
         type=positive_int,
         default=1024,
-        help="Prompt + completion tokens at most (TRL's default and its keep_start cut): completions are cut to what "
-        "the prompt leaves, and a pair whose prompt alone fills it is dropped. Counted and reported.",
+        help="Prompt + completion tokens at most (TRL's cut): a pair whose prompt fills it is dropped (reported).",
     )
-    data.add_argument(
-        "--max_prompt_length",
-        type=positive_int,
-        help="Cut longer prompts from the left, keeping their end next to the answer (TRL before 1.0), so that long "
-        "prompts keep their pair and leave room for the completion (default: none, as TRL 1.x). Counted and reported.",
+    add("--max_prompt_length", type=positive_int, help="Cut longer prompts from the left (TRL < 1.0); default: none.")
+    add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")
+    add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation pairs.")
+    add = parser.add_argument_group("model").add_argument
+    add("--model_name_or_path", help="A causal LM (default: the adapter's base; offline: outputs/train_lm).")
+    add(
+        "--adapter_name_or_path", help="LoRA adapter to continue (rank, targets kept); its frozen copy: the reference."
     )
-    data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")
-    data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation pairs.")
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model_name_or_path",
-        help="Local folder or Hub name of a causal LM. Default: the base of "
-        "--adapter_name_or_path; offline: outputs/train_lm, pretrained first if missing.",
-    )
-    model.add_argument(
-        "--adapter_name_or_path",
-        help="A LoRA adapter to continue (e.g. outputs/llm_finetune, what "
-        "llm_finetune.py saved): trained on, and its frozen copy is the reference. Its own rank and "
-        "targets are kept (--lora_* apply to a new adapter only).",
-    )
-    model.add_argument(
-        "--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none."
-    )
-    model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
-    model.add_argument(
+    add("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none.")
+    add("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
+    add(
         "--parallelism",
         choices=["auto", "single", "ddp", "fsdp", "device_map"],
         default="auto",
         help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; else single).",
     )
-    model.add_argument(
-        "--full_finetune",
-        action="store_true",
-        help="Train every weight instead of a LoRA adapter "
-        "(the reference log-probs are then computed before training).",
-    )
-    model.add_argument(
-        "--load_in_4bit",
-        action="store_true",
-        help="QLoRA: the base model in 4-bit NF4 with double quantization (bitsandbytes), a LoRA adapter on top.",
-    )
-    model.add_argument(
+    add("--full_finetune", action="store_true", help="Train every weight (the reference precomputed), not LoRA.")
+    add("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 (bitsandbytes), LoRA on top.")
+    add(
         "--precompute_reference",
         action=argparse.BooleanOptionalAction,
-        help="Compute the reference "
-        "log-probs of every pair in one pass before training and keep them (always on with "
-        "--full_finetune; pointless with LoRA, whose reference costs no memory).",
+        help="The reference log-probs of every pair computed before training (on with --full_finetune; not LoRA).",
     )
-    model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
-    model.add_argument(
-        "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
-    )
-    model.add_argument(
-        "--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (needs --no-disable_dropout)."
-    )
-    model.add_argument(
+    add("--lora_r", type=positive_int, default=8, help="LoRA rank.")
+    add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
+    add("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (needs --no-disable_dropout).")
+    add(
         "--disable_dropout",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="TRL's default: every dropout of the model and of LoRA set to 0, so that the policy starts as the "
-        "reference and each step's loss is exact. --no-disable_dropout trains with the model's dropout (the reference "
-        "is always scored without).",
+        help="TRL's default: every dropout (LoRA's too) set to 0, so that the policy starts as the reference. "
+        "--no-disable_dropout trains with the model's dropout (the reference is scored without).",
     )
-    model.add_argument(
-        "--lora_target_modules",
-        nargs="+",
-        default=["all-linear"],
-        help="Module names (or suffixes) to adapt; 'all-linear': every linear layer but the output head.",
-    )
-    model.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
-    )
-    dpo = parser.add_argument_group("DPO")
-    dpo.add_argument(
+    add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
+    add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
+    add = parser.add_argument_group("DPO").add_argument
+    add(
         "--loss_type",
         choices=["sigmoid", "ipo"],
         default="sigmoid",
-        help="sigmoid: DPO's "
-        "-log sigmoid(beta * margin); ipo: (margin per token - 1 / (2 beta))^2, TRL's IPO (log-probs "
-        "averaged over each completion's tokens).",
+        help="sigmoid: DPO's -log sigmoid(beta * margin); ipo: TRL's IPO, (margin per token - 1 / (2 beta))^2.",
     )
-    dpo.add_argument(
-        "--beta",
-        type=positive_float,
-        default=0.1,
-        help="How far the policy may move from the reference: higher stays closer (IPO: its tau).",
-    )
-    dpo.add_argument(
-        "--label_smoothing",
-        type=float,
-        default=0.0,
-        help="sigmoid only: the share of pairs taken to "
-        "be mislabelled (conservative DPO: -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)).",
-    )
-    dpo.add_argument(
+    add("--beta", type=positive_float, default=0.1, help="Higher keeps the policy closer to the reference (IPO: tau).")
+    add("--label_smoothing", type=float, default=0.0, help="sigmoid: share of pairs taken as mislabelled (cDPO).")
+    add(
         "--rpo_alpha",
         type=float,
-        help="RPO (arXiv:2404.19733): add rpo_alpha x the NLL of the chosen "
-        "completions, the mean over every chosen completion token of the step's global batch (TRL's "
-        "rpo_alpha before 1.0, per batch on each process; 1.16: loss_type ['sigmoid', 'sft'] with "
-        "loss_weights [1, alpha]). Keeps the right answer likely while DPO pushes both down. Default: "
-        "off (0 too); offline, continuing the SFT adapter: 5.",
+        help="RPO (arXiv:2404.19733): add rpo_alpha x the NLL of the chosen completion tokens of the step's global "
+        "batch, which keeps the right answer likely while DPO pushes both down (default: off; offline, "
+        "continuing the SFT adapter: 5; docs/dpo.md).",
     )
-    training = parser.add_argument_group("training")
-    training.add_argument(
-        "--per_device_train_batch_size",
-        type=positive_int,
-        default=4,
-        help="Pairs per process per forward pass (each forward holds 2x as many sequences).",
-    )
-    training.add_argument(
-        "--per_device_eval_batch_size", type=positive_int, help="Pairs per evaluation batch (default: training's)."
-    )
-    training.add_argument(
+    add = parser.add_argument_group("training").add_argument
+    add("--per_device_train_batch_size", type=positive_int, default=4, help="Pairs (2 sequences each) per forward.")
+    add("--per_device_eval_batch_size", type=positive_int, help="Pairs per evaluation batch (default: training's).")
+    add(
         "--gradient_accumulation_steps",
         type=positive_int,
-        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
-        "batch in this process count).",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's "
+        "global batch in this process count).",
     )
-    training.add_argument(
-        "--num_train_epochs",
-        type=positive_int,
-        default=1,
-        help="Passes over the training set (ignored with --max_train_steps).",
-    )
-    training.add_argument(
-        "--max_train_steps",
-        type=positive_int,
-        help="Stop after this many optimizer steps (default: --num_train_epochs; offline default: 200).",
-    )
-    training.add_argument(
+    add("--num_train_epochs", type=positive_int, default=1, help="Passes over the data (unless --max_train_steps).")
+    add("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps (offline default: 200).")
+    add(
         "--learning_rate",
         type=positive_float,
-        help="Peak AdamW learning rate (default: 5e-5 "
-        "with LoRA, TRL's 1e-6 for a full fine-tune; offline default: 1e-3, continuing the SFT "
-        "adapter 1e-4).",
+        help="Peak AdamW learning rate (default: 5e-5 with LoRA, TRL's 1e-6 for a full fine-tune; offline default: "
+        "1e-3, continuing the SFT adapter 1e-4).",
     )
-    training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
-    training.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
-    training.add_argument(
-        "--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ..."
-    )
-    training.add_argument(
-        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
-    )
-    training.add_argument(
-        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables)."
-    )
-    training.add_argument(
-        "--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision."
-    )
-    training.add_argument("--seed", type=int, default=42, help="Seed for the LoRA initialisation and shuffling.")
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--output_dir", default="outputs/dpo", help="Adapter (or model), tokenizer, results.json, checkpoints."
-    )
-    output.add_argument(
+    add("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
+    add("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
+    add("--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ...")
+    add("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
+    add("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables).")
+    add("--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision.")
+    add("--seed", type=int, default=42, help="Seed for the LoRA initialisation and shuffling.")
+    add = parser.add_argument_group("output").add_argument
+    add("--output_dir", default="outputs/dpo", help="Adapter (or model), tokenizer, results.json, checkpoints.")
+    add(
         "--exact_match_samples",
         type=int,
-        help="Score greedy answers to N (shuffled) validation "
-        "prompts against the chosen answers, before and after training (default: 100 when the "
-        "answers are short, else none; 0 skips; not under FSDP).",
+        help="Score greedy answers to N (shuffled) validation prompts against the chosen answers, before and after "
+        "training (default: 100 when the answers are short, else none; 0 skips; not under FSDP).",
     )
-    output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
-    output.add_argument(
-        "--logging_steps",
-        type=positive_int,
-        default=10,
-        help="Log the loss and TRL's reward metrics every N optimizer steps.",
-    )
-    output.add_argument("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN).")
-    output.add_argument(
-        "--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers."
-    )
+    add("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
+    add("--logging_steps", type=positive_int, default=10, help="Log the loss and reward metrics every N steps.")
+    add("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN).")
+    add("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers.")
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
+    refuse_conflicting_flags(parser, args)
+    args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
+    # The offline default model is small and barely pretrained: it learns visibly only with larger steps than an LLM.
+    sft = not args.full_finetune and Path(SFT_DEFAULT, "adapter_config.json").is_file()  # continued (starting_point)
+    settings = (
+        {}
+        if args.model_name_or_path or args.adapter_name_or_path
+        else (OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
+    )
+    chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
+    for name, value in chosen.items():
+        setattr(args, name, value)
+    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
+    args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
+    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
+    return args
+
+
+def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that cannot go together, refused with the usage line and exit code 2 (``parser.error``)."""
     if args.full_finetune and (args.load_in_4bit or args.adapter_name_or_path):
         parser.error(
             "--full_finetune trains every weight of the model; --load_in_4bit and --adapter_name_or_path "
@@ -367,21 +286,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
-    args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
-    # The offline default model is small and barely pretrained: it learns visibly only with larger steps than an LLM.
-    sft = not args.full_finetune and Path(SFT_DEFAULT, "adapter_config.json").is_file()  # continued (starting_point)
-    settings = (
-        {}
-        if args.model_name_or_path or args.adapter_name_or_path
-        else (OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
-    )
-    chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
-    for name, value in chosen.items():
-        setattr(args, name, value)
-    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
-    args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
-    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
-    return args
 
 
 def dpo_losses(

@@ -126,182 +126,85 @@ BUNDLED_DATA = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    data = parser.add_argument_group("data")
-    data.add_argument(
-        "--train_file", help="Training data (.jsonl/.json, .csv, .parquet): messages, prompt + completion or text."
-    )
-    data.add_argument(
-        "--validation_file",
-        help="Validation data, same format (default: held out from the training data, --validation_split_percentage).",
-    )
-    data.add_argument("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/Capybara'.")
-    data.add_argument("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
-    data.add_argument(
-        "--validation_split_percentage",
-        type=positive_float,
-        default=5,
-        help="Share of the training data held out for validation when there is no validation split.",
-    )
-    data.add_argument(
-        "--max_length",
-        type=positive_int,
-        default=512,
-        help="Truncate samples to this many tokens (counted and reported).",
-    )
-    data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
-    data.add_argument(
-        "--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples."
-    )
-    data.add_argument(
+    add = parser.add_argument_group("data").add_argument
+    add("--train_file", help="Training data (.jsonl/.json, .csv, .parquet): messages, prompt + completion or text.")
+    add("--validation_file", help="Validation data, same format (default: held out from the training data).")
+    add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/Capybara'.")
+    add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
+    add("--validation_split_percentage", type=positive_float, default=5, help="Held out without a validation split.")
+    add("--max_length", type=positive_int, default=512, help="Truncate samples to this many tokens (reported).")
+    add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
+    add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples.")
+    add(
         "--packing",
         action="store_true",
-        help="Pack the training samples into rows of --max_length "
-        "tokens (best fit decreasing, as TRL's packing=True); a batch is --per_device_train_batch_size "
-        "rows, flattened into one without padding: each sample keeps its positions and attends only to "
-        "itself, the same losses (a block-diagonal mask: fastest with flash attention).",
+        help="Pack the samples into rows of --max_length tokens (best fit decreasing, TRL's packing=True), each "
+        "batch flattened into one row without padding: the same losses (docs/llm_finetune.md).",
     )
-    data.add_argument(
-        "--group_by_length", action="store_true", help="Batch samples of similar length together (less padding)."
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model_name_or_path",
-        help="Local folder or Hub name of a causal LM. Default: outputs/train_lm, pretrained first if missing.",
-    )
-    model.add_argument(
-        "--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none."
-    )
-    model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
-    model.add_argument(
+    add("--group_by_length", action="store_true", help="Batch samples of similar length together (less padding).")
+    add = parser.add_argument_group("model").add_argument
+    add("--model_name_or_path", help="Folder or Hub name of a causal LM (default: outputs/train_lm, pretrained).")
+    add("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none.")
+    add("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
+    add(
         "--parallelism",
         choices=["auto", "single", "ddp", "fsdp", "device_map"],
         default="auto",
-        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing "
-        ">= 2 GPUs: device_map; else single).",
+        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing >= 2 GPUs: "
+        "device_map; else single).",
     )
-    model.add_argument("--full_finetune", action="store_true", help="Train every weight instead of a LoRA adapter.")
-    model.add_argument(
-        "--load_in_4bit",
-        action="store_true",
-        help="QLoRA: the base model in 4-bit NF4 with double quantization (bitsandbytes), a LoRA adapter on top.",
-    )
-    model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
-    model.add_argument(
-        "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
-    )
-    model.add_argument(
+    add("--full_finetune", action="store_true", help="Train every weight instead of a LoRA adapter.")
+    add("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 (bitsandbytes), LoRA on top.")
+    add("--lora_r", type=positive_int, default=8, help="LoRA rank.")
+    add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
+    add(
         "--lora_dropout",
         type=float,
         default=0.0,
-        help="Dropout on the LoRA path (PEFT's default: "
-        "0; > 0 keeps a dropped copy of every adapted layer's input, and its mask, for backward).",
+        help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a dropped copy of every adapted layer's "
+        "input, and its mask, for backward).",
     )
-    model.add_argument(
-        "--lora_target_modules",
-        nargs="+",
-        default=["all-linear"],
-        help="Module names (or suffixes) to adapt; 'all-linear': every linear layer but the output head.",
-    )
-    model.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
-    )
-    training = parser.add_argument_group("training")
-    training.add_argument(
-        "--per_device_train_batch_size",
-        type=positive_int,
-        default=4,
-        help="Samples (with --packing: rows of --max_length tokens) per process per forward pass.",
-    )
-    training.add_argument(
-        "--per_device_eval_batch_size", type=positive_int, help="Samples per evaluation batch (default: training's)."
-    )
-    training.add_argument(
+    add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
+    add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
+    add = parser.add_argument_group("training").add_argument
+    add("--per_device_train_batch_size", type=positive_int, default=4, help="Samples (packed: rows) per forward.")
+    add("--per_device_eval_batch_size", type=positive_int, help="Samples per evaluation batch (default: training's).")
+    add(
         "--gradient_accumulation_steps",
         type=positive_int,
-        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
-        "batch in this process count).",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's "
+        "global batch in this process count).",
     )
-    training.add_argument(
-        "--num_train_epochs",
-        type=positive_int,
-        default=1,
-        help="Passes over the training set (ignored with --max_train_steps).",
-    )
-    training.add_argument(
-        "--max_train_steps",
-        type=positive_int,
-        help="Stop after this many optimizer steps "
-        "(default: --num_train_epochs; with the offline default model: 600).",
-    )
-    training.add_argument(
+    add("--num_train_epochs", type=positive_int, default=1, help="Passes over the data (unless --max_train_steps).")
+    add("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps (offline default: 600).")
+    add(
         "--learning_rate",
         type=positive_float,
-        help="Peak AdamW learning rate (default 2e-4: "
-        "LoRA 1e-4..3e-4, full ~1e-5; with the offline default model: 1e-3).",
+        help="Peak AdamW learning rate (default 2e-4: LoRA 1e-4..3e-4, full ~1e-5; with the offline default model: "
+        "1e-3).",
     )
-    training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
-    training.add_argument(
-        "--adam_epsilon",
-        type=positive_float,
-        default=1e-8,
-        help="AdamW's epsilon: the update is "
-        "m / (sqrt(v) + epsilon), so it also sets how much a near-zero gradient moves a weight.",
-    )
-    training.add_argument(
-        "--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ..."
-    )
-    training.add_argument(
-        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
-    )
-    training.add_argument(
-        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables)."
-    )
-    training.add_argument(
-        "--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision."
-    )
-    training.add_argument(
-        "--seed", type=int, default=42, help="Seed for the LoRA initialisation, shuffling and dropout."
-    )
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--output_dir",
-        default="outputs/llm_finetune",
-        help="Adapter (or model), tokenizer, results.json, checkpoints.",
-    )
-    output.add_argument(
-        "--merge_and_save",
-        action="store_true",
-        help="Also write the base model with the adapter "
-        "merged in to output_dir/merged (QLoRA: into a 16/32-bit copy).",
-    )
-    output.add_argument(
-        "--generate_samples",
-        type=int,
-        default=0,
-        help="After training, print answers to the first N validation prompts.",
-    )
-    output.add_argument(
-        "--sample_tokens", type=int, default=48, help="Tokens to generate per answer with --generate_samples."
-    )
-    output.add_argument(
+    add("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
+    add("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon in m / (sqrt(v) + epsilon).")
+    add("--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ...")
+    add("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
+    add("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables).")
+    add("--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision.")
+    add("--seed", type=int, default=42, help="Seed for the LoRA initialisation, shuffling and dropout.")
+    add = parser.add_argument_group("output").add_argument
+    add("--output_dir", default="outputs/llm_finetune", help="Adapter or model, tokenizer, results.json, checkpoints.")
+    add("--merge_and_save", action="store_true", help="Also save the base model with the adapter merged in (merged/).")
+    add("--generate_samples", type=int, default=0, help="After training, answer the first N validation prompts.")
+    add("--sample_tokens", type=int, default=48, help="Tokens to generate per answer with --generate_samples.")
+    add(
         "--exact_match_samples",
         type=int,
-        help="Score greedy answers to N (shuffled) validation "
-        "prompts by exact match, before and after training (default: 100 when the answers are short, "
-        "a median of at most 8 tokens as in the offline data, else none; 0 skips; not under FSDP).",
+        help="Score greedy answers to N (shuffled) validation prompts by exact match, before and after training "
+        "(default: 100 when the answers are short, as in the offline data, else none; 0 skips; not under FSDP).",
     )
-    output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
-    output.add_argument(
-        "--logging_steps", type=positive_int, default=10, help="Log train/loss every N optimizer steps."
-    )
-    output.add_argument(
-        "--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): speed benchmarks."
-    )
-    output.add_argument(
-        "--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers."
-    )
+    add("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
+    add("--logging_steps", type=positive_int, default=10, help="Log train/loss every N optimizer steps.")
+    add("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): speed benchmarks.")
+    add("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers.")
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
     if args.full_finetune and args.load_in_4bit:
