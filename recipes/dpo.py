@@ -57,7 +57,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from accelerate.utils import disable_fsdp_ram_efficient_loading
 from torch.utils.data import DataLoader
@@ -84,7 +83,8 @@ from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoint
 from llm_kit.adapters import SFT_DEFAULT, continued_adapter, starting_point
 from shared.model_split import find_block_list
 from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
-from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps, sequence_logps
+from dpo_kit.loss import METRICS, dpo_losses, metric_means, sequence_logps, step_counts, step_loss
+from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.runtime import (
@@ -116,18 +116,6 @@ BUNDLED_DATA = (
     "data: no --train_file or --dataset_name, so this run trains on the bundled preference pairs (is a standard-"
     "library name a class, a function or a method? the right answer chosen, a wrong one rejected); pass yours with "
     "--train_file (JSON Lines, CSV or Parquet: prompt, chosen and rejected)"
-)
-# TRL's metric names (results.json: train/<name>, eval/<name>), as ``metric_means`` orders them; nll_loss: the
-# policy's loss on the chosen completion tokens (what --rpo_alpha weighs; TRL before 1.0 logs it with rpo_alpha).
-METRICS = (
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-    "nll_loss",
 )
 
 
@@ -288,69 +276,6 @@ def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error("--validation_file needs --train_file")
 
 
-def dpo_losses(
-    policy: torch.Tensor, reference: torch.Tensor, batch: dict, beta: float, loss_type: str, label_smoothing: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pair loss, and ``METRICS`` per pair (pairs x 7, detached), as TRL 1.16's DPOTrainer computes them
-    (trl/trainer/dpo_trainer.py, ``_compute_loss``): margin = (policy - reference) of chosen minus that of rejected;
-    sigmoid: -log sigmoid(beta * margin), with label smoothing -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)
-    (conservative DPO, TRL's sigmoid before 1.0; 1.16 keeps it for its robust/aot losses); ipo: each log-ratio over its
-    completion's token count, then (margin - 1 / (2 beta))^2. Rewards: beta * log-ratio."""
-    chosen_logratios, rejected_logratios = (policy - reference).chunk(2)
-    chosen_tokens, rejected_tokens = completion_tokens(batch).to(policy.device).chunk(2)
-    if loss_type == "ipo":
-        margin = chosen_logratios / chosen_tokens.clamp(min=1) - rejected_logratios / rejected_tokens.clamp(min=1)
-        losses = (margin - 1 / (2 * beta)) ** 2
-    else:
-        margin = chosen_logratios - rejected_logratios
-        losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
-    chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
-    chosen_logps, rejected_logps = policy.detach().chunk(2)
-    per_pair = [
-        losses.detach(),
-        chosen_rewards,
-        rejected_rewards,
-        (chosen_rewards > rejected_rewards).float(),
-        chosen_rewards - rejected_rewards,
-        chosen_logps,
-        rejected_logps,
-        chosen_tokens,
-    ]
-    return losses, torch.stack(per_pair, dim=1).float()
-
-
-def completion_tokens(batch: dict) -> torch.Tensor:
-    """The completion tokens of each row (chosen rows, then rejected): the scored positions."""
-    return (batch["sequences"]["loss_targets"] != -100).sum(dim=1)
-
-
-def step_counts(batch: dict) -> torch.Tensor:
-    """The batch's pairs and their chosen completion tokens: summed over a step, what its losses are averaged over."""
-    return torch.stack([(batch["index"] >= 0).sum(), completion_tokens(batch).chunk(2)[0].sum()])
-
-
-def step_loss(
-    model, batch: dict, reference: torch.Tensor, step_pairs, step_tokens, rpo_alpha: float | None, **loss_kw
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's forward on a micro-batch, its share of its optimizer step's loss, and its per-pair columns
-    (``dpo_losses``): its DPO losses over the step's pairs plus, with ``rpo_alpha`` (RPO), that times its chosen
-    completion tokens' loss over the step's chosen tokens. Summed over the step's micro-batches and processes: the
-    mean DPO loss per pair plus rpo_alpha x the mean NLL per chosen completion token, whatever the processes and
-    accumulation (TRL: per batch on each process)."""
-    policy = sequence_logps(model, batch)
-    losses, per_pair = dpo_losses(policy, reference, batch, **loss_kw)
-    nll = -policy.chunk(2)[0].sum() / step_tokens  # the chosen rows (the first half): their completion tokens
-    return losses.sum() / step_pairs + (rpo_alpha * nll if rpo_alpha else 0), per_pair
-
-
-def metric_means(sums: torch.Tensor, pairs, rpo_alpha: float | None) -> torch.Tensor:
-    """``METRICS`` from the sums over ``pairs`` pairs of ``dpo_losses``' per-pair columns: means per pair, but
-    ``nll_loss`` per chosen completion token (minus the summed chosen log-probs over the chosen tokens), and
-    ``loss`` the DPO loss plus ``rpo_alpha`` x ``nll_loss`` (the objective trained)."""
-    means, nll_loss = sums[:-1] / pairs, -sums[5:6] / sums[-1]
-    return torch.cat([means[:1] + (rpo_alpha or 0) * nll_loss, means[1:], nll_loss])
-
-
 def evaluate(accelerator, model, eval_dataloader, precomputed, rpo_alpha, **loss_kw) -> dict:
     """TRL's metrics over every validation pair, each counted once (``eval/loss``, ``eval/rewards/accuracies`` ...)."""
     model.eval()
@@ -444,23 +369,25 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,  # a resume: its global batch
+        accelerator,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
         data_parallel_size,
         args.seed,
     )
-    args.adapter_name_or_path, args.model_name_or_path = starting_point(  # the adapter to continue (offline: the SFT
+    # The adapter to continue (offline: the SFT recipe's) and its base, else the offline base (its settings printed).
+    args.adapter_name_or_path, args.model_name_or_path = starting_point(
         accelerator,
         args.adapter_name_or_path,
         args.model_name_or_path,
         lora,
         output_dir,
-        HERE,  # recipe's) and
+        HERE,
         args.offline_default_settings,
-    )  # its base, or the offline base; prints the offline default's settings
+    )
     config, args.max_length = causal_lm_config(
         accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
     )
@@ -534,22 +461,19 @@ def main():
         disable_fsdp_ram_efficient_loading()  # env: transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        fused=fused_adamw(accelerator),
+        trained,
         lr=args.learning_rate,
         weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
+        fused=fused_adamw(accelerator),
     )
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # Warm-up and training steps times the processes: the prepared scheduler steps once per process per step.
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        args.num_warmup_steps * accelerator.num_processes,
-        max_train_steps * accelerator.num_processes,
-    )
+    warmup_steps, scheduler_steps = (n * accelerator.num_processes for n in (args.num_warmup_steps, max_train_steps))
+    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, scheduler_steps)
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
@@ -564,37 +488,22 @@ def main():
         for split, loader in (("train", reference_dataloader), ("eval", eval_dataloader))
     }
     sft_rows, sft_fmt = as_sft_rows(raw_datasets["validation"], fmt)
-    exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
-        accelerator,
-        model,
-        tokenizer,
-        sft_rows,
-        sft_fmt,
-        0 if args.skip_eval else args.exact_match_samples,
-        layout == "fsdp",
-        args.seed,
+    exact_samples = 0 if args.skip_eval else args.exact_match_samples  # greedy answers, scored again at the end
+    exact_rows, exact_before = exact_match_before(
+        accelerator, model, tokenizer, sft_rows, sft_fmt, exact_samples, layout == "fsdp", args.seed
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {
-        **vars(args),
-        "method": method,
-        "parallelism": parallelism.name,
-        "data_format": fmt,
-        "global_batch_size": global_batch_size,
-        "max_train_steps": max_train_steps,
-    }
+    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
+    run_config |= {"global_batch_size": global_batch_size, "max_train_steps": max_train_steps}
     accelerator.init_trackers("dpo", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
     loss_kw = {name: getattr(args, name) for name in ("beta", "loss_type", "label_smoothing", "rpo_alpha")}
 
     # ---------------------------------------------------------------------- training loop
+    # All states; the scheduler's count brought to this run's processes. LoRA: the adapter alone.
+    load_state = lambda folder: accelerator.load_state(str(folder), strict=not lora)
     resume = load_checkpoint(
-        accelerator,
-        checkpoint,
-        steps_per_epoch,
-        args.gradient_accumulation_steps,  # all states; the scheduler's count brought to this run's processes
-        lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
-    )  # LoRA
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
+    )
     completed_steps, log, window, logs = resume.completed_steps, resume.history.get("train/log", []), [], {}
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -656,21 +565,12 @@ def main():
     save(accelerator, model, tokenizer, output_dir, trained_only=lora)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {
-        "recipe": "dpo",
-        "config": run_config,
-        "train/log": log,
-        "method": method,
-        "data/counts": counts,
-        **{key: value for key, value in logs.items() if key != "train/loss"},  # the last logged window's TRL metrics
-        **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader, precomputed["eval"], **loss_kw),
-        **exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before),
-        "parallelism": parallelism.name,
-        "data/format": fmt,
-        "global_batch_size": global_batch_size,
-        "model/trainable_parameters": trainable,
-        "model/total_parameters": total,
-    }
+    results = {"recipe": "dpo", "config": run_config, "train/log": log, "method": method, "data/counts": counts}
+    results |= {key: value for key, value in logs.items() if key != "train/loss"}  # the last logged TRL metrics
+    results |= {"parallelism": parallelism.name, "data/format": fmt, "global_batch_size": global_batch_size}
+    results |= {"model/trainable_parameters": trainable, "model/total_parameters": total}
+    results |= evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader, precomputed["eval"], **loss_kw)
+    results |= exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before)
     record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()

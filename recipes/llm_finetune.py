@@ -356,8 +356,9 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,  # a resume: its global batch
+        accelerator,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
@@ -434,23 +435,20 @@ def main():
         disable_fsdp_ram_efficient_loading()  # env: done above; transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        fused=fused_adamw(accelerator),
+        trained,
         lr=args.learning_rate,
         weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
+        fused=fused_adamw(accelerator),
     )
     # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short);
     # the scheduler's steps times the processes: the prepared scheduler steps once per process per optimizer step.
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        args.num_warmup_steps * accelerator.num_processes,
-        max_train_steps * accelerator.num_processes,
-    )
+    warmup_steps, scheduler_steps = (n * accelerator.num_processes for n in (args.num_warmup_steps, max_train_steps))
+    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, scheduler_steps)
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
@@ -460,38 +458,21 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
+    exact_samples = 0 if args.skip_eval else args.exact_match_samples  # greedy answers, scored again at the end
     exact_rows, exact_before = exact_match_before(
-        accelerator,
-        model,
-        tokenizer,
-        raw_datasets["validation"],
-        fmt,
-        0 if args.skip_eval else args.exact_match_samples,
-        layout == "fsdp",
-        args.seed,
-    )  # scored again at the end
+        accelerator, model, tokenizer, raw_datasets["validation"], fmt, exact_samples, layout == "fsdp", args.seed
+    )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {
-        **vars(args),
-        "method": method,
-        "parallelism": parallelism.name,
-        "data_format": fmt,
-        "num_processes": accelerator.num_processes,
-        "global_batch_size": global_batch_size,
-        "max_train_steps": max_train_steps,
-        "mixed_precision": accelerator.mixed_precision,
-    }
+    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
+    run_config |= {"num_processes": accelerator.num_processes, "global_batch_size": global_batch_size}
+    run_config |= {"max_train_steps": max_train_steps, "mixed_precision": accelerator.mixed_precision}
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
+    load_state = lambda folder: accelerator.load_state(str(folder), strict=not lora)  # LoRA: the adapter alone
     resume = load_checkpoint(
-        accelerator,
-        checkpoint,
-        steps_per_epoch,
-        args.gradient_accumulation_steps,
-        lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
-    )  # LoRA
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
+    )
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -504,12 +485,9 @@ def main():
         history={"train/loss_curve": record.losses()},
         batch=batch_shape,
     )
+    devices = sorted(set(split_over), key=str) or None  # a split model: results name every device it uses
     record = RunRecord(
-        accelerator,
-        max_train_steps,
-        resume.history.get("train/loss_curve"),
-        args.perf_warmup_steps,
-        devices=sorted(set(split_over), key=str) or None,
+        accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps, devices=devices
     )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
@@ -542,13 +520,8 @@ def main():
             # The global loss, tokens (padding aside) and samples stay on the device: only the log below reads.
             sizes = sum(torch.stack([b["num_tokens"].sum(), (b["num_tokens"] > 0).sum()]) for b in micro_batches)
             real_tokens, samples = accelerator.reduce(sizes, "sum")  # (packed rows: each process's samples differ)
-            record.step(
-                completed_steps,
-                accelerator.reduce(step_loss, "sum") / step_tokens,
-                samples=samples,
-                tokens=real_tokens,
-                answer_tokens=step_tokens,
-            )
+            global_loss = accelerator.reduce(step_loss, "sum") / step_tokens
+            record.step(completed_steps, global_loss, samples=samples, tokens=real_tokens, answer_tokens=step_tokens)
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 since_last_log = completed_steps % args.logging_steps or args.logging_steps
                 loss, lr = statistics.fmean(record.losses()[-since_last_log:]), lr_scheduler.get_last_lr()[0]  # sync
@@ -566,24 +539,15 @@ def main():
         save_merged(accelerator, args.model_name_or_path, output_dir, tokenizer, args.trust_remote_code)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {
-        "recipe": "llm_finetune",
-        "config": run_config,
-        **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader),
-        "samples": generate_samples(
-            accelerator, model, tokenizer, raw_datasets["validation"], fmt, args.generate_samples, args.sample_tokens
-        ),  # (the others wait just below)
-        **exact_match_results(accelerator, model, tokenizer, exact_rows, fmt, exact_before),
-        "model": args.model_name_or_path,
-        "method": method,
-        "parallelism": parallelism.name,
-        "data/format": fmt,
-        "parallelism_requested": args.parallelism,
-        "data/counts": counts,
-        "global_batch_size": global_batch_size,
-        "model/trainable_parameters": trainable,
-        "model/total_parameters": total,
-    }
+    results = {"recipe": "llm_finetune", "config": run_config, "model": args.model_name_or_path, "method": method}
+    results |= {"parallelism": parallelism.name, "parallelism_requested": args.parallelism, "data/format": fmt}
+    results |= {"data/counts": counts, "global_batch_size": global_batch_size}
+    results |= {"model/trainable_parameters": trainable, "model/total_parameters": total}
+    results |= evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader)
+    results["samples"] = generate_samples(  # (the others wait just below)
+        accelerator, model, tokenizer, raw_datasets["validation"], fmt, args.generate_samples, args.sample_tokens
+    )
+    results |= exact_match_results(accelerator, model, tokenizer, exact_rows, fmt, exact_before)
     record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()

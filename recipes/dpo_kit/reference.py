@@ -1,5 +1,5 @@
-"""The reference policy of DPO (``recipes/dpo.py``): the completions' log-probs under the policy or the reference,
-the reference's scored live (the same model with the adapter switched off, or a continued adapter's frozen copy:
+"""The reference policy of DPO (``recipes/dpo.py``): its log-probs of the completions (``dpo_kit.loss``'s
+``sequence_logps``), scored live (the same model with the adapter switched off, or a continued adapter's frozen copy:
 ``llm_kit.adapters.reference_policy``) or computed in one pass before training (a full fine-tune keeps one model),
 and dropout switched off so that the policy starts as the reference (TRL's ``disable_dropout``)."""
 
@@ -10,7 +10,7 @@ import math
 import torch
 
 from llm_kit.adapters import reference_policy
-from llm_kit.loss import token_losses
+from dpo_kit.loss import sequence_logps
 
 
 def disable_dropout(model: torch.nn.Module) -> int:
@@ -27,12 +27,6 @@ def disable_dropout(model: torch.nn.Module) -> int:
                 switched += value > 0
                 setattr(module, name, 0.0)
     return switched
-
-
-def sequence_logps(model, batch: dict) -> torch.Tensor:
-    """Summed log-prob of each row's completion tokens (chosen rows, then rejected): minus their summed loss, from
-    ``token_losses`` (logits at the completion positions only, fp32 cross-entropy in checkpointed chunks)."""
-    return -token_losses(model, batch["sequences"])[1]
 
 
 def reference_logps(accelerator, model, batch: dict, precomputed: torch.Tensor | None) -> torch.Tensor:
