@@ -62,14 +62,12 @@ from accelerate.utils import disable_fsdp_ram_efficient_loading
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
-# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+# bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
-# shared/ (beside this file in a copy, or one folder up here) and the kits (the LLM recipes', this recipe's) go first
-# on sys.path, so that no installed package of those names shadows them (this folder too, for an import that is not a
-# run).
+# shared/ (beside this file in a copy, or one folder up here) and this recipe's kits go first on sys.path, so that no
+# installed package of those names shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -105,10 +103,8 @@ from shared.runtime import (
 from llm_kit.sft_data import add_chat_template, chat_tokenizer, check_batches, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
-# What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: from the base, large
-# steps; continuing the SFT recipe's adapter, smaller ones with RPO's NLL term (measured there, docs/dpo.md: DPO alone
-# lowers both answers, and the exact match falls from 72 % to 71 % at 3e-5, 32 % at 1e-3; with --rpo_alpha 5 at 1e-4
-# the reward accuracy reaches 78.5 % and the exact match rises to 74 %).
+# What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: large steps from the
+# base; continuing the SFT recipe's adapter, smaller ones with RPO's NLL term (docs/dpo.md has the measurements).
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
 OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0}
 # Said when no data flag is given: a user's model would otherwise train on the offline pairs without a word.

@@ -60,14 +60,12 @@ import torch
 from accelerate.utils import ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 
-# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
-# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+# bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
-# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
-# recipe's own helpers (its kits, next to this file) go first on sys.path, so that no installed package of those names
-# shadows them; this folder too, for an import that is not a run.
+# shared/ (beside this file in a copy, or one folder up here) and this recipe's kits go first on sys.path, so that no
+# installed package of those names shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))

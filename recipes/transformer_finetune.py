@@ -48,8 +48,7 @@ import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 
-# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
-# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+# bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
 from transformers.trainer_pt_utils import get_parameter_names
@@ -575,7 +574,7 @@ def main():
     # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).
     results["train/grad_scale"] = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
     record.write(output_dir, results, model)  # a collective: the main process writes results.json
-    # Drop the DDP wrapper while the process group lives: gloo can deadlock in DDP's destructor at exit (torch 2.13).
+    # Drop DDP while the process group lives: gloo can hang in DDP's destructor at exit (docs/troubleshooting.md).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 
