@@ -520,7 +520,7 @@ def main():
         train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        batches = iter(record.timed(active_dataloader))
+        batches = iter(record.timed(active_dataloader))  # the loader's batches as they are, each wait timed
         while completed_steps < max_train_steps and (
             micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))
         ):

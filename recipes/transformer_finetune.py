@@ -520,7 +520,7 @@ def main():
         train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        for batch in record.timed(active_dataloader):
+        for batch in record.timed(active_dataloader):  # timed: measures the wait for each batch
             token_counts[0] += batch["attention_mask"].sum()  # padding is wasted compute (--group_by_length)
             token_counts[1] += batch["attention_mask"].numel()
             labels = batch.pop("labels")
