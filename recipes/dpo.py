@@ -57,20 +57,17 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from accelerate.utils import disable_fsdp_ram_efficient_loading
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
-# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+# bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
-# shared/ (beside this file in a copy, or one folder up here) and the kits (the LLM recipes', this recipe's) go first
-# on sys.path, so that no installed package of those names shadows them (this folder too, for an import that is not a
-# run).
+# shared/ (beside this file in a copy, or one folder up here) and this recipe's kits go first on sys.path, so that no
+# installed package of those names shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -83,9 +80,9 @@ from llm_kit.loading import causal_lm_config, load_base_model
 from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
 from llm_kit.adapters import SFT_DEFAULT, continued_adapter, starting_point
 from shared.model_split import find_block_list
-from dpo_kit.preference_data import as_sft_rows, collate_pairs, disable_dropout, precompute_reference
-from dpo_kit.preference_data import preference_format, reference_logps, sequence_logps
-from dpo_kit.preference_data import stdlib_name_pairs, tokenize_pairs
+from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
+from dpo_kit.loss import METRICS, dpo_losses, metric_means, sequence_logps, step_counts, step_loss
+from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.runtime import (
@@ -106,10 +103,8 @@ from shared.runtime import (
 from llm_kit.sft_data import add_chat_template, chat_tokenizer, check_batches, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
-# What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: from the base, large
-# steps; continuing the SFT recipe's adapter, smaller ones with RPO's NLL term (measured there, docs/dpo.md: DPO alone
-# lowers both answers, and the exact match falls from 72 % to 71 % at 3e-5, 32 % at 1e-3; with --rpo_alpha 5 at 1e-4
-# the reward accuracy reaches 78.5 % and the exact match rises to 74 %).
+# What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: large steps from the
+# base; continuing the SFT recipe's adapter, smaller ones with RPO's NLL term (docs/dpo.md has the measurements).
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
 OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0}
 # Said when no data flag is given: a user's model would otherwise train on the offline pairs without a word.
@@ -118,228 +113,135 @@ BUNDLED_DATA = (
     "library name a class, a function or a method? the right answer chosen, a wrong one rejected); pass yours with "
     "--train_file (JSON Lines, CSV or Parquet: prompt, chosen and rejected)"
 )
-# TRL's metric names (results.json: train/<name>, eval/<name>), as ``metric_means`` orders them; nll_loss: the
-# policy's loss on the chosen completion tokens (what --rpo_alpha weighs; TRL before 1.0 logs it with rpo_alpha).
-METRICS = (
-    "loss",
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-    "nll_loss",
-)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    data = parser.add_argument_group("data")
-    data.add_argument(
+    add = parser.add_argument_group("data").add_argument
+    add(
         "--train_file",
-        help="Preference pairs (.jsonl/.json, .csv, .parquet): prompt + chosen + "
-        "rejected (strings or messages), or chosen + rejected conversations sharing their prompt turns.",
+        help="Preference pairs (.jsonl/.json, .csv, .parquet): prompt + chosen + rejected (strings or messages), "
+        "or chosen + rejected conversations sharing their prompt turns.",
     )
-    data.add_argument(
-        "--validation_file",
-        help="Validation pairs, same format (default: held out from the training "
-        "data, --validation_split_percentage).",
-    )
-    data.add_argument(
-        "--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/ultrafeedback_binarized'."
-    )
-    data.add_argument("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
-    data.add_argument(
-        "--validation_split_percentage",
-        type=positive_float,
-        default=5,
-        help="Share of the training data held out for validation when there is no validation split.",
-    )
-    data.add_argument(
+    add("--validation_file", help="Validation pairs, same format (default: held out from the training data).")
+    add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/ultrafeedback_binarized'.")
+    add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
+    add("--validation_split_percentage", type=positive_float, default=5, help="Held out without a validation split.")
+    add(
         "--max_length",
         type=positive_int,
         default=1024,
-        help="Prompt + completion tokens at most (TRL's default and its keep_start cut): completions are cut to what "
-        "the prompt leaves, and a pair whose prompt alone fills it is dropped. Counted and reported.",
+        help="Prompt + completion tokens at most (TRL's cut): a pair whose prompt fills it is dropped (reported).",
     )
-    data.add_argument(
-        "--max_prompt_length",
-        type=positive_int,
-        help="Cut longer prompts from the left, keeping their end next to the answer (TRL before 1.0), so that long "
-        "prompts keep their pair and leave room for the completion (default: none, as TRL 1.x). Counted and reported.",
+    add("--max_prompt_length", type=positive_int, help="Cut longer prompts from the left (TRL < 1.0); default: none.")
+    add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")
+    add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation pairs.")
+    add = parser.add_argument_group("model").add_argument
+    add("--model_name_or_path", help="A causal LM (default: the adapter's base; offline: outputs/train_lm).")
+    add(
+        "--adapter_name_or_path", help="LoRA adapter to continue (rank, targets kept); its frozen copy: the reference."
     )
-    data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")
-    data.add_argument("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation pairs.")
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model_name_or_path",
-        help="Local folder or Hub name of a causal LM. Default: the base of "
-        "--adapter_name_or_path; offline: outputs/train_lm, pretrained first if missing.",
-    )
-    model.add_argument(
-        "--adapter_name_or_path",
-        help="A LoRA adapter to continue (e.g. outputs/llm_finetune, what "
-        "llm_finetune.py saved): trained on, and its frozen copy is the reference. Its own rank and "
-        "targets are kept (--lora_* apply to a new adapter only).",
-    )
-    model.add_argument(
-        "--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none."
-    )
-    model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
-    model.add_argument(
+    add("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none.")
+    add("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
+    add(
         "--parallelism",
         choices=["auto", "single", "ddp", "fsdp", "device_map"],
         default="auto",
         help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; else single).",
     )
-    model.add_argument(
-        "--full_finetune",
-        action="store_true",
-        help="Train every weight instead of a LoRA adapter "
-        "(the reference log-probs are then computed before training).",
-    )
-    model.add_argument(
-        "--load_in_4bit",
-        action="store_true",
-        help="QLoRA: the base model in 4-bit NF4 with double quantization (bitsandbytes), a LoRA adapter on top.",
-    )
-    model.add_argument(
+    add("--full_finetune", action="store_true", help="Train every weight (the reference precomputed), not LoRA.")
+    add("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 (bitsandbytes), LoRA on top.")
+    add(
         "--precompute_reference",
         action=argparse.BooleanOptionalAction,
-        help="Compute the reference "
-        "log-probs of every pair in one pass before training and keep them (always on with "
-        "--full_finetune; pointless with LoRA, whose reference costs no memory).",
+        help="The reference log-probs of every pair computed before training (on with --full_finetune; not LoRA).",
     )
-    model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
-    model.add_argument(
-        "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
-    )
-    model.add_argument(
-        "--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (needs --no-disable_dropout)."
-    )
-    model.add_argument(
+    add("--lora_r", type=positive_int, default=8, help="LoRA rank.")
+    add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
+    add("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA path (needs --no-disable_dropout).")
+    add(
         "--disable_dropout",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="TRL's default: every dropout of the model and of LoRA set to 0, so that the policy starts as the "
-        "reference and each step's loss is exact. --no-disable_dropout trains with the model's dropout (the reference "
-        "is always scored without).",
+        help="TRL's default: every dropout (LoRA's too) set to 0, so that the policy starts as the reference. "
+        "--no-disable_dropout trains with the model's dropout (the reference is scored without).",
     )
-    model.add_argument(
-        "--lora_target_modules",
-        nargs="+",
-        default=["all-linear"],
-        help="Module names (or suffixes) to adapt; 'all-linear': every linear layer but the output head.",
-    )
-    model.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
-    )
-    dpo = parser.add_argument_group("DPO")
-    dpo.add_argument(
+    add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
+    add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
+    add = parser.add_argument_group("DPO").add_argument
+    add(
         "--loss_type",
         choices=["sigmoid", "ipo"],
         default="sigmoid",
-        help="sigmoid: DPO's "
-        "-log sigmoid(beta * margin); ipo: (margin per token - 1 / (2 beta))^2, TRL's IPO (log-probs "
-        "averaged over each completion's tokens).",
+        help="sigmoid: DPO's -log sigmoid(beta * margin); ipo: TRL's IPO, (margin per token - 1 / (2 beta))^2.",
     )
-    dpo.add_argument(
-        "--beta",
-        type=positive_float,
-        default=0.1,
-        help="How far the policy may move from the reference: higher stays closer (IPO: its tau).",
-    )
-    dpo.add_argument(
-        "--label_smoothing",
-        type=float,
-        default=0.0,
-        help="sigmoid only: the share of pairs taken to "
-        "be mislabelled (conservative DPO: -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)).",
-    )
-    dpo.add_argument(
+    add("--beta", type=positive_float, default=0.1, help="Higher keeps the policy closer to the reference (IPO: tau).")
+    add("--label_smoothing", type=float, default=0.0, help="sigmoid: share of pairs taken as mislabelled (cDPO).")
+    add(
         "--rpo_alpha",
         type=float,
-        help="RPO (arXiv:2404.19733): add rpo_alpha x the NLL of the chosen "
-        "completions, the mean over every chosen completion token of the step's global batch (TRL's "
-        "rpo_alpha before 1.0, per batch on each process; 1.16: loss_type ['sigmoid', 'sft'] with "
-        "loss_weights [1, alpha]). Keeps the right answer likely while DPO pushes both down. Default: "
-        "off (0 too); offline, continuing the SFT adapter: 5.",
+        help="RPO (arXiv:2404.19733): add rpo_alpha x the NLL of the chosen completion tokens of the step's global "
+        "batch, which keeps the right answer likely while DPO pushes both down (default: off; offline, "
+        "continuing the SFT adapter: 5; docs/dpo.md).",
     )
-    training = parser.add_argument_group("training")
-    training.add_argument(
-        "--per_device_train_batch_size",
-        type=positive_int,
-        default=4,
-        help="Pairs per process per forward pass (each forward holds 2x as many sequences).",
-    )
-    training.add_argument(
-        "--per_device_eval_batch_size", type=positive_int, help="Pairs per evaluation batch (default: training's)."
-    )
-    training.add_argument(
+    add = parser.add_argument_group("training").add_argument
+    add("--per_device_train_batch_size", type=positive_int, default=4, help="Pairs (2 sequences each) per forward.")
+    add("--per_device_eval_batch_size", type=positive_int, help="Pairs per evaluation batch (default: training's).")
+    add(
         "--gradient_accumulation_steps",
         type=positive_int,
-        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
-        "batch in this process count).",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's "
+        "global batch in this process count).",
     )
-    training.add_argument(
-        "--num_train_epochs",
-        type=positive_int,
-        default=1,
-        help="Passes over the training set (ignored with --max_train_steps).",
-    )
-    training.add_argument(
-        "--max_train_steps",
-        type=positive_int,
-        help="Stop after this many optimizer steps (default: --num_train_epochs; offline default: 200).",
-    )
-    training.add_argument(
+    add("--num_train_epochs", type=positive_int, default=1, help="Passes over the data (unless --max_train_steps).")
+    add("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps (offline default: 200).")
+    add(
         "--learning_rate",
         type=positive_float,
-        help="Peak AdamW learning rate (default: 5e-5 "
-        "with LoRA, TRL's 1e-6 for a full fine-tune; offline default: 1e-3, continuing the SFT "
-        "adapter 1e-4).",
+        help="Peak AdamW learning rate (default: 5e-5 with LoRA, TRL's 1e-6 for a full fine-tune; offline default: "
+        "1e-3, continuing the SFT adapter 1e-4).",
     )
-    training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
-    training.add_argument("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
-    training.add_argument(
-        "--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ..."
-    )
-    training.add_argument(
-        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
-    )
-    training.add_argument(
-        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables)."
-    )
-    training.add_argument(
-        "--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision."
-    )
-    training.add_argument("--seed", type=int, default=42, help="Seed for the LoRA initialisation and shuffling.")
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--output_dir", default="outputs/dpo", help="Adapter (or model), tokenizer, results.json, checkpoints."
-    )
-    output.add_argument(
+    add("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
+    add("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
+    add("--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ...")
+    add("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
+    add("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables).")
+    add("--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision.")
+    add("--seed", type=int, default=42, help="Seed for the LoRA initialisation and shuffling.")
+    add = parser.add_argument_group("output").add_argument
+    add("--output_dir", default="outputs/dpo", help="Adapter (or model), tokenizer, results.json, checkpoints.")
+    add(
         "--exact_match_samples",
         type=int,
-        help="Score greedy answers to N (shuffled) validation "
-        "prompts against the chosen answers, before and after training (default: 100 when the "
-        "answers are short, else none; 0 skips; not under FSDP).",
+        help="Score greedy answers to N (shuffled) validation prompts against the chosen answers, before and after "
+        "training (default: 100 when the answers are short, else none; 0 skips; not under FSDP).",
     )
-    output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
-    output.add_argument(
-        "--logging_steps",
-        type=positive_int,
-        default=10,
-        help="Log the loss and TRL's reward metrics every N optimizer steps.",
-    )
-    output.add_argument("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN).")
-    output.add_argument(
-        "--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers."
-    )
+    add("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
+    add("--logging_steps", type=positive_int, default=10, help="Log the loss and reward metrics every N steps.")
+    add("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN).")
+    add("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers.")
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
+    refuse_conflicting_flags(parser, args)
+    args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
+    # The offline default model is small and barely pretrained: it learns visibly only with larger steps than an LLM.
+    sft = not args.full_finetune and Path(SFT_DEFAULT, "adapter_config.json").is_file()  # continued (starting_point)
+    settings = (
+        {}
+        if args.model_name_or_path or args.adapter_name_or_path
+        else (OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
+    )
+    chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
+    for name, value in chosen.items():
+        setattr(args, name, value)
+    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
+    args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
+    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
+    return args
+
+
+def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that cannot go together, refused with the usage line and exit code 2 (``parser.error``)."""
     if args.full_finetune and (args.load_in_4bit or args.adapter_name_or_path):
         parser.error(
             "--full_finetune trains every weight of the model; --load_in_4bit and --adapter_name_or_path "
@@ -368,84 +270,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
-    args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
-    # The offline default model is small and barely pretrained: it learns visibly only with larger steps than an LLM.
-    sft = not args.full_finetune and Path(SFT_DEFAULT, "adapter_config.json").is_file()  # continued (starting_point)
-    settings = (
-        {}
-        if args.model_name_or_path or args.adapter_name_or_path
-        else (OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
-    )
-    chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
-    for name, value in chosen.items():
-        setattr(args, name, value)
-    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
-    args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
-    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
-    return args
-
-
-def dpo_losses(
-    policy: torch.Tensor, reference: torch.Tensor, batch: dict, beta: float, loss_type: str, label_smoothing: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-pair loss, and ``METRICS`` per pair (pairs x 7, detached), as TRL 1.16's DPOTrainer computes them
-    (trl/trainer/dpo_trainer.py, ``_compute_loss``): margin = (policy - reference) of chosen minus that of rejected;
-    sigmoid: -log sigmoid(beta * margin), with label smoothing -(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)
-    (conservative DPO, TRL's sigmoid before 1.0; 1.16 keeps it for its robust/aot losses); ipo: each log-ratio over its
-    completion's token count, then (margin - 1 / (2 beta))^2. Rewards: beta * log-ratio."""
-    chosen_logratios, rejected_logratios = (policy - reference).chunk(2)
-    chosen_tokens, rejected_tokens = completion_tokens(batch).to(policy.device).chunk(2)
-    if loss_type == "ipo":
-        margin = chosen_logratios / chosen_tokens.clamp(min=1) - rejected_logratios / rejected_tokens.clamp(min=1)
-        losses = (margin - 1 / (2 * beta)) ** 2
-    else:
-        margin = chosen_logratios - rejected_logratios
-        losses = -F.logsigmoid(beta * margin) * (1 - label_smoothing) - F.logsigmoid(-beta * margin) * label_smoothing
-    chosen_rewards, rejected_rewards = beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
-    chosen_logps, rejected_logps = policy.detach().chunk(2)
-    per_pair = [
-        losses.detach(),
-        chosen_rewards,
-        rejected_rewards,
-        (chosen_rewards > rejected_rewards).float(),
-        chosen_rewards - rejected_rewards,
-        chosen_logps,
-        rejected_logps,
-        chosen_tokens,
-    ]
-    return losses, torch.stack(per_pair, dim=1).float()
-
-
-def completion_tokens(batch: dict) -> torch.Tensor:
-    """The completion tokens of each row (chosen rows, then rejected): the scored positions."""
-    return (batch["sequences"]["loss_targets"] != -100).sum(dim=1)
-
-
-def step_counts(batch: dict) -> torch.Tensor:
-    """The batch's pairs and their chosen completion tokens: summed over a step, what its losses are averaged over."""
-    return torch.stack([(batch["index"] >= 0).sum(), completion_tokens(batch).chunk(2)[0].sum()])
-
-
-def step_loss(
-    model, batch: dict, reference: torch.Tensor, step_pairs, step_tokens, rpo_alpha: float | None, **loss_kw
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's forward on a micro-batch, its share of its optimizer step's loss, and its per-pair columns
-    (``dpo_losses``): its DPO losses over the step's pairs plus, with ``rpo_alpha`` (RPO), that times its chosen
-    completion tokens' loss over the step's chosen tokens. Summed over the step's micro-batches and processes: the
-    mean DPO loss per pair plus rpo_alpha x the mean NLL per chosen completion token, whatever the processes and
-    accumulation (TRL: per batch on each process)."""
-    policy = sequence_logps(model, batch)
-    losses, per_pair = dpo_losses(policy, reference, batch, **loss_kw)
-    nll = -policy.chunk(2)[0].sum() / step_tokens  # the chosen rows (the first half): their completion tokens
-    return losses.sum() / step_pairs + (rpo_alpha * nll if rpo_alpha else 0), per_pair
-
-
-def metric_means(sums: torch.Tensor, pairs, rpo_alpha: float | None) -> torch.Tensor:
-    """``METRICS`` from the sums over ``pairs`` pairs of ``dpo_losses``' per-pair columns: means per pair, but
-    ``nll_loss`` per chosen completion token (minus the summed chosen log-probs over the chosen tokens), and
-    ``loss`` the DPO loss plus ``rpo_alpha`` x ``nll_loss`` (the objective trained)."""
-    means, nll_loss = sums[:-1] / pairs, -sums[5:6] / sums[-1]
-    return torch.cat([means[:1] + (rpo_alpha or 0) * nll_loss, means[1:], nll_loss])
 
 
 def evaluate(accelerator, model, eval_dataloader, precomputed, rpo_alpha, **loss_kw) -> dict:
@@ -541,23 +365,25 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,  # a resume: its global batch
+        accelerator,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
         data_parallel_size,
         args.seed,
     )
-    args.adapter_name_or_path, args.model_name_or_path = starting_point(  # the adapter to continue (offline: the SFT
+    # The adapter to continue (offline: the SFT recipe's) and its base, else the offline base (its settings printed).
+    args.adapter_name_or_path, args.model_name_or_path = starting_point(
         accelerator,
         args.adapter_name_or_path,
         args.model_name_or_path,
         lora,
         output_dir,
-        HERE,  # recipe's) and
+        HERE,
         args.offline_default_settings,
-    )  # its base, or the offline base; prints the offline default's settings
+    )
     config, args.max_length = causal_lm_config(
         accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
     )
@@ -631,22 +457,19 @@ def main():
         disable_fsdp_ram_efficient_loading()  # env: transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        fused=fused_adamw(accelerator),
+        trained,
         lr=args.learning_rate,
         weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
+        fused=fused_adamw(accelerator),
     )
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # Warm-up and training steps times the processes: the prepared scheduler steps once per process per step.
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        args.num_warmup_steps * accelerator.num_processes,
-        max_train_steps * accelerator.num_processes,
-    )
+    warmup_steps, scheduler_steps = (n * accelerator.num_processes for n in (args.num_warmup_steps, max_train_steps))
+    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, scheduler_steps)
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
@@ -661,37 +484,22 @@ def main():
         for split, loader in (("train", reference_dataloader), ("eval", eval_dataloader))
     }
     sft_rows, sft_fmt = as_sft_rows(raw_datasets["validation"], fmt)
-    exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
-        accelerator,
-        model,
-        tokenizer,
-        sft_rows,
-        sft_fmt,
-        0 if args.skip_eval else args.exact_match_samples,
-        layout == "fsdp",
-        args.seed,
+    exact_samples = 0 if args.skip_eval else args.exact_match_samples  # greedy answers, scored again at the end
+    exact_rows, exact_before = exact_match_before(
+        accelerator, model, tokenizer, sft_rows, sft_fmt, exact_samples, layout == "fsdp", args.seed
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {
-        **vars(args),
-        "method": method,
-        "parallelism": parallelism.name,
-        "data_format": fmt,
-        "global_batch_size": global_batch_size,
-        "max_train_steps": max_train_steps,
-    }
+    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
+    run_config |= {"global_batch_size": global_batch_size, "max_train_steps": max_train_steps}
     accelerator.init_trackers("dpo", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
     loss_kw = {name: getattr(args, name) for name in ("beta", "loss_type", "label_smoothing", "rpo_alpha")}
 
     # ---------------------------------------------------------------------- training loop
+    # All states; the scheduler's count brought to this run's processes. LoRA: the adapter alone.
+    load_state = lambda folder: accelerator.load_state(str(folder), strict=not lora)
     resume = load_checkpoint(
-        accelerator,
-        checkpoint,
-        steps_per_epoch,
-        args.gradient_accumulation_steps,  # all states; the scheduler's count brought to this run's processes
-        lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
-    )  # LoRA
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
+    )
     completed_steps, log, window, logs = resume.completed_steps, resume.history.get("train/log", []), [], {}
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -712,7 +520,7 @@ def main():
         train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        batches = iter(record.timed(active_dataloader))
+        batches = iter(record.timed(active_dataloader))  # the loader's batches as they are, each wait timed
         while completed_steps < max_train_steps and (
             micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))
         ):
@@ -753,21 +561,12 @@ def main():
     save(accelerator, model, tokenizer, output_dir, trained_only=lora)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {
-        "recipe": "dpo",
-        "config": run_config,
-        "train/log": log,
-        "method": method,
-        "data/counts": counts,
-        **{key: value for key, value in logs.items() if key != "train/loss"},  # the last logged window's TRL metrics
-        **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader, precomputed["eval"], **loss_kw),
-        **exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before),
-        "parallelism": parallelism.name,
-        "data/format": fmt,
-        "global_batch_size": global_batch_size,
-        "model/trainable_parameters": trainable,
-        "model/total_parameters": total,
-    }
+    results = {"recipe": "dpo", "config": run_config, "train/log": log, "method": method, "data/counts": counts}
+    results |= {key: value for key, value in logs.items() if key != "train/loss"}  # the last logged TRL metrics
+    results |= {"parallelism": parallelism.name, "data/format": fmt, "global_batch_size": global_batch_size}
+    results |= {"model/trainable_parameters": trainable, "model/total_parameters": total}
+    results |= evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader, precomputed["eval"], **loss_kw)
+    results |= exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before)
     record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()

@@ -270,7 +270,7 @@ def main():
 
     save_atomically(accelerator, output_dir, write_output, checkpoints_dir)
     accelerator.print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
-    # Drop DDP while the process group lives: gloo can deadlock in DDP's destructor at exit (torch 2.13, CPU).
+    # Drop DDP while the process group lives: gloo can hang in DDP's destructor at exit (docs/troubleshooting.md).
     model, optimizer, train_dataloader = accelerator.free_memory(model, optimizer, train_dataloader)
     accelerator.end_training()
 

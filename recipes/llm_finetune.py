@@ -58,15 +58,12 @@ from accelerate.utils import disable_fsdp_ram_efficient_loading
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
-# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+# bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
-# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
-# recipe's own helpers (llm_kit/, next to this file) go first on sys.path, so that no installed package of those
-# names shadows them; this folder too, for an import that is not a run. Every recipe opens with these lines, on
-# purpose (copyable).
+# shared/ (beside this file in a copy, or one folder up here) and this recipe's kits go first on sys.path, so that no
+# installed package of those names shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -108,9 +105,9 @@ from llm_kit.sft_data import (
     check_batches,
     collate,
     load_raw_datasets,
-    token_losses,
     tokenize_datasets,
 )
+from llm_kit.loss import token_losses
 from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_samples
 
 
@@ -126,182 +123,85 @@ BUNDLED_DATA = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    data = parser.add_argument_group("data")
-    data.add_argument(
-        "--train_file", help="Training data (.jsonl/.json, .csv, .parquet): messages, prompt + completion or text."
-    )
-    data.add_argument(
-        "--validation_file",
-        help="Validation data, same format (default: held out from the training data, --validation_split_percentage).",
-    )
-    data.add_argument("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/Capybara'.")
-    data.add_argument("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
-    data.add_argument(
-        "--validation_split_percentage",
-        type=positive_float,
-        default=5,
-        help="Share of the training data held out for validation when there is no validation split.",
-    )
-    data.add_argument(
-        "--max_length",
-        type=positive_int,
-        default=512,
-        help="Truncate samples to this many tokens (counted and reported).",
-    )
-    data.add_argument("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
-    data.add_argument(
-        "--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples."
-    )
-    data.add_argument(
+    add = parser.add_argument_group("data").add_argument
+    add("--train_file", help="Training data (.jsonl/.json, .csv, .parquet): messages, prompt + completion or text.")
+    add("--validation_file", help="Validation data, same format (default: held out from the training data).")
+    add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/Capybara'.")
+    add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
+    add("--validation_split_percentage", type=positive_float, default=5, help="Held out without a validation split.")
+    add("--max_length", type=positive_int, default=512, help="Truncate samples to this many tokens (reported).")
+    add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
+    add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples.")
+    add(
         "--packing",
         action="store_true",
-        help="Pack the training samples into rows of --max_length "
-        "tokens (best fit decreasing, as TRL's packing=True); a batch is --per_device_train_batch_size "
-        "rows, flattened into one without padding: each sample keeps its positions and attends only to "
-        "itself, the same losses (a block-diagonal mask: fastest with flash attention).",
+        help="Pack the samples into rows of --max_length tokens (best fit decreasing, TRL's packing=True), each "
+        "batch flattened into one row without padding: the same losses (docs/llm_finetune.md).",
     )
-    data.add_argument(
-        "--group_by_length", action="store_true", help="Batch samples of similar length together (less padding)."
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model_name_or_path",
-        help="Local folder or Hub name of a causal LM. Default: outputs/train_lm, pretrained first if missing.",
-    )
-    model.add_argument(
-        "--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none."
-    )
-    model.add_argument("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
-    model.add_argument(
+    add("--group_by_length", action="store_true", help="Batch samples of similar length together (less padding).")
+    add = parser.add_argument_group("model").add_argument
+    add("--model_name_or_path", help="Folder or Hub name of a causal LM (default: outputs/train_lm, pretrained).")
+    add("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none.")
+    add("--trust_remote_code", action="store_true", help="Allow a Hub model to run its own code.")
+    add(
         "--parallelism",
         choices=["auto", "single", "ddp", "fsdp", "device_map"],
         default="auto",
-        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing "
-        ">= 2 GPUs: device_map; else single).",
+        help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing >= 2 GPUs: "
+        "device_map; else single).",
     )
-    model.add_argument("--full_finetune", action="store_true", help="Train every weight instead of a LoRA adapter.")
-    model.add_argument(
-        "--load_in_4bit",
-        action="store_true",
-        help="QLoRA: the base model in 4-bit NF4 with double quantization (bitsandbytes), a LoRA adapter on top.",
-    )
-    model.add_argument("--lora_r", type=positive_int, default=8, help="LoRA rank.")
-    model.add_argument(
-        "--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r."
-    )
-    model.add_argument(
+    add("--full_finetune", action="store_true", help="Train every weight instead of a LoRA adapter.")
+    add("--load_in_4bit", action="store_true", help="QLoRA: the base model in 4-bit NF4 (bitsandbytes), LoRA on top.")
+    add("--lora_r", type=positive_int, default=8, help="LoRA rank.")
+    add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
+    add(
         "--lora_dropout",
         type=float,
         default=0.0,
-        help="Dropout on the LoRA path (PEFT's default: "
-        "0; > 0 keeps a dropped copy of every adapted layer's input, and its mask, for backward).",
+        help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a dropped copy of every adapted layer's "
+        "input, and its mask, for backward).",
     )
-    model.add_argument(
-        "--lora_target_modules",
-        nargs="+",
-        default=["all-linear"],
-        help="Module names (or suffixes) to adapt; 'all-linear': every linear layer but the output head.",
-    )
-    model.add_argument(
-        "--gradient_checkpointing",
-        action="store_true",
-        help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
-    )
-    training = parser.add_argument_group("training")
-    training.add_argument(
-        "--per_device_train_batch_size",
-        type=positive_int,
-        default=4,
-        help="Samples (with --packing: rows of --max_length tokens) per process per forward pass.",
-    )
-    training.add_argument(
-        "--per_device_eval_batch_size", type=positive_int, help="Samples per evaluation batch (default: training's)."
-    )
-    training.add_argument(
+    add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
+    add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
+    add = parser.add_argument_group("training").add_argument
+    add("--per_device_train_batch_size", type=positive_int, default=4, help="Samples (packed: rows) per forward.")
+    add("--per_device_eval_batch_size", type=positive_int, help="Samples per evaluation batch (default: training's).")
+    add(
         "--gradient_accumulation_steps",
         type=positive_int,
-        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
-        "batch in this process count).",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's "
+        "global batch in this process count).",
     )
-    training.add_argument(
-        "--num_train_epochs",
-        type=positive_int,
-        default=1,
-        help="Passes over the training set (ignored with --max_train_steps).",
-    )
-    training.add_argument(
-        "--max_train_steps",
-        type=positive_int,
-        help="Stop after this many optimizer steps "
-        "(default: --num_train_epochs; with the offline default model: 600).",
-    )
-    training.add_argument(
+    add("--num_train_epochs", type=positive_int, default=1, help="Passes over the data (unless --max_train_steps).")
+    add("--max_train_steps", type=positive_int, help="Stop after this many optimizer steps (offline default: 600).")
+    add(
         "--learning_rate",
         type=positive_float,
-        help="Peak AdamW learning rate (default 2e-4: "
-        "LoRA 1e-4..3e-4, full ~1e-5; with the offline default model: 1e-3).",
+        help="Peak AdamW learning rate (default 2e-4: LoRA 1e-4..3e-4, full ~1e-5; with the offline default model: "
+        "1e-3).",
     )
-    training.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
-    training.add_argument(
-        "--adam_epsilon",
-        type=positive_float,
-        default=1e-8,
-        help="AdamW's epsilon: the update is "
-        "m / (sqrt(v) + epsilon), so it also sets how much a near-zero gradient moves a weight.",
-    )
-    training.add_argument(
-        "--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ..."
-    )
-    training.add_argument(
-        "--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps."
-    )
-    training.add_argument(
-        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables)."
-    )
-    training.add_argument(
-        "--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision."
-    )
-    training.add_argument(
-        "--seed", type=int, default=42, help="Seed for the LoRA initialisation, shuffling and dropout."
-    )
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--output_dir",
-        default="outputs/llm_finetune",
-        help="Adapter (or model), tokenizer, results.json, checkpoints.",
-    )
-    output.add_argument(
-        "--merge_and_save",
-        action="store_true",
-        help="Also write the base model with the adapter "
-        "merged in to output_dir/merged (QLoRA: into a 16/32-bit copy).",
-    )
-    output.add_argument(
-        "--generate_samples",
-        type=int,
-        default=0,
-        help="After training, print answers to the first N validation prompts.",
-    )
-    output.add_argument(
-        "--sample_tokens", type=int, default=48, help="Tokens to generate per answer with --generate_samples."
-    )
-    output.add_argument(
+    add("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
+    add("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon in m / (sqrt(v) + epsilon).")
+    add("--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ...")
+    add("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
+    add("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables).")
+    add("--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision.")
+    add("--seed", type=int, default=42, help="Seed for the LoRA initialisation, shuffling and dropout.")
+    add = parser.add_argument_group("output").add_argument
+    add("--output_dir", default="outputs/llm_finetune", help="Adapter or model, tokenizer, results.json, checkpoints.")
+    add("--merge_and_save", action="store_true", help="Also save the base model with the adapter merged in (merged/).")
+    add("--generate_samples", type=int, default=0, help="After training, answer the first N validation prompts.")
+    add("--sample_tokens", type=int, default=48, help="Tokens to generate per answer with --generate_samples.")
+    add(
         "--exact_match_samples",
         type=int,
-        help="Score greedy answers to N (shuffled) validation "
-        "prompts by exact match, before and after training (default: 100 when the answers are short, "
-        "a median of at most 8 tokens as in the offline data, else none; 0 skips; not under FSDP).",
+        help="Score greedy answers to N (shuffled) validation prompts by exact match, before and after training "
+        "(default: 100 when the answers are short, as in the offline data, else none; 0 skips; not under FSDP).",
     )
-    output.add_argument("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
-    output.add_argument(
-        "--logging_steps", type=positive_int, default=10, help="Log train/loss every N optimizer steps."
-    )
-    output.add_argument(
-        "--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): speed benchmarks."
-    )
-    output.add_argument(
-        "--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers."
-    )
+    add("--report_to", help="Trackers to log to: tensorboard, wandb, all, ... (default: none).")
+    add("--logging_steps", type=positive_int, default=10, help="Log train/loss every N optimizer steps.")
+    add("--skip_eval", action="store_true", help="Skip the final evaluation (eval/* are NaN): speed benchmarks.")
+    add("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers.")
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
     if args.full_finetune and args.load_in_4bit:
@@ -453,8 +353,9 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,  # a resume: its global batch
+        accelerator,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
@@ -531,23 +432,20 @@ def main():
         disable_fsdp_ram_efficient_loading()  # env: done above; transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        fused=fused_adamw(accelerator),
+        trained,
         lr=args.learning_rate,
         weight_decay=args.weight_decay,
         eps=args.adam_epsilon,
+        fused=fused_adamw(accelerator),
     )
     # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short);
     # the scheduler's steps times the processes: the prepared scheduler steps once per process per optimizer step.
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        args.num_warmup_steps * accelerator.num_processes,
-        max_train_steps * accelerator.num_processes,
-    )
+    warmup_steps, scheduler_steps = (n * accelerator.num_processes for n in (args.num_warmup_steps, max_train_steps))
+    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, scheduler_steps)
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
@@ -557,38 +455,21 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
+    exact_samples = 0 if args.skip_eval else args.exact_match_samples  # greedy answers, scored again at the end
     exact_rows, exact_before = exact_match_before(
-        accelerator,
-        model,
-        tokenizer,
-        raw_datasets["validation"],
-        fmt,
-        0 if args.skip_eval else args.exact_match_samples,
-        layout == "fsdp",
-        args.seed,
-    )  # scored again at the end
+        accelerator, model, tokenizer, raw_datasets["validation"], fmt, exact_samples, layout == "fsdp", args.seed
+    )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {
-        **vars(args),
-        "method": method,
-        "parallelism": parallelism.name,
-        "data_format": fmt,
-        "num_processes": accelerator.num_processes,
-        "global_batch_size": global_batch_size,
-        "max_train_steps": max_train_steps,
-        "mixed_precision": accelerator.mixed_precision,
-    }
+    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
+    run_config |= {"num_processes": accelerator.num_processes, "global_batch_size": global_batch_size}
+    run_config |= {"max_train_steps": max_train_steps, "mixed_precision": accelerator.mixed_precision}
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
+    load_state = lambda folder: accelerator.load_state(str(folder), strict=not lora)  # LoRA: the adapter alone
     resume = load_checkpoint(
-        accelerator,
-        checkpoint,
-        steps_per_epoch,
-        args.gradient_accumulation_steps,
-        lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
-    )  # LoRA
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
+    )
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -601,12 +482,9 @@ def main():
         history={"train/loss_curve": record.losses()},
         batch=batch_shape,
     )
+    devices = sorted(set(split_over), key=str) or None  # a split model: results name every device it uses
     record = RunRecord(
-        accelerator,
-        max_train_steps,
-        resume.history.get("train/loss_curve"),
-        args.perf_warmup_steps,
-        devices=sorted(set(split_over), key=str) or None,
+        accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps, devices=devices
     )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
@@ -615,7 +493,7 @@ def main():
         train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        batches = iter(record.timed(active_dataloader))
+        batches = iter(record.timed(active_dataloader))  # the loader's batches as they are, each wait timed
         while completed_steps < max_train_steps and (
             micro_batches := list(itertools.islice(batches, args.gradient_accumulation_steps))
         ):
@@ -639,13 +517,8 @@ def main():
             # The global loss, tokens (padding aside) and samples stay on the device: only the log below reads.
             sizes = sum(torch.stack([b["num_tokens"].sum(), (b["num_tokens"] > 0).sum()]) for b in micro_batches)
             real_tokens, samples = accelerator.reduce(sizes, "sum")  # (packed rows: each process's samples differ)
-            record.step(
-                completed_steps,
-                accelerator.reduce(step_loss, "sum") / step_tokens,
-                samples=samples,
-                tokens=real_tokens,
-                answer_tokens=step_tokens,
-            )
+            global_loss = accelerator.reduce(step_loss, "sum") / step_tokens
+            record.step(completed_steps, global_loss, samples=samples, tokens=real_tokens, answer_tokens=step_tokens)
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 since_last_log = completed_steps % args.logging_steps or args.logging_steps
                 loss, lr = statistics.fmean(record.losses()[-since_last_log:]), lr_scheduler.get_last_lr()[0]  # sync
@@ -663,24 +536,15 @@ def main():
         save_merged(accelerator, args.model_name_or_path, output_dir, tokenizer, args.trust_remote_code)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {
-        "recipe": "llm_finetune",
-        "config": run_config,
-        **evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader),
-        "samples": generate_samples(
-            accelerator, model, tokenizer, raw_datasets["validation"], fmt, args.generate_samples, args.sample_tokens
-        ),  # (the others wait just below)
-        **exact_match_results(accelerator, model, tokenizer, exact_rows, fmt, exact_before),
-        "model": args.model_name_or_path,
-        "method": method,
-        "parallelism": parallelism.name,
-        "data/format": fmt,
-        "parallelism_requested": args.parallelism,
-        "data/counts": counts,
-        "global_batch_size": global_batch_size,
-        "model/trainable_parameters": trainable,
-        "model/total_parameters": total,
-    }
+    results = {"recipe": "llm_finetune", "config": run_config, "model": args.model_name_or_path, "method": method}
+    results |= {"parallelism": parallelism.name, "parallelism_requested": args.parallelism, "data/format": fmt}
+    results |= {"data/counts": counts, "global_batch_size": global_batch_size}
+    results |= {"model/trainable_parameters": trainable, "model/total_parameters": total}
+    results |= evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader)
+    results["samples"] = generate_samples(  # (the others wait just below)
+        accelerator, model, tokenizer, raw_datasets["validation"], fmt, args.generate_samples, args.sample_tokens
+    )
+    results |= exact_match_results(accelerator, model, tokenizer, exact_rows, fmt, exact_before)
     record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()

@@ -52,14 +52,12 @@ from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, 
 from accelerate.utils import TorchDynamoPlugin
 from torch.utils.data import DataLoader
 
-# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
-# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+# bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import get_scheduler
 
-# The helper module (shared/, next to this file in a copied recipe or one folder up in this repository) and this
-# recipe's own helpers (its kits, next to this file) go first on sys.path, so that no installed package of those names
-# shadows them; this folder too, for an import that is not a run.
+# shared/ (beside this file in a copy, or one folder up here) and this recipe's kits go first on sys.path, so that no
+# installed package of those names shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
@@ -95,107 +93,97 @@ from shared.signals import install_stop_on_signals
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--output_dir", default="outputs/train_lm", help="Model, results.json and checkpoints go here."
-    )
-    parser.add_argument("--seed", type=int, default=42, help="Seed of the initial weights and the data order.")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--output_dir", default="outputs/train_lm", help="Model, results.json and checkpoints go here.")
+    add("--seed", type=int, default=42, help="Seed of the initial weights and the data order.")
+    add(
         "--parallelism",
         choices=["auto", "single", "ddp", "fsdp", "device_map"],
         default="auto",
         help="auto follows the launch config (FSDP config: fsdp; 2 processes: ddp; 1 process seeing >= 2 GPUs: "
-        "device_map; else single). device_map needs 1 process, ddp 2 or more, fsdp accelerate_configs/fsdp_2gpu.yaml.",
+        "device_map; else single). device_map needs 1 process, ddp 2 or more, fsdp "
+        "accelerate_configs/fsdp_2gpu.yaml.",
     )
-    parser.add_argument(
+    add(
         "--gradient_checkpointing",
         action="store_true",
         help="Recompute each decoder block's activations in backward: less memory, ~1/3 more compute.",
     )
-    parser.add_argument(
+    add(
         "--compile",
         action="store_true",
-        help="torch.compile the model (inductor, via Accelerate's dynamo_backend) in single, ddp and fsdp; attention "
-        "already uses PyTorch's SDPA kernels (transformers' default).",
+        help="torch.compile the model (inductor, via Accelerate's dynamo_backend) in single, ddp and fsdp; "
+        "attention already uses PyTorch's SDPA kernels (transformers' default).",
     )
-    ddp = parser.add_argument_group("ddp")
-    ddp.add_argument(
+    add = parser.add_argument_group("ddp").add_argument
+    add(
         "--ddp_comm_hook",
         choices=["no", "bf16", "fp16"],
         default="no",
         help="Compress gradients to 16 bits for the all-reduce (Accelerate's DDPCommunicationHookType): half the "
         "bytes on the link, summed and averaged in 16-bit.",
     )
-    ddp.add_argument(
-        "--ddp_bucket_cap_mb", type=positive_int, default=25, help="All-reduce gradients in buckets of this many MB."
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model_size", choices=list(MODEL_PRESETS), default="small", help="Shape to train from scratch."
-    )
-    model.add_argument("--num_layers", type=positive_int, help="Override the preset's number of decoder blocks.")
-    model.add_argument(
-        "--model_name_or_path", help="Start from pretrained weights (a Hub id or a folder this recipe saved)."
-    )
-    data = parser.add_argument_group("data")
-    data.add_argument("--vocab_size", type=positive_int, default=8192, help="Byte-level BPE trained on the text.")
-    data.add_argument("--dataset_name", help="A Hub dataset with a text column. Default: the offline stdlib corpus.")
-    data.add_argument("--dataset_config_name", help="The Hub dataset's configuration name, if it has several.")
-    data.add_argument("--train_file", help="A text file to train on (one example per line, line breaks kept).")
-    data.add_argument("--validation_file", help="A text file to validate on (default: the end of --train_file).")
-    data.add_argument(
+    add("--ddp_bucket_cap_mb", type=positive_int, default=25, help="All-reduce gradients in buckets of this many MB.")
+    add = parser.add_argument_group("model").add_argument
+    add("--model_size", choices=list(MODEL_PRESETS), default="small", help="Shape to train from scratch.")
+    add("--num_layers", type=positive_int, help="Override the preset's number of decoder blocks.")
+    add("--model_name_or_path", help="Start from pretrained weights (a Hub id or a folder this recipe saved).")
+    add = parser.add_argument_group("data").add_argument
+    add("--vocab_size", type=positive_int, default=8192, help="Byte-level BPE trained on the text.")
+    add("--dataset_name", help="A Hub dataset with a text column. Default: the offline stdlib corpus.")
+    add("--dataset_config_name", help="The Hub dataset's configuration name, if it has several.")
+    add("--train_file", help="A text file to train on (one example per line, line breaks kept).")
+    add("--validation_file", help="A text file to validate on (default: the end of --train_file).")
+    add(
         "--validation_split_percentage",
         type=positive_float,
         default=5,
         help="Share held out for validation when there is no validation split (default corpus: every k-th file).",
     )
-    data.add_argument(
-        "--corpus_max_mb", type=positive_float, help="Only the first N MB of the default corpus (~11 MB in all)."
-    )
-    data.add_argument("--block_size", type=positive_int, default=256, help="Tokens per (packed) training sequence.")
-    data.add_argument("--max_train_samples", type=positive_int, help="Use only the first N training blocks.")
-    data.add_argument("--max_eval_samples", type=positive_int, help="Use only the first N validation blocks.")
-    training = parser.add_argument_group("training")
-    training.add_argument("--per_device_train_batch_size", type=positive_int, default=16, help="Blocks per forward.")
-    training.add_argument("--per_device_eval_batch_size", type=positive_int, help="Default: the training batch size.")
-    training.add_argument(
+    add("--corpus_max_mb", type=positive_float, help="Only the first N MB of the default corpus (~11 MB in all).")
+    add("--block_size", type=positive_int, default=256, help="Tokens per (packed) training sequence.")
+    add("--max_train_samples", type=positive_int, help="Use only the first N training blocks.")
+    add("--max_eval_samples", type=positive_int, help="Use only the first N validation blocks.")
+    add = parser.add_argument_group("training").add_argument
+    add("--per_device_train_batch_size", type=positive_int, default=16, help="Blocks per forward.")
+    add("--per_device_eval_batch_size", type=positive_int, help="Default: the training batch size.")
+    add(
         "--gradient_accumulation_steps",
         type=positive_int,
-        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's global "
-        "batch in this process count).",
+        help="Forward/backward passes per optimizer step (default: 1; on a resume, what keeps the checkpoint's "
+        "global batch in this process count).",
     )
-    training.add_argument("--num_train_epochs", type=positive_int, default=1, help="Passes over the training set.")
-    training.add_argument("--max_train_steps", type=positive_int, help="Stop after N steps (overrides the epochs).")
-    training.add_argument("--logging_steps", type=positive_int, default=10, help="Print train/loss every N steps.")
-    training.add_argument("--learning_rate", type=positive_float, default=1e-3, help="Peak AdamW learning rate.")
-    training.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (matrices only).")
-    training.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm (0: no).")
-    training.add_argument(
+    add("--num_train_epochs", type=positive_int, default=1, help="Passes over the training set.")
+    add("--max_train_steps", type=positive_int, help="Stop after N steps (overrides the epochs).")
+    add("--logging_steps", type=positive_int, default=10, help="Print train/loss every N steps.")
+    add("--learning_rate", type=positive_float, default=1e-3, help="Peak AdamW learning rate.")
+    add("--weight_decay", type=float, default=0.1, help="AdamW weight decay (matrices only).")
+    add("--max_grad_norm", type=float, default=1.0, help="Clip the global gradient norm (0: no).")
+    add(
         "--lr_scheduler_type",
         default="cosine",
         choices=["linear", "cosine", "constant", "constant_with_warmup"],
         help="Learning-rate schedule (transformers.get_scheduler).",
     )
-    training.add_argument("--num_warmup_steps", type=int, default=0, help="Linear warm-up, in optimizer steps.")
-    training.add_argument(
+    add("--num_warmup_steps", type=int, default=0, help="Linear warm-up, in optimizer steps.")
+    add(
         "--mixed_precision",
         choices=["no", "fp16", "bf16"],
         help="Override the config's mixed precision (bf16 also works on CPU; fp16 needs a GPU).",
     )
     add_reliability_flags(parser)  # --checkpointing_steps, --resume_from_checkpoint, --dist_timeout, ...
-    report = parser.add_argument_group("evaluation and measurement")
-    report.add_argument("--eval_before_training", action="store_true", help="Also measure perplexity before step 1.")
-    report.add_argument("--skip_eval", action="store_true", help="No final evaluation (eval/* NaN): speed runs.")
-    report.add_argument(
-        "--perf_warmup_steps", type=int, default=2, help="Steps left out of the throughput numbers (start-up costs)."
-    )
-    report.add_argument(
+    add = parser.add_argument_group("evaluation and measurement").add_argument
+    add("--eval_before_training", action="store_true", help="Also measure perplexity before step 1.")
+    add("--skip_eval", action="store_true", help="No final evaluation (eval/* NaN): speed runs.")
+    add("--perf_warmup_steps", type=int, default=2, help="Steps left out of the throughput numbers (start-up costs).")
+    add(
         "--cpu_threads_per_process",
         type=int,
         default=1,
         help="On CPU: PyTorch threads per process (1 = one core stands in for one GPU; 0 = PyTorch's default).",
     )
-    report.add_argument("--sample_prompt", default="def ", help="Prompt of the greedy sample printed at the end.")
-    report.add_argument("--sample_tokens", type=int, default=24, help="Tokens the sample generates (0: no sample).")
+    add("--sample_prompt", default="def ", help="Prompt of the greedy sample printed at the end.")
+    add("--sample_tokens", type=int, default=24, help="Tokens the sample generates (0: no sample).")
     return parser.parse_args(argv)
 
 
@@ -412,7 +400,7 @@ def main():
             final_model, data.tokenizer, args.sample_prompt, args.sample_tokens, accelerator.device
         )
     record.write(output_dir, results, model)  # a collective
-    # Drop DDP while the process group lives: a gloo group gone first can deadlock DDP's reducer at exit (torch 2.13).
+    # Drop DDP while the process group lives: gloo can hang in DDP's destructor at exit (docs/troubleshooting.md).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 

@@ -48,8 +48,7 @@ import torch
 from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 from torch.utils.data import DataLoader
 
-# PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
-# an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
+# bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
 from transformers.trainer_pt_utils import get_parameter_names
@@ -61,11 +60,11 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
-from classifier_kit.device_map import parameter_bytes_per_device
+from classifier_kit.device_map import split_model
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
 from shared.lora import lora_model
-from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
+from shared.model_split import find_block_list
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, positive_float, positive_int, prepare_output_dir
@@ -291,23 +290,6 @@ def get_dataloaders(
     return tokenizer, train_dataloader, eval_dataloader
 
 
-def split_model(model, model_name: str, device: torch.device, print_fn):
-    """device_map: the model split over two devices by one dispatcher for every recipe that splits (shared/
-    model_split.py): two GPUs, one GPU + the CPU, or two CPU "devices" (the same AlignDevicesHook per block as on
-    GPUs)."""
-    split_over = split_devices(device)
-    try:
-        plan = plan_device_map(model, len(split_over))
-    except ValueError as error:
-        raise RecipeError(f"Cannot split {model_name!r} over {len(split_over)} devices: {error}.") from None
-    model, device_map = dispatch_on_devices(model, plan, split_over)
-    planned = parameter_bytes_per_device(model, plan)
-    gib = {f"device {i} ({split_over[i]})": round(size / 2**30, 4) for i, size in sorted(planned.items())}
-    print_fn("device_map: parameters per device (GiB): " + json.dumps(gib))
-    print_fn("device_map: " + json.dumps({name: str(device) for name, device in device_map.items()}))
-    return model, sorted(set(split_over), key=str)
-
-
 def parameter_groups(model, weight_decay: float) -> list[dict]:
     """The trained parameters (all of them, or LoRA's and the head's) in two AdamW groups: with ``weight_decay``, and
     biases and norms without."""
@@ -511,14 +493,9 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
-    run_config = {
-        **vars(args),
-        "num_processes": accelerator.num_processes,
-        "parallelism": parallelism.name,
-        "global_batch_size": global_batch_size,
-        "max_train_steps": max_train_steps,
-        "mixed_precision": accelerator.mixed_precision,
-    }
+    run_config = {**vars(args), "num_processes": accelerator.num_processes, "parallelism": parallelism.name}
+    run_config |= {"global_batch_size": global_batch_size, "max_train_steps": max_train_steps}
+    run_config |= {"mixed_precision": accelerator.mixed_precision}
     scalars = {key: value for key, value in run_config.items() if isinstance(value, (int, float, str, bool))}
     accelerator.init_trackers("transformer_finetune", scalars)  # --report_to's, if any
 
@@ -543,7 +520,7 @@ def main():
         train_dataloader.set_epoch(epoch)  # reseeds the shuffling: same order on every process and after a resume
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
-        for batch in record.timed(active_dataloader):
+        for batch in record.timed(active_dataloader):  # timed: measures the wait for each batch
             token_counts[0] += batch["attention_mask"].sum()  # padding is wasted compute (--group_by_length)
             token_counts[1] += batch["attention_mask"].numel()
             labels = batch.pop("labels")
@@ -586,14 +563,8 @@ def main():
     # --------------------------------------------------------------------- evaluation
     scores = evaluate_model(accelerator, model, [] if args.skip_eval else eval_dataloader, regression)
     accelerator.print(f"eval: {scores} (baseline: {baseline})")
-    results = {
-        "recipe": "transformer_finetune",
-        **scores,
-        **baseline,
-        "label_names": label_names,
-        "model": args.model_name_or_path,
-        "config": run_config,
-    }
+    results = {"recipe": "transformer_finetune", **scores, **baseline, "label_names": label_names}
+    results |= {"model": args.model_name_or_path, "config": run_config}
     results.update(method="lora" if args.lora_r else "full", task=config.problem_type or "classification")
     results.update({"model/trainable_parameters": trainable, "model/total_parameters": total})
     results.update({"parallelism": parallelism.name, "global_batch_size": global_batch_size})
@@ -603,7 +574,7 @@ def main():
     # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).
     results["train/grad_scale"] = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
     record.write(output_dir, results, model)  # a collective: the main process writes results.json
-    # Drop the DDP wrapper while the process group lives: gloo can deadlock in DDP's destructor at exit (torch 2.13).
+    # Drop DDP while the process group lives: gloo can hang in DDP's destructor at exit (docs/troubleshooting.md).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()
 

@@ -523,7 +523,7 @@ def test_disable_dropout_switches_off_every_dropout_of_the_policy(base, name):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dpo_kit.preference_data import disable_dropout
+    from dpo_kit.reference import disable_dropout
 
     folder = base / "gpt2" if name == "gpt2" else base
     config = AutoConfig.from_pretrained(folder)

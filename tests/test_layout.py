@@ -133,37 +133,81 @@ def python_files(folder: Path) -> list[Path]:
 KITS = sorted(path for path in (REPO / "recipes").glob("*_kit") if path.is_dir())
 
 
-# A recipe reads as the training story: at most this many statements and comment lines per file and per
-# main() (Accelerate's nlp_example.py is ~210 lines, nanoGPT's train.py 336). Counted as statements, not physical
-# lines, because ruff's formatter spreads one call over as many lines as it needs; the linear toy, copied as a single
-# file, is held to 200 physical lines as well.
-RECIPE_STATEMENT_LIMIT, MAIN_STATEMENT_LIMIT = 400, 165
-LINEAR_TOY_LINE_LIMIT = 280
+# A recipe reads like the best ``*_no_trainer`` script (Accelerate's nlp_example.py is ~210 lines, nanoGPT's train.py
+# 336): at most this many lines as ruff's formatter lays the file out, and its main(), the loop in it, at most
+# MAIN_LINE_LIMIT; the rest lives in named functions, in the recipe or its kit. The linear toy, the tutorial's one
+# file, is held to LINEAR_TOY_LINE_LIMIT.
+RECIPE_LINE_LIMIT, MAIN_LINE_LIMIT, LINEAR_TOY_LINE_LIMIT = 600, 160, 230
+# Recipes not yet within a limit, and why: each is an expected failure (strict: it fails once the recipe fits, so
+# that its entry goes).
+SPLIT_MODE = "split mode lands first"
+MAIN_NOT_YET = "main() still over 160 formatted lines: issue 45's setup and bookkeeping not yet in named functions"
+FILE_NOT_YET_WITHIN = {"grpo.py": SPLIT_MODE, "linear_toy.py": "279 formatted lines: not yet cut to 230"}
+MAIN_NOT_YET_WITHIN = {"grpo.py": SPLIT_MODE} | {
+    name: MAIN_NOT_YET
+    for name in ("dpo.py", "llm_finetune.py", "pipeline_lm.py", "train_lm.py", "transformer_finetune.py")
+}
 
 
-def statements(path: Path, first: int = 1, last: int | None = None) -> int:
-    """Statements and comment lines of ``path`` between lines ``first`` and ``last`` (tokenize's NEWLINE and COMMENT
-    tokens: a statement wrapped over five lines counts once; pipeline_lm.py's New Code markers do not count)."""
-    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-    counted = [token for token in tokens if token.type == tokenize.NEWLINE or token.type == tokenize.COMMENT]
-    counted = [token for token in counted if token.string not in (BEGIN, END)]
-    return sum(1 for token in counted if first <= token.start[0] <= (last or token.start[0]))
+def formatted(path: Path) -> str:
+    """``path``'s text as ``ruff format`` lays it out (pyproject.toml's line length), whatever the file holds."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "format",
+            "--config",
+            str(REPO / "pyproject.toml"),
+            "--stdin-filename",
+            path,
+            "-",
+        ],
+        input=path.read_text(),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    return run.stdout
 
 
-def main_statements(path: Path) -> int:
-    """Statements and comment lines of the recipe's ``main()``."""
-    tree = ast.parse(path.read_text())
-    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
-    return statements(path, main.lineno, main.end_lineno)
+def main_lines(text: str) -> int:
+    """The lines of the module's ``main()``, from ``def main`` to its last line."""
+    main = next(node for node in ast.parse(text).body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    return main.end_lineno - main.lineno + 1
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)
-def test_recipes_fit_their_line_limits(path):
-    count = statements(path)
-    assert count <= RECIPE_STATEMENT_LIMIT, f"{path.name} has {count} statements and comments: move some out"
-    assert main_statements(path) <= MAIN_STATEMENT_LIMIT, f"{path.name}'s main() has {main_statements(path)}"
-    if path.name == "linear_toy.py":
-        assert len(path.read_text().splitlines()) <= LINEAR_TOY_LINE_LIMIT
+def recipes_expected_to_fail(not_yet_within: dict[str, str]) -> list:
+    return [
+        pytest.param(path, marks=pytest.mark.xfail(reason=not_yet_within[path.name], strict=True))
+        if path.name in not_yet_within
+        else path
+        for path in RECIPES
+    ]
+
+
+@pytest.mark.parametrize("path", recipes_expected_to_fail(FILE_NOT_YET_WITHIN), ids=lambda path: path.name)
+def test_recipes_fit_their_line_limit(path):
+    lines = len(formatted(path).splitlines())
+    limit = LINEAR_TOY_LINE_LIMIT if path.name == "linear_toy.py" else RECIPE_LINE_LIMIT
+    assert lines <= limit, f"{path.name} has {lines} formatted lines, over {limit}: move some into its kit"
+
+
+@pytest.mark.parametrize("path", recipes_expected_to_fail(MAIN_NOT_YET_WITHIN), ids=lambda path: path.name)
+def test_recipe_mains_fit_their_line_limit(path):
+    lines = main_lines(formatted(path))
+    assert lines <= MAIN_LINE_LIMIT, (
+        f"{path.name}'s main() has {lines} formatted lines, over {MAIN_LINE_LIMIT}: the loop stays in main(), "
+        "the rest goes into named functions, in the recipe or its kit"
+    )
+
+
+def test_the_limits_are_counted_as_the_formatter_lays_the_code_out(tmp_path):
+    """A call spread over more lines than the formatter needs counts as the formatter lays it out."""
+    squeezed = tmp_path / "squeezed.py"
+    squeezed.write_text("def main():\n    print(\n        1,\n        2\n    )\n\n\n\n")
+    assert main_lines(formatted(squeezed)) == 2 and len(formatted(squeezed).splitlines()) == 2
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda path: path.name)

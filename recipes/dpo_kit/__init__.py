@@ -1,2 +1,2 @@
-"""What ``dpo.py`` alone uses: preference pairs and their reference log-probabilities
-(``preference_data.py``). Copy it with the recipe, ``llm_kit/`` and ``shared/``."""
+"""What ``dpo.py`` alone uses: preference pairs (``preference_data.py``), DPO's loss (``loss.py``) and the reference
+policy's log-probabilities (``reference.py``). Copy it with the recipe, ``llm_kit/`` and ``shared/``."""

@@ -1,9 +1,8 @@
-"""Preference pairs and the reference policy for DPO (``recipes/dpo.py``): TRL's preference formats read through
+"""Preference pairs for DPO (``recipes/dpo.py``): TRL's preference formats read through
 ``llm_kit.sft_data.load_raw_datasets`` and checked row by row, token ids as TRL 1.16's DPOTrainer makes them by
 default (prompt and completion tokenized together, cut at ``max_length`` from the end, a pair whose prompt fills it
 dropped), and batches that hold the chosen and the rejected completion of every pair (chosen rows first), so that one
-forward scores both; the reference's log-probs, live or computed before training (``llm_kit.adapters`` holds the
-adapter to continue and the switch to the reference), and dropout switched off.
+forward scores both. The reference policy's log-probs are ``dpo_kit.reference``'s.
 
 The formats (TRL's): ``standard``, ``prompt``/``chosen``/``rejected`` strings; ``conversational``, the same columns
 as lists of ``{role, content}`` messages; ``conversational_implicit``, no ``prompt`` column: ``chosen`` and
@@ -12,7 +11,6 @@ as lists of ``{role, content}`` messages; ``conversational_implicit``, no ``prom
 from __future__ import annotations
 
 import hashlib
-import math
 from functools import partial
 
 import datasets
@@ -21,8 +19,7 @@ import torch
 from shared.data import no_value
 from shared.runtime import RecipeError
 
-from llm_kit.adapters import reference_policy
-from llm_kit.sft_data import check_conversation, collate, stdlib_names, token_losses
+from llm_kit.sft_data import check_conversation, collate, stdlib_names
 
 FORMATS = ("standard", "conversational", "conversational_implicit")
 
@@ -237,51 +234,3 @@ def stdlib_name_pairs() -> datasets.DatasetDict:
 
     names = stdlib_names()
     return datasets.DatasetDict({split: names[split].map(pair, remove_columns=["messages"]) for split in names})
-
-
-# ----------------------------------------------------------------------------- the reference policy
-def disable_dropout(model: torch.nn.Module) -> int:
-    """Every dropout probability of ``model`` set to 0, LoRA's included, as TRL's ``disable_dropout`` (on by default)
-    does to the policy and the reference: its ``nn.Dropout`` modules, and the float attributes that attention
-    functions read in train mode (``attention_dropout`` of Llama, Qwen2, Mistral ..., which TRL's helper leaves on).
-    Returns how many were above 0."""
-    switched = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            switched, module.p = switched + (module.p > 0), 0.0
-        for name, value in list(vars(module).items()):
-            if "drop" in name and isinstance(value, float):
-                switched += value > 0
-                setattr(module, name, 0.0)
-    return switched
-
-
-def sequence_logps(model, batch: dict) -> torch.Tensor:
-    """Summed log-prob of each row's completion tokens (chosen rows, then rejected): minus their summed loss, from
-    ``token_losses`` (logits at the completion positions only, fp32 cross-entropy in checkpointed chunks)."""
-    return -token_losses(model, batch["sequences"])[1]
-
-
-def reference_logps(accelerator, model, batch: dict, precomputed: torch.Tensor | None) -> torch.Tensor:
-    """The reference's log-probs of the batch's rows: looked up by pair index when precomputed, else one forward
-    without gradients through ``reference_policy`` (the prepared model, unwrapped from DDP: no gradient to sync)."""
-    if precomputed is not None:
-        return precomputed[batch["index"]].T.flatten()  # (pairs, 2) -> chosen rows, then rejected rows
-    unwrapped = accelerator.unwrap_model(model)
-    with torch.no_grad(), reference_policy(unwrapped):
-        return sequence_logps(unwrapped, batch)
-
-
-def precompute_reference(accelerator, model, dataloader) -> torch.Tensor:
-    """The model's log-probs of every pair's chosen and rejected completion, ``(size, 2)`` on every process, by pair
-    index: one pass before training (every process takes its share; ``gather_for_metrics`` drops repeats)."""
-    model.eval()
-    size = len(dataloader.dataset)
-    table = torch.full((size, 2), math.nan, device=accelerator.device)
-    for batch in dataloader:
-        with torch.no_grad():
-            chosen, rejected = sequence_logps(model, batch).chunk(2)
-        index, chosen, rejected = accelerator.gather_for_metrics((batch["index"], chosen, rejected))
-        table[index] = torch.stack([chosen, rejected], dim=1).float()
-    accelerator.print(f"reference: the log-probs of {size} pairs computed before training (training holds one model)")
-    return table
