@@ -72,7 +72,12 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
+from shared.fsdp import (
+    check_offload_fits_host_ram,
+    gathered_state_dict,
+    set_keep_gathered_in_one_process,
+    set_wrap_at_blocks,
+)
 from llm_kit.loading import (
     causal_lm_config,
     default_base_model,
@@ -89,15 +94,15 @@ from shared.runtime import (
     build_accelerator,
     choose_parallelism,
     fused_adamw,
-    name_the_gpu,
+    set_gpu_index,
     positive_float,
     positive_int,
     prepare_output_dir,
-    quiet_library_logs,
+    set_quiet_library_logs,
     report_recipe_errors,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
-    use_fsdp_on_cpu,
+    install_peer_exit_hooks,
+    set_stop_with_launcher,
+    set_fsdp_on_cpu,
 )
 from shared.sampling import LengthGroupedShuffledSampler
 from llm_kit.sharded_4bit import load_4bit_sharded
@@ -430,10 +435,10 @@ def main():
     lora, method = not args.full_finetune, "qlora" if args.load_in_4bit else "full" if args.full_finetune else "lora"
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
@@ -441,10 +446,12 @@ def main():
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    set_keep_gathered_in_one_process(
+        accelerator
+    )  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
-    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
+    set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     if args.offline_default_settings:  # e.g. "the offline default model trains with --learning_rate 0.001 (...)"
         accelerator.print(args.offline_default_settings)
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -551,7 +558,7 @@ def main():
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
-        block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
+        block_class = set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(

@@ -105,13 +105,13 @@ from shared.runtime import (
     build_accelerator,
     choose_parallelism,
     fused_adamw,
-    name_the_gpu,
+    set_gpu_index,
     positive_float,
     positive_int,
     prepare_output_dir,
     report_recipe_errors,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
+    install_peer_exit_hooks,
+    set_stop_with_launcher,
 )
 from shared.signals import install_stop_on_signals
 
@@ -230,10 +230,10 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,

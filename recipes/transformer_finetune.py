@@ -63,21 +63,21 @@ from classifier_kit.classification import baselines, choose_task, load_model_con
 from classifier_kit.classification import read_labels
 from classifier_kit.device_map import parameter_bytes_per_device
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
-from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
+from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, set_wrap_at_blocks
 from shared.lora import lora_model
 from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
 from shared.results import RunRecord
 from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
 from shared.runtime import fused_adamw, positive_float, positive_int, prepare_output_dir
 from shared.runtime import (
-    name_the_gpu,
-    quiet_library_logs,
+    set_gpu_index,
+    set_quiet_library_logs,
     report_recipe_errors,
     stop_if_found,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
+    install_peer_exit_hooks,
+    set_stop_with_launcher,
 )
-from shared.runtime import model_problem, tokenizer_problem, use_fsdp_on_cpu
+from shared.runtime import model_problem, tokenizer_problem, set_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 from shared.signals import install_stop_on_signals
 
@@ -398,10 +398,10 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     # What acts process-wide, one line each; then the Accelerator (real DDP over gloo without CUDA, processes counted).
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
@@ -411,10 +411,12 @@ def main():
         ),  # the seedable sampler: same order in any process count, on resume
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    set_keep_gathered_in_one_process(
+        accelerator
+    )  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
-    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
+    set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     stop_if_found(
         model_problem(args.model_name_or_path) or tokenizer_problem(args.model_name_or_path, args.tokenizer_name)
@@ -506,7 +508,9 @@ def main():
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # FSDP shards one Transformer layer at a time (its class read from the model)
-        block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules or ())))
+        block_class = set_wrap_at_blocks(
+            accelerator, model, find_block_list(model, set(model._no_split_modules or ()))
+        )
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler

@@ -1,7 +1,7 @@
 """FSDP2 through Accelerate: what to shard, and how. The launch config (``fsdp_2gpu.yaml``)
-does the work: ``accelerator.prepare`` applies torch's ``fully_shard`` to every block (the class ``wrap_at_blocks``
+does the work: ``accelerator.prepare`` applies torch's ``fully_shard`` to every block (the class ``set_wrap_at_blocks``
 reads from the model), the embeddings, the final norm + head, then the root; clipping, sharded ``save_state`` and
-``get_state_dict`` (gathered) follow. On CPU ``shared.runtime.use_fsdp_on_cpu`` keeps Accelerate on this path."""
+``get_state_dict`` (gathered) follow. On CPU ``shared.runtime.set_fsdp_on_cpu`` keeps Accelerate on this path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from shared.runtime import RecipeError
 
 
-def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list: str) -> str | None:
+def set_wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list: str) -> str | None:
     """Make FSDP shard ``model`` one block at a time: the class of the ``block_list`` ModuleList's blocks, found at run
     time, so one config serves every model (None when not under FSDP or the config names its own). Not the default
     (every ``_no_split_modules`` class): for BERT-like models that holds the embeddings too, which Accelerate then
@@ -29,7 +29,7 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
     return block_class
 
 
-def keep_gathered_in_one_process(accelerator: Accelerator) -> None:
+def set_keep_gathered_in_one_process(accelerator: Accelerator) -> None:
     """FSDP2 in one process without offload: ``reshard_after_forward=False`` (ZeRO-2's), each block's gathered copy
     kept to its backward. With one shard resharding frees only that copy (the compute-dtype weights) and costs a
     second all-gather in backward; under CPU offload the copies would put the whole model on the GPU. Call it in

@@ -58,7 +58,7 @@ TOKENIZER_FILES = (
 )
 
 
-# The rank whose RecipeError ended the run first, in the process group's store (read by stop_quietly_after_a_peer).
+# The rank whose RecipeError ended the run first, in the process group's store (read by install_peer_exit_hooks).
 FAILED_RANK_KEY = "two_gpu_recipes/failed_rank"
 # What gloo says when the process at the other end exited (NCCL: the watchdog reports a timeout instead).
 PEER_ENDED = ("connection closed by peer", "connection reset by peer")
@@ -88,7 +88,7 @@ def report_recipe_errors():
     this attempt's error files). Its paragraph also goes to torchrun's error file, so the launcher's closing box
     names it as the root cause (instead of "To enable traceback see: ..."), and its rank to the process group's
     store, which torchrun's agent holds: the other ranks, stopped by this one's exit, name it
-    (``stop_quietly_after_a_peer``)."""
+    (``install_peer_exit_hooks``)."""
     try:
         yield
     except RecipeError as error:
@@ -107,7 +107,7 @@ def report_recipe_errors():
         raise
 
 
-def stop_quietly_after_a_peer() -> None:
+def install_peer_exit_hooks() -> None:
     """Under 2+ processes, a rank whose collective broke because another process ended first (its paragraph, if it
     had one, is above) prints one line naming that rank and exits with status 1, instead of gloo's "Connection closed
     by peer" traceback. Process-wide: sets ``sys.excepthook`` (around the one before) and counts optimizer steps
@@ -171,7 +171,7 @@ def first_to_report(message: str) -> bool:
     return True
 
 
-def quiet_library_logs(accelerator: Accelerator) -> None:
+def set_quiet_library_logs(accelerator: Accelerator) -> None:
     """transformers' and datasets' warnings from the main process only (every process loads the same model and data:
     one LOAD REPORT per process otherwise), without terminal colour codes when stderr is not a terminal (a log
     file), and without the FutureWarning PEFT 0.21 triggers by reading transformers' deprecated
@@ -291,7 +291,7 @@ def stop_if_found(problem: str | None, cleanup=None) -> None:
         raise RecipeError(found, printed=state.is_main_process)
 
 
-def stop_with_launcher() -> None:
+def set_stop_with_launcher() -> None:
     """Have Linux kill this process (SIGKILL) when its launcher dies, however it died. A launcher killed with SIGKILL
     (the OOM killer, a job's time limit, ``kill -9``) cannot stop its workers: they would train on as orphans, holding
     the GPUs and writing checkpoints. Only under torchrun (``accelerate launch`` with 2+ processes runs it inside) or
@@ -311,7 +311,7 @@ def distributed_backend(cpu: bool) -> str:
     return "gloo" if cpu else "cuda:nccl,cpu:gloo" if fsdp_launch_config() and cpu_tensors else "nccl"
 
 
-def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -> None:
+def init_group_after_restart(cpu: bool, dist_timeout: float | None = None) -> None:
     """After ``accelerate launch --max_restarts N`` restarted the workers, join them under fresh store keys: torchrun's
     static rendezvous hands them the *same* TCPStore as the crashed attempt, with no per-attempt prefix (torch 2.13):
     a worker can read a dead peer's address (gloo: ``connectFullMesh ... Connection refused``; NCCL can hang). A group
@@ -332,7 +332,7 @@ def join_restarted_elastic_group(cpu: bool, dist_timeout: float | None = None) -
     )
 
 
-def name_the_gpu() -> None:
+def set_gpu_index() -> None:
     """One process on a GPU: Accelerate's device would be ``torch.device("cuda")``, with no index (several processes
     get cuda:<local rank>); torch.cuda.set_device refuses it, and results would name the GPU "cuda" here and "cuda:0"
     there. Sets ``ACCELERATE_TORCH_DEVICE`` (Accelerate's own override of the device it picks) to cuda:<current>,
@@ -355,7 +355,7 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
         handlers = list(accelerator_kwargs.pop("kwargs_handlers", None) or [])
         handlers.append(InitProcessGroupKwargs(backend=distributed_backend(cpu), **timeout))
         accelerator_kwargs["kwargs_handlers"] = handlers
-    join_restarted_elastic_group(cpu=cpu, dist_timeout=dist_timeout)
+    init_group_after_restart(cpu=cpu, dist_timeout=dist_timeout)
     if not cpu and accelerator_kwargs.get("dataloader_config") is not None:
         # A prepared loader then copies each batch to the GPU with non_blocking=True. From the pinned memory the
         # recipes' loaders use on a GPU, the copy is queued behind the running step; from pageable memory CUDA would
@@ -377,7 +377,7 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     if accelerator.device.type == "cuda" and accelerator.device.index is not None:
         # Object collectives under NCCL (gather_object, the pipeline's state-dict gather) go through the *current* CUDA
         # device: unset, every rank uses cuda:0, or hangs. Accelerate sets it when it starts the group; this line also
-        # covers a group started by join_restarted_elastic_group.
+        # covers a group started by init_group_after_restart.
         torch.cuda.set_device(accelerator.device)
     return accelerator
 
@@ -403,7 +403,7 @@ def fsdp_launch_config() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
-def use_fsdp_on_cpu(accelerator: Accelerator) -> None:
+def set_fsdp_on_cpu(accelerator: Accelerator) -> None:
     """Make a ``cpu=True`` Accelerator launched with an FSDP config run FSDP2, as on GPUs. With ``cpu=True``
     Accelerate (1.16) sets MULTI_CPU and drops the FSDP config: plain DDP, while the run looked like FSDP. torch's
     ``fully_shard`` and Accelerate's FSDP2 code work over gloo, so this sets the state a GPU launch gets (FSDP, with

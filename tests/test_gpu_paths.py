@@ -41,7 +41,7 @@ def test_the_mfu_peak_table_knows_the_cards_users_have():
 def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
     """One process on a GPU: Accelerate's device is ``torch.device("cuda")``, with no index, which
     ``torch.cuda.set_device`` refuses (this crashed every 1-process GPU launch). A fake Accelerator that reports
-    exactly that, on a machine said to have one GPU: name_the_gpu and build_accelerator must give the run ``cuda:0``
+    exactly that, on a machine said to have one GPU: set_gpu_index and build_accelerator must give the run ``cuda:0``
     (results.json, memory keys, the split's devices) and set the current device by index. ``torch.cuda.set_device``
     is replaced by torch's own index check, which is what raised on the GPU."""
     from accelerate.utils import DistributedType
@@ -59,7 +59,7 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             return self.state.device
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    # name_the_gpu sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
+    # set_gpu_index sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
     # after the test (every later launch would inherit cuda:0).
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "unset")
     monkeypatch.setattr(shared.runtime, "Accelerator", OneProcessOnAGpu)
@@ -75,7 +75,7 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", override)
         else:
             monkeypatch.delenv("ACCELERATE_TORCH_DEVICE", raising=False)
-        shared.runtime.name_the_gpu()  # the recipe's line before build_accelerator
+        shared.runtime.set_gpu_index()  # the recipe's line before build_accelerator
         accelerator = shared.runtime.build_accelerator()
         assert str(accelerator.device) == "cuda:0" and calls == [0], (override, accelerator.device, calls)
         from shared.model_split import split_devices

@@ -358,11 +358,11 @@ def test_a_restarted_attempt_keeps_the_dumps_that_made_it_restart(tmp_path):
 
 @pytest.mark.slow  # two Python processes that import torch
 def test_only_a_collective_broken_by_a_peer_is_cut_to_one_line_and_the_wrapper_names_a_missing_recipe(tmp_path):
-    """stop_quietly_after_a_peer cuts a collective's "Connection closed by peer" to one line (the refusal test above);
+    """install_peer_exit_hooks cuts a collective's "Connection closed by peer" to one line (the refusal test above);
     a rank's own lost connection outside torch.distributed (a download's "Connection reset by peer") keeps its
     traceback. tools/hang_dump.py refuses a recipe path that is not a file, naming it."""
-    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from shared.runtime import stop_quietly_after_a_peer; "
-    code += "stop_quietly_after_a_peer(); raise ConnectionResetError(104, 'Connection reset by peer')"
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from shared.runtime import install_peer_exit_hooks; "
+    code += "install_peer_exit_hooks(); raise ConnectionResetError(104, 'Connection reset by peer')"
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
     own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert own.returncode == 1 and "Traceback" in own.stderr and "ConnectionResetError" in own.stderr, own.stderr
@@ -420,7 +420,7 @@ def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launche
 
 @pytest.mark.slow
 def test_hang_dumps_leave_a_rank_that_another_one_stopped_alone(short_launches):
-    """Under tools/hang_dump.py a script without stop_quietly_after_a_peer: rank 1's collective breaks because rank 0
+    """Under tools/hang_dump.py a script without install_peer_exit_hooks: rank 1's collective breaks because rank 0
     ended first. That is no hang of rank 1's: it gets gloo's own traceback, and no dump, nor a line saying it wrote
     one."""
     run = short_launches["runs"]["rank0_refuses_under_hang_dump"]
@@ -511,7 +511,7 @@ def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, back
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from shared.runtime import join_restarted_elastic_group
+    from shared.runtime import init_group_after_restart
 
     path = REPO / "accelerate_configs" / config.split()[0]
     if "full state dict" in config:
@@ -537,9 +537,9 @@ def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, back
     started = {}
     monkeypatch.setattr(torch.distributed, "TCPStore", lambda *args, **kwargs: torch.distributed.HashStore())
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: started.update(kwargs))
-    join_restarted_elastic_group(cpu=False, dist_timeout=30)
+    init_group_after_restart(cpu=False, dist_timeout=30)
     assert started["backend"] == backend and started["rank"] == 0 and started["world_size"] == 2
-    join_restarted_elastic_group(cpu=True, dist_timeout=30)
+    init_group_after_restart(cpu=True, dist_timeout=30)
     assert started["backend"] == "gloo"
 
 

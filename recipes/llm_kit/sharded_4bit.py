@@ -179,7 +179,7 @@ def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) 
     quantized on this process's device and sharded by FSDP2 before the next is read; then the embeddings, final norm
     and LM head, sharded as they load. Call it on every process after LoRA and before ``accelerator.prepare``, which
     skips what is sharded already and shards the rest (an adapter on the embeddings, position embeddings), and after
-    ``shared.fsdp.keep_gathered_in_one_process`` (its resharding policy is the one each unit gets here)."""
+    ``shared.fsdp.set_keep_gathered_in_one_process`` (its resharding policy is the one each unit gets here)."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 

@@ -9,9 +9,9 @@ import torch
 from accelerate.utils import gather_object
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.runtime import build_accelerator, name_the_gpu
+from shared.runtime import build_accelerator, set_gpu_index
 
-name_the_gpu()
+set_gpu_index()
 accelerator = build_accelerator(dist_timeout=60)
 seen = gather_object(
     [
