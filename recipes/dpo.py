@@ -80,8 +80,8 @@ from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_ke
 from shared.fsdp import set_wrap_at_blocks
 from shared.lora import lora_model
 from llm_kit.loading import causal_lm_config, load_base_model
-from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
-from llm_kit.adapters import SFT_DEFAULT, continued_adapter, starting_point
+from llm_kit.loading import parameter_counts
+from llm_kit.adapters import SFT_DEFAULT, continued_adapter, load_adapter_state, save_adapter_state, starting_point
 from shared.model_split import find_block_list
 from dpo_kit.preference_data import as_sft_rows, collate_pairs, disable_dropout, precompute_reference
 from dpo_kit.preference_data import preference_format, reference_logps, sequence_logps
@@ -625,8 +625,6 @@ def main():
             f"dropout: off in the policy and the reference, as in TRL ({switched} dropout probabilities set to 0; "
             "--no-disable_dropout keeps them)"
         )
-    if lora:
-        trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
@@ -692,8 +690,8 @@ def main():
         steps_per_epoch,
         args.gradient_accumulation_steps,  # all states; the scheduler's count brought to this run's processes
         lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
-    )  # LoRA
+        load_state=(lambda folder: load_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
+    )
     completed_steps, log, window, logs = resume.completed_steps, resume.history.get("train/log", []), [], {}
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -702,6 +700,7 @@ def main():
         checkpoints_dir,
         step,
         args.checkpoints_total_limit,
+        write_state=(lambda folder: save_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
         layout=layout,
         history={"train/loss_curve": record.losses(), "train/log": log},
         batch=batch_shape,

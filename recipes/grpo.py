@@ -76,9 +76,9 @@ from shared.signals import install_stop_on_signals
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_keep_gathered_in_one_process
 from shared.fsdp import set_wrap_at_blocks
 from shared.lora import lora_model
-from llm_kit.adapters import continued_adapter, starting_point
+from llm_kit.adapters import continued_adapter, load_adapter_state, save_adapter_state, starting_point
 from llm_kit.loading import causal_lm_config, load_base_model
-from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
+from llm_kit.loading import parameter_counts
 from shared.model_split import find_block_list
 from grpo_kit.data import as_sft_rows, micro_batches, prompt_format, prompt_loader
 from grpo_kit.data import stdlib_name_prompts, tokenize_prompts
@@ -526,8 +526,6 @@ def main():
             target_modules=args.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-    if lora:
-        trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the main process reads a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)
@@ -600,7 +598,7 @@ def main():
         steps_per_epoch,
         1,  # the rounds to skip: the steps done in the epoch, over --num_iterations
         lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
+        load_state=(lambda folder: load_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
     )
     completed_steps, history, window, logs = resume.completed_steps, resume.history, [], {}
     log, rewards = history.get("train/log", []), history.get("train/rewards", [])
@@ -611,6 +609,7 @@ def main():
         checkpoints_dir,
         step,
         args.checkpoints_total_limit,
+        write_state=(lambda folder: save_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
         layout=layout,
         history={"train/loss_curve": record.losses(), "train/log": log, "train/rewards": list(map(float, rewards))},
         batch=batch_shape,

@@ -78,14 +78,7 @@ from shared.fsdp import (
     set_keep_gathered_in_one_process,
     set_wrap_at_blocks,
 )
-from llm_kit.loading import (
-    causal_lm_config,
-    default_base_model,
-    load_base_model,
-    parameter_counts,
-    save_merged,
-    trained_weights_only_in_checkpoints,
-)
+from llm_kit.loading import causal_lm_config, default_base_model, load_base_model, parameter_counts, save_merged
 from shared.lora import lora_model
 from shared.model_split import find_block_list, split_devices
 from shared.results import RunRecord
@@ -105,6 +98,7 @@ from shared.runtime import (
     set_fsdp_on_cpu,
 )
 from shared.sampling import LengthGroupedShuffledSampler
+from llm_kit.adapters import load_adapter_state, save_adapter_state
 from llm_kit.sharded_4bit import load_4bit_sharded
 from llm_kit.sft_data import (
     add_chat_template,
@@ -531,7 +525,6 @@ def main():
             target_modules=args.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-        trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
@@ -594,8 +587,8 @@ def main():
         steps_per_epoch,
         args.gradient_accumulation_steps,
         lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
-    )  # LoRA
+        load_state=(lambda folder: load_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
+    )
     completed_steps = resume.completed_steps
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
@@ -604,6 +597,7 @@ def main():
         checkpoints_dir,
         step,
         args.checkpoints_total_limit,
+        write_state=(lambda folder: save_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
         layout=layout,
         history={"train/loss_curve": record.losses()},
         batch=batch_shape,

@@ -360,6 +360,97 @@ def test_recipes_find_their_own_shared_and_kit_before_installed_ones(tmp_path):
         assert run.returncode == 0, run.stderr[-2000:]
 
 
+# ----------------------------------------------------------------------------- no patched library
+PATCHED_LIBRARIES = ("accelerate", "transformers", "torch", "peft", "bitsandbytes")
+# The only writes to an attribute of a library's module or class that recipes/ and shared/ make, each the workaround of
+# a library bug, by (file, the attribute written): anything else rebinds a library for the whole process; call the
+# library explicitly instead.
+LIBRARY_PATCHES = {
+    # Accelerate 1.16's AcceleratorState sets MULTI_CPU under cpu=True and drops an FSDP launch config (state.py,
+    # AcceleratorState.__init__: the FSDP branch is not reached on the CPU): a CPU "FSDP" run would train as DDP.
+    # https://github.com/huggingface/accelerate/blob/v1.16.0/src/accelerate/state.py
+    ("shared/runtime.py", "PartialState._shared_state"): "FSDP2 on the CPU: collectives read the type from here"
+}
+
+
+def library_names(tree: ast.AST) -> set[str]:
+    """The names a file binds to a module or a class of ``PATCHED_LIBRARIES`` (``import torch``, ``import
+    accelerate.accelerator``, ``from accelerate.state import PartialState``, ``from torch import nn as n``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {
+                alias.asname or alias.name.split(".")[0]
+                for alias in node.names
+                if alias.name.split(".")[0] in PATCHED_LIBRARIES
+            }
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PATCHED_LIBRARIES:
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def library_attributes_written(path: Path) -> set[str]:
+    """The attributes of a library's module or class that ``path`` assigns, augments, deletes or ``setattr``s, as
+    written there (``PartialState._shared_state``; an item assigned in one counts as a write to it)."""
+    tree = ast.parse(path.read_text())
+    libraries, written = library_names(tree), set()
+
+    def root(node):
+        while isinstance(node, ast.Attribute | ast.Subscript):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            if node.args and root(node.args[0]) in libraries:
+                written.add(f"{ast.unparse(node.args[0])}.<{node.func.id}>")
+        for target in [t for each in targets for t in (each.elts if isinstance(each, ast.Tuple) else [each])]:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and root(target) in libraries:
+                written.add(ast.unparse(target))
+    return written
+
+
+def test_no_library_is_rebound_for_the_whole_process():
+    """grep's rule, by the syntax tree: recipes/ and shared/ (kits included) assign no attribute of an accelerate,
+    transformers, torch, peft or bitsandbytes module or class, nor ``setattr`` one, but the workarounds listed in
+    ``LIBRARY_PATCHES`` (each a library bug, with its link). A recipe that needs a library to act otherwise calls it
+    explicitly (``llm_kit.adapters.save_adapter_state`` saves the adapter alone under FSDP2 through Accelerate's own
+    ``save_fsdp_model(adapter_only=True)``, with no ``accelerate.accelerator.save_fsdp_model`` rebound)."""
+    found = {
+        (path.relative_to(REPO).as_posix(), attribute)
+        for path in RECIPES + python_files(REPO / "shared") + [path for kit in KITS for path in python_files(kit)]
+        for attribute in library_attributes_written(path)
+    }
+    assert found <= set(LIBRARY_PATCHES), (
+        f"a library rebound for the whole process: {sorted(found - set(LIBRARY_PATCHES))}"
+    )
+    assert found == set(LIBRARY_PATCHES), f"listed workarounds no longer made: {sorted(set(LIBRARY_PATCHES) - found)}"
+
+
+def test_the_rule_finds_a_library_rebound_however_it_is_written(tmp_path):
+    cases = {
+        "import accelerate.accelerator\nsetattr(accelerate.accelerator, 'save_fsdp_model', print)\n": 1,
+        "import accelerate.accelerator\naccelerate.accelerator.save_fsdp_model = print\n": 1,
+        "from accelerate import accelerator as a\ndef f():\n    a.save_fsdp_model = print\n": 1,
+        "import torch\ntorch.backends.cuda.matmul.allow_tf32 = True\n": 1,
+        "from accelerate.state import PartialState\nPartialState._shared_state['x'] = 1\n": 1,
+        "from transformers import PreTrainedModel as P\nP.forward, y = print, 1\n": 1,
+        "import torch\nmodel = torch.nn.Linear(1, 1)\nmodel.weight = None\nplugin = object()\n": 0,
+        "import os\nos.environ['X'] = '1'\n": 0,  # not a library's (a side effect the naming rule covers)
+    }
+    for number, (code, count) in enumerate(cases.items()):
+        path = tmp_path / f"case_{number}.py"
+        path.write_text(code)
+        assert len(library_attributes_written(path)) == count, code
+
+
 # ----------------------------------------------------------------------------- one vocabulary
 # Names users meet in other projects for what we call the first name: none of them may appear as a flag.
 ALIASES = {

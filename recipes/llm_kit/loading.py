@@ -1,6 +1,6 @@
 """The base model of ``recipes/llm_finetune.py``: the offline default (pretrained by ``recipes/train_lm.py`` when
 there is none), its config checked, loading it (16/32-bit or 4-bit NF4, onto one device, split over two, or on the
-meta device for FSDP2's low host-RAM loading), its LoRA adapter (checkpoints that hold the adapter alone), the adapter
+meta device for FSDP2's low host-RAM loading), the adapter
 merged into a fresh copy of it, and what low-RAM loading handed each process. ``load_base_model`` is the one place
 that loads the weights."""
 
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, init_empty_weights
+from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shared.fsdp import available_host_ram
@@ -201,38 +201,6 @@ def load_base_model(
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         keep_4bit_weights_trainable(model)  # an evaluation before training must not repack them out of reach
     return model
-
-
-def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:
-    """LoRA: ``save_state`` checkpoints hold the trained weights (the adapter), not the frozen base (13.5 GB for a
-    7B model in bf16, at every save, and every rank's share of it under FSDP); ``load_state(strict=False)`` puts them
-    back. Call once, before or after ``prepare`` (it acts at the first ``save_state``).
-
-    Under FSDP2 Accelerate writes the model with ``save_fsdp_model``/``load_fsdp_model``, which take
-    ``adapter_only=True`` (PEFT's adapter state dict, still sharded: nothing is gathered, each rank writes its shard of
-    the adapter), but ``save_state``/``load_state`` cannot pass it (Accelerate 1.16): this sets it for this process.
-    Elsewhere ``save_state`` hands its weights to a pre-hook, which keeps those that require grad."""
-    if accelerator.is_fsdp2:
-        import functools
-
-        import accelerate.accelerator
-
-        for name in ("save_fsdp_model", "load_fsdp_model"):
-            function = getattr(accelerate.accelerator, name)
-            if not isinstance(function, functools.partial):
-                setattr(accelerate.accelerator, name, functools.partial(function, adapter_only=True))
-        return
-
-    def adapter_only(models, weights, folder):
-        for index, model_weights in enumerate(weights):
-            trained = {
-                name
-                for name, parameter in accelerator.unwrap_model(models[index]).named_parameters()
-                if parameter.requires_grad
-            }
-            weights[index] = {name: tensor for name, tensor in model_weights.items() if name in trained}
-
-    accelerator.register_save_state_pre_hook(adapter_only)
 
 
 def low_ram_loading(accelerator) -> bool:
