@@ -88,21 +88,11 @@ from dpo_kit.preference_data import preference_format, reference_logps, sequence
 from dpo_kit.preference_data import stdlib_name_pairs, tokenize_pairs
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    set_gpu_index,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    set_quiet_library_logs,
-    report_recipe_errors,
-    install_peer_exit_hooks,
-    set_stop_with_launcher,
-    set_fsdp_on_cpu,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.fsdp import set_fsdp_on_cpu
 from llm_kit.sft_data import add_chat_template, chat_tokenizer, check_batches, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 

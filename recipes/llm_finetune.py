@@ -82,21 +82,11 @@ from llm_kit.loading import causal_lm_config, default_base_model, load_base_mode
 from shared.lora import lora_model
 from shared.model_split import find_block_list, split_devices
 from shared.results import RunRecord
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    set_gpu_index,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    set_quiet_library_logs,
-    report_recipe_errors,
-    install_peer_exit_hooks,
-    set_stop_with_launcher,
-    set_fsdp_on_cpu,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.fsdp import set_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 from llm_kit.adapters import load_adapter_state, save_adapter_state
 from llm_kit.sharded_4bit import load_4bit_sharded
@@ -359,7 +349,7 @@ def dataloaders(
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         sampler = LengthGroupedShuffledSampler(lengths, per_device_train_batch_size, seed)
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
-    # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
+    # Pinned on a GPU: the prepared loader's non_blocking copy (build_accelerator) does not wait for it.
     pinned = torch.cuda.is_available()
     train_dataloader = DataLoader(
         train_dataset,

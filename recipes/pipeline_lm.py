@@ -100,19 +100,10 @@ from pipeline_kit.pipeline import (
 
 # End New Code #
 from shared.results import RunRecord
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    set_gpu_index,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    report_recipe_errors,
-    install_peer_exit_hooks,
-    set_stop_with_launcher,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
 from shared.signals import install_stop_on_signals
 
 

@@ -76,20 +76,11 @@ from lm_kit.presets import MODEL_PRESETS
 from lm_kit.split import plan_lm_split
 from shared.model_split import dispatch_on_devices, split_devices
 from shared.results import RunRecord
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    set_gpu_index,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    report_recipe_errors,
-    install_peer_exit_hooks,
-    set_stop_with_launcher,
-    set_fsdp_on_cpu,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.fsdp import set_fsdp_on_cpu
 from shared.signals import install_stop_on_signals
 
 

@@ -67,17 +67,16 @@ from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, s
 from shared.lora import lora_model
 from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
 from shared.results import RunRecord
-from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
-from shared.runtime import fused_adamw, positive_float, positive_int, prepare_output_dir
-from shared.runtime import (
-    set_gpu_index,
-    set_quiet_library_logs,
-    report_recipe_errors,
-    stop_if_found,
-    install_peer_exit_hooks,
-    set_stop_with_launcher,
-)
-from shared.runtime import model_problem, tokenizer_problem, set_fsdp_on_cpu
+from shared.errors import RecipeError
+from shared.flags import add_reliability_flags
+from shared.accelerator import build_accelerator
+from shared.parallelism import choose_parallelism
+from shared.accelerator import fused_adamw
+from shared.flags import positive_float, positive_int, prepare_output_dir
+from shared.accelerator import set_gpu_index, set_quiet_library_logs
+from shared.errors import report_recipe_errors, stop_if_found, install_peer_exit_hooks, set_stop_with_launcher
+from shared.flags import model_problem, tokenizer_problem
+from shared.fsdp import set_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 from shared.signals import install_stop_on_signals
 
@@ -267,7 +266,7 @@ def get_dataloaders(
     sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if group_by_length else None
     # Their own generators: a DataLoader without one draws a seed from the global RNG each time it starts iterating,
     # which would shift the dropout masks of a resumed run.
-    # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
+    # Pinned on a GPU: the prepared loader's non_blocking copy (build_accelerator) does not wait for it.
     generator, pinned = torch.Generator().manual_seed(seed), accelerator.device.type == "cuda"
     train_dataloader = DataLoader(
         train_dataset,

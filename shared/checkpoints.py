@@ -33,7 +33,8 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import gather_object
 from safetensors import SafetensorError
 
-from .runtime import RecipeError, main_process_alone, stop_if_found
+from .errors import RecipeError, stop_if_found
+from .accelerator import main_process_alone
 
 PROGRESS_FILE = "progress.json"
 # What a failed write raises: the OS's error, safetensors' (no errno), torch.save's ("unexpected pos", "basic_ios").

@@ -13,7 +13,7 @@ from launch import REPO, launch_ok, read_facts, read_results, visible_gpus
 
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))  # the benchmarks' library (lib/): MFU is theirs, not the recipes'
-import shared.runtime
+import shared.accelerator
 from lib.flops import lm_flops_per_token, peak_bf16_flops
 
 TWO_GPUS = pytest.mark.skipif(
@@ -50,7 +50,7 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
 
     class OneProcessOnAGpu:  # what Accelerate 1.16 reports for a 1-process CUDA launch, unless told the device
         def __init__(self, **kwargs):
-            override = shared.runtime.os.environ.get("ACCELERATE_TORCH_DEVICE")
+            override = shared.accelerator.os.environ.get("ACCELERATE_TORCH_DEVICE")
             self.state = type("State", (), {"device": torch.device(override or "cuda")})()
             self.num_processes, self.distributed_type, self.mixed_precision = 1, DistributedType.NO, "no"
 
@@ -62,7 +62,7 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
     # set_gpu_index sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
     # after the test (every later launch would inherit cuda:0).
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "unset")
-    monkeypatch.setattr(shared.runtime, "Accelerator", OneProcessOnAGpu)
+    monkeypatch.setattr(shared.accelerator, "Accelerator", OneProcessOnAGpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -75,8 +75,8 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", override)
         else:
             monkeypatch.delenv("ACCELERATE_TORCH_DEVICE", raising=False)
-        shared.runtime.set_gpu_index()  # the recipe's line before build_accelerator
-        accelerator = shared.runtime.build_accelerator()
+        shared.accelerator.set_gpu_index()  # the recipe's line before build_accelerator
+        accelerator = shared.accelerator.build_accelerator()
         assert str(accelerator.device) == "cuda:0" and calls == [0], (override, accelerator.device, calls)
         from shared.model_split import split_devices
 

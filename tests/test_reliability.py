@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(REPO))
 from shared.checkpoints import PROGRESS_FILE, save_checkpoint
-from shared.runtime import RecipeError, report_recipe_errors
+from shared.errors import RecipeError, report_recipe_errors
 
 # A small launched script that uses shared/'s checkpoints, resume, timeouts and refusals (the linear toy
 # as it was before it became one standalone file, recipes/linear_toy.py): what these tests exercise.
@@ -361,7 +361,7 @@ def test_only_a_collective_broken_by_a_peer_is_cut_to_one_line_and_the_wrapper_n
     """install_peer_exit_hooks cuts a collective's "Connection closed by peer" to one line (the refusal test above);
     a rank's own lost connection outside torch.distributed (a download's "Connection reset by peer") keeps its
     traceback. tools/hang_dump.py refuses a recipe path that is not a file, naming it."""
-    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from shared.runtime import install_peer_exit_hooks; "
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from shared.errors import install_peer_exit_hooks; "
     code += "install_peer_exit_hooks(); raise ConnectionResetError(104, 'Connection reset by peer')"
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
     own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -434,7 +434,7 @@ def test_hang_dumps_leave_a_rank_that_another_one_stopped_alone(short_launches):
 def test_the_main_process_may_work_alone_longer_than_dist_timeout(short_launches):
     """A merge (--merge_and_save) or the default base model's pretraining runs on the main process while the others
     wait: 6 s of work under --dist_timeout 2. Waiting in wait_for_everyone would fail after 2 s with gloo's timeout;
-    shared.runtime.main_process_alone waits untimed, and the group still works after it."""
+    shared.accelerator.main_process_alone waits untimed, and the group still works after it."""
     run = short_launches["runs"]["main_process_alone"]
     assert run.returncode == 0, str(run)
     assert run.output.count("waited 6.0 s for the main process with --dist_timeout 2.0") == 2
@@ -444,7 +444,7 @@ def test_the_main_process_may_work_alone_longer_than_dist_timeout(short_launches
 def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tmp_path):
     """`accelerate launch --max_restarts 1` + `--resume_from_checkpoint latest`: rank 1 crashes once
     right after the step-10 checkpoint; torchrun's agent restarts both workers, they resume from
-    step 10 and end with the weights of a run that never crashed. Before shared.runtime joined
+    step 10 and end with the weights of a run that never crashed. Before shared.accelerator joined
     restarted workers under fresh store keys, most restarts died in gloo's connectFullMesh."""
     project = tmp_path / "project"
     project.mkdir()
@@ -503,7 +503,7 @@ def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tm
     ],
 )
 def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, backend, monkeypatch, tmp_path):
-    """After ``--max_restarts`` restarted the workers, shared.runtime starts their process group itself, before
+    """After ``--max_restarts`` restarted the workers, shared.accelerator starts their process group itself, before
     Accelerate: on GPUs with the backend Accelerate's PartialState picks for the launch config, NCCL, and beside it
     gloo for the CPU tensors of an FSDP config that keeps them on the CPU (parameter offload, a full state dict). The
     launch config's environment is what ``accelerate launch`` sets; the group's start is recorded, not run."""
@@ -511,7 +511,7 @@ def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, back
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from shared.runtime import init_group_after_restart
+    from shared.accelerator import init_group_after_restart
 
     path = REPO / "accelerate_configs" / config.split()[0]
     if "full state dict" in config:

@@ -54,16 +54,9 @@ from accelerate.utils import check_cuda_p2p_ib_support
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.results import write_results
-from shared.runtime import (
-    RecipeError,
-    build_accelerator,
-    set_gpu_index,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    report_recipe_errors,
-    set_stop_with_launcher,
-)
+from shared.errors import RecipeError, report_recipe_errors, set_stop_with_launcher
+from shared.accelerator import build_accelerator, set_gpu_index
+from shared.flags import positive_float, positive_int, prepare_output_dir
 
 MB = 2**20  # nccl-tests labels sizes in powers of two ...
 GB = 1e9  # ... and bandwidth in powers of ten.

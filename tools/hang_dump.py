@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-# What gloo says when the process at the other end exited (as shared.runtime.PEER_ENDED): not a hang of this rank, and
+# What gloo says when the process at the other end exited (as shared.errors.PEER_ENDED): not a hang of this rank, and
 # the recipe's install_peer_exit_hooks prints its one line for it.
 PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",

@@ -147,7 +147,8 @@ def worker(args) -> None:
 
     from shared.fsdp import set_keep_gathered_in_one_process, set_wrap_at_blocks
     from shared.model_split import find_block_list
-    from shared.runtime import build_accelerator, set_fsdp_on_cpu
+    from shared.accelerator import build_accelerator
+    from shared.fsdp import set_fsdp_on_cpu
     from llm_kit.sharded_4bit import empty_4bit_model, load_4bit_sharded
 
     accelerator = build_accelerator(

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from shared.runtime import RecipeError, stop_if_found
+from shared.errors import RecipeError, stop_if_found
 
 ANSWER_COLUMNS = ("answer", "solution")
 # What a reasoning model's completion looks like (open-r1's format reward): its reasoning, then its answer.

@@ -12,7 +12,7 @@ from pathlib import Path
 from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
 from accelerate.utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
 
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 from .loading import default_base_model
 

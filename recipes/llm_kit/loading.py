@@ -18,7 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from shared.fsdp import available_host_ram
 from shared.model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
 from shared.checkpoints import save_final
-from shared.runtime import RecipeError, main_process_alone, model_problem
+from shared.errors import RecipeError
+from shared.accelerator import main_process_alone
+from shared.flags import model_problem
 
 from .sharded_4bit import empty_4bit_model
 

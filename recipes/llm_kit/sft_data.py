@@ -23,7 +23,8 @@ from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, in_validation_split, load_data_files, refuse_empty_cells
 from shared.data import no_value, split_by_column, stdlib_root
-from shared.runtime import RecipeError, stop_if_found, tokenizer_problem
+from shared.errors import RecipeError, stop_if_found
+from shared.flags import tokenizer_problem
 
 ROLES = {"system", "user", "assistant"}
 # For tokenizers without a chat template: every message is "<|role|>\n" + content + the end-of-sequence token, and the

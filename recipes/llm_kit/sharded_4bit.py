@@ -36,7 +36,7 @@ from accelerate.utils import set_module_tensor_to_device
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shared.model_split import find_block_list
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 
 def empty_4bit_model(config, quantization, dtype: torch.dtype, trust_remote_code: bool = False):

@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, set_wrap_at_blocks
-from shared.runtime import build_accelerator, set_fsdp_on_cpu
+from shared.accelerator import build_accelerator
+from shared.fsdp import set_fsdp_on_cpu
 
 gathered = []
 redistribute = DTensor.redistribute

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.runtime import RecipeError, build_accelerator, report_recipe_errors, install_peer_exit_hooks
+from shared.errors import RecipeError, report_recipe_errors, install_peer_exit_hooks
+from shared.accelerator import build_accelerator
 
 if "--plain" not in sys.argv:
     install_peer_exit_hooks()

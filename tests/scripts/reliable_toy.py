@@ -19,15 +19,13 @@ HERE = Path(__file__).resolve().parent  # shared/ beside it (a copy in a test's 
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parents[1]))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
 from shared.results import RunRecord
-from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism, set_gpu_index
-from shared.runtime import (
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    report_recipe_errors,
-    set_stop_with_launcher,
-)
-from shared.runtime import install_peer_exit_hooks
+from shared.errors import RecipeError
+from shared.flags import add_reliability_flags
+from shared.accelerator import build_accelerator, set_gpu_index
+from shared.parallelism import choose_parallelism
+from shared.flags import positive_float, positive_int, prepare_output_dir
+from shared.errors import report_recipe_errors, set_stop_with_launcher
+from shared.errors import install_peer_exit_hooks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
