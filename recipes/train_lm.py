@@ -72,7 +72,7 @@ from lm_kit.model import build_lm, lm_config, optimizer_groups, save_lm, whole_m
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
-from lm_kit.presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 from lm_kit.split import plan_lm_split
 from shared.model_split import dispatch_on_devices, split_devices
 from shared.results import RunRecord

@@ -326,7 +326,7 @@ def low_ram_model(folder: Path, model_size: str) -> Path:
 
     from lib.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
-    from lm_kit.presets import MODEL_PRESETS
+    from shared.presets import MODEL_PRESETS
 
     questions = stdlib_questions()
     tokenizer = train_bpe_tokenizer((m["content"] for row in questions["train"] for m in row["messages"]), 8192)
@@ -442,9 +442,7 @@ def main(argv=None) -> None:
     low_ram_parser.add_argument(
         "--output_dir", type=Path, required=True, help="Where the model, the runs and low_ram_loading.json go."
     )
-    low_ram_parser.add_argument(
-        "--model_size", default="350m", help="A preset of recipes/lm_kit/presets.py (random weights)."
-    )
+    low_ram_parser.add_argument("--model_size", default="350m", help="A preset of shared/presets.py (random weights).")
     low_ram_parser.add_argument("--repeats", type=int, default=3, help="A B rounds.")
     args = parser.parse_args(argv)
     if args.measurement == "low_ram":

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from shared.errors import RecipeError
 from shared.flags import model_problem
 
-from .presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 
 
 def lm_config(
