@@ -149,7 +149,8 @@ def worker(args) -> None:
     from shared.model_split import find_block_list
     from shared.accelerator import build_accelerator
     from shared.fsdp import set_fsdp_on_cpu
-    from llm_kit.sharded_4bit import empty_4bit_model, load_4bit_sharded
+    from llm_kit.loading import empty_4bit_model
+    from llm_kit.sharded_4bit import load_4bit_sharded
 
     accelerator = build_accelerator(
         mixed_precision="bf16", project_config=ProjectConfiguration(project_dir=str(args.output_dir))

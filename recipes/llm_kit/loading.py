@@ -22,7 +22,6 @@ from shared.errors import RecipeError
 from shared.accelerator import main_process_alone
 from shared.flags import model_problem
 
-from .sharded_4bit import empty_4bit_model
 
 # Encoder-only architectures that AutoModelForCausalLM would load anyway (BertLMHeadModel ...), but are not causal LMs.
 ENCODER_ONLY = {
@@ -202,6 +201,29 @@ def load_base_model(
         # its gradient checkpointing: the recipe turns that on itself, by transformers' current name.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         keep_4bit_weights_trainable(model)  # an evaluation before training must not repack them out of reach
+    return model
+
+
+def empty_4bit_model(config, quantization, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The model ``from_pretrained(..., quantization_config=quantization, dtype=dtype)`` would build, with no weights:
+    parameters on the meta device (buffers real), every ``Linear4bit`` weight a one-element stand-in of its shape."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map=None)  # nn.Linear -> Linear4bit, on meta
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # One element stretched to the shape the quantized weight will have (4 bits a weight, packed into the
+            # storage dtype; no memory): what PEFT reads (device, 4-bit type, parameter count).
+            packed = module.out_features * module.in_features // (2 * torch.empty((), dtype=dtype).element_size())
+            stand_in = torch.empty((), dtype=dtype).expand(packed, 1)
+            module.weight = bnb.nn.Params4bit(stand_in, requires_grad=False, **module.weight.__dict__)
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)  # the quantization config, is_loaded_in_4bit: as after from_pretrained
     return model
 
 
