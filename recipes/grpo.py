@@ -450,7 +450,7 @@ def main():
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,
+        accelerator.num_processes,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,

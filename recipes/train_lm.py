@@ -260,7 +260,7 @@ def main():
     )
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # on a resume: its global batch and seed
-        accelerator,
+        accelerator.num_processes,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,

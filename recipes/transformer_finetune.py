@@ -39,6 +39,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from statistics import fmean
@@ -62,7 +63,14 @@ sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
 from classifier_kit.device_map import parameter_bytes_per_device
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.checkpoints import (
+    find_checkpoint,
+    keep_global_batch,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+    save_final,
+)
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, set_wrap_at_blocks
 from shared.lora import lora_model
 from shared.model_split import dispatch_on_devices, find_block_list, plan_device_map, split_devices
@@ -401,8 +409,19 @@ def main():
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
     set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    # The accumulation, for the Accelerator: a resume's keeps its global batch (find_checkpoint: every process agrees).
+    checkpoints_dir, processes = Path(args.output_dir) / "checkpoints", int(os.environ.get("WORLD_SIZE", "1"))
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
+        processes,
+        resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir) if args.resume_from_checkpoint else None,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        processes,
+        args.seed,
+    )
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=args.report_to,
         project_config=ProjectConfiguration(
@@ -423,16 +442,6 @@ def main():
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")  # all agree
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    # A resume keeps its checkpoint's global batch: in another process count the accumulation makes it up (or refused).
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        accelerator.num_processes,
-        args.seed,
-    )
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # micro-batches per optimizer step
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data

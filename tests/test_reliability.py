@@ -197,7 +197,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
     assert "Nothing was loaded" in refused.value.message
 
 
-def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_to_pass(tmp_path):
+def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_to_pass(tmp_path, capsys):
     """In-process, with stand-ins for the Accelerator: a checkpoint of global batch 32 (16 per device x 2 processes x
     1), resumed in 1 process. The accumulation that keeps 32 is chosen and said once; a passed one that contradicts
     it, or a per-device batch that no accumulation fits, is refused naming the flags; a checkpoint without a recorded
@@ -216,7 +216,7 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
         load_state=lambda folder: None,
     )
     two = processes(2)
-    _, shape = keep_global_batch(two, None, 16, None, 2, 42)
+    _, shape = keep_global_batch(2, None, 16, None, 2, 42)
     assert shape == {
         "num_processes": 2,
         "per_device_train_batch_size": 16,
@@ -227,33 +227,32 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
     write_state = lambda folder: folder.mkdir(parents=True)
     checkpoint = save_checkpoint(two, tmp_path, 3, write_state=write_state, batch=shape)
     one = processes(1)
-    printed.clear()
-    assert keep_global_batch(one, checkpoint, 16, None, 1, 42)[0] == 2
-    assert keep_global_batch(one, checkpoint, 8, 4, 1, 42)[0] == 4  # a passed one that keeps it
+    capsys.readouterr()
+    assert keep_global_batch(1, checkpoint, 16, None, 1, 42)[0] == 2
+    assert keep_global_batch(1, checkpoint, 8, 4, 1, 42)[0] == 4  # a passed one that keeps it
+    said = capsys.readouterr().out.splitlines()
     assert (
-        printed[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "
+        said[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "
         "batch of 32"
     )
     with pytest.raises(RecipeError) as contradicts:
-        keep_global_batch(one, checkpoint, 16, 1, 1, 42)
+        keep_global_batch(1, checkpoint, 16, 1, 1, 42)
     assert "--gradient_accumulation_steps 1 would make it 16" in contradicts.value.message
     assert "Pass --gradient_accumulation_steps 2 or leave it out" in contradicts.value.message
     with pytest.raises(RecipeError) as indivisible:
-        keep_global_batch(one, checkpoint, 12, None, 1, 42)
+        keep_global_batch(1, checkpoint, 12, None, 1, 42)
     assert f"{checkpoint} was trained with a global batch of 32" in indivisible.value.message
     assert "(16 per device x 2 processes x 1 accumulation steps)" in indivisible.value.message
     assert "32 is not a multiple of 12" in indivisible.value.message
     assert "Pass --per_device_train_batch_size 8 to keep it" in indivisible.value.message
     with pytest.raises(RecipeError) as odd:  # 3 processes: no per-device batch fits 32
-        keep_global_batch(processes(3), checkpoint, 16, None, 3, 42)
+        keep_global_batch(3, checkpoint, 16, None, 3, 42)
     assert "Resume it in 2 processes to keep it" in odd.value.message
     older = save_checkpoint(two, tmp_path, 4, write_state=write_state)  # no batch recorded
-    assert (
-        keep_global_batch(one, older, 16, None, 1, 42)[0] == 1 and keep_global_batch(one, older, 16, 3, 1, 42)[0] == 3
-    )
+    assert keep_global_batch(1, older, 16, None, 1, 42)[0] == 1 and keep_global_batch(1, older, 16, 3, 1, 42)[0] == 3
 
     with pytest.raises(RecipeError) as reseeded:  # another --seed: other samples in another order
-        keep_global_batch(one, checkpoint, 16, None, 1, 7)
+        keep_global_batch(1, checkpoint, 16, None, 1, 7)
     assert f"{checkpoint} was trained with --seed 42" in reseeded.value.message
     assert (
         "this run has --seed 7" in reseeded.value.message and "Pass --seed 42 to resume it" in reseeded.value.message
