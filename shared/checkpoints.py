@@ -399,8 +399,7 @@ def keep_global_batch(
         if (n, was) != (processes, accumulation) and os.environ.get("RANK", "0") == "0":  # said once
             print(
                 f"resuming a {n}-process checkpoint in {count(processes)}: "
-                f"gradient accumulation {was} → {accumulation} keeps the global batch of {wanted}",
-                flush=True,
+                f"gradient accumulation {was} → {accumulation} keeps the global batch of {wanted}"
             )
     return accumulation, {
         "num_processes": processes,
