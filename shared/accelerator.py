@@ -30,7 +30,7 @@ def check_process_count(accelerator: Accelerator) -> None:
             f"The launcher started {expected} processes (WORLD_SIZE={expected}) but the Accelerator sees "
             f"{accelerator.num_processes} (distributed_type={accelerator.distributed_type.value}), so every process "
             "would train alone on the full data set and the results would be silently wrong. On a machine without "
-            "CUDA build the Accelerator with cpu=True (shared.runtime.build_accelerator does) or export "
+            "CUDA build the Accelerator with cpu=True (shared.accelerator.build_accelerator does) or export "
             "ACCELERATE_USE_CPU=1; on a GPU machine check that the GPUs are visible (CUDA_VISIBLE_DEVICES, "
             "nvidia-smi)."
         )
