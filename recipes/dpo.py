@@ -73,33 +73,23 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
-from shared.fsdp import wrap_at_blocks
+from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_keep_gathered_in_one_process
+from shared.fsdp import set_wrap_at_blocks
 from shared.lora import lora_model
 from llm_kit.loading import causal_lm_config, load_base_model
-from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
-from llm_kit.adapters import SFT_DEFAULT, continued_adapter, starting_point
+from llm_kit.loading import parameter_counts
+from llm_kit.adapters import SFT_DEFAULT, continued_adapter, load_adapter_state, save_adapter_state, starting_point
 from shared.model_split import find_block_list
 from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
 from dpo_kit.loss import METRICS, dpo_losses, metric_means, sequence_logps, step_counts, step_loss
 from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    name_the_gpu,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    quiet_library_logs,
-    report_recipe_errors,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
-    use_fsdp_on_cpu,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.fsdp import set_fsdp_on_cpu
 from llm_kit.sft_data import add_chat_template, chat_tokenizer, check_batches, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
@@ -344,10 +334,10 @@ def main():
     lora, method = not args.full_finetune, "qlora" if args.load_in_4bit else "full" if args.full_finetune else "lora"
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's pairs, then syncs
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
@@ -355,10 +345,11 @@ def main():
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_keep_gathered_in_one_process(accelerator)
     set_seed(args.seed)
-    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
+    set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/dpo.py")  # or a clear refusal
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
@@ -367,7 +358,7 @@ def main():
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,
+        accelerator.num_processes,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
@@ -449,8 +440,6 @@ def main():
             f"dropout: off in the policy and the reference, as in TRL ({switched} dropout probabilities set to 0; "
             "--no-disable_dropout keeps them)"
         )
-    if lora:
-        trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
@@ -473,7 +462,7 @@ def main():
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
-        wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
+        set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, reference_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, reference_dataloader, lr_scheduler
@@ -496,7 +485,7 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     # All states; the scheduler's count brought to this run's processes. LoRA: the adapter alone.
-    load_state = lambda folder: accelerator.load_state(str(folder), strict=not lora)
+    load_state = (lambda folder: load_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter alone
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
     )
@@ -511,6 +500,7 @@ def main():
         layout=layout,
         history={"train/loss_curve": record.losses(), "train/log": log},
         batch=batch_shape,
+        write_state=(lambda folder: save_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
     )
     record = RunRecord(accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps)
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")

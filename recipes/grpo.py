@@ -74,12 +74,12 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process
-from shared.fsdp import wrap_at_blocks
+from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_keep_gathered_in_one_process
+from shared.fsdp import set_wrap_at_blocks
 from shared.lora import lora_model
-from llm_kit.adapters import continued_adapter, starting_point
+from llm_kit.adapters import continued_adapter, load_adapter_state, save_adapter_state, starting_point
 from llm_kit.loading import causal_lm_config, load_base_model
-from llm_kit.loading import parameter_counts, trained_weights_only_in_checkpoints
+from llm_kit.loading import parameter_counts
 from shared.model_split import find_block_list
 from grpo_kit.data import as_sft_rows, check_layout, prompt_format, prompt_loader, rounds, stdlib_name_prompts
 from grpo_kit.data import tokenize_prompts
@@ -89,9 +89,14 @@ from grpo_kit.rewards import FORMAT_PATTERN, load_reward_functions, trainer_stat
 from grpo_kit.rollout import PolicyGenerator, training_round
 from grpo_kit.split import split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.runtime import add_reliability_flags, build_accelerator, choose_parallelism, fused_adamw, name_the_gpu
-from shared.runtime import positive_float, positive_int, prepare_output_dir, quiet_library_logs, report_recipe_errors
-from shared.runtime import stop_quietly_after_a_peer, stop_with_launcher, use_fsdp_on_cpu
+from shared.flags import add_reliability_flags
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
+from shared.parallelism import choose_parallelism
+from shared.flags import positive_float, positive_int, prepare_output_dir
+from shared.accelerator import set_quiet_library_logs
+from shared.errors import report_recipe_errors
+from shared.errors import install_peer_exit_hooks, set_stop_with_launcher
+from shared.fsdp import set_fsdp_on_cpu
 from llm_kit.sft_data import add_chat_template, chat_tokenizer, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
@@ -284,20 +289,21 @@ def main():
     lora, method = not args.full_finetune, "qlora" if args.load_in_4bit else "full" if args.full_finetune else "lora"
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
         log_with=args.report_to,
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_keep_gathered_in_one_process(accelerator)
     set_seed(args.seed)
-    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
+    set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/grpo.py")
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
@@ -307,7 +313,7 @@ def main():
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,
+        accelerator.num_processes,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
@@ -370,8 +376,6 @@ def main():
             target_modules=args.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-    if lora:
-        trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the main process reads a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)
@@ -397,7 +401,7 @@ def main():
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
-        wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
+        set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         check_offload_fits_host_ram(accelerator, model)
     # Split: the trainers' DDP over their own group (the generating process never trains), which gets their weights.
     model, optimizer, lr_scheduler = (split.prepare if split else accelerator.prepare)(model, optimizer, lr_scheduler)
@@ -450,17 +454,18 @@ def main():
         steps_per_epoch,
         1,  # the rounds to skip: the steps done in the epoch, over --num_iterations
         lr_scheduler,
-        load_state=lambda folder: accelerator.load_state(str(folder), strict=not lora),
+        load_state=(lambda folder: load_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
     )
     completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
     every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
     last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
-    save_checkpoint_at = lambda step: save_checkpoint(
+    write_state = (lambda folder: save_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter
+    save_checkpoint_at = lambda step: save_checkpoint(  # split: also the generating process's next round
         accelerator,
         checkpoints_dir,
         step,
         args.checkpoints_total_limit,
-        write_state=split.save_state if split else None,  # split: also the generating process's next round
+        write_state=(lambda folder: split.save_state(folder, write_state)) if split else write_state,
         layout=layout,
         history={"train/loss_curve": record.losses(), **train_log.history()},
         batch=batch_shape,

@@ -69,34 +69,23 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
-from llm_kit.loading import (
-    causal_lm_config,
-    default_base_model,
-    load_base_model,
-    parameter_counts,
-    save_merged,
-    trained_weights_only_in_checkpoints,
+from shared.fsdp import (
+    check_offload_fits_host_ram,
+    gathered_state_dict,
+    set_keep_gathered_in_one_process,
+    set_wrap_at_blocks,
 )
+from llm_kit.loading import causal_lm_config, default_base_model, load_base_model, parameter_counts, save_merged
 from shared.lora import lora_model
 from shared.model_split import find_block_list, split_devices
 from shared.results import RunRecord
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    name_the_gpu,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    quiet_library_logs,
-    report_recipe_errors,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
-    use_fsdp_on_cpu,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.fsdp import set_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
+from llm_kit.adapters import load_adapter_state, save_adapter_state
 from llm_kit.sharded_4bit import load_4bit_sharded
 from llm_kit.sft_data import (
     add_chat_template,
@@ -260,7 +249,7 @@ def dataloaders(
         lengths = [len(ids) for ids in train_dataset["input_ids"]]
         sampler = LengthGroupedShuffledSampler(lengths, per_device_train_batch_size, seed)
     # The loader gets its own generator: one without draws a seed from the global RNG whenever it starts iterating.
-    # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
+    # Pinned on a GPU: the prepared loader's non_blocking copy (build_accelerator) does not wait for it.
     pinned = torch.cuda.is_available()
     train_dataloader = DataLoader(
         train_dataset,
@@ -330,10 +319,10 @@ def main():
     lora, method = not args.full_finetune, "qlora" if args.load_in_4bit else "full" if args.full_finetune else "lora"
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(  # no gradient_accumulation_steps: the loop counts a step's tokens, then syncs
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
@@ -341,10 +330,11 @@ def main():
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_keep_gathered_in_one_process(accelerator)
     set_seed(args.seed)
-    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
+    set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     if args.offline_default_settings:  # e.g. "the offline default model trains with --learning_rate 0.001 (...)"
         accelerator.print(args.offline_default_settings)
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -355,7 +345,7 @@ def main():
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,
+        accelerator.num_processes,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
@@ -425,7 +415,6 @@ def main():
             target_modules=args.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-        trained_weights_only_in_checkpoints(accelerator)  # adapter only; FSDP2: patches save/load_fsdp_model
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
@@ -449,7 +438,7 @@ def main():
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
-        block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
+        block_class = set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
         check_offload_fits_host_ram(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
@@ -466,7 +455,7 @@ def main():
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
-    load_state = lambda folder: accelerator.load_state(str(folder), strict=not lora)  # LoRA: the adapter alone
+    load_state = (lambda folder: load_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter alone
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
     )
@@ -481,6 +470,7 @@ def main():
         layout=layout,
         history={"train/loss_curve": record.losses()},
         batch=batch_shape,
+        write_state=(lambda folder: save_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
     )
     devices = sorted(set(split_over), key=str) or None  # a split model: results name every device it uses
     record = RunRecord(

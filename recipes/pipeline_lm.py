@@ -76,7 +76,7 @@ from lm_kit.model import build_lm, lm_config, optimizer_groups, save_lm, whole_m
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
-from lm_kit.presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 from lm_kit.split import plan_lm_split
 
 # New Code (pipeline) #
@@ -98,19 +98,10 @@ from pipeline_kit.pipeline import (
 
 # End New Code #
 from shared.results import RunRecord
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    name_the_gpu,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    report_recipe_errors,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
 from shared.signals import install_stop_on_signals
 
 
@@ -221,10 +212,10 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,
@@ -264,7 +255,7 @@ def main():
     # End New Code #
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # on a resume: its global batch and seed
-        accelerator,
+        accelerator.num_processes,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,

@@ -62,7 +62,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, wrap_at_blocks
+from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_wrap_at_blocks
 from lm_kit.data import lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
 from lm_kit.eval import perplexity_results
@@ -70,24 +70,15 @@ from lm_kit.model import build_lm, lm_config, optimizer_groups, save_lm, whole_m
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
-from lm_kit.presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 from lm_kit.split import plan_lm_split
 from shared.model_split import dispatch_on_devices, split_devices
 from shared.results import RunRecord
-from shared.runtime import (
-    add_reliability_flags,
-    build_accelerator,
-    choose_parallelism,
-    fused_adamw,
-    name_the_gpu,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    report_recipe_errors,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
-    use_fsdp_on_cpu,
-)
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
+from shared.parallelism import choose_parallelism
+from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.fsdp import set_fsdp_on_cpu
 from shared.signals import install_stop_on_signals
 
 
@@ -216,10 +207,10 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     ddp_kwargs = DistributedDataParallelKwargs(  # ddp: the gradient buckets, compressed for the all-reduce or not
         bucket_cap_mb=args.ddp_bucket_cap_mb, comm_hook=DDPCommunicationHookType(args.ddp_comm_hook)
     )
@@ -234,7 +225,7 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
         kwargs_handlers=[ddp_kwargs],  # ddp only: the gradient buckets and their compression
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
     set_seed(args.seed)
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
@@ -257,7 +248,7 @@ def main():
     )
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # on a resume: its global batch and seed
-        accelerator,
+        accelerator.num_processes,
         checkpoint,
         args.per_device_train_batch_size,
         args.gradient_accumulation_steps,
@@ -314,7 +305,7 @@ def main():
     # ------------------------------------------------------------------------------ prepare
     # ddp: DDP, sharded loaders; fsdp: fully_shard per block, then the rest; device_map: placement kept; single: moved.
     if parallelism.name == "fsdp":
-        accelerator.print(f"fsdp: one unit per {wrap_at_blocks(accelerator, model, split.block_list) or 'config'}")
+        accelerator.print(f"fsdp: one unit per {set_wrap_at_blocks(accelerator, model, split.block_list) or 'config'}")
         check_offload_fits_host_ram(accelerator, model)  # offload config: refuse now, not at an OOM mid-run
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler

@@ -39,6 +39,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from statistics import fmean
@@ -61,22 +62,19 @@ sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
 from classifier_kit.device_map import split_model
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
-from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, resolve_checkpoint
+from shared.checkpoints import save_checkpoint, save_final
+from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, set_wrap_at_blocks
 from shared.lora import lora_model
 from shared.model_split import find_block_list
 from shared.results import RunRecord
-from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism
-from shared.runtime import fused_adamw, positive_float, positive_int, prepare_output_dir
-from shared.runtime import (
-    name_the_gpu,
-    quiet_library_logs,
-    report_recipe_errors,
-    stop_if_found,
-    stop_quietly_after_a_peer,
-    stop_with_launcher,
-)
-from shared.runtime import model_problem, tokenizer_problem, use_fsdp_on_cpu
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.errors import RecipeError, install_peer_exit_hooks, report_recipe_errors, set_stop_with_launcher
+from shared.errors import stop_if_found
+from shared.flags import add_reliability_flags, model_problem, positive_float, positive_int, prepare_output_dir
+from shared.flags import tokenizer_problem
+from shared.fsdp import set_fsdp_on_cpu
+from shared.parallelism import choose_parallelism
 from shared.sampling import LengthGroupedShuffledSampler
 from shared.signals import install_stop_on_signals
 
@@ -266,7 +264,7 @@ def get_dataloaders(
     sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if group_by_length else None
     # Their own generators: a DataLoader without one draws a seed from the global RNG each time it starts iterating,
     # which would shift the dropout masks of a resumed run.
-    # Pinned on a GPU: the prepared loader's non_blocking copy (shared.runtime.build_accelerator) does not wait for it.
+    # Pinned on a GPU: the prepared loader's non_blocking copy (build_accelerator) does not wait for it.
     generator, pinned = torch.Generator().manual_seed(seed), accelerator.device.type == "cuda"
     train_dataloader = DataLoader(
         train_dataset,
@@ -380,12 +378,23 @@ def main():
 
     # ------------------------------------------------------------------ Accelerator and seed
     # What acts process-wide, one line each; then the Accelerator (real DDP over gloo without CUDA, processes counted).
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    # The accumulation, for the Accelerator: a resume's keeps its global batch (find_checkpoint: every process agrees).
+    checkpoints_dir, processes = Path(args.output_dir) / "checkpoints", int(os.environ.get("WORLD_SIZE", "1"))
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
+        processes,
+        resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir) if args.resume_from_checkpoint else None,
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        processes,
+        args.seed,
+    )
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=args.report_to,
         project_config=ProjectConfiguration(
@@ -393,10 +402,11 @@ def main():
         ),  # the seedable sampler: same order in any process count, on resume
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_keep_gathered_in_one_process(accelerator)
     set_seed(args.seed)
-    quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
+    set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     stop_if_found(
         model_problem(args.model_name_or_path) or tokenizer_problem(args.model_name_or_path, args.tokenizer_name)
@@ -404,16 +414,6 @@ def main():
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")  # all agree
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    # A resume keeps its checkpoint's global batch: in another process count the accumulation makes it up (or refused).
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator,
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        accelerator.num_processes,
-        args.seed,
-    )
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # micro-batches per optimizer step
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
@@ -488,7 +488,9 @@ def main():
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # FSDP shards one Transformer layer at a time (its class read from the model)
-        block_class = wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules or ())))
+        block_class = set_wrap_at_blocks(
+            accelerator, model, find_block_list(model, set(model._no_split_modules or ()))
+        )
         accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler

@@ -1,4 +1,4 @@
-"""The small helper module the recipes share: import from its modules (``from shared.runtime import ...``). Plain
-functions and small classes with explicit arguments; the training steps stay in the recipes, and what one recipe (or
-one family of recipes) alone uses lives beside it, in its kit (``recipes/llm_kit/``). Imports point one way: recipes,
-their kits, tools and benchmarks import shared, shared imports none of them."""
+"""The small helper module the recipes share, imported by module (``from shared.errors import RecipeError``): plain
+functions and small classes with explicit arguments; the training steps stay in the recipes, and what one recipe family
+alone uses lives in its kit (``recipes/llm_kit/``). Imports point one way: recipes, kits, tools and benchmarks import
+shared; inside it, ``errors`` first, then ``flags`` and ``parallelism``, ``accelerator``, the rest; never upwards."""

@@ -33,7 +33,8 @@ from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import gather_object
 from safetensors import SafetensorError
 
-from .runtime import RecipeError, main_process_alone, stop_if_found
+from .errors import RecipeError, stop_if_found
+from .accelerator import main_process_alone
 
 PROGRESS_FILE = "progress.json"
 # What a failed write raises: the OS's error, safetensors' (no errno), torch.save's ("unexpected pos", "basic_ios").
@@ -349,7 +350,7 @@ def find_checkpoint(
 
 
 def keep_global_batch(
-    accelerator: Accelerator,
+    num_processes: int,
     checkpoint: Path | None,
     per_device_train_batch_size: int,
     gradient_accumulation_steps: int | None,
@@ -360,8 +361,9 @@ def keep_global_batch(
     not passed, 1), or on resume the one that keeps the checkpoint's global batch in this run's process count, so that
     it takes the same optimizer steps over the same samples. Refused where none does, or where a passed one
     gives another global batch: the run would silently take other steps than the one it resumes. ``seed`` (--seed)
-    orders the data and picks held-out samples: a resume with another one is refused too."""
-    processes, per_step = accelerator.num_processes, per_device_train_batch_size * data_parallel_size
+    orders the data and picks held-out samples: a resume with another one is refused too. Needs no Accelerator (the
+    accumulation can be given to it): ``num_processes`` is the launch's, the checkpoint this process's own find."""
+    processes, per_step = num_processes, per_device_train_batch_size * data_parallel_size
     count = lambda k: f"{k} process{'es' * (k > 1)}"
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("batch") if checkpoint else None
     accumulation = saved["global_batch_size"] // per_step if saved else gradient_accumulation_steps or 1
@@ -394,8 +396,8 @@ def keep_global_batch(
                 f"--gradient_accumulation_steps {accumulation} or leave it out to keep it, or start a "
                 "new run (another --output_dir) to train with another global batch."
             )
-        if (n, was) != (processes, accumulation):
-            accelerator.print(
+        if (n, was) != (processes, accumulation) and os.environ.get("RANK", "0") == "0":  # said once
+            print(
                 f"resuming a {n}-process checkpoint in {count(processes)}: "
                 f"gradient accumulation {was} → {accumulation} keeps the global batch of {wanted}"
             )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 
-from .runtime import RecipeError
+from .errors import RecipeError
 
 DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # Well-populated packages in every supported Python (distutils and lib2to3 went in 3.12/3.13). Docstrings on 3.11: 629

@@ -1,7 +1,7 @@
 """FSDP2 through Accelerate: what to shard, and how. The launch config (``fsdp_2gpu.yaml``)
-does the work: ``accelerator.prepare`` applies torch's ``fully_shard`` to every block (the class ``wrap_at_blocks``
+does the work: ``accelerator.prepare`` applies torch's ``fully_shard`` to every block (the class ``set_wrap_at_blocks``
 reads from the model), the embeddings, the final norm + head, then the root; clipping, sharded ``save_state`` and
-``get_state_dict`` (gathered) follow. On CPU ``shared.runtime.use_fsdp_on_cpu`` keeps Accelerate on this path."""
+``get_state_dict`` (gathered) follow. On CPU ``set_fsdp_on_cpu`` keeps Accelerate on this path."""
 
 from __future__ import annotations
 
@@ -10,17 +10,51 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, gather_object
 from torch.distributed.fsdp import CPUOffloadPolicy
 
-from shared.runtime import RecipeError
+from .errors import RecipeError
+from .parallelism import fsdp_launch_config
 
 
-def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list: str) -> str | None:
+def set_fsdp_on_cpu(accelerator: Accelerator) -> None:
+    """Make a ``cpu=True`` Accelerator launched with an FSDP config run FSDP2, as on GPUs. With ``cpu=True``
+    Accelerate (1.16) sets MULTI_CPU and drops the FSDP config: plain DDP, while the run looked like FSDP. torch's
+    ``fully_shard`` and Accelerate's FSDP2 code work over gloo, so this sets the state a GPU launch gets (FSDP, with
+    the config's plugin): the CPU tests then run Accelerate's own FSDP2 preparation, clipping, sharded checkpoints and
+    state-dict gathering, the code a GPU run uses. A no-op unless the Accelerator runs on the CPU under an FSDP
+    launch config. Changes: the Accelerator's state (its FSDP plugin and distributed type) and Accelerate's
+    process-wide ``PartialState._shared_state["distributed_type"]``."""
+    if accelerator.device.type != "cpu" or not fsdp_launch_config():
+        return
+    plugin = FullyShardedDataParallelPlugin()  # read from the launch config's FSDP_* variables
+    if plugin.fsdp_version != 2:
+        raise RecipeError(
+            f"On CPU only FSDP version 2 runs (torch's fully_shard over gloo); the launch config has "
+            f"fsdp_version {plugin.fsdp_version}. Use accelerate_configs/fsdp_2gpu.yaml."
+        )
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)  # what AcceleratorState does on GPUs
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):  # the offload config, unpinned (pinned memory needs a GPU)
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+    accelerator.state.fsdp_plugin = plugin
+    accelerator.state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # collectives read it from here
+    if not accelerator.is_fsdp2:
+        raise RecipeError(
+            "Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state "
+            "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from "
+            "requirements.txt."
+        )
+
+
+def set_wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list: str) -> str | None:
     """Make FSDP shard ``model`` one block at a time: the class of the ``block_list`` ModuleList's blocks, found at run
     time, so one config serves every model (None when not under FSDP or the config names its own). Not the default
     (every ``_no_split_modules`` class): for BERT-like models that holds the embeddings too, which Accelerate then
-    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``."""
+    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``. Changes: the
+    Accelerator's FSDP plugin (``transformer_cls_names_to_wrap``)."""
     plugin = accelerator.state.fsdp_plugin
     if accelerator.distributed_type != DistributedType.FSDP or plugin.transformer_cls_names_to_wrap:
         return None
@@ -29,11 +63,12 @@ def wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list:
     return block_class
 
 
-def keep_gathered_in_one_process(accelerator: Accelerator) -> None:
+def set_keep_gathered_in_one_process(accelerator: Accelerator) -> None:
     """FSDP2 in one process without offload: ``reshard_after_forward=False`` (ZeRO-2's), each block's gathered copy
     kept to its backward. With one shard resharding frees only that copy (the compute-dtype weights) and costs a
     second all-gather in backward; under CPU offload the copies would put the whole model on the GPU. Call it in
-    ``main()`` right after the Accelerator is built (a no-op in any other setup)."""
+    ``main()`` right after the Accelerator is built (a no-op in any other setup). Changes: the Accelerator's FSDP
+    plugin (``reshard_after_forward``)."""
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
         plugin = accelerator.state.fsdp_plugin  # (no plugin attribute at all without FSDP)
         if not isinstance(plugin.cpu_offload, CPUOffloadPolicy):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .runtime import RecipeError
+from .errors import RecipeError
 
 
 def lora_model(

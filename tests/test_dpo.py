@@ -854,7 +854,7 @@ def test_the_data_line_counts_what_was_dropped_and_cut_and_refuses_when_nothing_
     import datasets
 
     from dpo_kit.preference_data import tokenize_pairs
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
 
     printed = []
     accelerator = type("Accelerator", (OneProcess,), {"print": staticmethod(printed.append)})
@@ -914,7 +914,7 @@ def test_bad_rows_are_refused_naming_the_row_and_column(row, message):
     import datasets
 
     from dpo_kit.preference_data import preference_format
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
 
     good = (
         {"prompt": "Q?", "chosen": "yes", "rejected": "no"}
@@ -951,7 +951,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     from dpo_kit.preference_data import preference_format
     from llm_kit.adapters import starting_point
     from llm_kit.loading import causal_lm_config
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
 
     with pytest.raises(SystemExit):
         recipe.parse_args(["--precompute_reference"])

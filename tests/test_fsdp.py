@@ -264,7 +264,8 @@ def test_finetune_trains_sharded_and_saves_a_loadable_model(runs):
 # messages are what a user sees (one line per process). Checked here in-process against a stand-in Accelerator: a
 # launch would spend most of the file's time budget importing.
 def refusal(monkeypatch, parallelism, num_processes, distributed_type, fsdp_config: bool) -> str:
-    from shared.runtime import RecipeError, choose_parallelism
+    from shared.errors import RecipeError
+    from shared.parallelism import choose_parallelism
 
     stand_in(monkeypatch, fsdp_config)
     accelerator = SimpleNamespace(
@@ -286,7 +287,7 @@ def stand_in(monkeypatch, fsdp_config: bool) -> None:
 def test_fsdp_with_one_process_runs_fsdps_code_path_and_says_so(monkeypatch):
     """1 process under the FSDP config (the GPU check runs it on one GPU): FSDP2's code path, nothing to shard."""
     from accelerate.utils import DistributedType
-    from shared.runtime import choose_parallelism
+    from shared.parallelism import choose_parallelism
 
     stand_in(monkeypatch, fsdp_config=True)
     accelerator = SimpleNamespace(num_processes=1, distributed_type=DistributedType.FSDP, device=torch.device("cpu"))
@@ -305,7 +306,7 @@ def test_fsdp_config_is_not_combined_with_another_parallelism(monkeypatch, paral
 
 def test_fsdp_needs_the_fsdp_config(monkeypatch):
     from accelerate.utils import DistributedType
-    from shared.runtime import choose_parallelism
+    from shared.parallelism import choose_parallelism
 
     message = refusal(monkeypatch, "fsdp", 2, DistributedType.MULTI_CPU, fsdp_config=False)
     assert (

@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness.launch import REPO, launch_ok, read_facts, read_results, visible_gpus
 
-import shared.runtime
+import shared.accelerator
 from lib.flops import lm_flops_per_token, peak_bf16_flops
 
 TWO_GPUS = pytest.mark.skipif(
@@ -39,7 +39,7 @@ def test_the_mfu_peak_table_knows_the_cards_users_have():
 def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
     """One process on a GPU: Accelerate's device is ``torch.device("cuda")``, with no index, which
     ``torch.cuda.set_device`` refuses (this crashed every 1-process GPU launch). A fake Accelerator that reports
-    exactly that, on a machine said to have one GPU: name_the_gpu and build_accelerator must give the run ``cuda:0``
+    exactly that, on a machine said to have one GPU: set_gpu_index and build_accelerator must give the run ``cuda:0``
     (results.json, memory keys, the split's devices) and set the current device by index. ``torch.cuda.set_device``
     is replaced by torch's own index check, which is what raised on the GPU."""
     from accelerate.utils import DistributedType
@@ -48,7 +48,7 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
 
     class OneProcessOnAGpu:  # what Accelerate 1.16 reports for a 1-process CUDA launch, unless told the device
         def __init__(self, **kwargs):
-            override = shared.runtime.os.environ.get("ACCELERATE_TORCH_DEVICE")
+            override = shared.accelerator.os.environ.get("ACCELERATE_TORCH_DEVICE")
             self.state = type("State", (), {"device": torch.device(override or "cuda")})()
             self.num_processes, self.distributed_type, self.mixed_precision = 1, DistributedType.NO, "no"
 
@@ -57,10 +57,10 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             return self.state.device
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    # name_the_gpu sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
+    # set_gpu_index sets ACCELERATE_TORCH_DEVICE in os.environ: registered first so that monkeypatch removes it
     # after the test (every later launch would inherit cuda:0).
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "unset")
-    monkeypatch.setattr(shared.runtime, "Accelerator", OneProcessOnAGpu)
+    monkeypatch.setattr(shared.accelerator, "Accelerator", OneProcessOnAGpu)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -73,8 +73,8 @@ def test_one_process_on_a_gpu_gets_an_indexed_device_everywhere(monkeypatch):
             monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", override)
         else:
             monkeypatch.delenv("ACCELERATE_TORCH_DEVICE", raising=False)
-        shared.runtime.name_the_gpu()  # the recipe's line before build_accelerator
-        accelerator = shared.runtime.build_accelerator()
+        shared.accelerator.set_gpu_index()  # the recipe's line before build_accelerator
+        accelerator = shared.accelerator.build_accelerator()
         assert str(accelerator.device) == "cuda:0" and calls == [0], (override, accelerator.device, calls)
         from shared.model_split import split_devices
 

@@ -857,7 +857,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
     from grpo_kit.loss import frozen_copy
     from grpo_kit.rewards import load_reward_functions
     from grpo_kit.split import split_layout
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
 
     offline, told = recipe.parse_args([]), recipe.parse_args(["--max_train_steps", "5", "--temperature", "1"])
     assert offline.max_train_steps == 400 and offline.temperature == 0.7 and offline.top_k == 20

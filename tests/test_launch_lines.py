@@ -369,7 +369,7 @@ def test_the_launch_lines_in_refusals_are_ones_the_recipe_accepts(path, monkeypa
     value = parallelism_argument(path)
     if value is None:
         pytest.skip(f"{path.name} chooses no parallelism")
-    # The table of the very shared/runtime.py the recipe imports.
+    # The table of the very shared/parallelism.py the recipe imports.
     config_for = sys.modules[recipe_module(path).choose_parallelism.__module__].CONFIG_FOR
     if isinstance(value, ast.Constant):  # pipeline_lm.py: always the pipeline, no flag
         suggested = [(value.value, "")] if value.value in config_for else []

@@ -1170,7 +1170,7 @@ def test_a_default_lora_run_keeps_no_dropped_copy_of_the_adapted_inputs(name):
     ids=["no_format", "unknown_role", "no_assistant"],
 )
 def test_bad_rows_are_refused_with_the_sample(recipe, rows, message):
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
     from llm_kit.sft_data import data_format, tokenize_sample
 
     _, tokenizer = recipe
@@ -1182,7 +1182,7 @@ def test_bad_rows_are_refused_with_the_sample(recipe, rows, message):
 def test_data_errors_name_the_file_the_row_and_the_fix(base, tmp_path):
     """What datasets reports as 'DatasetGenerationCastError' or 'DatasetGenerationError' (the row only in a log line
     above), and a conversation without an answer, each get one paragraph naming the file, the row or the columns."""
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
     from llm_kit.sft_data import load_raw_datasets
 
     chats = (base / "chats.jsonl").read_text().splitlines()

@@ -654,7 +654,7 @@ def pipeline_recipe():
 def test_pipeline_requests_that_cannot_run_are_refused(pipeline_recipe, request_args, message):
     from argparse import Namespace
 
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
 
     args = Namespace(
         **{

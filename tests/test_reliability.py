@@ -21,7 +21,7 @@ from harness.launch import ONE_PROCESS, REPO, Job, Launch, launch, launch_all, l
 from safetensors.torch import load_file
 
 from shared.checkpoints import PROGRESS_FILE, save_checkpoint
-from shared.runtime import RecipeError, report_recipe_errors
+from shared.errors import RecipeError, report_recipe_errors
 
 # A small launched script that uses shared/'s checkpoints, resume, timeouts and refusals (the linear toy
 # as it was before it became one standalone file, recipes/linear_toy.py): what these tests exercise.
@@ -196,7 +196,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
     assert "Nothing was loaded" in refused.value.message
 
 
-def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_to_pass(tmp_path):
+def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_to_pass(tmp_path, capsys):
     """In-process, with stand-ins for the Accelerator: a checkpoint of global batch 32 (16 per device x 2 processes x
     1), resumed in 1 process. The accumulation that keeps 32 is chosen and said once; a passed one that contradicts
     it, or a per-device batch that no accumulation fits, is refused naming the flags; a checkpoint without a recorded
@@ -215,7 +215,7 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
         load_state=lambda folder: None,
     )
     two = processes(2)
-    _, shape = keep_global_batch(two, None, 16, None, 2, 42)
+    _, shape = keep_global_batch(2, None, 16, None, 2, 42)
     assert shape == {
         "num_processes": 2,
         "per_device_train_batch_size": 16,
@@ -226,33 +226,32 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
     write_state = lambda folder: folder.mkdir(parents=True)
     checkpoint = save_checkpoint(two, tmp_path, 3, write_state=write_state, batch=shape)
     one = processes(1)
-    printed.clear()
-    assert keep_global_batch(one, checkpoint, 16, None, 1, 42)[0] == 2
-    assert keep_global_batch(one, checkpoint, 8, 4, 1, 42)[0] == 4  # a passed one that keeps it
+    capsys.readouterr()
+    assert keep_global_batch(1, checkpoint, 16, None, 1, 42)[0] == 2
+    assert keep_global_batch(1, checkpoint, 8, 4, 1, 42)[0] == 4  # a passed one that keeps it
+    said = capsys.readouterr().out.splitlines()
     assert (
-        printed[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "
+        said[0] == "resuming a 2-process checkpoint in 1 process: gradient accumulation 1 → 2 keeps the global "
         "batch of 32"
     )
     with pytest.raises(RecipeError) as contradicts:
-        keep_global_batch(one, checkpoint, 16, 1, 1, 42)
+        keep_global_batch(1, checkpoint, 16, 1, 1, 42)
     assert "--gradient_accumulation_steps 1 would make it 16" in contradicts.value.message
     assert "Pass --gradient_accumulation_steps 2 or leave it out" in contradicts.value.message
     with pytest.raises(RecipeError) as indivisible:
-        keep_global_batch(one, checkpoint, 12, None, 1, 42)
+        keep_global_batch(1, checkpoint, 12, None, 1, 42)
     assert f"{checkpoint} was trained with a global batch of 32" in indivisible.value.message
     assert "(16 per device x 2 processes x 1 accumulation steps)" in indivisible.value.message
     assert "32 is not a multiple of 12" in indivisible.value.message
     assert "Pass --per_device_train_batch_size 8 to keep it" in indivisible.value.message
     with pytest.raises(RecipeError) as odd:  # 3 processes: no per-device batch fits 32
-        keep_global_batch(processes(3), checkpoint, 16, None, 3, 42)
+        keep_global_batch(3, checkpoint, 16, None, 3, 42)
     assert "Resume it in 2 processes to keep it" in odd.value.message
     older = save_checkpoint(two, tmp_path, 4, write_state=write_state)  # no batch recorded
-    assert (
-        keep_global_batch(one, older, 16, None, 1, 42)[0] == 1 and keep_global_batch(one, older, 16, 3, 1, 42)[0] == 3
-    )
+    assert keep_global_batch(1, older, 16, None, 1, 42)[0] == 1 and keep_global_batch(1, older, 16, 3, 1, 42)[0] == 3
 
     with pytest.raises(RecipeError) as reseeded:  # another --seed: other samples in another order
-        keep_global_batch(one, checkpoint, 16, None, 1, 7)
+        keep_global_batch(1, checkpoint, 16, None, 1, 7)
     assert f"{checkpoint} was trained with --seed 42" in reseeded.value.message
     assert (
         "this run has --seed 7" in reseeded.value.message and "Pass --seed 42 to resume it" in reseeded.value.message
@@ -357,11 +356,11 @@ def test_a_restarted_attempt_keeps_the_dumps_that_made_it_restart(tmp_path):
 
 @pytest.mark.slow  # two Python processes that import torch
 def test_only_a_collective_broken_by_a_peer_is_cut_to_one_line_and_the_wrapper_names_a_missing_recipe(tmp_path):
-    """stop_quietly_after_a_peer cuts a collective's "Connection closed by peer" to one line (the refusal test above);
+    """install_peer_exit_hooks cuts a collective's "Connection closed by peer" to one line (the refusal test above);
     a rank's own lost connection outside torch.distributed (a download's "Connection reset by peer") keeps its
     traceback. tools/hang_dump.py refuses a recipe path that is not a file, naming it."""
-    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from shared.runtime import stop_quietly_after_a_peer; "
-    code += "stop_quietly_after_a_peer(); raise ConnectionResetError(104, 'Connection reset by peer')"
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from shared.errors import install_peer_exit_hooks; "
+    code += "install_peer_exit_hooks(); raise ConnectionResetError(104, 'Connection reset by peer')"
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
     own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert own.returncode == 1 and "Traceback" in own.stderr and "ConnectionResetError" in own.stderr, own.stderr
@@ -419,7 +418,7 @@ def test_when_one_rank_refuses_its_input_the_others_stop_quietly_and_the_launche
 
 @pytest.mark.slow
 def test_hang_dumps_leave_a_rank_that_another_one_stopped_alone(short_launches):
-    """Under tools/hang_dump.py a script without stop_quietly_after_a_peer: rank 1's collective breaks because rank 0
+    """Under tools/hang_dump.py a script without install_peer_exit_hooks: rank 1's collective breaks because rank 0
     ended first. That is no hang of rank 1's: it gets gloo's own traceback, and no dump, nor a line saying it wrote
     one."""
     run = short_launches["runs"]["rank0_refuses_under_hang_dump"]
@@ -433,7 +432,7 @@ def test_hang_dumps_leave_a_rank_that_another_one_stopped_alone(short_launches):
 def test_the_main_process_may_work_alone_longer_than_dist_timeout(short_launches):
     """A merge (--merge_and_save) or the default base model's pretraining runs on the main process while the others
     wait: 6 s of work under --dist_timeout 2. Waiting in wait_for_everyone would fail after 2 s with gloo's timeout;
-    shared.runtime.main_process_alone waits untimed, and the group still works after it."""
+    shared.accelerator.main_process_alone waits untimed, and the group still works after it."""
     run = short_launches["runs"]["main_process_alone"]
     assert run.returncode == 0, str(run)
     assert run.output.count("waited 6.0 s for the main process with --dist_timeout 2.0") == 2
@@ -443,7 +442,7 @@ def test_the_main_process_may_work_alone_longer_than_dist_timeout(short_launches
 def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tmp_path):
     """`accelerate launch --max_restarts 1` + `--resume_from_checkpoint latest`: rank 1 crashes once
     right after the step-10 checkpoint; torchrun's agent restarts both workers, they resume from
-    step 10 and end with the weights of a run that never crashed. Before shared.runtime joined
+    step 10 and end with the weights of a run that never crashed. Before shared.accelerator joined
     restarted workers under fresh store keys, most restarts died in gloo's connectFullMesh."""
     project = tmp_path / "project"
     project.mkdir()
@@ -502,7 +501,7 @@ def test_crash_restart_resumes_from_latest_and_ends_like_an_uninterrupted_run(tm
     ],
 )
 def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, backend, monkeypatch, tmp_path):
-    """After ``--max_restarts`` restarted the workers, shared.runtime starts their process group itself, before
+    """After ``--max_restarts`` restarted the workers, shared.accelerator starts their process group itself, before
     Accelerate: on GPUs with the backend Accelerate's PartialState picks for the launch config, NCCL, and beside it
     gloo for the CPU tensors of an FSDP config that keeps them on the CPU (parameter offload, a full state dict). The
     launch config's environment is what ``accelerate launch`` sets; the group's start is recorded, not run."""
@@ -510,7 +509,7 @@ def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, back
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_multi_gpu_env
 
-    from shared.runtime import join_restarted_elastic_group
+    from shared.accelerator import init_group_after_restart
 
     path = REPO / "accelerate_configs" / config.split()[0]
     if "full state dict" in config:
@@ -536,9 +535,9 @@ def test_a_restarted_group_has_the_backend_accelerate_would_give_it(config, back
     started = {}
     monkeypatch.setattr(torch.distributed, "TCPStore", lambda *args, **kwargs: torch.distributed.HashStore())
     monkeypatch.setattr(torch.distributed, "init_process_group", lambda **kwargs: started.update(kwargs))
-    join_restarted_elastic_group(cpu=False, dist_timeout=30)
+    init_group_after_restart(cpu=False, dist_timeout=30)
     assert started["backend"] == backend and started["rank"] == 0 and started["world_size"] == 2
-    join_restarted_elastic_group(cpu=True, dist_timeout=30)
+    init_group_after_restart(cpu=True, dist_timeout=30)
     assert started["backend"] == "gloo"
 
 

@@ -739,7 +739,7 @@ def test_the_task_is_read_from_the_labels_and_numbers_are_checked():
     import datasets
 
     from classifier_kit.classification import choose_task, read_labels
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
 
     def splits(train, validation):
         return datasets.DatasetDict(
@@ -771,7 +771,7 @@ def test_a_hole_in_a_label_or_text_cell_is_refused_by_its_row_and_integer_labels
     validation split is cut from the training file (a row then has no number a user can find), for classes,
     scores and both texts of a pair. Whole numbers read as floats keep their integer names."""
     from classifier_kit.classification import load_model_config, load_splits, read_labels
-    from shared.runtime import RecipeError
+    from shared.errors import RecipeError
 
     stars = [f"review {i} gets {i % 5 + 1} stars,{i % 5 + 1}" for i in range(40)]
 

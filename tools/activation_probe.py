@@ -24,7 +24,6 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # lm_kit/'s model presets, for the planner
 from tools.planner import block_activation_bytes, precision_profile, shape_from_config
 
 HIDDEN, MLP, HEADS, VOCAB, SEQ_LEN, BATCH = 256, 688, 8, 1000, 64, 2

@@ -54,16 +54,9 @@ from accelerate.utils import check_cuda_p2p_ib_support
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 from shared.results import write_results
-from shared.runtime import (
-    RecipeError,
-    build_accelerator,
-    name_the_gpu,
-    positive_float,
-    positive_int,
-    prepare_output_dir,
-    report_recipe_errors,
-    stop_with_launcher,
-)
+from shared.errors import RecipeError, report_recipe_errors, set_stop_with_launcher
+from shared.accelerator import build_accelerator, set_gpu_index
+from shared.flags import positive_float, positive_int, prepare_output_dir
 
 MB = 2**20  # nccl-tests labels sizes in powers of two ...
 GB = 1e9  # ... and bandwidth in powers of ten.
@@ -465,8 +458,8 @@ def main():
     args = parse_args()
 
     # ----------------------------------------------------------------------------- Accelerator
-    stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
-    name_the_gpu()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so the report says cuda:0, not cuda
+    set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
+    set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so the report says cuda:0, not cuda
     # build_accelerator passes cpu=True when there is no CUDA, so a 2-process config joins the
     # processes over gloo, and checks the process count. The timeout turns a hung link into an error.
     accelerator = build_accelerator(dist_timeout=args.dist_timeout)

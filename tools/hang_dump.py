@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-# What gloo says when the process at the other end exited (as shared.runtime.PEER_ENDED): not a hang of this rank, and
-# the recipe's stop_quietly_after_a_peer prints its one line for it.
+# What gloo says when the process at the other end exited (as shared.errors.PEER_ENDED): not a hang of this rank, and
+# the recipe's install_peer_exit_hooks prints its one line for it.
 PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 # Words of the errors a timed-out or broken collective raises (gloo: "Timed out waiting 5000ms for recv operation",
 # "Connection closed by peer"; NCCL: "Watchdog caught collective operation timeout").

@@ -25,7 +25,6 @@ from pathlib import Path
 
 # Tools import the helper module; they are run from anywhere, so the repository root goes first on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))  # lm_kit/'s model presets
 from tools.planner.cli import main
 
 if __name__ == "__main__":

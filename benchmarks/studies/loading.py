@@ -146,16 +146,18 @@ def worker(args) -> None:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
-    from shared.fsdp import keep_gathered_in_one_process, wrap_at_blocks
+    from shared.fsdp import set_keep_gathered_in_one_process, set_wrap_at_blocks
     from shared.model_split import find_block_list
-    from shared.runtime import build_accelerator, use_fsdp_on_cpu
-    from llm_kit.sharded_4bit import empty_4bit_model, load_4bit_sharded
+    from shared.accelerator import build_accelerator
+    from shared.fsdp import set_fsdp_on_cpu
+    from llm_kit.loading import empty_4bit_model
+    from llm_kit.sharded_4bit import load_4bit_sharded
 
     accelerator = build_accelerator(
         mixed_precision="bf16", project_config=ProjectConfiguration(project_dir=str(args.output_dir))
     )
-    use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward, as the recipe
+    set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
+    set_keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward, as the recipe
     torch.set_num_threads(1)
     dtype = torch.bfloat16
     quantization = BitsAndBytesConfig(
@@ -181,7 +183,7 @@ def worker(args) -> None:
             args.model, dtype=dtype, quantization_config=quantization, device_map={"": str(accelerator.device)}
         )
         model = get_peft_model(prepare_model_for_kbit_training(model, use_gradient_checkpointing=False), lora)
-    wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
+    set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
     model = accelerator.prepare(model)
     seconds = time.perf_counter() - start
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size() for p in model.parameters())
@@ -327,7 +329,7 @@ def low_ram_model(folder: Path, model_size: str) -> Path:
     sys.path.insert(0, str(REPO / "tests"))  # the tests' harness: its standard-library questions
     from harness.questions import stdlib_questions
     from lm_kit.data import train_bpe_tokenizer
-    from lm_kit.presets import MODEL_PRESETS
+    from shared.presets import MODEL_PRESETS
 
     questions = stdlib_questions()
     tokenizer = train_bpe_tokenizer((m["content"] for row in questions["train"] for m in row["messages"]), 8192)
@@ -443,9 +445,7 @@ def main(argv=None) -> None:
     low_ram_parser.add_argument(
         "--output_dir", type=Path, required=True, help="Where the model, the runs and low_ram_loading.json go."
     )
-    low_ram_parser.add_argument(
-        "--model_size", default="350m", help="A preset of recipes/lm_kit/presets.py (random weights)."
-    )
+    low_ram_parser.add_argument("--model_size", default="350m", help="A preset of shared/presets.py (random weights).")
     low_ram_parser.add_argument("--repeats", type=int, default=3, help="A B rounds.")
     args = parser.parse_args(argv)
     if args.measurement == "low_ram":

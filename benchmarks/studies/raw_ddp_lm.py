@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "recipes"))  # the LM recipes' kit, lm_kit/
 from lm_kit.data import load_text_corpus, tokenize_and_pack, train_bpe_tokenizer
 from lm_kit.model import optimizer_groups
-from lm_kit.presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 from shared.results import peak_memory_gib, percentile
 
 

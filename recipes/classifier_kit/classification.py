@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, in_validation_split, load_data_files, refuse_empty_cells
 from shared.data import split_by_column, stdlib_root
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 
 def load_splits(
@@ -199,7 +199,7 @@ def load_model_config(name: str, label_names: list[str] | None, max_length: int,
     """The model's config with the label names (saved with the model: it predicts names), or for regression (no names)
     one output named "score" and ``problem_type="regression"`` (the saved model's own loss is then MSE), checked
     against ``max_length``; a Hub name while the Hub is off is refused with what to pass (a local folder without
-    config.json: ``shared.runtime.model_problem``, checked first)."""
+    config.json: ``shared.flags.model_problem``, checked first)."""
     labels, problem = (label_names, {}) if label_names else (["score"], {"problem_type": "regression"})
     try:
         config = AutoConfig.from_pretrained(

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shared.model_split import dispatch_on_devices, plan_device_map, split_devices
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 
 def parameter_bytes_per_device(model: nn.Module, plan: dict[str, int]) -> dict[int, int]:

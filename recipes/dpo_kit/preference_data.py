@@ -17,7 +17,7 @@ import datasets
 import torch
 
 from shared.data import no_value
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 from llm_kit.sft_data import check_conversation, collate, stdlib_names
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.runtime import RecipeError, stop_if_found
+from shared.errors import RecipeError, stop_if_found
 
 
 def gather(accelerator, tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -19,7 +19,7 @@ def gather(accelerator, tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def stop_if_any(accelerator, problem: str | None, group=None) -> None:
-    """``shared.runtime.stop_if_found`` (a paragraph found by any process stops every process, printed once), or over
+    """``shared.errors.stop_if_found`` (a paragraph found by any process stops every process, printed once), or over
     ``group`` alone: its members stop, and the generating process, waiting for them, is stopped with them by the
     launcher."""
     if group is None:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from shared.data import refuse_empty_cells
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 from llm_kit.sft_data import check_conversation, collate, stdlib_names
 

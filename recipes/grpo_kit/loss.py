@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from llm_kit.adapters import reference_policy
 from llm_kit.loading import load_base_model
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 

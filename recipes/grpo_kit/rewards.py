@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 from .collectives import gather, stop_if_any
 

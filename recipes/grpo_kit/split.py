@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 from .rollout import Rollouts, sampling_noise
 
@@ -116,11 +116,12 @@ class SplitLayout:
                     for param, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
                         param.copy_(piece.view_as(param))
 
-    def save_state(self, folder: Path) -> None:
+    def save_state(self, folder: Path, write_state=None) -> None:
         """A checkpoint's files (``save_checkpoint(write_state=...)``): ``accelerator.save_state`` (the main process:
         the trainers' model, optimizer and scheduler; every process: its RNG states), and from the generating process
-        the round it has made for after the checkpoint."""
-        self.accelerator.save_state(str(folder))
+        the round it has made for after the checkpoint. ``write_state(folder)``, when given, replaces ``save_state``
+        (LoRA: the adapter alone)."""
+        (write_state or (lambda folder: self.accelerator.save_state(str(folder))))(folder)
         if self.in_flight is not None:
             torch.save(self.in_flight, Path(folder) / IN_FLIGHT)
 

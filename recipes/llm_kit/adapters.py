@@ -1,7 +1,7 @@
-"""The LoRA adapter the preference and RL recipes (``recipes/dpo.py``, ``recipes/grpo.py``) start from and measure
-against: the SFT adapter to continue (the offline default: what ``recipes/llm_finetune.py`` saved), loaded to train
-and as a frozen reference copy, and the switch to the reference policy (that copy, or the base with the adapter
-off)."""
+"""The LoRA adapter: checkpoints that hold it alone (every recipe of the family), and what the preference and RL
+recipes (``recipes/dpo.py``, ``recipes/grpo.py``) start from and measure against: the SFT adapter to continue (the
+offline default: what ``recipes/llm_finetune.py`` saved), loaded to train and as a frozen reference copy, and the
+switch to the reference policy (that copy, or the base with the adapter off)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,80 @@ import contextlib
 import json
 from pathlib import Path
 
-from shared.runtime import RecipeError
+from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
+from accelerate.utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+
+from shared.errors import RecipeError
 
 from .loading import default_base_model
 
 SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
+
+
+def save_adapter_state(accelerator, folder: Path) -> None:
+    """``accelerator.save_state(folder)`` with the trained weights alone (LoRA's adapter), not the frozen base (13.5 GB
+    for a 7B model in bf16, at every save, and every rank's share of it under FSDP2). Elsewhere than FSDP2, a
+    pre-hook for this one save keeps the weights that require grad. Under FSDP2 ``save_state`` writes the model with
+    ``save_fsdp_model``, which takes ``adapter_only=True`` (PEFT's adapter state dict, still sharded: each rank writes
+    its shard) but cannot be given it through ``save_state``: its steps are taken here, the model's with that
+    argument, in its order (the model, the optimizer, then the scheduler, samplers, RNG states and step)."""
+    if not accelerator.is_fsdp2:
+
+        def keep_trained(models, weights, folder):
+            for index, model in enumerate(models):
+                trained = {n for n, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
+                weights[index] = {name: tensor for name, tensor in weights[index].items() if name in trained}
+
+        hook = accelerator.register_save_state_pre_hook(keep_trained)
+        try:
+            accelerator.save_state(str(folder))
+        finally:
+            hook.remove()
+        return
+    plugin, models, optimizers = accelerator.state.fsdp_plugin, accelerator._models, accelerator._optimizers
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for index, model in enumerate(models):
+        save_fsdp_model(plugin, accelerator, model, str(folder), index, adapter_only=True)
+    for index, optimizer in enumerate(optimizers):
+        save_fsdp_optimizer(plugin, accelerator, optimizer, models[index], str(folder), index)
+    save_accelerator_state(
+        str(folder),
+        [],  # the model and optimizer: written above
+        [],
+        accelerator._schedulers,
+        accelerator._dataloaders,
+        accelerator.process_index,
+        accelerator.step,
+        accelerator.scaler,
+        save_on_each_node=accelerator.project_configuration.save_on_each_node,
+    )
+
+
+def load_adapter_state(accelerator, folder: Path) -> None:
+    """``accelerator.load_state(folder)`` of a ``save_adapter_state`` checkpoint: the adapter into the model built
+    with its base (not strict: the base is not in it), then the optimizer, scheduler, samplers, RNG states and step.
+    Under FSDP2 ``load_fsdp_model`` with ``adapter_only=True``, as ``save_adapter_state`` wrote it, in
+    ``load_state``'s order."""
+    if not accelerator.is_fsdp2:
+        accelerator.load_state(str(folder), strict=False)
+        return
+    plugin, models, optimizers = accelerator.state.fsdp_plugin, accelerator._models, accelerator._optimizers
+    for index, model in enumerate(models):
+        load_fsdp_model(plugin, accelerator, model, str(folder), index, adapter_only=True)
+    for index, optimizer in enumerate(optimizers):
+        load_fsdp_optimizer(plugin, accelerator, optimizer, models[index], str(folder), index)
+    several = accelerator.num_processes > 1 and accelerator.multi_device  # load_state's choice of map_location
+    loaded = load_accelerator_state(
+        str(folder),
+        [],
+        [],
+        accelerator._schedulers,
+        accelerator._dataloaders,
+        accelerator.process_index,
+        accelerator.scaler,
+        map_location="on_device" if several else "cpu",
+    )
+    accelerator.step = loaded.get("step", accelerator.step)
 
 
 def starting_point(
@@ -67,8 +136,7 @@ def continued_adapter(model, adapter: str, reference: bool = True):
     """``model`` with the SFT ``adapter`` loaded to train (``default``) and, with ``reference``, loaded again as a
     frozen copy (``reference``, a few MB) that ``reference_policy`` switches to, so that the reference is the SFT
     policy (disabling the adapter would give the bare base). TRL does the same (its ``ref`` adapter). Checkpoints hold
-    ``default`` only (what requires grad: ``llm_kit.loading.trained_weights_only_in_checkpoints``, called in the
-    recipe)."""
+    ``default`` only (what requires grad: ``save_adapter_state``)."""
     from peft import PeftModel
 
     model = PeftModel.from_pretrained(model, adapter, adapter_name="default", is_trainable=True)

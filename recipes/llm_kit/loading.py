@@ -1,6 +1,6 @@
 """The base model of ``recipes/llm_finetune.py``: the offline default (pretrained by ``recipes/train_lm.py`` when
 there is none), its config checked, loading it (16/32-bit or 4-bit NF4, onto one device, split over two, or on the
-meta device for FSDP2's low host-RAM loading), its LoRA adapter (checkpoints that hold the adapter alone), the adapter
+meta device for FSDP2's low host-RAM loading), the adapter
 merged into a fresh copy of it, and what low-RAM loading handed each process. ``load_base_model`` is the one place
 that loads the weights."""
 
@@ -12,15 +12,16 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, init_empty_weights
+from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shared.fsdp import available_host_ram
 from shared.model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
 from shared.checkpoints import save_final
-from shared.runtime import RecipeError, main_process_alone, model_problem
+from shared.errors import RecipeError
+from shared.accelerator import main_process_alone
+from shared.flags import model_problem
 
-from .sharded_4bit import empty_4bit_model
 
 # Encoder-only architectures that AutoModelForCausalLM would load anyway (BertLMHeadModel ...), but are not causal LMs.
 ENCODER_ONLY = {
@@ -203,36 +204,27 @@ def load_base_model(
     return model
 
 
-def trained_weights_only_in_checkpoints(accelerator: Accelerator) -> None:
-    """LoRA: ``save_state`` checkpoints hold the trained weights (the adapter), not the frozen base (13.5 GB for a
-    7B model in bf16, at every save, and every rank's share of it under FSDP); ``load_state(strict=False)`` puts them
-    back. Call once, before or after ``prepare`` (it acts at the first ``save_state``).
+def empty_4bit_model(config, quantization, dtype: torch.dtype, trust_remote_code: bool = False):
+    """The model ``from_pretrained(..., quantization_config=quantization, dtype=dtype)`` would build, with no weights:
+    parameters on the meta device (buffers real), every ``Linear4bit`` weight a one-element stand-in of its shape."""
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+    from transformers.quantizers import AutoHfQuantizer
 
-    Under FSDP2 Accelerate writes the model with ``save_fsdp_model``/``load_fsdp_model``, which take
-    ``adapter_only=True`` (PEFT's adapter state dict, still sharded: nothing is gathered, each rank writes its shard of
-    the adapter), but ``save_state``/``load_state`` cannot pass it (Accelerate 1.16): this sets it for this process.
-    Elsewhere ``save_state`` hands its weights to a pre-hook, which keeps those that require grad."""
-    if accelerator.is_fsdp2:
-        import functools
-
-        import accelerate.accelerator
-
-        for name in ("save_fsdp_model", "load_fsdp_model"):
-            function = getattr(accelerate.accelerator, name)
-            if not isinstance(function, functools.partial):
-                setattr(accelerate.accelerator, name, functools.partial(function, adapter_only=True))
-        return
-
-    def adapter_only(models, weights, folder):
-        for index, model_weights in enumerate(weights):
-            trained = {
-                name
-                for name, parameter in accelerator.unwrap_model(models[index]).named_parameters()
-                if parameter.requires_grad
-            }
-            weights[index] = {name: tensor for name, tensor in model_weights.items() if name in trained}
-
-    accelerator.register_save_state_pre_hook(adapter_only)
+    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map=None)  # nn.Linear -> Linear4bit, on meta
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # One element stretched to the shape the quantized weight will have (4 bits a weight, packed into the
+            # storage dtype; no memory): what PEFT reads (device, 4-bit type, parameter count).
+            packed = module.out_features * module.in_features // (2 * torch.empty((), dtype=dtype).element_size())
+            stand_in = torch.empty((), dtype=dtype).expand(packed, 1)
+            module.weight = bnb.nn.Params4bit(stand_in, requires_grad=False, **module.weight.__dict__)
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)  # the quantization config, is_loaded_in_4bit: as after from_pretrained
+    return model
 
 
 def low_ram_loading(accelerator) -> bool:

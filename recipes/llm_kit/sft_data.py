@@ -22,7 +22,8 @@ from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, in_validation_split, load_data_files, refuse_empty_cells
 from shared.data import no_value, split_by_column, stdlib_root
-from shared.runtime import RecipeError, stop_if_found, tokenizer_problem
+from shared.errors import RecipeError, stop_if_found
+from shared.flags import tokenizer_problem
 
 from llm_kit.loss import scored_positions
 

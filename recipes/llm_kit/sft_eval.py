@@ -10,7 +10,7 @@ import math
 import datasets
 import torch
 
-from shared.runtime import main_process_alone
+from shared.accelerator import main_process_alone
 
 from .sft_data import prompt_of
 

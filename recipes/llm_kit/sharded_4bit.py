@@ -4,10 +4,11 @@ sharded before the next one is read, so that no GPU (and no host) ever holds the
 ``from_pretrained(..., quantization_config=...)`` quantizes the whole model where it loads it: on every GPU of an FSDP
 run, before FSDP2 shards it (36 GiB per GPU for a 70B model, which then trains in 24 GiB). Here:
 
-1. ``empty_4bit_model``: transformers' own 4-bit skeleton (its quantizer replaces the linear layers with
-   bitsandbytes' ``Linear4bit``), with no memory behind the weights. Each 4-bit weight is a stand-in of its full shape
-   that occupies one element, so PEFT's ``get_peft_model`` builds the adapter exactly as on a loaded model (same
-   modules, same random initialisation, on the CPU) and ``prepare_model_for_kbit_training`` sets the same dtypes.
+1. ``empty_4bit_model`` (``llm_kit/loading.py``, called by ``load_base_model``): transformers' own 4-bit skeleton
+   (its quantizer replaces the linear layers with bitsandbytes' ``Linear4bit``), with no memory behind the weights.
+   Each 4-bit weight is a stand-in of its full shape that occupies one element, so PEFT's ``get_peft_model`` builds
+   the adapter exactly as on a loaded model (same modules, same random initialisation, on the CPU) and
+   ``prepare_model_for_kbit_training`` sets the same dtypes.
 2. ``load_4bit_sharded``, after LoRA, before ``accelerator.prepare``: for each decoder layer, the main process reads
    its 16-bit tensors from the safetensors files and broadcasts them (the other processes never open the checkpoint),
    every process quantizes the layer on its device (the same NF4 values everywhere) and ``fully_shard`` keeps this
@@ -31,35 +32,12 @@ import resource
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, init_empty_weights
+from accelerate import Accelerator
 from accelerate.utils import set_module_tensor_to_device
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from shared.model_split import find_block_list
-from shared.runtime import RecipeError
-
-
-def empty_4bit_model(config, quantization, dtype: torch.dtype, trust_remote_code: bool = False):
-    """The model ``from_pretrained(..., quantization_config=quantization, dtype=dtype)`` would build, with no weights:
-    parameters on the meta device (buffers real), every ``Linear4bit`` weight a one-element stand-in of its shape."""
-    import bitsandbytes as bnb
-    from transformers import AutoModelForCausalLM
-    from transformers.quantizers import AutoHfQuantizer
-
-    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=False)
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    quantizer.preprocess_model(model=model, dtype=dtype, device_map=None)  # nn.Linear -> Linear4bit, on meta
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            # One element stretched to the shape the quantized weight will have (4 bits a weight, packed into the
-            # storage dtype; no memory): what PEFT reads (device, 4-bit type, parameter count).
-            packed = module.out_features * module.in_features // (2 * torch.empty((), dtype=dtype).element_size())
-            stand_in = torch.empty((), dtype=dtype).expand(packed, 1)
-            module.weight = bnb.nn.Params4bit(stand_in, requires_grad=False, **module.weight.__dict__)
-    model.hf_quantizer = quantizer
-    quantizer.postprocess_model(model)  # the quantization config, is_loaded_in_4bit: as after from_pretrained
-    return model
+from shared.errors import RecipeError
 
 
 def checkpoint_files(model_name_or_path: str) -> dict[str, Path]:
@@ -175,11 +153,12 @@ def load_sharded(
 
 
 def load_4bit_sharded(accelerator: Accelerator, model, model_name_or_path: str) -> None:
-    """Load the weights of an ``empty_4bit_model`` (LoRA applied or not) one decoder layer at a time, each layer
-    quantized on this process's device and sharded by FSDP2 before the next is read; then the embeddings, final norm
-    and LM head, sharded as they load. Call it on every process after LoRA and before ``accelerator.prepare``, which
-    skips what is sharded already and shards the rest (an adapter on the embeddings, position embeddings), and after
-    ``shared.fsdp.keep_gathered_in_one_process`` (its resharding policy is the one each unit gets here)."""
+    """Load the weights of an ``empty_4bit_model`` (LoRA applied or not; ``llm_kit.loading``) one decoder layer at a
+    time, each layer quantized on this process's device and sharded by FSDP2 before the next is read; then the
+    embeddings, final norm and LM head, sharded as they load. Call it on every process after LoRA and before
+    ``accelerator.prepare``, which skips what is sharded already and shards the rest (an adapter on the embeddings,
+    position embeddings), and after ``shared.fsdp.set_keep_gathered_in_one_process`` (its resharding policy is the
+    one each unit gets here)."""
     import bitsandbytes as bnb
     from transformers.pytorch_utils import Conv1D
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 from datasets import Dataset, DatasetDict, load_dataset
 
 from shared.data import TEST_FOLDERS, check_data_files, stdlib_root
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 # Not ordinary source: test suites (generated data, fixtures), codec tables (walls of hex), whatever pip installed.
 EXCLUDED_STDLIB_FOLDERS = {"site-packages", "dist-packages", "encodings"} | TEST_FOLDERS

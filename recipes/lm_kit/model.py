@@ -8,9 +8,10 @@ import torch
 from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from shared.runtime import RecipeError, model_problem
+from shared.errors import RecipeError
+from shared.flags import model_problem
 
-from .presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 
 
 def lm_config(

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import BACKWARD_INPUT
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from shared.runtime import RecipeError
+from shared.errors import RecipeError
 
 from lm_kit.eval import perplexity_results
 from lm_kit.split import block_ranges

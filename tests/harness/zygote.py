@@ -171,7 +171,7 @@ def client(argv: list[str]) -> None:
     environment, folder and standard streams; signals to this process are passed on, and it exits as the copy does."""
     import ctypes
 
-    if sys.platform.startswith("linux"):  # dies with its parent, as the recipes' workers do (shared/runtime.py)
+    if sys.platform.startswith("linux"):  # dies with its parent, as the recipes' workers do (shared/errors.py)
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sockets = os.environ["ZYGOTE_SOCKETS"].split(os.pathsep)  # one zygote, one hash seed, per rank's parity

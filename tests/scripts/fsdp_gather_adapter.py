@@ -12,8 +12,9 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.fsdp import gathered_state_dict, keep_gathered_in_one_process, wrap_at_blocks
-from shared.runtime import build_accelerator, use_fsdp_on_cpu
+from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, set_wrap_at_blocks
+from shared.accelerator import build_accelerator
+from shared.fsdp import set_fsdp_on_cpu
 
 gathered = []
 redistribute = DTensor.redistribute
@@ -27,8 +28,8 @@ def counting_redistribute(self, device_mesh=None, placements=None, **kwargs):
 
 DTensor.redistribute = counting_redistribute
 accelerator = build_accelerator(dist_timeout=60)
-use_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2
-keep_gathered_in_one_process(accelerator)
+set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2
+set_keep_gathered_in_one_process(accelerator)
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -45,7 +46,7 @@ config = LlamaConfig(
 model = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(r=4, target_modules="all-linear"))
 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 total = sum(p.numel() for p in model.parameters())
-wrap_at_blocks(accelerator, model, "base_model.model.model.layers")
+set_wrap_at_blocks(accelerator, model, "base_model.model.model.layers")
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
 model, optimizer = accelerator.prepare(model, optimizer)
 facts = {"rank": accelerator.process_index, "trainable": trainable, "total": total}

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.runtime import build_accelerator, main_process_alone
+from shared.accelerator import build_accelerator, main_process_alone
 
 timeout, work = float(sys.argv[1]), float(sys.argv[2])
 accelerator = build_accelerator(dist_timeout=timeout)

@@ -1,5 +1,5 @@
 """Each rank reports, through an object collective, the CUDA device it is on: under NCCL an object collective goes
-through the *current* CUDA device, so every rank must have set its own (shared.runtime.build_accelerator does)."""
+through the *current* CUDA device, so every rank must have set its own (shared.accelerator.build_accelerator does)."""
 
 import json
 import sys
@@ -9,9 +9,9 @@ import torch
 from accelerate.utils import gather_object
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.runtime import build_accelerator, name_the_gpu
+from shared.accelerator import build_accelerator, set_gpu_index
 
-name_the_gpu()
+set_gpu_index()
 accelerator = build_accelerator(dist_timeout=60)
 seen = gather_object(
     [

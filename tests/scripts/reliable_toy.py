@@ -19,9 +19,13 @@ HERE = Path(__file__).resolve().parent  # shared/ beside it (a copy in a test's 
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parents[1]))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
 from shared.results import RunRecord
-from shared.runtime import RecipeError, add_reliability_flags, build_accelerator, choose_parallelism, name_the_gpu
-from shared.runtime import positive_float, positive_int, prepare_output_dir, report_recipe_errors, stop_with_launcher
-from shared.runtime import stop_quietly_after_a_peer
+from shared.errors import RecipeError
+from shared.flags import add_reliability_flags
+from shared.accelerator import build_accelerator, set_gpu_index
+from shared.parallelism import choose_parallelism
+from shared.flags import positive_float, positive_int, prepare_output_dir
+from shared.errors import report_recipe_errors, set_stop_with_launcher
+from shared.errors import install_peer_exit_hooks
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,9 +51,9 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    stop_with_launcher()  # Linux: dies with its launcher
-    stop_quietly_after_a_peer()  # 2+ processes: a rank another one stopped says so in one line
-    name_the_gpu()  # one process on a GPU: cuda:N
+    set_stop_with_launcher()  # Linux: dies with its launcher
+    install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
+    set_gpu_index()  # one process on a GPU: cuda:N
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         mixed_precision=args.mixed_precision,

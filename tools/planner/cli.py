@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from shared.runtime import positive_float, positive_int
+from shared.flags import positive_float, positive_int
 from tools.planner.fits import plan
 from tools.planner.report import format_table
 from tools.planner.shapes import ModelShape, needed_fields, preset_shape, read_config, shape_from_config

@@ -72,7 +72,7 @@ def device_estimate(label, kind, state, compute, shape, request, p, buckets=Fals
     temporaries = _temporaries(kind, shape, request, p, compute)
     terms["temporaries"] = temporaries["term"]
     # The recipes' AdamW is fused: it updates weights and state in place, with no state-sized temporary. With fp16's
-    # GradScaler they use the foreach one (shared.runtime.fused_adamw), which allocates one more copy of the state.
+    # GradScaler they use the foreach one (shared.accelerator.fused_adamw), which allocates one more copy of the state.
     step = trained * p["adam"] / 2 if request["mixed_precision"] == "fp16" and kind != "offload" else 0
     what = "foreach AdamW's temporary (fp16)" if step else "fused AdamW: in place, no temporary"
     terms["optimizer_step"] = (step, f"{what} {millions(trained)} x {p['adam'] // 2 if step else 0} B = {gib(step)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lm_kit.presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 from tools.planner.shapes import ModelShape
 from tools.planner.tables import HUB_NAMES
 

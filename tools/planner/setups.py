@@ -15,7 +15,7 @@ generates, the others only train).
 
 from __future__ import annotations
 
-from lm_kit.presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 from shared.model_split import LOSS_COST_PER_VOCAB_ENTRY, balanced_partition
 from tools.planner.devices import device_estimate, generator_estimate, host_ram, reference_copy
 from tools.planner.memory import (

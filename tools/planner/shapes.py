@@ -50,7 +50,7 @@ class ModelShape:
 
 
 def preset_shape(model_size: str, vocab_size: int = DEFAULT_VOCAB_SIZE) -> ModelShape:
-    """The shape of a named size (``recipes/lm_kit/presets.py``, plus the Llama-2 / CodeLlama shapes of ``tables.py``)
+    """The shape of a named size (``shared/presets.py``, plus the Llama-2 / CodeLlama shapes of ``tables.py``)
     as transformers builds it: a ``LlamaConfig`` with untied LM head. Counted by arithmetic; the tests check it
     against ``numel()`` of the real model built on the meta device."""
     if model_size not in MODEL_SIZES:

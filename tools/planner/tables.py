@@ -1,6 +1,6 @@
 """The numbers the fit planner takes as given: units, model shapes, bytes per element, setups and their configs."""
 
-from lm_kit.presets import MODEL_PRESETS
+from shared.presets import MODEL_PRESETS
 
 # ------------------------------------------------------------------------------- units
 GIB = 1024**3
@@ -40,7 +40,7 @@ PLANNER_SHAPES = {
     # meta-llama/Llama-2-70b-hf/config.json: 68,976,648,192 parameters
     "70b": _llama(8192, 80, 64, 8, 28672, 4096),
 }
-# Every named shape: the recipes' presets (recipes/lm_kit/presets.py, full multi-head attention) and the planner's own.
+# Every named shape: the recipes' presets (shared/presets.py, full multi-head attention) and the planner's own.
 MODEL_SIZES = {
     **{name: {**shape, "num_key_value_heads": shape["num_attention_heads"]} for name, shape in MODEL_PRESETS.items()},
     **PLANNER_SHAPES,

@@ -1,4 +1,5 @@
-"""Model shapes by name, for ``--model_size`` of the LM recipes and for the fit planner (``tools/plan.py``).
+"""Model shapes by name, for ``--model_size`` of the LM recipes (``train_lm.py``, ``pipeline_lm.py``) and for the fit
+planner (``tools/plan.py``), which imports no recipe's kit: one table for both.
 
 Llama-architecture (RMSNorm, rotary positions, SwiGLU, no biases). 125m/350m/1.3b: GPT-3's Small/Medium/XL shapes (the
 count depends on the vocabulary: 125m is ~134M with 32k, untied). tiny: tests; small: trains visibly on one CPU core

@@ -1,0 +1,93 @@
+"""How the model is trained (``single``, ``ddp``, ``fsdp``, ``device_map``, ``pipeline``): what the launch config
+implies or ``--parallelism`` asks, and a one-paragraph refusal, with the launch line to use, for a combination that
+cannot work."""
+
+from __future__ import annotations
+
+import os
+from collections import namedtuple
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from .errors import RecipeError
+
+
+CONFIG_FOR = {
+    "single": "single_gpu.yaml",
+    "ddp": "ddp_2gpu.yaml",
+    "fsdp": "fsdp_2gpu.yaml",
+    "device_map": "model_sharding_2gpu.yaml",
+    "pipeline": "pipeline_2gpu.yaml",
+}
+
+
+def fsdp_launch_config() -> bool:
+    """True when the launch config asks for FSDP (``accelerate launch`` sets ACCELERATE_USE_FSDP)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+# How the model is trained (``single``, ``ddp``, ``fsdp``, ``device_map``, ``pipeline``), and why.
+Parallelism = namedtuple("Parallelism", "name reason")
+
+
+def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, compile: bool = False) -> Parallelism:
+    """The parallelism ``--parallelism`` (``auto``: what the launch config implies) and the launch give, or a
+    one-paragraph error for a combination that cannot work. ``auto``: an FSDP config gives ``fsdp``; 2+ processes
+    ``ddp``; one process that sees 2+ GPUs ``device_map`` (Accelerate refuses to train a device_map model in a
+    distributed mode: ``model_sharding_2gpu.yaml`` is a 1-process ``'NO'`` config); otherwise ``single``.
+    ``compile``: --compile was asked for, which needs a model that ``prepare()`` wraps whole (not a device_map)."""
+    processes = accelerator.num_processes
+    fsdp = accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config()
+    gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0
+    why = "the launch config" if requested == "auto" else f"--parallelism {requested}"
+    if requested == "auto":
+        requested = "fsdp" if fsdp else "ddp" if processes > 1 else "device_map" if gpus >= 2 else "single"
+    config = CONFIG_FOR.get(requested, CONFIG_FOR["single"])
+    launch = f"accelerate launch --config_file accelerate_configs/{config} {recipe}"
+    if requested == "fsdp" and not fsdp:
+        raise RecipeError(
+            f"--parallelism fsdp needs the FSDP launch config, which says how to shard (this launch is "
+            f"{accelerator.distributed_type.value}): {launch}"
+        )
+    if requested != "fsdp" and fsdp:
+        raise RecipeError(
+            f"The launch config is FSDP but --parallelism is {requested}: FSDP is not combined with {requested} here "
+            f"(Accelerate would shard the model anyway). Use --parallelism fsdp (or auto), or launch {requested} "
+            f"with its own config: {launch}"
+        )
+    if requested == "device_map" and processes > 1:
+        raise RecipeError(
+            f"--parallelism device_map splits the model inside one process, but this launch has {processes} "
+            "processes: Accelerate refuses to train a device_map model in a distributed mode (and each process "
+            f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only machine too)."
+        )
+    if compile and requested == "device_map":
+        raise RecipeError(
+            "--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map: "
+            "leave --compile out, or launch another way."
+        )
+    if requested in ("ddp", "pipeline") and processes < 2:
+        what = (
+            "A pipeline runs one stage per process"
+            if requested == "pipeline"
+            else "--parallelism ddp needs 2 or more processes"
+        )
+        raise RecipeError(
+            f"{what}, but this launch has {processes} process. Launch it with 2: {launch} (on a "
+            "CPU-only machine too: 2 gloo processes)."
+        )
+    on_cpu = 'two CPU "devices" (the GPU code path: same hooks, not faster)'
+    devices = f"{gpus} GPUs" if gpus >= 2 else "1 GPU and the CPU" if gpus == 1 else on_cpu
+    one_process = " (1 process: FSDP2's full code path, nothing to shard over)" if processes == 1 else ""
+    reason = {
+        "fsdp": f"{processes} process(es), each holding 1/{processes} of every parameter, gradient and optimizer "
+        f"state{one_process}",
+        "ddp": f"{processes} processes ({accelerator.distributed_type.value}), each a full replica, gradients "
+        "averaged",
+        "device_map": f"1 process, the model split over {devices}",
+        "pipeline": f"{processes} processes, one pipeline stage each",
+        "single": f"1 process on {accelerator.device}",
+    }[requested]
+    return Parallelism(requested, f"{reason} ({why})")
