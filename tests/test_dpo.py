@@ -131,8 +131,8 @@ def launch_runs(root, jobs: dict[str, Job]) -> dict:
 def lora(base, tmp_path_factory):
     """The same 8 pairs per step three ways, 1 x 8, 2 x 4 and 1 x 4 x 2, and 2 x 4 under FSDP2 and FSDP2 with CPU
     offload (their sharding seen by the observer); the 1 x 8 run also evaluates, scores answers and checkpoints, and is
-    resumed from its step-2 checkpoint in 1 process and in 2. The 2 x 4 run is the one DPO launch whose processes the
-    launcher starts, as a user's."""
+    resumed from its step-2 checkpoint (in another process count: tests/conformance/test_resume.py). The 2 x 4 run is
+    the one DPO launch whose processes the launcher starts, as a user's."""
     root = tmp_path_factory.mktemp("dpo_lora")
     data = pairs_data(base)
     checkpoint = ("--resume_from_checkpoint", root / "1x8" / "checkpoints" / "step_000002")
@@ -172,14 +172,6 @@ def lora(base, tmp_path_factory):
             RECIPE,
             (*data, *EXACT, "--per_device_train_batch_size", "8", "--exact_match_samples", "4")
             + ("--per_device_eval_batch_size", "3", *checkpoint),
-            after="1x8",
-        ),
-        # The same checkpoint resumed in 2 processes of 4 pairs: the global batch of 8 kept, the scheduler's count
-        # (a prepared scheduler steps once per process) brought to 2 processes.
-        "resumed_in_2": Job(
-            "ddp_2gpu.yaml",
-            RECIPE,
-            (*data, *EXACT, "--per_device_train_batch_size", "4", "--skip_eval", *checkpoint),
             after="1x8",
         ),
     }
@@ -245,18 +237,6 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(lora):
     assert resumed["train/log"] == full["train/log"]
     assert all(torch.equal(a, b) for a, b in zip(adapter(lora["resumed"]).values(), adapter(lora["1x8"]).values()))
     assert resumed["eval/loss"] == full["eval/loss"]
-
-
-@pytest.mark.slow
-def test_a_resume_in_another_process_count_ends_where_the_run_would(lora):
-    """A 1-process checkpoint resumed in 2 processes: same global batch, the learning rate goes on where it was (a
-    prepared scheduler counts a step once per process), so it ends as the uninterrupted 1-process run does."""
-    resumed, full = lora["resumed_in_2"], lora["1x8"]
-    assert resumed["results"]["resumed_from_step"] == 2 and resumed["results"]["num_processes"] == 2
-    assert "resuming a 1-process checkpoint in 2 processes" in resumed["log"]
-    assert resumed["results"]["train/loss_curve"] == pytest.approx(full["results"]["train/loss_curve"], abs=1e-6)
-    for name, tensor in adapter(full).items():
-        assert torch.allclose(adapter(resumed)[name], tensor, atol=1e-6), name
 
 
 # ----------------------------------------------------------------------------- a full fine-tune

