@@ -224,6 +224,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers.")
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
+    refuse_conflicting_flags(parser, args)
+    offline = not (args.model_name_or_path or args.adapter_name_or_path or args.train_file or args.dataset_name)
+    chosen, args.offline_default_settings = offline_settings(sys.argv[1:] if argv is None else argv, offline=offline)
+    vars(args).update(chosen)
+    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
+    args.epsilon_high = args.epsilon_high or args.epsilon
+    args.reward_weights = args.reward_weights or [1.0] * len(args.reward_funcs)
+    return args
+
+
+def offline_settings(argv: list[str], *, offline: bool) -> tuple[dict, str]:
+    """The ``OFFLINE_SETTINGS`` that ``argv`` does not set, when the run is the offline default (no model, adapter or
+    data given; else none), and the sentence that says so. The SFT adapter (or a small base) learns visibly only with
+    more completions per prompt and larger steps than an LLM's defaults."""
+    given = {name for name in OFFLINE_SETTINGS if f"--{name}" in " ".join(argv)}
+    chosen = {name: value for name, value in OFFLINE_SETTINGS.items() if offline and name not in given}
+    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
+    return chosen, settings and f"the offline default trains with {settings} (flags change it)"
+
+
+def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that cannot go together, refused with the usage line and exit code 2 (``parser.error``)."""
     if args.full_finetune and (args.load_in_4bit or args.adapter_name_or_path):
         parser.error(
             "--full_finetune trains every weight of the model; --load_in_4bit and --adapter_name_or_path "
@@ -248,19 +270,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
-    # The offline default: the SFT adapter (or a small base) learns visibly only with more completions per prompt and
-    # larger steps than an LLM's defaults.
-    offline = not (args.model_name_or_path or args.adapter_name_or_path or args.train_file or args.dataset_name)
-    given = {name for name in OFFLINE_SETTINGS if f"--{name}" in " ".join(sys.argv[1:] if argv is None else argv)}
-    chosen = {name: value for name, value in OFFLINE_SETTINGS.items() if offline and name not in given}
-    for name, value in chosen.items():
-        setattr(args, name, value)
-    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
-    args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
-    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
-    args.epsilon_high = args.epsilon_high or args.epsilon
-    args.reward_weights = args.reward_weights or [1.0] * len(args.reward_funcs)
-    return args
 
 
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:
