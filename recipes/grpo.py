@@ -58,7 +58,6 @@ from pathlib import Path
 import torch
 from accelerate.utils import ProjectConfiguration, set_seed
 from accelerate.utils import disable_fsdp_ram_efficient_loading
-from torch.distributed.fsdp import register_fsdp_forward_method
 from tqdm.auto import tqdm
 
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
@@ -72,32 +71,26 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_keep_gathered_in_one_process
-from shared.fsdp import set_wrap_at_blocks
-from shared.lora import lora_model
-from llm_kit.adapters import continued_adapter, load_adapter_state, save_adapter_state, starting_point
-from llm_kit.loading import causal_lm_config, load_base_model
-from llm_kit.loading import parameter_counts
-from shared.model_split import find_block_list
-from grpo_kit.data import as_sft_rows, check_layout, prompt_format, prompt_loader, rounds, stdlib_name_prompts
-from grpo_kit.data import tokenize_prompts
-from grpo_kit.loss import LOSS_TYPES, completion_logps, frozen_copy, grpo_loss
+from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
+from llm_kit.adapters import load_adapter_state, save_adapter_state, starting_point
+from llm_kit.loading import causal_lm_config, parameter_counts
+from grpo_kit.checkpoints import checkpoint_saver
+from grpo_kit.data import as_sft_rows, check_layout, load_prompts, prompt_loader, rounds
+from grpo_kit.loss import LOSS_TYPES, completion_logps, grpo_loss
 from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog, round_metrics
+from grpo_kit.policy import load_policy, prepare_policy
 from grpo_kit.rewards import FORMAT_PATTERN, load_reward_functions, trainer_state
-from grpo_kit.rollout import PolicyGenerator, training_round
+from grpo_kit.rollout import training_round
 from grpo_kit.split import split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.flags import add_reliability_flags
-from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
-from shared.parallelism import choose_parallelism
-from shared.flags import positive_float, positive_int, prepare_output_dir
-from shared.accelerator import set_quiet_library_logs
-from shared.errors import report_recipe_errors
-from shared.errors import install_peer_exit_hooks, set_stop_with_launcher
+from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.errors import install_peer_exit_hooks, report_recipe_errors, set_stop_with_launcher
+from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
 from shared.fsdp import set_fsdp_on_cpu
-from llm_kit.sft_data import add_chat_template, chat_tokenizer, load_raw_datasets
+from shared.parallelism import choose_parallelism
+from llm_kit.sft_data import add_chat_template, chat_tokenizer
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
 # What the offline default (no model, adapter or data given) trains with unless a flag says otherwise (docs/grpo.md:
@@ -229,6 +222,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--perf_warmup_steps", type=int, default=1, help="Optimizer steps left out of the throughput numbers.")
     add_reliability_flags(parser)  # checkpoints, resume, --save_on_each_node, --dist_timeout (shared by the recipes)
     args = parser.parse_args(argv)
+    refuse_conflicting_flags(parser, args)
+    offline = not (args.model_name_or_path or args.adapter_name_or_path or args.train_file or args.dataset_name)
+    chosen, args.offline_default_settings = offline_settings(sys.argv[1:] if argv is None else argv, offline=offline)
+    vars(args).update(chosen)
+    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
+    args.epsilon_high = args.epsilon_high or args.epsilon
+    args.reward_weights = args.reward_weights or [1.0] * len(args.reward_funcs)
+    return args
+
+
+def offline_settings(argv: list[str], *, offline: bool) -> tuple[dict, str]:
+    """The ``OFFLINE_SETTINGS`` that ``argv`` does not set, when the run is the offline default (no model, adapter or
+    data given; else none), and the sentence that says so. The SFT adapter (or a small base) learns visibly only with
+    more completions per prompt and larger steps than an LLM's defaults."""
+    given = {name for name in OFFLINE_SETTINGS if f"--{name}" in " ".join(argv)}
+    chosen = {name: value for name, value in OFFLINE_SETTINGS.items() if offline and name not in given}
+    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
+    return chosen, settings and f"the offline default trains with {settings} (flags change it)"
+
+
+def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that cannot go together, refused with the usage line and exit code 2 (``parser.error``)."""
     if args.full_finetune and (args.load_in_4bit or args.adapter_name_or_path):
         parser.error(
             "--full_finetune trains every weight of the model; --load_in_4bit and --adapter_name_or_path "
@@ -253,19 +268,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
-    # The offline default: the SFT adapter (or a small base) learns visibly only with more completions per prompt and
-    # larger steps than an LLM's defaults.
-    offline = not (args.model_name_or_path or args.adapter_name_or_path or args.train_file or args.dataset_name)
-    given = {name for name in OFFLINE_SETTINGS if f"--{name}" in " ".join(sys.argv[1:] if argv is None else argv)}
-    chosen = {name: value for name, value in OFFLINE_SETTINGS.items() if offline and name not in given}
-    for name, value in chosen.items():
-        setattr(args, name, value)
-    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
-    args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
-    args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
-    args.epsilon_high = args.epsilon_high or args.epsilon
-    args.reward_weights = args.reward_weights or [1.0] * len(args.reward_funcs)
-    return args
 
 
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:
@@ -281,6 +283,26 @@ def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) ->
 
     save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)
     accelerator.print(f"saved the {'adapter' if trained_only else 'model'} and the tokenizer to {output_dir}")
+
+
+def run_results(run_config: dict, train_log, *, counts: dict, parameters: tuple[int, int], measured: dict) -> dict:
+    """What ``results.json`` holds: the resolved configuration, the logged curves, TRL's metrics of the last logging
+    window, the data's counts, ``measured`` (each role's times, the exact match before and after) and the model's
+    trainable and total parameters."""
+    return {
+        "recipe": "grpo",
+        "config": run_config,
+        **train_log.history(),
+        "method": run_config["method"],
+        "data/counts": counts,
+        **{key: value for key, value in train_log.last.items() if key != "train/loss"},  # TRL's, the last window's
+        **measured,
+        "parallelism": run_config["parallelism"],
+        "data/format": run_config["data_format"],
+        "global_batch_size": run_config["global_batch_size"],
+        "model/trainable_parameters": parameters[0],
+        "model/total_parameters": parameters[1],
+    }
 
 
 def main():
@@ -300,8 +322,9 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    # FSDP in 1 process: no resharding after forward (nothing to shard over)
-    set_keep_gathered_in_one_process(accelerator)
+    set_keep_gathered_in_one_process(
+        accelerator
+    )  # FSDP in 1 process: no resharding after forward (nothing to shard over)
     set_seed(args.seed)
     set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -312,6 +335,7 @@ def main():
     data_parallel_size = accelerator.num_processes - bool(split) if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    # On a resume, the accumulation that keeps the checkpoint's global batch in this process count.
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(
         accelerator.num_processes,
         checkpoint,
@@ -323,7 +347,7 @@ def main():
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     # A round: the prompts of one optimizer step's completions; this process generates and trains its share of them.
     prompts_per_round, share = check_layout(accelerator, global_batch_size, args.num_generations, data_parallel_size)
-    args.adapter_name_or_path, args.model_name_or_path = starting_point(
+    adapter_name_or_path, model_name_or_path = starting_point(  # offline: the SFT adapter, else a pretrained base
         accelerator,
         args.adapter_name_or_path,
         args.model_name_or_path,
@@ -333,52 +357,49 @@ def main():
         args.offline_default_settings,
     )
     config, _ = causal_lm_config(
-        accelerator, args.model_name_or_path, args.max_completion_length, args.load_in_4bit, args.trust_remote_code
+        accelerator, model_name_or_path, args.max_completion_length, args.load_in_4bit, args.trust_remote_code
     )
-    tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
+    tokenizer = chat_tokenizer(accelerator, model_name_or_path, args.trust_remote_code, args.tokenizer_name)
     add_chat_template(accelerator, tokenizer)
 
     # ------------------------------------------------------------------------------- data
-    with accelerator.main_process_first():
-        raw_datasets, fmt = load_raw_datasets(
-            args.train_file,
-            args.validation_file,
-            args.dataset_name,
-            args.dataset_config_name,
-            args.validation_split_percentage,
-            args.seed,
-            args.max_train_samples,
-            args.max_eval_samples,
-            lambda rows, source: prompt_format(
-                rows, source, tokenizer, args.max_prompt_length, "accuracy" in args.reward_funcs
-            ),
-            default_data=stdlib_name_prompts,
+    with accelerator.main_process_first():  # the main process fills datasets' cache, the others read it
+        raw_datasets, fmt, train_dataset, counts = load_prompts(
+            accelerator,
+            tokenizer=tokenizer,
+            train_file=args.train_file,
+            validation_file=args.validation_file,
+            dataset_name=args.dataset_name,
+            dataset_config_name=args.dataset_config_name,
+            validation_split_percentage=args.validation_split_percentage,
+            seed=args.seed,
+            max_train_samples=args.max_train_samples,
+            max_eval_samples=args.max_eval_samples,
+            max_prompt_length=args.max_prompt_length,
+            answers="accuracy" in args.reward_funcs,
         )
-        train_dataset, counts = tokenize_prompts(accelerator, raw_datasets["train"], fmt, tokenizer)
     reward_functions = load_reward_functions(args.reward_funcs, args.format_pattern, train_dataset.column_names)
     train_dataloader = prompt_loader(train_dataset, prompts_per_round, args.seed)
 
     # ------------------------------------------------------------------------------ model
-    model = load_base_model(
-        accelerator, args.model_name_or_path, config, lora, args.load_in_4bit, trust_remote_code=args.trust_remote_code
+    model = load_policy(
+        accelerator,
+        model_name_or_path=model_name_or_path,
+        config=config,
+        lora=lora,
+        load_in_4bit=args.load_in_4bit,
+        trust_remote_code=args.trust_remote_code,
+        gradient_checkpointing=args.gradient_checkpointing,
+        adapter_name_or_path=adapter_name_or_path,
+        beta=args.beta,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        lora_target_modules=args.lora_target_modules,
     )
-    if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if args.adapter_name_or_path:  # trained "default" (+ a frozen "reference" copy with --beta: the SFT policy)
-        model = continued_adapter(model, args.adapter_name_or_path, reference=args.beta > 0)
-    elif lora:  # a new adapter (get_peft_model): the reference is the base, the adapter switched off
-        model = lora_model(
-            model,
-            args.model_name_or_path,
-            r=args.lora_r,
-            alpha=args.lora_alpha,
-            dropout=args.lora_dropout,
-            target_modules=args.lora_target_modules,
-            task_type="CAUSAL_LM",
-        )
-    trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
+    trainable, total = parameter_counts(accelerator, model, model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the main process reads a layer at a time
-        load_4bit_sharded(accelerator, model, args.model_name_or_path)
+        load_4bit_sharded(accelerator, model, model_name_or_path)
         disable_fsdp_ram_efficient_loading()  # env: transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
@@ -391,53 +412,43 @@ def main():
     )
     steps_per_epoch = len(train_dataloader) * args.num_iterations  # a round of prompts: --num_iterations steps
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+    epochs = math.ceil(max_train_steps / steps_per_epoch)
     # Warm-up and training steps times the processes: the prepared scheduler steps once per process per step.
+    processes = accelerator.num_processes
     lr_scheduler = get_scheduler(
-        args.lr_scheduler_type,
-        optimizer,
-        args.num_warmup_steps * accelerator.num_processes,
-        max_train_steps * accelerator.num_processes,
+        args.lr_scheduler_type, optimizer, args.num_warmup_steps * processes, max_train_steps * processes
     )
 
     # ------------------------------------------------------------------------------ prepare
-    if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
-        set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
-        check_offload_fits_host_ram(accelerator, model)
-    # Split: the trainers' DDP over their own group (the generating process never trains), which gets their weights.
-    model, optimizer, lr_scheduler = (split.prepare if split else accelerator.prepare)(model, optimizer, lr_scheduler)
-    # A full fine-tune's reference with --beta: a frozen copy of the model as loaded (its weights once more, no grads);
-    # none on the split layout's generating process, which never trains.
-    trains = not (split and split.generates)
-    reference_model = frozen_copy(
-        accelerator, args.model_name_or_path, config, args.trust_remote_code, lora, args.beta if trains else 0
-    )
-    register_fsdp_forward_method(model, "generate")  # FSDP2: generate() gathers the root's weights as forward does
-    # Colocated: the policy generates this process's share; split: the generating process's rounds, to the trainers.
-    policy_generator = PolicyGenerator(
+    # A collective (split: the trainers' own DDP); FSDP: the plugin wraps each decoder block.
+    model, optimizer, lr_scheduler, reference_model, policy_generator = prepare_policy(
         accelerator,
         model,
-        tokenizer,
+        optimizer,
+        lr_scheduler,
+        split=split,
+        fsdp=layout == "fsdp",
+        tokenizer=tokenizer,
+        model_name_or_path=model_name_or_path,
+        config=config,
+        trust_remote_code=args.trust_remote_code,
+        lora=lora,
+        beta=args.beta,
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        sharded=layout == "fsdp",
-        logps=bool(split),
     )
-    generator = split or policy_generator
+    generator = split or policy_generator  # split: the trainers receive the generating process's rounds
     sft_rows, sft_fmt = as_sft_rows(raw_datasets["validation"], fmt)
+    exact_match_samples = 0 if args.skip_eval else args.exact_match_samples
     exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
-        accelerator,
-        model,
-        tokenizer,
-        sft_rows,
-        sft_fmt,
-        0 if args.skip_eval else args.exact_match_samples,
-        layout == "fsdp",
-        args.seed,
+        accelerator, model, tokenizer, sft_rows, sft_fmt, exact_match_samples, layout == "fsdp", args.seed
     )
     run_config = {
         **vars(args),
+        "adapter_name_or_path": adapter_name_or_path,
+        "model_name_or_path": model_name_or_path,
         "method": method,
         "parallelism": parallelism.name,
         "data_format": fmt,
@@ -448,47 +459,34 @@ def main():
     accelerator.init_trackers("grpo", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
-    resume = load_checkpoint(
-        accelerator,
-        checkpoint,
-        steps_per_epoch,
-        1,  # the rounds to skip: the steps done in the epoch, over --num_iterations
-        lr_scheduler,
-        load_state=(lambda folder: load_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
-    )
-    completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
-    every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
-    last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
+    load_state = (lambda folder: load_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter
     write_state = (lambda folder: save_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter
-    save_checkpoint_at = lambda step: save_checkpoint(  # split: also the generating process's next round
-        accelerator,
-        checkpoints_dir,
-        step,
-        args.checkpoints_total_limit,
-        write_state=(lambda folder: split.save_state(folder, write_state)) if split else write_state,
-        layout=layout,
-        history={"train/loss_curve": record.losses(), **train_log.history()},
-        batch=batch_shape,
-    )
-
-    def at_step_end(completed_steps):  # every process's (split: the generating process's at a round's end)
-        if completed_steps % args.num_iterations == 0 and stop.requested(completed_steps):
-            stop.exit(save_checkpoint_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
-        if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-            save_checkpoint_at(completed_steps)
-
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, 1, lr_scheduler, load_state=load_state)
+    completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
     record = CompletionsRecord(
         accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps
     )
+    save_at_step_end = checkpoint_saver(  # a checkpoint when due, or on SIGTERM or Ctrl-C (then exit)
+        accelerator,
+        stop=stop,
+        checkpoints_dir=checkpoints_dir,
+        checkpointing_steps=args.checkpointing_steps,
+        checkpoints_total_limit=args.checkpoints_total_limit,
+        steps_per_epoch=steps_per_epoch,
+        max_train_steps=max_train_steps,
+        num_iterations=args.num_iterations,
+        write_state=(lambda folder: split.save_state(folder, write_state)) if split else write_state,  # split: +round
+        layout=layout,
+        history=lambda: {"train/loss_curve": record.losses(), **train_log.history()},
+        batch=batch_shape,
+    )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
-    prompt_rounds = rounds(  # every process reads every round's prompts, in the same order
-        accelerator,
-        train_dataloader,
-        resume.epoch,
-        resume.batches_to_skip // args.num_iterations,
-        math.ceil(max_train_steps / steps_per_epoch),
+    # Every process reads every round's prompts, in the same order, from the round the checkpoint reached.
+    prompt_rounds = rounds(
+        accelerator, train_dataloader, resume.epoch, resume.batches_to_skip // args.num_iterations, epochs
     )
+    trains = not (split and split.generates)
     if not trains:  # split: this process makes every round, one ahead of the trainers, then stops
         split.serve(
             policy_generator,
@@ -499,7 +497,7 @@ def main():
             num_iterations=args.num_iterations,
             num_generations=args.num_generations,
             seed=args.seed,
-            at_step_end=at_step_end,
+            at_step_end=save_at_step_end,
             checkpoint=checkpoint,
         )
     # The loss's settings, the same every step (loss.py: TRL's clipped ratio, KL term and reductions).
@@ -562,7 +560,7 @@ def main():
             }
             record.step(completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens"))
             train_log.add(accelerator, completed_steps, step, lr_scheduler.get_last_lr()[0])
-            at_step_end(completed_steps)
+            save_at_step_end(completed_steps)  # a checkpoint when due; SIGTERM or Ctrl-C: one, then exit
         generator.update(model)  # split: the round's weights to the generating process (colocated: nothing)
         if completed_steps >= max_train_steps:
             break
@@ -572,21 +570,11 @@ def main():
     save(accelerator, model, tokenizer, output_dir, trained_only=lora)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {
-        "recipe": "grpo",
-        "config": run_config,
-        **train_log.history(),
-        "method": method,
-        "data/counts": counts,
-        **{key: value for key, value in train_log.last.items() if key != "train/loss"},  # TRL's, the last window's
-        **(split.times() if split else {}),  # each role's busy and idle seconds (a collective)
-        **exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before),
-        "parallelism": parallelism.name,
-        "data/format": fmt,
-        "global_batch_size": global_batch_size,
-        "model/trainable_parameters": trainable,
-        "model/total_parameters": total,
-    }
+    times = split.times() if split else {}  # each role's busy and idle seconds (a collective)
+    exact_match = exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before)
+    results = run_results(
+        run_config, train_log, counts=counts, parameters=(trainable, total), measured={**times, **exact_match}
+    )
     record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)  # DDP gone before gloo
     accelerator.end_training()

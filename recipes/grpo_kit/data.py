@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Sampler
 from shared.data import refuse_empty_cells
 from shared.errors import RecipeError
 
-from llm_kit.sft_data import check_conversation, collate, stdlib_names
+from llm_kit.sft_data import check_conversation, collate, load_raw_datasets, stdlib_names
 
 from .rewards import ANSWER_COLUMNS
 
@@ -91,6 +91,40 @@ def tokenize_prompts(accelerator, dataset: datasets.Dataset, fmt: str, tokenizer
         f"median {counts['median_prompt_tokens']}); the reward functions also get {columns}"
     )
     return tokenized, counts
+
+
+def load_prompts(
+    accelerator,
+    *,
+    tokenizer,
+    train_file: str | None,
+    validation_file: str | None,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    validation_split_percentage: float,
+    seed: int,
+    max_train_samples: int | None,
+    max_eval_samples: int | None,
+    max_prompt_length: int | None,
+    answers: bool,
+) -> tuple[datasets.DatasetDict, str, datasets.Dataset, dict]:
+    """The ``train`` and ``validation`` prompts (the user's files, a Hub dataset, or ``stdlib_name_prompts``), every
+    row checked (``prompt_format``), their format, and the tokenized training prompts with their counts (printed once).
+    Call it under ``main_process_first`` (datasets caches it)."""
+    raw_datasets, fmt = load_raw_datasets(
+        train_file,
+        validation_file,
+        dataset_name,
+        dataset_config_name,
+        validation_split_percentage,
+        seed,
+        max_train_samples,
+        max_eval_samples,
+        lambda rows, source: prompt_format(rows, source, tokenizer, max_prompt_length, answers),
+        default_data=stdlib_name_prompts,
+    )
+    train_dataset, counts = tokenize_prompts(accelerator, raw_datasets["train"], fmt, tokenizer)
+    return raw_datasets, fmt, train_dataset, counts
 
 
 class EpochShuffle(Sampler[int]):
