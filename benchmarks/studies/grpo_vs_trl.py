@@ -24,7 +24,7 @@ means within ``TOLERANCE`` (absolute). Aligned, TRL's defaults that differ from 
 gradient rather than its sign), ``logging_steps=1``, ``set_seed`` before each side builds its adapter.
 
 ``--speed`` measures instead: both sides sample (no fixed completions), colocated, ``--processes`` (default 2: DDP
-over gloo, ``accelerate_configs/ddp_2gpu.yaml``) of 1 thread each, on a larger Llama (``SPEED``: 3.8M parameters,
+over gloo, ``accelerate_configs/ddp_2gpu.yaml``) of 1 thread each, on a larger Llama (``SPEED``: 3.7M parameters,
 completions of up to 32 tokens, which its random weights almost never end early, so both sides generate and train the
 same tokens), with a LoRA adapter and with every weight trained (``SPEED_CASES``), rounds A B A B; completions
 generated per second after the warm-up steps (the recipe's ``perf/completions_per_sec``; TRL's from a callback's clock
