@@ -819,3 +819,49 @@ def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path):
     assert len(steps) == grpo_vs_trl.STEPS and all(step["parameters"] > 0 for step in steps)
     assert max(step["loss_abs_diff"] for step in steps) <= 1e-6 and max(s["grad_max_abs_diff"] for s in steps) <= 1e-6
     assert steps[1]["loss_recipe"] != steps[0]["loss_recipe"]  # the second step's ratio is against the first's policy
+
+
+def test_grpo_speed_refuses_to_judge_sides_of_unequal_work(tmp_path, monkeypatch):
+    """grpo_vs_trl.py --speed records, for every round, what both sides did (the global batch of completions per
+    step, measured steps, generations, completion length, trainable parameters, mean completion lengths): a TRL side
+    that counted one process's completions in 2 processes (16 per step against the recipe's 32) gets no ratio, the
+    summary says why, and the study exits 1. Fabricated launches: nothing trains here."""
+    import grpo_vs_trl
+
+    def launch_and_wait(command, out, results_name="results.json", threads=None):
+        if "--trl_worker" in command:
+            return {
+                "perf/completions_per_sec": 10.0,
+                "completions/mean_length": [32.0] * 12,
+                "perf/measured_steps": 10,
+                "global_batch_size": trl_batch,
+                "num_generations": 8,
+                "max_completion_length": 32,
+                "model/trainable_parameters": 7,
+                "train/rewards": [0.0] * 12,
+            }
+        return {
+            "perf/completions_per_sec": 13.0,
+            "train/log": [{"train/completions/mean_length": 31.9}] * 12,
+            "perf/measured_steps": 10,
+            "global_batch_size": 32,
+            "config": {"num_generations": 8, "max_completion_length": 32},
+            "model/trainable_parameters": 7,
+            "train/rewards": [0.0] * 12,
+        }
+
+    monkeypatch.setattr(grpo_vs_trl, "launch_and_wait", launch_and_wait)
+    monkeypatch.setattr(grpo_vs_trl, "build_inputs", lambda work, model, vocab_size: (work / "m", work / "p"))
+    argv = ["--speed", "--speed_cases", "lora", "--work_dir", str(tmp_path / "w")]
+
+    trl_batch = 16
+    assert grpo_vs_trl.main([*argv, "--output_dir", str(tmp_path / "unequal")]) == 1
+    case = json.loads((tmp_path / "unequal" / "grpo_vs_trl.json").read_text())["cases"]["lora"]
+    assert case["equal_work"] is False and case["ratio"] is None
+    assert case["rounds"][0]["work"]["global_batch_size"] == [32, 16]
+    assert "Unequal work" in (tmp_path / "unequal" / "summary.md").read_text()
+
+    trl_batch = 32
+    assert grpo_vs_trl.main([*argv, "--output_dir", str(tmp_path / "equal")]) == 0
+    case = json.loads((tmp_path / "equal" / "grpo_vs_trl.json").read_text())["cases"]["lora"]
+    assert case["equal_work"] is True and case["ratio"]["median"] == pytest.approx(1.3)

@@ -700,6 +700,40 @@ def test_generation_samples_by_its_noise_and_training_scores_its_tokens(base):
         assert (batch["old_logps"][row, len(ids) :] == 0).all()
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_generation_reads_each_group_s_prompt_once_and_samples_as_rows_apart(base, name):
+    """A process's rows are groups of one prompt's completions (a group cut where the process's share starts):
+    generation reads each run of rows with the same prompt once (the first forward's batch is the distinct prompts;
+    then one token per row at a time), and every row samples what it samples generated alone: the left padding of
+    the shorter prompts leaves their positions and keys as they were (an untied Llama, a tied Qwen2, GPT-2's
+    absolute positions)."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_kit.data import prompt_ids
+    from grpo_kit.rollout import PolicyGenerator, sampling_noise
+
+    folder = base if name == "llama" else base / name
+    tokenizer = tokenizer_of(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).train()
+    questions = ["Is `email.utils.unquote` a class, a function or a method? Say it.", "Is `a.b` a class?"]
+    distinct = [prompt_ids([{"role": "user", "content": q}], "conversational", tokenizer) for q in questions]
+    prompts = [distinct[0]] * 2 + [distinct[1]] * 3  # the first group's last 2 rows, then a whole group of 3
+    generator = PolicyGenerator(
+        OneProcess, model, tokenizer, max_completion_length=6, temperature=1.0, top_k=0, top_p=1.0, sharded=False
+    )
+    noise = sampling_noise(1, 0, len(prompts), 6)
+    shapes = []
+    embeddings = model.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(out.shape[:2]))
+    together = generator.generate(prompts, noise)
+    embeddings.remove()
+    assert shapes[0] == (2, max(map(len, distinct)) - 1)  # the distinct prompts, but their last token
+    assert all(shape == (len(prompts), 1) for shape in shapes[1:])  # then each row's next token
+    apart = [generator.generate(prompts[i : i + 1], noise[i : i + 1]) for i in range(len(prompts))]
+    assert together.completion_ids == [rows.completion_ids[0] for rows in apart]
+    assert together.truncated == [rows.truncated[0] for rows in apart]
+    assert together.completion_ids[2] != together.completion_ids[3]  # the same prompt, other noise
+
+
 def generator_sampler(generator, noise, length):
     from grpo_kit.rollout import NoiseSampler
 

@@ -4,6 +4,7 @@
     python benchmarks/studies/grpo_vs_trl.py --cases dapo --output_dir outputs/grpo_vs_trl_one      # one case
     python benchmarks/studies/grpo_vs_trl.py --dry_run --output_dir outputs/grpo_vs_trl             # the plan
     python benchmarks/studies/grpo_vs_trl.py --speed --output_dir benchmarks/results/cpu-grpo-speed  # completions/s
+    python benchmarks/studies/grpo_vs_trl.py --speed --processes 1 --speed_cases lora --output_dir outputs/speed1
 
 Both sides train a tiny Llama (random weights, seed 0, untied, fp32, a byte-level BPE tokenizer with the recipe's
 default chat template) with a LoRA adapter on the recipe's offline prompts (standard-library questions as
@@ -22,11 +23,14 @@ means within ``TOLERANCE`` (absolute). Aligned, TRL's defaults that differ from 
 ``gradient_checkpointing=False``, the recipe's fused AdamW (with an epsilon of 1e-4, so that an update reads out its
 gradient rather than its sign), ``logging_steps=1``, ``set_seed`` before each side builds its adapter.
 
-``--speed`` measures instead: both sides sample (no fixed completions), 1 process of 1 thread each, on a larger Llama
-(``SPEED``: 4.2M parameters, completions of up to 32 tokens, which its random weights almost never end early, so both
-sides generate and train the same tokens: checked, the mean completion length per step within 2 %), rounds A B A B;
-completions generated per second after the warm-up steps (the recipe's ``perf/completions_per_sec``; TRL's from a
-callback's clock at each step end), the ratio recipe / TRL per round with its 95 % interval.
+``--speed`` measures instead: both sides sample (no fixed completions), colocated, ``--processes`` (default 2: DDP
+over gloo, ``accelerate_configs/ddp_2gpu.yaml``) of 1 thread each, on a larger Llama (``SPEED``: 3.7M parameters,
+completions of up to 32 tokens, which its random weights almost never end early, so both sides generate and train the
+same tokens), with a LoRA adapter and with every weight trained (``SPEED_CASES``), rounds A B A B; completions
+generated per second after the warm-up steps (the recipe's ``perf/completions_per_sec``; TRL's from a callback's clock
+at each step end on the main process, times the processes), the ratio recipe / TRL per round with its 95 % interval.
+Equal work is checked and recorded for every round: the same global batch of completions per step, measured steps,
+generations per prompt and completion length, and mean completion lengths within 2 %.
 
 Writes ``OUTPUT_DIR/grpo_vs_trl.json`` and ``OUTPUT_DIR/summary.md``; runs and model go to --work_dir (default
 ``outputs/grpo_vs_trl_work/<OUTPUT_DIR>``). Exits 1 when a case differs beyond the tolerance. Never part of the test
@@ -45,7 +49,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO), str(REPO / "recipes"), str(REPO / "tests")]
 from harness.fixed_completions import fixed_completions, patch_recipe_generator
 from lib.grpo_inputs import SPEED_MODEL, SPEED_VOCAB_SIZE, build_inputs  # the tiny Llama and the prompts
-from lib.launch import launch_and_wait, run_as_main  # a side in its own process; the recipe unchanged in a wrapper
+
+# a side in its own processes; the recipe unchanged in a wrapper
+from lib.launch import accelerate_launch, launch_and_wait, run_as_main
 from lib.machine import library_versions, machine_info  # as every record
 from lib.stats import bootstrap_interval  # 95 % interval of a median ratio
 from lib.trl_side import lora_config, trainer_arguments  # TRL set up as the recipe trains
@@ -111,6 +117,9 @@ SPEED = {
     "perf_warmup_steps": 2,
     "learning_rate": 1e-4,
 }
+# Each speed case on both sides: a LoRA adapter (the recipe's default), and every weight trained (``--full_finetune``;
+# TRL without a peft_config).
+SPEED_CASES = {"lora": {}, "full": {"full_finetune": True}}
 TINY = {"model": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}}
 RECIPE_FLAGS = [
     name for name in SHARED if name not in ("lora_target_modules", "mask_truncated_completions", "logging_steps")
@@ -125,6 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dry_run", action="store_true", help="Print the cases and both command lines.")
     parser.add_argument("--speed", action="store_true", help="Measure completions/s instead (SPEED), rounds A B.")
     parser.add_argument("--repeats", type=int, default=3, help="--speed: A B rounds (3 or more give an interval).")
+    parser.add_argument("--processes", type=int, default=2, help="--speed: processes per side (DDP, 1 thread each).")
+    parser.add_argument(
+        "--speed_cases", nargs="+", choices=sorted(SPEED_CASES), default=list(SPEED_CASES), help="--speed: which."
+    )
     parser.add_argument("--trl_worker", action="store_true", help=argparse.SUPPRESS)  # TRL's side, launched by main
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -214,7 +227,7 @@ def trl_worker(args) -> None:
         args=config,
         train_dataset=datasets.load_dataset("json", data_files=s["train_file"], split="train"),
         processing_class=tokenizer,
-        peft_config=lora_config(s),
+        peft_config=None if s.get("full_finetune") else lora_config(s),
         callbacks=[StepClock()],
     )
     if not s.get("speed"):
@@ -227,14 +240,25 @@ def trl_worker(args) -> None:
     lengths = [
         entry["completions/mean_length"] for entry in trainer.state.log_history if "completions/mean_length" in entry
     ]
+    processes = trainer.accelerator.num_processes  # the clock is the main process's; completions every process's
     speed = (
-        {"perf/completions_per_sec": len(measured) * s["per_device_train_batch_size"] / sum(measured)}
+        {
+            "perf/completions_per_sec": len(measured) * s["per_device_train_batch_size"] * processes / sum(measured),
+            "perf/measured_steps": len(measured),
+            "global_batch_size": s["per_device_train_batch_size"] * processes,
+            "num_processes": processes,
+            "num_generations": trainer.num_generations,
+            "max_completion_length": trainer.max_completion_length,
+            "train/rewards": [entry["reward"] for entry in trainer.state.log_history if "reward" in entry],
+            "model/trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        }
         if measured
         else {}
     )
-    (out / "trl_results.json").write_text(
-        json.dumps({"train/loss_curve": steps, "completions/mean_length": lengths, **speed}) + "\n"
-    )
+    if trainer.accelerator.is_main_process:
+        (out / "trl_results.json").write_text(
+            json.dumps({"train/loss_curve": steps, "completions/mean_length": lengths, **speed}) + "\n"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- comparing
@@ -243,10 +267,11 @@ def recipe_command(s: dict, out: Path) -> list[str]:
     flags = [word for key in RECIPE_FLAGS for word in (f"--{key}", str(s[key]))]
     flags += ["--mask_truncated_completions"] if s["mask_truncated_completions"] else []
     flags += ["--perf_warmup_steps", str(s["perf_warmup_steps"])] if s.get("speed") else []
-    wrapper = [] if s.get("speed") else [str(Path(__file__).resolve()), "--recipe_side"]
+    flags += ["--full_finetune"] if s.get("full_finetune") else []
+    wrapper = [] if s.get("speed") else [sys.executable, str(Path(__file__).resolve()), "--recipe_side"]
+    launcher = accelerate_launch("ddp_2gpu.yaml", "--num_processes", str(s["processes"])) if s.get("speed") else []
     return [
-        sys.executable,
-        *wrapper,
+        *(launcher or wrapper or [sys.executable]),
         str(RECIPE),
         "--model_name_or_path",
         s["model_dir"],
@@ -266,9 +291,11 @@ def recipe_command(s: dict, out: Path) -> list[str]:
     ]
 
 
-def trl_command(settings_file: Path, out: Path) -> list[str]:
+def trl_command(settings_file: Path, out: Path, processes: int = 0) -> list[str]:
+    """TRL's worker; with ``processes``, under ``accelerate launch`` (DDP over gloo), as the recipe's speed side."""
     script = str(Path(__file__).resolve())
-    return [sys.executable, script, "--trl_worker", "--settings", str(settings_file), "--output_dir", str(out)]
+    launcher = accelerate_launch("ddp_2gpu.yaml", "--num_processes", str(processes)) if processes else [sys.executable]
+    return [*launcher, script, "--trl_worker", "--settings", str(settings_file), "--output_dir", str(out)]
 
 
 def compare(recipe_out: Path, trl_out: Path) -> dict:
@@ -326,76 +353,122 @@ def markdown(report: dict) -> str:
     return "\n".join([*lines, "", "Verdict: " + "; ".join(verdicts) + ".", ""])
 
 
-def speed(args, argv: list[str], work: Path, output_dir: Path) -> int:
-    """Completions per second of each side, rounds A B A B; the ratio recipe / TRL per round, with its interval."""
-    model_dir, train_file = build_inputs(work, SPEED["model"], SPEED["vocab_size"])
-    s = {
-        **SHARED,
-        **SPEED,
-        "speed": True,
-        "logging_steps": 1,
-        "model_dir": str(model_dir),
-        "train_file": str(train_file),
+def equal_work(a: dict, b: dict) -> dict:
+    """What both sides of a speed round did, from their results: equal when the global batch of completions per
+    step, the measured steps, the generations per prompt and the completion length agree, and the mean completion
+    lengths (what the random weights sampled) are within 2 %."""
+    lengths = (
+        statistics.mean(e["train/completions/mean_length"] for e in a["train/log"]),
+        statistics.mean(b["completions/mean_length"]),
+    )
+    config = a["config"]
+    facts = {
+        "global_batch_size": [a["global_batch_size"], b["global_batch_size"]],
+        "measured_steps": [a["perf/measured_steps"], b["perf/measured_steps"]],
+        "num_generations": [config["num_generations"], b["num_generations"]],
+        "max_completion_length": [config["max_completion_length"], b["max_completion_length"]],
+        "trainable_parameters": [a["model/trainable_parameters"], b["model/trainable_parameters"]],
     }
-    settings_file = work / "speed.json"
-    settings_file.write_text(json.dumps(s, indent=2) + "\n")
-    rounds = []
-    for index in range(args.repeats):
-        recipe_out, trl_out = work / f"speed_recipe_r{index}", work / f"speed_trl_r{index}"
-        a = launch_and_wait(recipe_command(s, recipe_out), recipe_out, threads=1)
-        b = launch_and_wait(trl_command(settings_file, trl_out), trl_out, results_name="trl_results.json", threads=1)
-        lengths = [entry["train/completions/mean_length"] for entry in a["train/log"]], b["completions/mean_length"]
-        rounds.append(
-            {
-                "recipe": a["perf/completions_per_sec"],
-                "trl": b["perf/completions_per_sec"],
-                "ratio": a["perf/completions_per_sec"] / b["perf/completions_per_sec"],
-                "mean_length": [statistics.mean(side) for side in lengths],
-            }
-        )
-        print(f"round {index}: {rounds[-1]}", flush=True)
-    equal = all(abs(r["mean_length"][0] / r["mean_length"][1] - 1) <= 0.02 for r in rounds)
-    ratios = [r["ratio"] for r in rounds]
+    same = all(x == y for x, y in facts.values()) and abs(lengths[0] / lengths[1] - 1) <= 0.02
+    return {**facts, "mean_length": list(lengths), "equal": same}
+
+
+def speed(args, argv: list[str], work: Path, output_dir: Path) -> int:
+    """Completions per second of each side, colocated in ``--processes``, for each speed case, rounds A B A B; the
+    ratio recipe / TRL per round, with its interval."""
+    model_dir, train_file = build_inputs(work, SPEED["model"], SPEED["vocab_size"])
+    cases, lines = {}, []
+    for name in args.speed_cases:
+        s = {
+            **SHARED,
+            **SPEED,
+            **SPEED_CASES[name],
+            "speed": True,
+            "processes": args.processes,
+            "logging_steps": 1,
+            "model_dir": str(model_dir),
+            "train_file": str(train_file),
+        }
+        settings_file = work / f"speed_{name}.json"
+        settings_file.write_text(json.dumps(s, indent=2) + "\n")
+        rounds = []
+        for index in range(args.repeats):
+            recipe_out, trl_out = work / f"speed_{name}_recipe_r{index}", work / f"speed_{name}_trl_r{index}"
+            a = launch_and_wait(recipe_command(s, recipe_out), recipe_out, threads=1)
+            b = launch_and_wait(
+                trl_command(settings_file, trl_out, args.processes),
+                trl_out,
+                results_name="trl_results.json",
+                threads=1,
+            )
+            rounds.append(
+                {
+                    "recipe": a["perf/completions_per_sec"],
+                    "trl": b["perf/completions_per_sec"],
+                    "ratio": a["perf/completions_per_sec"] / b["perf/completions_per_sec"],
+                    "work": equal_work(a, b),
+                    "rewards": [a["train/rewards"], b["train/rewards"]],
+                    "foreign_share": [a.get("bench/foreign_share"), b.get("bench/foreign_share")],
+                }
+            )
+            print(f"{name} round {index}: {json.dumps(rounds[-1])}", flush=True)
+        equal = all(r["work"]["equal"] for r in rounds)
+        ratios = [r["ratio"] for r in rounds]
+        cases[name] = {
+            "settings": {k: v for k, v in s.items() if not k.endswith(("_dir", "_file"))},
+            "rounds": rounds,
+            "equal_work": equal,
+            "ratio": {"median": statistics.median(ratios), "interval": bootstrap_interval(ratios)} if equal else None,
+        }
+        lines += [
+            f"## {name} ({args.processes} processes per side, colocated, 1 thread each)",
+            "",
+            f"Settings `{json.dumps(cases[name]['settings'])}`.",
+            "",
+            "| round | recipe completions/s | TRL completions/s | recipe / TRL | mean completion length recipe, TRL "
+            "| other processes' CPU share recipe, TRL |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *(
+                f"| {i} | {r['recipe']:.2f} | {r['trl']:.2f} | {r['ratio']:.3f} | {r['work']['mean_length'][0]:.2f}, "
+                f"{r['work']['mean_length'][1]:.2f} | {r['foreign_share'][0] or 0:.2f}, "
+                f"{r['foreign_share'][1] or 0:.2f} |"
+                for i, r in enumerate(rounds)
+            ),
+            "",
+            (
+                f"Median ratio {cases[name]['ratio']['median']:.3f}, 95 % interval "
+                + (
+                    f"[{cases[name]['ratio']['interval'][0]:.3f}, {cases[name]['ratio']['interval'][1]:.3f}]."
+                    if cases[name]["ratio"]["interval"]
+                    else "- (< 3 rounds)."
+                )
+                if equal
+                else "Unequal work (see `rounds[].work` in grpo_vs_trl.json): no verdict."
+            ),
+            "",
+        ]
     report = {
         "benchmark": "grpo_vs_trl --speed",
         "command": "python benchmarks/studies/grpo_vs_trl.py " + " ".join(argv),
-        "settings": {k: v for k, v in s.items() if not k.endswith(("_dir", "_file"))},
-        "rounds": rounds,
-        "equal_work": equal,
-        "ratio": {"median": statistics.median(ratios), "interval": bootstrap_interval(ratios)} if equal else None,
+        "processes": args.processes,
+        "cases": cases,
         "machine": machine_info(),
         "versions": library_versions(["torch", "transformers", "accelerate", "peft", "trl"]),
     }
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "grpo_vs_trl.json").write_text(json.dumps(report, indent=2) + "\n")
+    machine = report["machine"]
     lines = [
-        "# recipes/grpo.py vs TRL GRPOTrainer: completions generated per second (1 process, 1 thread each)",
+        "# recipes/grpo.py vs TRL GRPOTrainer: completions generated per second",
         "",
-        f"Command: `{report['command']}`; settings `{json.dumps(report['settings'])}`.",
+        f"Command: `{report['command']}`. CPU: {machine['cpu_model']}, {machine['cpu_cores']} cores, flags "
+        f"{', '.join(machine['cpu_flags']) or '-'}; versions {json.dumps(report['versions'])}.",
         "",
-        "| round | recipe completions/s | TRL completions/s | recipe / TRL | mean completion length recipe, TRL |",
-        "| --- | --- | --- | --- | --- |",
-        *(
-            f"| {i} | {r['recipe']:.2f} | {r['trl']:.2f} | {r['ratio']:.3f} | {r['mean_length'][0]:.2f}, "
-            f"{r['mean_length'][1]:.2f} |"
-            for i, r in enumerate(rounds)
-        ),
-        "",
-        (
-            f"Median ratio {report['ratio']['median']:.3f}, 95 % interval "
-            + (
-                f"[{report['ratio']['interval'][0]:.3f}, {report['ratio']['interval'][1]:.3f}]."
-                if report["ratio"]["interval"]
-                else "- (< 3 rounds)."
-            )
-            if equal
-            else "Unequal work (mean completion lengths differ by more than 2 %): no verdict."
-        ),
-        "",
+        *lines,
     ]
     (output_dir / "summary.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    return 0 if equal else 1
+    return 0 if all(case["equal_work"] for case in cases.values()) else 1
 
 
 def main(argv=None) -> int:

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from .data import micro_batches
 from .loss import add_fixed_logps, completion_tokens, group_advantages
@@ -82,7 +89,8 @@ class NoiseSampler(LogitsProcessor):
 class PolicyGenerator:
     """Colocated generation: the policy being trained generates this process's completions, unwrapped from DDP (no
     gradient to sync), in eval mode (no dropout; left in training mode after) and without gradients, with the KV cache,
-    prompts padded on the left, until every row has ended or ``max_completion_length`` tokens. Under FSDP2
+    prompts padded on the left, until every row has ended or ``max_completion_length`` tokens. Each prompt is read
+    once for all its consecutive rows (a group's completions, ``prompt_cache``), not once per row. Under FSDP2
     (``sharded``; the recipe registers ``generate`` as a forward method, so that it gathers the root's own parameters
     as a forward does) every forward gathers each block's parameters from all processes, so all of them must run as
     many forwards: ``synced_gpus`` keeps a process whose rows have ended stepping (on padding) until every process's
@@ -127,12 +135,15 @@ class PolicyGenerator:
         for row, ids in enumerate(prompt_ids):  # left-padded: every prompt ends where generation starts
             input_ids[row, length - len(ids) :], attention_mask[row, length - len(ids) :] = torch.tensor(ids), 1
         sampler = NoiseSampler(noise, length, **self.sampling, logps=self.logps)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         unwrapped.eval()
         try:
             with torch.no_grad():  # (the prepared model's forward keeps its mixed-precision autocast)
+                cache = prompt_cache(unwrapped, prompt_ids, input_ids, attention_mask)
                 output = unwrapped.generate(
-                    input_ids=input_ids.to(device),
-                    attention_mask=attention_mask.to(device),
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    cache=cache,  # generate goes on from each prompt's last token
                     generation_config=self.config,
                     logits_processor=LogitsProcessorList([sampler]),
                     synced_gpus=self.sharded,
@@ -147,6 +158,30 @@ class PolicyGenerator:
 
     def update(self, model) -> None:
         """Nothing: the policy it generates with is the one being trained."""
+
+
+def prompt_cache(model, prompt_ids: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The KV cache of every row's prompt but its last token, computed once for each run of consecutive rows with the
+    same prompt (``num_generations`` completions of a prompt: their keys and values are the same) and copied to each
+    of its rows: the prompts' forward costs distinct prompts, not rows. Positions count from each row's first token,
+    as ``generate`` counts them from the left-padded ``attention_mask``. None with one-token prompts."""
+    if input_ids.shape[1] < 2:
+        return None
+    starts = [row == 0 or ids != prompt_ids[row - 1] for row, ids in enumerate(prompt_ids)]
+    firsts = [row for row, start in enumerate(starts) if start]
+    run_of_row = torch.tensor(starts).cumsum(0).sub(1).to(input_ids.device)
+    mask = attention_mask[firsts, :-1]
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=input_ids[firsts, :-1],
+        attention_mask=mask,
+        position_ids=(mask.cumsum(-1) - 1).masked_fill(mask == 0, 0),  # generate's, from the left padding
+        cache=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache.batch_select_indices(run_of_row)  # each row gets its prompt's keys and values
+    return cache
 
 
 def cut_at_end(rows: list[list[int]], eos_token_ids: list[int]) -> Rollouts:
