@@ -39,37 +39,30 @@ def steps_or_epoch(text: str) -> int | str:
 def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     """The flags every recipe shares for surviving a long run: checkpoints, resume, the collective timeout, and saving
     on machines without a shared disk (one definition, so their names, defaults and help agree everywhere)."""
-    group = parser.add_argument_group("checkpoints and reliability")
-    group.add_argument(
+    add = parser.add_argument_group("checkpoints and reliability").add_argument
+    add(
         "--checkpointing_steps",
         type=steps_or_epoch,
-        default=None,
         help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.",
     )
-    group.add_argument(
+    add(
         "--checkpoints_total_limit",
         type=positive_int,
-        default=None,
         help="Keep only the newest N complete checkpoints (default: all; each save prints its size).",
     )
-    group.add_argument(
+    add(
         "--resume_from_checkpoint",
-        default=None,
         help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; "
         "starts fresh if there is none).",
     )
-    group.add_argument(
+    add(
         "--overwrite_output_dir",
         action="store_true",
         help="Write into an --output_dir that holds an earlier run's model, results or checkpoints "
         "(refused otherwise, unless resuming).",
     )
-    group.add_argument(
-        "--save_on_each_node",
-        action="store_true",
-        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.",
-    )
-    group.add_argument(
+    add("--save_on_each_node", action="store_true", help="No shared disk: every machine saves its own checkpoints.")
+    add(
         "--dist_timeout",
         type=positive_float,
         default=600,

@@ -57,26 +57,18 @@ def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
     return parts
 
 
-def plan_device_map(
-    model: nn.Module,
-    num_devices: int,
-    block_classes: set[str] | None = None,
-    first_cost: float = 0.0,
-    last_cost: float = 0.0,
-) -> dict[str, int]:
+def plan_device_map(model: nn.Module, num_devices: int, last_cost: float = 0.0) -> dict[str, int]:
     """Split ``model`` over ``num_devices``, whole blocks only, balanced by compute: ``{module_name: device_index}``
-    covering every parameter once. ``first_cost``/``last_cost``: the compute of the modules before/after the blocks, in
-    blocks (an embedding lookup ~0; an LM head over a large vocabulary can cost more than a block)."""
-    block_classes = block_classes or set(getattr(model, "_no_split_modules", None) or [])
-    block_list = find_block_list(model, block_classes)
+    covering every parameter once. ``last_cost``: the compute of the modules after the blocks, in blocks (an LM head
+    over a large vocabulary can cost more than a block; the embeddings before them, a lookup, cost ~0)."""
+    block_list = find_block_list(model, set(getattr(model, "_no_split_modules", None) or []))
     num_blocks = len(model.get_submodule(block_list))
     if num_blocks < num_devices:
         raise ValueError(
             f"{type(model).__name__} has {num_blocks} blocks, fewer than the {num_devices} devices to split over"
         )
-    # The modules before/after the blocks share a device with the first/last block: their cost is folded in.
+    # The modules after the blocks share a device with the last block: their cost is folded in.
     block_costs = [1.0] * num_blocks
-    block_costs[0] += first_cost
     block_costs[-1] += last_cost
     block_device = balanced_partition(block_costs, num_devices)
 
