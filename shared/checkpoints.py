@@ -1,17 +1,4 @@
-"""Checkpoints that never lose work, and the one resume path every recipe takes. ``checkpoints/step_000120`` is
-complete when it holds ``progress.json``, written last in a temporary folder then renamed (a run killed mid-save
-leaves a ``.tmp`` folder, which resuming skips). ``progress.json`` also holds a manifest of every file's size and a
-fingerprint (a hash of its size, first and last MiB: a truncated or overwritten file is caught without reading GBs),
-so a checkpoint damaged later (a full disk, a bad copy) is found before loading: ``latest`` skips it for the newest
-intact one and says so, an explicit path to it is refused naming the file. Resuming: ``find_checkpoint`` (every
-process agrees on the folder), ``keep_global_batch`` (the same samples per optimizer step, whatever the process
-count), then after ``prepare`` ``load_checkpoint`` (load it, say which batches to skip).
-
-Why not Accelerate's own rotation (``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=N)``): it
-deletes the oldest folder *before* writing the new one, into a folder that is complete as soon as it exists, so a run
-killed mid-save can be left with a half-written newest checkpoint and one fewer good one; it counts folders, damaged
-or not. Here the limit counts complete checkpoints and prunes only after the new one is declared complete, and every
-process agrees on what was kept. ``save_state``/``load_state`` themselves are Accelerate's (all but the pipeline)."""
+"""Checkpoints that never lose work, and one resume path: find_checkpoint, keep_global_batch, load_checkpoint."""
 
 from __future__ import annotations
 
@@ -57,14 +44,8 @@ def save_checkpoint(
     history: dict | None = None,
     batch: dict | None = None,
 ) -> Path:
-    """``accelerator.save_state`` (model, optimizer, scheduler, sampler, every RNG) to ``checkpoints_dir/step_N``,
-    atomically; keeps the newest ``total_limit``; every process calls it. ``write_state(folder)`` replaces
-    ``save_state`` (pipeline stages save their own weights). ``layout`` (``replica``: whole weights, resumable by
-    single/ddp/device_map; ``fsdp``: shards; ``pipeline``: stages) goes into progress.json. With ``save_on_each_node``
-    (machines without a shared disk) the main process of every machine completes its copy, as ``save_state`` writes
-    one on each. ``history`` (JSON: e.g. ``{"train/loss_curve": [...]}``, the same on every process) goes into
-    progress.json and comes back as ``ResumePoint.history``, so a resumed run reports its whole curve;
-    ``batch`` (the shape ``keep_global_batch`` returns) too, so that a resume in another process count keeps it."""
+    """``accelerator.save_state`` (or ``write_state(folder)``) to ``checkpoints_dir/step_N``, atomically, keeping the
+    newest ``total_limit``; progress.json keeps ``layout``, ``history`` and ``batch`` for a resume. A collective."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
@@ -144,8 +125,7 @@ def where_to_resume(checkpoints_dir: str | os.PathLike) -> str:
 def failed_save(
     what: str, error: Exception, folder: Path, checkpoints_dir: str | os.PathLike, needed: int | None
 ) -> str:
-    """The paragraph for a save that failed with ``error`` (re-raised if it is no failed write): what, why (a full
-    disk: how much it needs, how much is free), that what was there before is kept, and where to resume."""
+    """The paragraph for a failed write (any other ``error`` is raised again): what, why, what is kept, the resume."""
     frames = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(error.__traceback__)]
     if isinstance(error, RuntimeError) and not any("torch/serialization" in frame for frame in frames):
         raise error  # (a RuntimeError not raised writing a file by torch.save)
@@ -172,11 +152,7 @@ def save_final(
     checkpoints_dir: str | os.PathLike,
     state_dict: dict | None = None,
 ) -> None:
-    """The trained model's save, atomic: ``write(folder)`` runs on the main process into a temporary folder beside
-    the output, whose files are then renamed into ``output_dir`` (a rename needs no space: a full disk fails the
-    write, never the move). A failed write leaves ``output_dir`` as it was and stops every process with one
-    paragraph (``failed_save``); ``state_dict`` (the tensors saved) sizes what a full disk lacked. The others wait for
-    the main process untimed (a merge can take minutes). A collective."""
+    """The trained model saved by ``write(folder)`` on the main process, atomically; a collective."""
     output_dir, problem = Path(output_dir), None
     tmp = output_dir / ".final.tmp"
     # Counted first: save_pretrained empties the dict as it writes its shards.
@@ -221,8 +197,7 @@ def manifest(folder: Path) -> dict:
 
 
 def damage(checkpoint: Path) -> str | None:
-    """What is wrong with a complete checkpoint's files against its manifest (None: intact, or saved before
-    manifests existed)."""
+    """What is wrong with a complete checkpoint's files against its manifest, or None."""
     expected = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("manifest")
     for name, (size, print_) in (expected or {}).items():
         path = checkpoint / name
@@ -250,8 +225,7 @@ def complete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
 def resolve_checkpoint(
     resume_from_checkpoint: str, checkpoints_dir: str | os.PathLike, skipped: list | None = None
 ) -> Path | None:
-    """The folder this process would resume from: a path, or ``latest`` (the newest complete and intact one; None if
-    none yet; the damaged ones it passed over are appended to ``skipped``, with why)."""
+    """The folder this process would resume from, a path or ``latest`` (damaged ones passed over go to ``skipped``)."""
     if resume_from_checkpoint == "latest":
         for candidate in reversed(complete_checkpoints(checkpoints_dir)):
             problem = damage(candidate)
@@ -268,17 +242,16 @@ def resolve_checkpoint(
         )
     if not (path / PROGRESS_FILE).is_file():
         raise RecipeError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no "
-            f"{PROGRESS_FILE}: "
-            "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or "
-            "'latest', which skips incomplete ones."
+            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a complete checkpoint (no {PROGRESS_FILE}: "
+            "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or 'latest', "
+            "which skips incomplete ones."
         )
     problem = damage(path)
     if problem:
         raise RecipeError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} is damaged: {problem}, so loading "
-            "it would fail or resume from wrong weights. Nothing was loaded. Pass an earlier "
-            "checkpoint, or 'latest', which skips damaged ones."
+            f"--resume_from_checkpoint {resume_from_checkpoint!r} is damaged: {problem}, so loading it would fail or "
+            "resume from wrong weights. Nothing was loaded. Pass an earlier checkpoint, or 'latest', which skips "
+            "damaged ones."
         )
     return path
 
@@ -289,12 +262,7 @@ def find_checkpoint(
     checkpoints_dir: str | os.PathLike,
     layout: str = "replica",
 ) -> Path | None:
-    """The checkpoint every process resumes from, or None (start fresh). A collective: call it on every process.
-
-    Each process looks on its own disk; machines without a shared one can see different things (machine 0 the
-    step-10 checkpoint it wrote, machine 1 nothing), and loading anyway would train on from different states.
-    So all processes gather what they found, and any disagreement stops every process with one message. A checkpoint
-    of another ``layout`` (see ``save_checkpoint``) is refused too."""
+    """The checkpoint every process resumes from, or None; a collective: disagreeing processes are refused."""
     if not resume_from_checkpoint:
         return None
     skipped = []
@@ -329,11 +297,10 @@ def find_checkpoint(
         )
         raise RecipeError(
             "The processes disagree on the checkpoint to resume from (--resume_from_checkpoint "
-            f"{resume_from_checkpoint}): "
-            f"{seen}. Nothing was loaded: training on would mix different states. Each machine reads its own disk; "
-            "put --output_dir on a disk all machines share, or pass --save_on_each_node so that every machine keeps "
-            "its own copy of each checkpoint (then resume), or copy the newest checkpoint folder to the same path on "
-            "every machine."
+            f"{resume_from_checkpoint}): {seen}. Nothing was loaded: training on would mix different states. Each "
+            "machine reads its own disk; put --output_dir on a disk all machines share, or pass --save_on_each_node "
+            "so that every machine keeps its own copy of each checkpoint (then resume), or copy the newest checkpoint "
+            "folder to the same path on every machine."
         )
     theirs = json.loads((found / PROGRESS_FILE).read_text()).get("layout", layout) if found else layout
     if found is None:
@@ -357,12 +324,8 @@ def keep_global_batch(
     data_parallel_size: int,
     seed: int,
 ) -> tuple[int, dict]:
-    """The accumulation to train with, and the batch's shape for ``save_checkpoint(batch=...)``: the one passed (None:
-    not passed, 1), or on resume the one that keeps the checkpoint's global batch in this run's process count, so that
-    it takes the same optimizer steps over the same samples. Refused where none does, or where a passed one
-    gives another global batch: the run would silently take other steps than the one it resumes. ``seed`` (--seed)
-    orders the data and picks held-out samples: a resume with another one is refused too. Needs no Accelerator (the
-    accumulation can be given to it): ``num_processes`` is the launch's, the checkpoint this process's own find."""
+    """The accumulation to train with (a resume's keeps its global batch in this process count; refused where none
+    does, or with another ``seed``) and the batch's shape for ``save_checkpoint(batch=...)``."""
     processes, per_step = num_processes, per_device_train_batch_size * data_parallel_size
     count = lambda k: f"{k} process{'es' * (k > 1)}"
     saved = json.loads((checkpoint / PROGRESS_FILE).read_text()).get("batch") if checkpoint else None
@@ -386,8 +349,7 @@ def keep_global_batch(
                 f"{said}; in this run's {count(processes)} no --gradient_accumulation_steps keeps it with "
                 f"{per_device_train_batch_size} per device ({wanted} is not a multiple of {per_step}). "
                 + (f"Pass --per_device_train_batch_size {fits[0]}" if fits else f"Resume it in {count(n)}")
-                + " to keep it, or start a new run "
-                "(another --output_dir) to train with another global batch."
+                + " to keep it, or start a new run (another --output_dir) to train with another global batch."
             )
         if gradient_accumulation_steps not in (None, accumulation):  # the user's value is not overridden silently
             raise RecipeError(
@@ -412,8 +374,7 @@ def keep_global_batch(
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """Where training picks up: optimizer steps done, the epoch to continue, batches of it to skip, and the history
-    the checkpoint was saved with (``save_checkpoint(history=...)``)."""
+    """Where training picks up: steps done, the epoch, its batches to skip, the saved ``history``."""
 
     completed_steps: int = 0
     epoch: int = 0
@@ -429,14 +390,8 @@ def load_checkpoint(
     lr_scheduler=None,
     load_state=None,
 ) -> ResumePoint:
-    """Load ``checkpoint`` (from ``find_checkpoint``) and return where training picks up; ``ResumePoint()`` for None.
-
-    ``accelerator.load_state`` restores the model, optimizer, scheduler, the sampler's seed and every process's RNG
-    states (``load_state(folder)``, when given, replaces it: pipeline stages load their own files); the recipe then
-    skips ``batches_to_skip`` batches of ``epoch`` with ``accelerator.skip_first_batches``, so the resumed run sees
-    exactly the batches it would have (counted in this run's batches: ``keep_global_batch`` kept the samples per
-    step). The prepared ``lr_scheduler`` of a run in another process count is brought to this run's count. A checkpoint
-    whose parameters have other shapes (another model or task) is refused in one paragraph naming them."""
+    """Load ``checkpoint`` (``accelerator.load_state`` or ``load_state(folder)``; a prepared ``lr_scheduler`` brought
+    to this process count) and return where training picks up, for ``accelerator.skip_first_batches``."""
     if checkpoint is None:
         return ResumePoint()
     try:
@@ -456,8 +411,7 @@ def load_checkpoint(
     saved_processes = (progress.get("batch") or {}).get("num_processes", accelerator.num_processes)
     prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)
     if prepared and not accelerator.split_batches and saved_processes != accelerator.num_processes:
-        # A prepared scheduler steps once per process per optimizer step (AcceleratedScheduler.step): its count is in
-        # the saving run's processes. In this run's, the learning rate goes on from where it was.
+        # A prepared scheduler steps once per process per optimizer step: its count, in this run's processes.
         inner, ratio = lr_scheduler.scheduler, accelerator.num_processes / saved_processes
         inner.last_epoch = round(inner.last_epoch * ratio)
         inner._step_count = 1 + round((inner._step_count - 1) * ratio)  # 1 after the constructor's own step
@@ -468,8 +422,7 @@ def load_checkpoint(
         (completed_steps % steps_per_epoch) * gradient_accumulation_steps,
         history,
     )
-    # accumulate() syncs when its micro-batch count (accelerator.step, which load_state sets to the saving process's)
-    # is a multiple of the accumulation: counted again in this run's micro-batches, it groups them as it should.
+    # accumulate() syncs when accelerator.step (load_state set the saver's) is a multiple of this run's accumulation.
     accelerator.step = point.batches_to_skip
     accelerator.print(
         f"resumed from {checkpoint} at step {completed_steps} (epoch {point.epoch}, skipping "

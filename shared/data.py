@@ -1,7 +1,4 @@
-"""Reading the data every recipe family reads: the user's data files (CSV, JSON, JSON Lines, Parquet), checked before
-``datasets`` parses them, and the basics of the offline default data sets, built from text every Python installation
-has, the standard library (no download, no Hub; files are read as text and parsed with ``ast``, nothing from them is
-imported or executed). Each recipe's own data set lives beside it, in its kit."""
+"""The user's data files, checked before ``datasets`` parses them, and the offline data sets' standard library."""
 
 from __future__ import annotations
 
@@ -16,15 +13,13 @@ import datasets
 from .errors import RecipeError
 
 DATA_FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-# Well-populated packages in every supported Python (distutils and lib2to3 went in 3.12/3.13). Docstrings on 3.11: 629
-# tkinter, 295 asyncio, 267 email, 259 importlib, 222 logging, 201 xml, 179 unittest, 158 multiprocessing.
+# Packages with many docstrings in every supported Python (docs/troubleshooting.md counts them).
 DOCSTRING_PACKAGES = ("asyncio", "email", "importlib", "logging", "multiprocessing", "tkinter", "unittest", "xml")
 TEST_FOLDERS = {"test", "tests", "idle_test"}
 
 
 def check_data_files(files: dict[str, str], needs: str) -> None:
-    """Refuse a file of ``files`` ({split: path}) that is missing or empty, naming its flag (``needs``: what an empty
-    file lacks, said then)."""
+    """Refuse a file of ``files`` ({split: path}) that is missing or empty (it ``needs`` ...), naming its flag."""
     for split, file in files.items():
         if not Path(file).is_file():
             raise RecipeError(f"--{split}_file {file!r} does not exist (looked in {Path.cwd()}).")
@@ -35,9 +30,7 @@ def check_data_files(files: dict[str, str], needs: str) -> None:
 
 
 def load_data_files(files: dict[str, str], needs: str) -> dict[str, datasets.Dataset]:
-    """Each split of ``files`` ({split: path}, all CSV, JSON, JSON Lines or Parquet) read by ``datasets``, one at a
-    time so that an error names its file. Refused in one paragraph naming the file's flag: a missing file, an empty one
-    (``check_data_files``), and one that does not parse (``unreadable``: the 1-based line and why)."""
+    """Each split of ``files`` ({split: path}) read by ``datasets``; a bad file is refused naming its flag."""
     check_data_files(files, needs)
     suffixes = {Path(file).suffix.lower() for file in files.values()}
     if len(suffixes) != 1 or next(iter(suffixes)) not in DATA_FILE_BUILDERS:
@@ -54,10 +47,7 @@ def load_data_files(files: dict[str, str], needs: str) -> dict[str, datasets.Dat
 
 
 def unreadable(file: str, error: Exception) -> str:
-    """Why ``datasets`` could not read ``file``, at the 1-based line (``datasets`` names its own error; the line, or a
-    0-based row, is in a log message above it): for JSON Lines the parser's reason, or a line that is not an object of
-    columns; for CSV a line with more fields than the header (pandas' report, among the error's causes); otherwise
-    the innermost error's type and first line (a .json document, an array of rows, has no lines to name)."""
+    """Why ``datasets`` could not read ``file``, at its 1-based line where there is one, else the innermost error."""
     suffix, causes = Path(file).suffix.lower(), [error]
     while causes[-1].__cause__ or causes[-1].__context__:
         causes.append(causes[-1].__cause__ or causes[-1].__context__)
@@ -78,10 +68,7 @@ def unreadable(file: str, error: Exception) -> str:
 
 
 def refuse_empty_cells(dataset: datasets.Dataset, columns: list[str], source: str, may_be_empty=()) -> None:
-    """Refuse the first row with nothing in one of ``columns``: a missing value (an empty CSV cell, a JSON null or
-    absent key) or an empty one (blank text, an empty list; ``may_be_empty``: columns where it is a value, a prompt),
-    naming the row (from 1: a JSON Lines file's line, a CSV file's data row), the column and ``source`` (the file's
-    flag). A hole would otherwise become a class of its own ("None") or a tokenizer's traceback."""
+    """Refuse the first row with a missing or empty value in ``columns`` (empty is one in ``may_be_empty``)."""
     for number, values in enumerate(zip(*(dataset[column] for column in columns)), start=1):
         for column, value in zip(columns, values):
             blank = isinstance(value, str | list) and not (value.strip() if isinstance(value, str) else value)
@@ -90,8 +77,7 @@ def refuse_empty_cells(dataset: datasets.Dataset, columns: list[str], source: st
 
 
 def no_value(where: str, column: str, value, needs: str = "") -> str:
-    """The paragraph for a row with nothing in ``column`` (``value``: None or NaN, or empty), starting with ``where``
-    (``needs``: what every row needs, said after)."""
+    """The paragraph for a row with nothing in ``column``, from ``where`` (``needs``: what every row needs)."""
     said = "empty or null" if value is None or value != value else repr(value)
     return f"{where} has no {column!r} (it is {said}){': ' + needs if needs else ''}. Fill it in, or drop the row."
 
@@ -101,8 +87,7 @@ def stdlib_root() -> Path:
 
 
 def in_validation_split(group: str, validation_percent: int) -> bool:
-    """Deterministic split by group (a top-level class or function with everything nested in it, so near-identical
-    method docstrings never straddle the split); md5, not ``hash()``, which Python randomizes per process."""
+    """Split by top-level definition (no near-twin methods on both sides), by md5: ``hash()`` varies per process."""
     return int(hashlib.md5(group.encode()).hexdigest(), 16) % 100 < validation_percent
 
 

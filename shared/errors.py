@@ -1,6 +1,4 @@
-"""Errors a user can read, printed once, and how the processes of a run stop together: a ``RecipeError`` is one
-paragraph and a non-zero exit (no traceback); a problem one process finds stops them all; a rank stopped by another's
-exit says so in one line; a worker dies with its launcher."""
+"""Errors a user can read, printed once, and how the processes of a run stop together (docs/troubleshooting.md)."""
 
 from __future__ import annotations
 
@@ -29,30 +27,19 @@ PEER_ENDED = ("connection closed by peer", "connection reset by peer")
 
 
 class RecipeError(SystemExit):
-    """Bad input or setup, reported as one readable paragraph and a non-zero exit (no traceback). A ``SystemExit``:
-    ``raise RecipeError("...")`` anywhere prints it to stderr and exits with status 1. ``printed=False`` exits with
-    status 1 silently (``stop_if_found``: the main process prints it for all). Under several processes each rank's
-    paragraph is one line of its own; ``report_recipe_errors`` around ``main()`` prints a paragraph every rank hits
-    once."""
+    """Bad input or setup: one paragraph on stderr, exit status 1, no traceback (``printed=False``: exit silently)."""
 
     def __init__(self, message: str, printed: bool = True):
         self.message = " ".join(message.split())
         rank, world_size = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
-        # One line: terminals wrap it, and it stays greppable in logs. Python writes a SystemExit's message and its
-        # newline in two writes, so the ranks' lines would run together: with several processes the newline is part
-        # of the message (stderr is line-buffered, so each rank's line is written whole).
+        # One line per rank, its newline in the message: Python writes a SystemExit's newline apart, and lines mix.
         prefix, end = ("[rank " + rank + "] ", "\n") if world_size > 1 else ("", "")
         super().__init__(prefix + "error: " + self.message + end if printed else 1)
 
 
 @contextlib.contextmanager
 def report_recipe_errors():
-    """Around ``main()``: a RecipeError that several processes hit alike (they check the same input) is printed by the
-    first of them on this machine, the others exit with status 1 silently (a marker file in the folder torchrun gives
-    this attempt's error files). Its paragraph also goes to torchrun's error file, so the launcher's closing box
-    names it as the root cause (instead of "To enable traceback see: ..."), and its rank to the process group's
-    store, which torchrun's agent holds: the other ranks, stopped by this one's exit, name it
-    (``install_peer_exit_hooks``)."""
+    """Around ``main()``: a RecipeError printed once per machine, its paragraph and rank left for the launcher."""
     try:
         yield
     except RecipeError as error:
@@ -72,8 +59,7 @@ def report_recipe_errors():
 
 
 def first_to_report(message: str) -> bool:
-    """True for the first process of this machine's launch to report ``message`` (an exclusive create of a marker
-    file in the folder torchrun gives this attempt's error files); True when there is no such folder."""
+    """True for the first process of this machine's launch to report ``message`` (a marker file, created once)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         return True
@@ -92,9 +78,7 @@ def first_to_report(message: str) -> bool:
 
 
 def stop_if_found(problem: str | None, cleanup=None) -> None:
-    """Stop every process if any of them found ``problem`` (a paragraph; None: nothing wrong), printed once, by the
-    main process, after ``cleanup()`` if given. A collective, after the Accelerator is built: a problem one machine
-    alone sees (on its own disk) stops the others too."""
+    """Stop every process if any found ``problem`` (None: nothing wrong), printed once, after ``cleanup()``."""
     state = PartialState()
     problems = gather_object([problem]) if state.num_processes > 1 else [problem]
     found = next((found for found in problems if found), None)
@@ -105,11 +89,7 @@ def stop_if_found(problem: str | None, cleanup=None) -> None:
 
 
 def install_peer_exit_hooks() -> None:
-    """Under 2+ processes, a rank whose collective broke because another process ended first (its paragraph, if it
-    had one, is above) prints one line naming that rank and exits with status 1, instead of gloo's "Connection closed
-    by peer" traceback; the atexit handlers (a tracker's flush) run first. Changes this process: sets
-    ``sys.excepthook`` (around the one before) and adds torch's global optimizer step hook (the steps, for the line).
-    Call it once, at the top of ``main()``."""
+    """A rank stopped by another's exit says so in one line. Changes: ``sys.excepthook``, a global optimizer hook."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return
     rank, steps, previous_hook = os.environ.get("RANK", "0"), 0, sys.excepthook
@@ -119,8 +99,7 @@ def install_peer_exit_hooks() -> None:
         steps += 1
 
     def hook(kind, error, trace):
-        # A collective's error (raised in torch.distributed, or in backward under DDP/FSDP), not any lost connection
-        # (a download's "Connection reset by peer" is this rank's own error, and gets its traceback).
+        # A collective's error only: a download's "Connection reset by peer" is this rank's own, with its traceback.
         files = [frame.filename.replace("\\", "/") for frame in traceback.extract_tb(trace)]
         collective = isinstance(error, torch.distributed.DistError) or any(
             "torch/distributed/" in file or "torch/autograd/" in file for file in files
@@ -131,8 +110,7 @@ def install_peer_exit_hooks() -> None:
         with contextlib.suppress(Exception):  # no group, no store, or the store went with the failed process
             store = torch.distributed.distributed_c10d._get_default_store()
             failed = "rank " + store.get(FAILED_RANK_KEY).decode() if store.check([FAILED_RANK_KEY]) else failed
-        # sys.__stderr__: torch's own excepthook (around this one) collects sys.stderr to prefix it, and prints
-        # nothing of it when this one exits the process.
+        # sys.__stderr__: torch's excepthook around this one holds sys.stderr back, and prints none if this one exits.
         print(
             f"[rank {rank}] stopped: {failed} ended first, at step {steps} "
             f"({'training' if steps else 'start-up'}); its error, if it had one, is above.",
@@ -141,8 +119,7 @@ def install_peer_exit_hooks() -> None:
         )
         sys.stdout.flush()
         atexit._run_exitfuncs()  # the handlers a normal exit runs (a tracker's flush), before the launcher's SIGTERM
-        # The failed process exits first (its exit is what the launcher reports as the root cause, with its
-        # paragraph) and the launcher reads this line before it stops reading our output.
+        # The failed process exits first (the launcher's root cause), and the launcher reads this line before it stops.
         time.sleep(2)
         os._exit(1)  # no traceback, and no wait for the threads of a run that is over
 
@@ -151,11 +128,7 @@ def install_peer_exit_hooks() -> None:
 
 
 def set_stop_with_launcher() -> None:
-    """Have Linux kill this process (SIGKILL) when its launcher dies, however it died. A launcher killed with SIGKILL
-    (the OOM killer, a job's time limit, ``kill -9``) cannot stop its workers: they would train on as orphans, holding
-    the GPUs and writing checkpoints. Only under torchrun (``accelerate launch`` with 2+ processes runs it inside) or
-    Accelerate's 1-process launcher, known by the variables they set; a no-op elsewhere (``python recipe.py`` belongs
-    to its shell; macOS and Windows have no such call). Changes this process: its parent-death signal (prctl)."""
+    """Under a launcher, on Linux, die with it. Changes this process: its parent-death signal (prctl)."""
     launched = "TORCHELASTIC_RUN_ID" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ
     if launched and sys.platform.startswith("linux"):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG (linux/prctl.h)

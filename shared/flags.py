@@ -1,6 +1,4 @@
-"""The command line every recipe shares: argparse types that name a bad value, the checkpoint and reliability flags,
-and the checks of the paths flags name (``--output_dir``, ``--model_name_or_path``, ``--tokenizer_name``) before any
-work."""
+"""The command line every recipe shares: argparse types, the reliability flags, and the paths flags name, checked."""
 
 from __future__ import annotations
 
@@ -37,39 +35,31 @@ def steps_or_epoch(text: str) -> int | str:
 
 
 def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags every recipe shares for surviving a long run: checkpoints, resume, the collective timeout, and saving
-    on machines without a shared disk (one definition, so their names, defaults and help agree everywhere)."""
-    group = parser.add_argument_group("checkpoints and reliability")
-    group.add_argument(
+    """Checkpoints, resume, the collective timeout: one definition for every recipe."""
+    add = parser.add_argument_group("checkpoints and reliability").add_argument
+    add(
         "--checkpointing_steps",
         type=steps_or_epoch,
-        default=None,
         help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.",
     )
-    group.add_argument(
+    add(
         "--checkpoints_total_limit",
         type=positive_int,
-        default=None,
         help="Keep only the newest N complete checkpoints (default: all; each save prints its size).",
     )
-    group.add_argument(
+    add(
         "--resume_from_checkpoint",
-        default=None,
         help="A checkpoint folder, or 'latest' (newest complete one under output_dir/checkpoints; "
         "starts fresh if there is none).",
     )
-    group.add_argument(
+    add(
         "--overwrite_output_dir",
         action="store_true",
         help="Write into an --output_dir that holds an earlier run's model, results or checkpoints "
         "(refused otherwise, unless resuming).",
     )
-    group.add_argument(
-        "--save_on_each_node",
-        action="store_true",
-        help="Machines without a shared disk: every machine saves its own copy of each checkpoint.",
-    )
-    group.add_argument(
+    add("--save_on_each_node", action="store_true", help="No shared disk: every machine saves its own checkpoints.")
+    add(
         "--dist_timeout",
         type=positive_float,
         default=600,
@@ -90,10 +80,7 @@ RUN_OUTPUTS = (
 
 
 def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str | None) -> Path:
-    """``path`` as a Path, checked: a folder that holds an earlier run's model, results or checkpoints is refused
-    unless ``overwrite`` (--overwrite_output_dir) or ``resuming`` (the Hub scripts' rule), and one that cannot be
-    created or written to is refused. It is created by the first save into it (a run that fails before that leaves
-    no empty folder behind). A collective; a problem is one paragraph, printed once."""
+    """``path``, refused if it holds an earlier run's output (unless ``overwrite`` or ``resuming``), or unwritable."""
     output_dir, problem = Path(path), None
     found = [name for name in RUN_OUTPUTS if (output_dir / name).is_file()]
     found += ["checkpoints/"] if any((output_dir / "checkpoints").glob("step_*")) else []
@@ -115,9 +102,7 @@ def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str |
 
 
 def model_problem(model_name_or_path: str) -> str | None:
-    """What is wrong with ``--model_name_or_path`` as a local folder, or None (a folder with config.json, or a Hub
-    name): a path that does not exist, or a folder without config.json (transformers would say only that it "should
-    have a `model_type` key in its config.json"), named with what the folder holds."""
+    """What is wrong with ``--model_name_or_path`` as a local folder (missing, or no config.json), or None."""
     name, folder = model_name_or_path, Path(model_name_or_path).expanduser()
     windows = os.sep == "\\" and "\\" in name
     if (folder.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1 or windows) and not folder.exists():
@@ -149,9 +134,7 @@ TOKENIZER_FILES = (
 
 
 def tokenizer_problem(model_name_or_path: str, tokenizer_name: str | None) -> str | None:
-    """What is wrong with the tokenizer a run would load (``tokenizer_name``, else the model's own), or None: a local
-    folder without tokenizer files. transformers would load some tokenizer anyway (a 5-token one that reads every
-    word as [UNK], or a traceback about sentencepiece)."""
+    """What is wrong with the tokenizer's local folder (no tokenizer files), or None."""
     source = tokenizer_name or model_name_or_path
     folder = Path(source).expanduser()
     if not folder.is_dir() or any((folder / name).is_file() for name in TOKENIZER_FILES):

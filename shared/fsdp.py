@@ -1,7 +1,4 @@
-"""FSDP2 through Accelerate: what to shard, and how. The launch config (``fsdp_2gpu.yaml``)
-does the work: ``accelerator.prepare`` applies torch's ``fully_shard`` to every block (the class ``set_wrap_at_blocks``
-reads from the model), the embeddings, the final norm + head, then the root; clipping, sharded ``save_state`` and
-``get_state_dict`` (gathered) follow. On CPU ``set_fsdp_on_cpu`` keeps Accelerate on this path."""
+"""FSDP2 through Accelerate: the launch config (``fsdp_2gpu.yaml``) does the work in ``accelerator.prepare``."""
 
 from __future__ import annotations
 
@@ -19,13 +16,7 @@ from .parallelism import fsdp_launch_config
 
 
 def set_fsdp_on_cpu(accelerator: Accelerator) -> None:
-    """Make a ``cpu=True`` Accelerator launched with an FSDP config run FSDP2, as on GPUs. With ``cpu=True``
-    Accelerate (1.16) sets MULTI_CPU and drops the FSDP config: plain DDP, while the run looked like FSDP. torch's
-    ``fully_shard`` and Accelerate's FSDP2 code work over gloo, so this sets the state a GPU launch gets (FSDP, with
-    the config's plugin): the CPU tests then run Accelerate's own FSDP2 preparation, clipping, sharded checkpoints and
-    state-dict gathering, the code a GPU run uses. A no-op unless the Accelerator runs on the CPU under an FSDP
-    launch config. Changes: the Accelerator's state (its FSDP plugin and distributed type) and Accelerate's
-    process-wide ``PartialState._shared_state["distributed_type"]``."""
+    """FSDP2 on the CPU, as on GPUs. Changes: the Accelerator's FSDP state, and ``PartialState._shared_state``."""
     if accelerator.device.type != "cpu" or not fsdp_launch_config():
         return
     plugin = FullyShardedDataParallelPlugin()  # read from the launch config's FSDP_* variables
@@ -50,11 +41,7 @@ def set_fsdp_on_cpu(accelerator: Accelerator) -> None:
 
 
 def set_wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_list: str) -> str | None:
-    """Make FSDP shard ``model`` one block at a time: the class of the ``block_list`` ModuleList's blocks, found at run
-    time, so one config serves every model (None when not under FSDP or the config names its own). Not the default
-    (every ``_no_split_modules`` class): for BERT-like models that holds the embeddings too, which Accelerate then
-    shards twice, and ``fully_shard`` rejects it (Accelerate 1.16). Call before ``prepare``. Changes: the
-    Accelerator's FSDP plugin (``transformer_cls_names_to_wrap``)."""
+    """FSDP shards at ``block_list``'s block class, returned. Changes: the plugin's classes to wrap."""
     plugin = accelerator.state.fsdp_plugin
     if accelerator.distributed_type != DistributedType.FSDP or plugin.transformer_cls_names_to_wrap:
         return None
@@ -64,11 +51,7 @@ def set_wrap_at_blocks(accelerator: Accelerator, model: torch.nn.Module, block_l
 
 
 def set_keep_gathered_in_one_process(accelerator: Accelerator) -> None:
-    """FSDP2 in one process without offload: ``reshard_after_forward=False`` (ZeRO-2's), each block's gathered copy
-    kept to its backward. With one shard resharding frees only that copy (the compute-dtype weights) and costs a
-    second all-gather in backward; under CPU offload the copies would put the whole model on the GPU. Call it in
-    ``main()`` right after the Accelerator is built (a no-op in any other setup). Changes: the Accelerator's FSDP
-    plugin (``reshard_after_forward``)."""
+    """FSDP2 in 1 process, no offload: no resharding after forward. Changes: the plugin's ``reshard_after_forward``."""
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes == 1:
         plugin = accelerator.state.fsdp_plugin  # (no plugin attribute at all without FSDP)
         if not isinstance(plugin.cpu_offload, CPUOffloadPolicy):
@@ -76,11 +59,7 @@ def set_keep_gathered_in_one_process(accelerator: Accelerator) -> None:
 
 
 def gathered_state_dict(accelerator: Accelerator, model: torch.nn.Module, trained_only: bool = False) -> dict:
-    """The model's full weights on the main process, for ``save_pretrained`` (a collective: every process calls it).
-    ``trained_only`` (LoRA): under FSDP2 only the parameters that require grad are gathered, with torch's
-    ``get_model_state_dict(ignore_frozen_params=True)``; ``accelerator.get_state_dict`` would gather the whole frozen
-    base onto rank 0 (host RAM the offload config exists to spare) to write an adapter of a few MB. The one FSDP save
-    idiom of the recipes: PEFT's and transformers' ``save_pretrained`` take its result as ``state_dict``."""
+    """The model's full weights on the main process (``trained_only``: the trained ones alone); a collective."""
     if trained_only and accelerator.is_fsdp2:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -90,9 +69,7 @@ def gathered_state_dict(accelerator: Accelerator, model: torch.nn.Module, traine
 
 
 def available_host_ram() -> tuple[int, str]:
-    """Bytes of RAM this machine can still give, and where the figure comes from: ``RECIPES_HOST_RAM_GIB`` when set
-    (a scheduler's limit the OS does not report), else the smaller of /proc/meminfo's MemAvailable and the cgroup's
-    memory.max minus memory.current (containers, SLURM jobs)."""
+    """Bytes of RAM this machine can still give, and where the figure comes from."""
     if os.environ.get("RECIPES_HOST_RAM_GIB"):
         return int(float(os.environ["RECIPES_HOST_RAM_GIB"]) * 2**30), "RECIPES_HOST_RAM_GIB"
     figures = []
@@ -109,10 +86,7 @@ def available_host_ram() -> tuple[int, str]:
 
 
 def check_offload_fits_host_ram(accelerator: Accelerator, model: torch.nn.Module) -> None:
-    """Under an FSDP config with CPU offload (``fsdp_offload_2gpu.yaml``), refuse before training when this machine
-    cannot hold its share of the offloaded state: trained parameters with their gradients and AdamW's two moments (4x
-    their bytes), frozen ones once, divided over the processes, this machine's share of them. Call before ``prepare``
-    (the model's numbers are read even from meta-device weights). Every process decides, and all raise together."""
+    """Under CPU offload, refuse a machine that cannot hold its share of the offloaded state; before ``prepare``."""
     plugin = accelerator.state.fsdp_plugin
     offload = getattr(plugin, "cpu_offload", None) if accelerator.distributed_type == DistributedType.FSDP else None
     if not (isinstance(offload, CPUOffloadPolicy) or getattr(offload, "offload_params", False)):

@@ -19,11 +19,7 @@ def lora_model(
     target_modules: list[str],
     task_type: str,
 ) -> torch.nn.Module:
-    """``get_peft_model`` with a LoRA adapter of rank ``r`` on ``target_modules`` (``["all-linear"]``: every linear
-    layer but the output head), the base frozen. ``task_type``: ``CAUSAL_LM``, or ``SEQ_CLS``, which also trains and
-    saves the classification head (it starts from scratch). Target names that match no module are refused in one
-    sentence that names the flag. ``adapter_config.json`` names a local base by its absolute path, so that the adapter
-    loads from any folder of this machine (a relative path, read from elsewhere, is taken for a Hub name)."""
+    """``get_peft_model`` with a LoRA adapter; a local base named by its absolute path, to load from anywhere."""
     from peft import LoraConfig, get_peft_model
 
     targets = target_modules[0] if target_modules == ["all-linear"] else target_modules  # PEFT's one-word form

@@ -1,9 +1,4 @@
-"""Splitting a Transformer over devices: the plan (whole blocks, balanced by compute) and the one dispatcher.
-
-Accelerate's ``dispatch_model`` moves activations between the devices of a device_map. One device computes at a time:
-a split lets a model *fit*, it is not faster (``recipes/pipeline_lm.py`` is). A plan is device *indices*;
-``split_devices`` picks real devices and ``dispatch_on_devices`` applies it, the same code on two GPUs, one GPU + the
-CPU and two CPU "devices" in tests: every planned module gets Accelerate's ``AlignDevicesHook`` in all three."""
+"""Splitting a Transformer over devices, so that it fits (one device computes at a time): the plan and the hooks."""
 
 from __future__ import annotations
 
@@ -11,15 +6,12 @@ import torch
 from accelerate import dispatch_model
 from torch import nn
 
-# Softmax + cross-entropy per token and vocabulary entry, in "FLOP equivalents" of matmuls. Measured in the pipeline on
-# CPU (1 thread, fp32, small preset, vocabulary 8192, 256 tokens): LM head + loss cost 3.1 decoder blocks, the head's
-# matmul 2.3 of them (docs/benchmarks.md). On GPUs the ratio differs: check the stage timers.
+# Softmax + cross-entropy per token and vocabulary entry, in matmul FLOPs: measured on CPU (docs/benchmarks.md).
 LOSS_COST_PER_VOCAB_ENTRY = 180.0
 
 
 def find_block_list(model: nn.Module, block_classes: set[str]) -> str:
-    """Name of the ``ModuleList`` that holds the Transformer blocks (e.g. ``bert.encoder.layer``); blocks FSDP2 has
-    sharded already (class ``FSDPLlamaDecoderLayer``, a subclass) count as their own class."""
+    """Name of the ``ModuleList`` of Transformer blocks (``bert.encoder.layer``); FSDP2's subclasses count."""
     for name, module in model.named_modules():
         if (
             isinstance(module, nn.ModuleList)
@@ -31,8 +23,7 @@ def find_block_list(model: nn.Module, block_classes: set[str]) -> str:
 
 
 def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
-    """Cut ``costs`` into ``num_parts`` contiguous, non-empty groups that minimize the largest group's total;
-    returns the part index of every item. Exact (dynamic programming), fine for < 1000 items."""
+    """The part index of every item, ``costs`` cut into ``num_parts`` contiguous groups of the least largest total."""
     n = len(costs)
     if not 1 <= num_parts <= n:
         raise ValueError(f"cannot cut {n} items into {num_parts} non-empty parts")
@@ -57,33 +48,22 @@ def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
     return parts
 
 
-def plan_device_map(
-    model: nn.Module,
-    num_devices: int,
-    block_classes: set[str] | None = None,
-    first_cost: float = 0.0,
-    last_cost: float = 0.0,
-) -> dict[str, int]:
-    """Split ``model`` over ``num_devices``, whole blocks only, balanced by compute: ``{module_name: device_index}``
-    covering every parameter once. ``first_cost``/``last_cost``: the compute of the modules before/after the blocks, in
-    blocks (an embedding lookup ~0; an LM head over a large vocabulary can cost more than a block)."""
-    block_classes = block_classes or set(getattr(model, "_no_split_modules", None) or [])
-    block_list = find_block_list(model, block_classes)
+def plan_device_map(model: nn.Module, num_devices: int, last_cost: float = 0.0) -> dict[str, int]:
+    """``{module_name: device_index}``, whole blocks balanced by compute (``last_cost``: the head's, in blocks)."""
+    block_list = find_block_list(model, set(getattr(model, "_no_split_modules", None) or []))
     num_blocks = len(model.get_submodule(block_list))
     if num_blocks < num_devices:
         raise ValueError(
             f"{type(model).__name__} has {num_blocks} blocks, fewer than the {num_devices} devices to split over"
         )
-    # The modules before/after the blocks share a device with the first/last block: their cost is folded in.
+    # The modules after the blocks share a device with the last block: their cost is folded in.
     block_costs = [1.0] * num_blocks
-    block_costs[0] += first_cost
     block_costs[-1] += last_cost
     block_device = balanced_partition(block_costs, num_devices)
 
     plan: dict[str, int] = {}
     path = block_list.split(".")
-    # Walk from the root down to the block list: siblings before the branch leading to the blocks go to the
-    # first device, those after it to the last device.
+    # From the root down to the blocks: siblings before their branch go to the first device, those after to the last.
     for depth in range(len(path)):
         parent = model.get_submodule(".".join(path[:depth])) if depth else model
         before = True
@@ -114,9 +94,7 @@ def _matmul_flops_per_token(module: nn.Module) -> float:
 
 
 def lm_head_cost_in_blocks(model: nn.Module, block_list: str, sequence_length: int) -> float:
-    """Estimated compute of the LM head and loss, in units of one decoder block: a block's matmuls plus
-    attention's QK^T and AV (2 x seq x hidden FLOPs each, per token) against the head's matmul plus
-    ``LOSS_COST_PER_VOCAB_ENTRY`` per vocabulary entry. Backward is ~2x forward for both, so the ratio holds."""
+    """The LM head and loss's compute in decoder blocks (attention: QK^T and AV, 2 x seq x hidden FLOPs per token)."""
     attention = 4 * sequence_length * model.config.hidden_size
     block = _matmul_flops_per_token(model.get_submodule(f"{block_list}.0")) + attention
     head = model.get_output_embeddings()
@@ -124,8 +102,7 @@ def lm_head_cost_in_blocks(model: nn.Module, block_list: str, sequence_length: i
 
 
 def split_devices(device: torch.device) -> list[torch.device]:
-    """The devices a one-process split uses: every GPU when there are 2+; one GPU and the CPU (a real two-device split:
-    slow, the second part in host RAM); two CPU "devices" without a GPU (the same hooks and moves, on any machine)."""
+    """The devices a one-process split uses: every GPU of 2+, else one GPU and the CPU, else two CPU "devices"."""
     if device.type == "cuda":
         count = torch.cuda.device_count()
         return [torch.device("cuda", i) for i in range(count)] if count >= 2 else [device, torch.device("cpu")]
@@ -133,14 +110,7 @@ def split_devices(device: torch.device) -> list[torch.device]:
 
 
 def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[torch.device]) -> tuple[nn.Module, dict]:
-    """Move each planned module to its device and attach Accelerate's hooks that move activations.
-
-    ``main_device`` is the input embeddings' device: left out, Accelerate takes ``list(set(devices))[0]``, which
-    ``PYTHONHASHSEED`` decides (the recipes also take the loss from the logits, labels moved to ``logits.device``: a
-    classifier's own loss meets labels on the main device and logits on the last). ``torch.device`` values: Accelerate
-    reads the *strings* ``"cpu"``/``"disk"`` as offload targets. ``force_hooks``: hooks even when every entry is one
-    device (a CPU-only machine), so the tested path is the GPU path. ``hf_device_map`` (what ``from_pretrained(
-    device_map=...)`` sets) makes ``accelerator.prepare`` leave the placement alone and refuse a distributed mode."""
+    """Each planned module on its device, with Accelerate's hooks (on one device too), the model and the map."""
     device_map = {name: devices[part] for name, part in plan.items()}
     embeddings = model.get_input_embeddings()
     main = next(

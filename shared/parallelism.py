@@ -1,6 +1,4 @@
-"""How the model is trained (``single``, ``ddp``, ``fsdp``, ``device_map``, ``pipeline``): what the launch config
-implies or ``--parallelism`` asks, and a one-paragraph refusal, with the launch line to use, for a combination that
-cannot work."""
+"""How the model is trained: what the launch config implies or ``--parallelism`` asks, or a refusal naming a launch."""
 
 from __future__ import annotations
 
@@ -33,11 +31,7 @@ Parallelism = namedtuple("Parallelism", "name reason")
 
 
 def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, compile: bool = False) -> Parallelism:
-    """The parallelism ``--parallelism`` (``auto``: what the launch config implies) and the launch give, or a
-    one-paragraph error for a combination that cannot work. ``auto``: an FSDP config gives ``fsdp``; 2+ processes
-    ``ddp``; one process that sees 2+ GPUs ``device_map`` (Accelerate refuses to train a device_map model in a
-    distributed mode: ``model_sharding_2gpu.yaml`` is a 1-process ``'NO'`` config); otherwise ``single``.
-    ``compile``: --compile was asked for, which needs a model that ``prepare()`` wraps whole (not a device_map)."""
+    """The parallelism ``--parallelism`` (``auto``: the launch's) gives, or one paragraph for what cannot work."""
     processes = accelerator.num_processes
     fsdp = accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config()
     gpus = torch.cuda.device_count() if accelerator.device.type == "cuda" else 0

@@ -1,9 +1,4 @@
-"""Model shapes by name, for ``--model_size`` of the LM recipes (``train_lm.py``, ``pipeline_lm.py``) and for the fit
-planner (``tools/plan.py``), which imports no recipe's kit: one table for both.
-
-Llama-architecture (RMSNorm, rotary positions, SwiGLU, no biases). 125m/350m/1.3b: GPT-3's Small/Medium/XL shapes (the
-count depends on the vocabulary: 125m is ~134M with 32k, untied). tiny: tests; small: trains visibly on one CPU core
-in minutes, its 7 blocks split evenly over two stages (5, and 2 + the LM head and loss, worth ~3 blocks)."""
+"""Llama-architecture shapes for the LM recipes' ``--model_size`` and the fit planner (which imports no kit)."""
 
 
 def _shape(hidden: int, blocks: int, heads: int, mlp: int, positions: int) -> dict:

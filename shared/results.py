@@ -1,11 +1,4 @@
-"""What a user sees of a run: the loss curve, tokens/s, step time, peak memory, and ``results.json``.
-
-A recipe builds ``record = RunRecord(...)`` after ``prepare``, draws its batches through ``record.timed(dataloader)``,
-calls ``record.step(...)`` after each optimizer step and ``record.write(...)`` at the end (a collective: every process
-gathers its numbers; the main one writes ``output_dir/results.json``). One metric vocabulary everywhere:
-``perf/samples_per_sec``, ``perf/tokens_per_sec``, ``perf/step_time_s`` (median; ``perf/step_time_p90_s`` beside it),
-``perf/data_wait_fraction``, ``memory/peak_gib`` (per device).
-"""
+"""What a user sees of a run: the loss curve, tokens/s, step time, peak memory, in ``results.json`` (``RunRecord``)."""
 
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ GIB = 1024**3
 
 
 def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
-    """Peak memory of this process per device, GiB. CUDA: ``max_memory_allocated`` (tensors only, what decides
-    out-of-memory). CPU: the peak resident set size, with Python, libraries and buffers: compare CPU with CPU only."""
+    """Peak memory of this process per device, GiB: CUDA's allocated tensors; the CPU's resident set (all of it)."""
     scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is in KiB on Linux (bytes on macOS)
     return {
         str(device) if device.type == "cuda" else "cpu": torch.cuda.max_memory_allocated(device) / GIB
@@ -47,8 +39,7 @@ def percentile(values: list[float], q: int) -> float | None:
 def write_results(
     accelerator: Accelerator, output_dir: str | os.PathLike, results: dict, filename: str = "results.json"
 ) -> Path:
-    """Write ``output_dir/results.json`` from the main process, atomically (tmp file + rename): readers (tests,
-    benchmarks, the compare tool) never see a half-written file."""
+    """Write ``output_dir/results.json`` from the main process, atomically: no reader sees half a file."""
     path, tmp = Path(output_dir) / filename, Path(output_dir) / (filename + ".tmp")
     if accelerator.is_main_process:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -58,13 +49,7 @@ def write_results(
 
 
 class RunRecord:
-    """The loss curve, the clock and peak memory of a run, written with the run's own results to ``results.json`` by
-    ``write``. Build it after ``prepare``; ``loss_curve`` continues a resumed run's curve.
-
-    The clock times optimizer steps, skipping the first ``warmup_steps``. CUDA runs behind the host, and a sync in
-    every step would stop it queueing the next one: every ``sync_every`` steps the record waits for the devices, reads
-    the window's losses and sample and token counts (device tensors or numbers) and gives each step of the window since
-    the last sync the window's mean time."""
+    """The loss curve, the clock (synced every ``sync_every`` steps, not in each) and peak memory of a run."""
 
     def __init__(
         self,
@@ -89,8 +74,7 @@ class RunRecord:
                 torch.cuda.reset_peak_memory_stats(device)
 
     def timed(self, dataloader):
-        """``dataloader``'s batches, the time each ``next()`` takes added to the current step's data wait
-        (``perf/data_wait_fraction``)."""
+        """``dataloader``'s batches, each ``next()``'s time added to the step's data wait."""
         self._data_timed, iterator = True, iter(dataloader)
         while True:
             start = time.perf_counter()
@@ -103,9 +87,7 @@ class RunRecord:
             yield batch
 
     def step(self, completed_steps: int, loss, samples: int, tokens=0, answer_tokens=0) -> None:
-        """After each optimizer step: its global loss and the whole global batch's samples/tokens (``answer_tokens``:
-        those a fine-tune's loss is on). Tensors still on the device are read (a sync point) every ``sync_every``
-        steps, at the last step and in ``losses()``."""
+        """After each optimizer step: its global loss, samples and tokens (``answer_tokens``: those of the loss)."""
         if isinstance(loss, numbers.Number) and not self.unread:  # read by the recipe already (its sync is done)
             self.curve.append(float(loss))
         else:
@@ -163,8 +145,7 @@ class RunRecord:
         return summary
 
     def write(self, output_dir: str | os.PathLike, results: dict, model) -> Path:
-        """A collective (every process gathers its numbers): ``results`` with the loss curve, perf/* and memory/*
-        entries, written by the main process to ``output_dir/results.json``; also logged to the trackers."""
+        """``results`` with the curve, perf/* and memory/*, to results.json and the trackers; a collective."""
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
         per_rank = lambda value: {f"rank{r}": item for r, item in enumerate(gather_object([value]))}
         per_device = lambda peaks: {

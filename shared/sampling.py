@@ -1,5 +1,4 @@
-"""Batches of similar length (``--group_by_length``), shuffled as whole batches: with dynamic padding every batch is
-padded to its longest sample, so a 10-token and a 400-token text in one batch waste most of the compute on padding."""
+"""Batches of similar length (``--group_by_length``): with dynamic padding, less compute spent on padding."""
 
 from __future__ import annotations
 
@@ -9,12 +8,7 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 
 
 class LengthGroupedShuffledSampler(Sampler[int]):
-    """Yields indices in batch-aligned runs of similar length (``batch_size`` equal to the DataLoader's; under DDP
-    Accelerate hands whole batches to processes, so they stay similar). The grouping is transformers' (the Trainer's
-    ``group_by_length``): shuffle, cut into mega-batches of ``mega_batch_batches`` batches, sort each by length. Not
-    its ``LengthGroupedSampler``: that yields each mega-batch longest batch first, and has no ``set_epoch`` (its order
-    follows the global RNG: a resumed run would not see the batches of an uninterrupted one). Here each epoch is
-    seeded with seed + epoch (Accelerate's loader calls ``set_epoch``), and full batches are shuffled, short last."""
+    """Batch-aligned runs of indices of similar length (transformers' grouping), seeded by epoch: a resume agrees."""
 
     def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, mega_batch_batches: int = 50):
         self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
