@@ -76,7 +76,7 @@ from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
 from llm_kit.adapters import load_adapter_state, save_adapter_state, starting_point
 from llm_kit.loading import causal_lm_config, parameter_counts
-from grpo_kit.checkpoints import checkpoint_saver
+from llm_kit.checkpoints import checkpoint_saver
 from grpo_kit.data import as_sft_rows, check_layout, load_prompts, prompt_loader, rounds
 from grpo_kit.loss import LOSS_TYPES, completion_logps, grpo_loss
 from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog, round_metrics
