@@ -28,6 +28,7 @@ MODEL_FLAGS = (
     "lora_dropout",
     "lora_target_modules",
 )
+POLICY_FLAGS = (*MODEL_FLAGS, "adapter_name_or_path")  # the preference and RL recipes': an adapter to continue
 
 
 def load_model(
@@ -157,23 +158,29 @@ def load_adapter_state(accelerator, folder: Path) -> None:
     accelerator.step = loaded.get("step", accelerator.step)
 
 
+# The flags ``starting_point`` takes, by the names the recipes' parsers give them.
+START_FLAGS = ("adapter_name_or_path", "model_name_or_path", "offline_default_settings")
+
+
 def starting_point(
     accelerator,
-    adapter: str | None,
-    model_name_or_path: str | None,
     lora: bool,
     output_dir: Path,
     recipes_dir: Path,
-    offline_settings: str = "",
+    *,
+    adapter_name_or_path: str | None,
+    model_name_or_path: str | None,
+    offline_default_settings: str = "",
 ) -> tuple[str | None, str]:
     """The SFT adapter to continue (or None) and the base model. Offline (neither given, LoRA): the adapter that
     ``recipes/llm_finetune.py`` saved by default in ``outputs/llm_finetune``, when there is one (said so), else its
     default base (``llm_kit.loading.default_base_model``, which may pretrain one first: ``recipes/train_lm.py`` in a
     subprocess, into ``output_dir/base_model``). An adapter whose base (its
     adapter_config.json) differs from ``model_name_or_path`` is refused: LoRA weights trained on one base are
-    meaningless on another. ``offline_settings``: what the offline default trains with, printed when given."""
-    if offline_settings:
-        accelerator.print(offline_settings)
+    meaningless on another. ``offline_default_settings``: what the offline default trains with, printed when given."""
+    adapter = adapter_name_or_path
+    if offline_default_settings:
+        accelerator.print(offline_default_settings)
     if adapter is None and model_name_or_path is None and lora and Path(SFT_DEFAULT, "adapter_config.json").is_file():
         adapter = SFT_DEFAULT
         accelerator.print(f"offline default: continuing the SFT adapter recipes/llm_finetune.py saved in {adapter}")
