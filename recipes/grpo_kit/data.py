@@ -66,9 +66,10 @@ def check_prompt_lengths(raw_datasets: datasets.DatasetDict, fmt: str, tokenizer
             length = len(prompt_ids(row["prompt"], fmt, tokenizer))
             if length > max_prompt_length:
                 shown = str(row["prompt"])
+                shown = shown[:80] + " ..." if len(shown) > 80 else shown
                 raise RecipeError(
                     f"A {split} prompt has {length} tokens, more than --max_prompt_length {max_prompt_length}: "
-                    f"{shown[:80]!r}{' ...' if len(shown) > 80 else ''}. Pass a larger --max_prompt_length, or "
+                    f"{shown!r}. Pass a larger --max_prompt_length, or "
                     "shorten or drop the prompt (prompts are not cut: the model would answer a question it was not "
                     "asked)."
                 )
