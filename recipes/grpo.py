@@ -79,8 +79,7 @@ from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from grpo_kit.data import PROMPT_FLAGS, as_sft_rows, check_layout, prompt_loader, read_prompts, rounds
 from grpo_kit.data import tokenize_prompts
 from grpo_kit.loss import LOSS_TYPES, completion_logps, grpo_loss
-from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog
-from grpo_kit.metrics import round_metrics
+from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog, round_metrics
 from grpo_kit.rewards import FORMAT_PATTERN, trainer_state
 from grpo_kit.policy import POLICY_SETUP_FLAGS, reference_and_generator
 from grpo_kit.rollout import training_round
