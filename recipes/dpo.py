@@ -64,39 +64,42 @@ from tqdm.auto import tqdm
 
 # bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-from transformers import get_scheduler
 
 # shared/ (beside this file in a copy, or one folder up here) and this recipe's kits go first on sys.path, so that no
 # installed package of those names shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_keep_gathered_in_one_process
-from shared.fsdp import set_wrap_at_blocks
-from shared.lora import lora_model
-from llm_kit.loading import causal_lm_config, load_base_model
-from llm_kit.loading import parameter_counts
-from llm_kit.adapters import SFT_DEFAULT, continued_adapter, load_adapter_state, save_adapter_state, starting_point
-from shared.model_split import find_block_list
+from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
+from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
+from llm_kit.adapters import POLICY_FLAGS, SFT_DEFAULT, START_FLAGS, adapter_checkpoints, load_model, starting_point
+from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver
+from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
 from dpo_kit.loss import METRICS, dpo_losses, metric_means, sequence_logps, step_counts, step_loss
+from dpo_kit.metrics import TrainLog
 from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
-from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
 from shared.fsdp import set_fsdp_on_cpu
-from llm_kit.sft_data import add_chat_template, chat_tokenizer, check_batches, load_raw_datasets
+from llm_kit.sft_data import DATA_FLAGS, add_chat_template, chat_tokenizer, check_batches, load_raw_datasets
 from llm_kit.sft_eval import exact_match_before, exact_match_results
 
 # What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: large steps from the
 # base; continuing the SFT recipe's adapter, smaller ones with RPO's NLL term (docs/dpo.md has the measurements).
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
 OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0}
+# Said when --disable_dropout (on by default) switched dropout off.
+DROPOUT_OFF = (
+    "dropout: off in the policy and the reference, as in TRL ({} dropout probabilities set to 0; --no-disable_dropout "
+    "keeps them)"
+)
 # Said when no data flag is given: a user's model would otherwise train on the offline pairs without a word.
 BUNDLED_DATA = (
     "data: no --train_file or --dataset_name, so this run trains on the bundled preference pairs (is a standard-"
@@ -262,6 +265,31 @@ def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error("--validation_file needs --train_file")
 
 
+def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The flags ``names`` and their values: what a helper of the kit takes as keyword arguments of those names (the
+    names are listed beside it, e.g. ``llm_kit.optimizer.OPTIMIZER_FLAGS``). The same as llm_finetune.py's."""
+    return {name: getattr(args, name) for name in names}
+
+
+def run_results(run_config: dict, train_log, *, counts: dict, parameters: tuple[int, int]) -> dict:
+    """What ``results.json`` holds besides the evaluation: the resolved configuration, the logged windows and TRL's
+    metrics of the last one (``train_log``), the method, the data's format and counts, the parallelism and the
+    model's trainable and total parameters."""
+    return {
+        "recipe": "dpo",
+        "config": run_config,
+        "train/log": train_log.log,
+        "method": run_config["method"],
+        "data/counts": counts,
+        **{key: value for key, value in train_log.last.items() if key != "train/loss"},  # the last window's
+        "parallelism": run_config["parallelism"],
+        "data/format": run_config["data_format"],
+        "global_batch_size": run_config["global_batch_size"],
+        "model/trainable_parameters": parameters[0],
+        "model/total_parameters": parameters[1],
+    }
+
+
 def evaluate(accelerator, model, eval_dataloader, precomputed, rpo_alpha, **loss_kw) -> dict:
     """TRL's metrics over every validation pair, each counted once (``eval/loss``, ``eval/rewards/accuracies`` ...)."""
     model.eval()
@@ -281,6 +309,10 @@ def evaluate(accelerator, model, eval_dataloader, precomputed, rpo_alpha, **loss
             f"{pairs} validation pairs"
         )
     return {**results, "eval/num_pairs": pairs}
+
+
+# The flags ``dataloaders`` takes, by their names.
+LOADER_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "seed")
 
 
 def dataloaders(
@@ -346,8 +378,7 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    # FSDP in 1 process: no resharding after forward (nothing to shard over)
-    set_keep_gathered_in_one_process(accelerator)
+    set_keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward
     set_seed(args.seed)
     set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -356,114 +387,54 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
-    # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator.num_processes,
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        data_parallel_size,
-        args.seed,
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # a resume keeps its global batch
+        accelerator.num_processes, checkpoint, data_parallel_size=data_parallel_size, **flags(args, BATCH_FLAGS)
     )
+
+    # ------------------------------------------------------------------------------- data
+    with accelerator.main_process_first():  # every row checked before any model is built (or pretrained)
+        raw_datasets, fmt = load_raw_datasets(  # preference_format checks the rows and names the format
+            **flags(args, DATA_FLAGS), row_format=preference_format, default_data=stdlib_name_pairs
+        )
+    if not (args.train_file or args.dataset_name):
+        accelerator.print(BUNDLED_DATA)
     # The adapter to continue (offline: the SFT recipe's) and its base, else the offline base (its settings printed).
     args.adapter_name_or_path, args.model_name_or_path = starting_point(
-        accelerator,
-        args.adapter_name_or_path,
-        args.model_name_or_path,
-        lora,
-        output_dir,
-        HERE,
-        args.offline_default_settings,
+        accelerator, lora, output_dir, HERE, **flags(args, START_FLAGS)
     )
     config, args.max_length = causal_lm_config(
         accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
     )
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
-    add_chat_template(accelerator, tokenizer)  # before the data: conversational rows are checked with it
-
-    # ------------------------------------------------------------------------------- data
-    with accelerator.main_process_first():  # the main process reads and tokenizes first, the others read its cache
-        raw_datasets, fmt = load_raw_datasets(  # every row checked by preference_format, which names the format
-            args.train_file,
-            args.validation_file,
-            args.dataset_name,
-            args.dataset_config_name,
-            args.validation_split_percentage,
-            args.seed,
-            args.max_train_samples,
-            args.max_eval_samples,
-            preference_format,
-            default_data=stdlib_name_pairs,
-        )
-        if not (args.train_file or args.dataset_name):
-            accelerator.print(BUNDLED_DATA)
+    add_chat_template(accelerator, tokenizer)  # conversational pairs are tokenized with it
+    with accelerator.main_process_first():  # the main process tokenizes first, the others read its cache
         train_dataset, eval_dataset, counts = tokenize_pairs(
             accelerator, raw_datasets, fmt, tokenizer, args.max_length, args.max_prompt_length
         )
     train_dataloader, eval_dataloader, reference_dataloader = dataloaders(
-        train_dataset,
-        eval_dataset,
-        tokenizer,
-        data_parallel_size,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        seed=args.seed,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        train_dataset, eval_dataset, tokenizer, data_parallel_size, **flags(args, LOADER_FLAGS)
     )
 
     # ------------------------------------------------------------------------------ model
-    model = load_base_model(
-        accelerator,
-        args.model_name_or_path,
-        config,
-        lora,
-        args.load_in_4bit,
-        [],
-        args.max_length,
-        args.trust_remote_code,
+    model = load_model(  # a continued adapter (its frozen copy: the reference), a new one (the base), or none
+        accelerator, args.model_name_or_path, config, lora=lora, **flags(args, POLICY_FLAGS)
     )
-    if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if args.adapter_name_or_path:  # trained "default" + frozen "reference" copy: the reference is the SFT policy
-        model = continued_adapter(model, args.adapter_name_or_path)  # PeftModel.from_pretrained x 2
-    elif lora:  # a new adapter (get_peft_model): the reference is the base, the adapter switched off
-        model = lora_model(
-            model,
-            args.model_name_or_path,
-            r=args.lora_r,
-            alpha=args.lora_alpha,
-            dropout=args.lora_dropout,
-            target_modules=args.lora_target_modules,
-            task_type="CAUSAL_LM",
-        )
     if args.disable_dropout and (switched := disable_dropout(model)):  # TRL's default: at step 0, policy = reference
-        accelerator.print(
-            f"dropout: off in the policy and the reference, as in TRL ({switched} dropout probabilities set to 0; "
-            "--no-disable_dropout keeps them)"
-        )
+        accelerator.print(DROPOUT_OFF.format(switched))
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
         disable_fsdp_ram_efficient_loading()  # env: transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trained,
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=args.adam_epsilon,
-        fused=fused_adamw(accelerator),
-    )
+    # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short).
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # Warm-up and training steps times the processes: the prepared scheduler steps once per process per step.
-    warmup_steps, scheduler_steps = (n * accelerator.num_processes for n in (args.num_warmup_steps, max_train_steps))
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, scheduler_steps)
+    optimizer, lr_scheduler = adamw_and_scheduler(accelerator, model, max_train_steps, **flags(args, OPTIMIZER_FLAGS))
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
-        set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
-        check_offload_fits_host_ram(accelerator, model)
+        set_fsdp_units(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, reference_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, reference_dataloader, lr_scheduler
     )
@@ -484,25 +455,25 @@ def main():
     loss_kw = {name: getattr(args, name) for name in ("beta", "loss_type", "label_smoothing", "rpo_alpha")}
 
     # ---------------------------------------------------------------------- training loop
-    # All states; the scheduler's count brought to this run's processes. LoRA: the adapter alone.
-    load_state = (lambda folder: load_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter alone
+    load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
     )
-    completed_steps, log, window, logs = resume.completed_steps, resume.history.get("train/log", []), [], {}
-    every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
-    last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
-    save_checkpoint_at = lambda step: save_checkpoint(  # the whole history so far: a resume goes on with it
-        accelerator,
-        checkpoints_dir,
-        step,
-        args.checkpoints_total_limit,
-        layout=layout,
-        history={"train/loss_curve": record.losses(), "train/log": log},
-        batch=batch_shape,
-        write_state=(lambda folder: save_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
-    )
+    completed_steps = resume.completed_steps
+    train_log = TrainLog(resume.history.get("train/log", []), args.logging_steps, max_train_steps)
     record = RunRecord(accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps)
+    save_at_step_end = checkpoint_saver(  # a checkpoint when due, or on SIGTERM or Ctrl-C (then exit)
+        accelerator,
+        stop=stop,
+        checkpoints_dir=checkpoints_dir,
+        steps_per_epoch=steps_per_epoch,
+        max_train_steps=max_train_steps,
+        write_state=write_state,
+        layout=layout,
+        history=lambda: {"train/loss_curve": record.losses(), "train/log": train_log.log},  # a resume goes on
+        batch=batch_shape,
+        **flags(args, CHECKPOINT_FLAGS),
+    )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -532,29 +503,17 @@ def main():
             completed_steps += 1
             progress_bar.update(1)
             sums = accelerator.reduce(sums, "sum")  # the global sums stay on the device: only the log reads them
-            window.append(metric_means(sums[:-1], step_pairs, args.rpo_alpha))  # on the device until a log reads it
-            record.step(completed_steps, window[-1][0], samples=step_pairs, tokens=sums[-1])
-            if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                means = torch.stack(window).mean(dim=0).tolist()  # sync point: reads the window's metrics
-                logs = {f"train/{name}": value for name, value in zip(METRICS, means)}
-                logs["train/learning_rate"], window = lr_scheduler.get_last_lr()[0], []
-                log.append({"step": completed_steps, **logs})
-                accelerator.log(logs, step=completed_steps)
-            if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
-                stop.exit(save_checkpoint_at(completed_steps))
-            if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                save_checkpoint_at(completed_steps)
+            step_means = metric_means(sums[:-1], step_pairs, args.rpo_alpha)  # on the device until a log reads it
+            record.step(completed_steps, step_means[0], samples=step_pairs, tokens=sums[-1])
+            train_log.add(accelerator, completed_steps, step_means, lr_scheduler.get_last_lr()[0])  # every N: logged
+            save_at_step_end(completed_steps)  # a checkpoint when due; SIGTERM or Ctrl-C: one, then all exit
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save
-    # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.
-    save(accelerator, model, tokenizer, output_dir, trained_only=lora)
+    save(accelerator, model, tokenizer, output_dir, trained_only=lora)  # before the evaluation: it cannot lose them
 
     # ------------------------------------------------------------------------- evaluation
-    results = {"recipe": "dpo", "config": run_config, "train/log": log, "method": method, "data/counts": counts}
-    results |= {key: value for key, value in logs.items() if key != "train/loss"}  # the last logged TRL metrics
-    results |= {"parallelism": parallelism.name, "data/format": fmt, "global_batch_size": global_batch_size}
-    results |= {"model/trainable_parameters": trainable, "model/total_parameters": total}
+    results = run_results(run_config, train_log, counts=counts, parameters=(trainable, total))
     results |= evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader, precomputed["eval"], **loss_kw)
     results |= exact_match_results(accelerator, model, tokenizer, exact_rows, sft_fmt, exact_before)
     record.write(output_dir, results, model)  # a collective

@@ -55,7 +55,6 @@ import math
 import sys
 from pathlib import Path
 
-import torch
 from accelerate.utils import ProjectConfiguration, set_seed
 from accelerate.utils import disable_fsdp_ram_efficient_loading
 from tqdm.auto import tqdm
@@ -63,7 +62,6 @@ from tqdm.auto import tqdm
 # PEFT, which transformers imports, imports bitsandbytes, which on a CPU with AVX-512 bf16 warns on every process that
 # an optional kernel is not installed (bitsandbytes 0.50; the CPU path works without it): quieted before that import.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-from transformers import get_scheduler
 
 # shared/ (beside this file in a copy, or one folder up here) and the kits (the LLM recipes', this recipe's) go first
 # on sys.path, so that no installed package of those names shadows them (this folder too, for an import that is not a
@@ -74,18 +72,20 @@ sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_final
 from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
-from llm_kit.adapters import load_adapter_state, save_adapter_state, starting_point
-from llm_kit.loading import causal_lm_config, parameter_counts
-from grpo_kit.checkpoints import checkpoint_saver
-from grpo_kit.data import as_sft_rows, check_layout, load_prompts, prompt_loader, rounds
+from llm_kit.adapters import POLICY_FLAGS, START_FLAGS, adapter_checkpoints, load_model, starting_point
+from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver
+from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
+from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
+from grpo_kit.data import PROMPT_FLAGS, as_sft_rows, check_layout, prompt_loader, read_prompts, rounds
+from grpo_kit.data import tokenize_prompts
 from grpo_kit.loss import LOSS_TYPES, completion_logps, grpo_loss
 from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog, round_metrics
-from grpo_kit.policy import load_policy, prepare_policy
-from grpo_kit.rewards import FORMAT_PATTERN, load_reward_functions, trainer_state
+from grpo_kit.rewards import FORMAT_PATTERN, trainer_state
+from grpo_kit.policy import POLICY_SETUP_FLAGS, reference_and_generator
 from grpo_kit.rollout import training_round
-from grpo_kit.split import split_layout
+from grpo_kit.split import SPLIT_FLAGS, split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.errors import install_peer_exit_hooks, report_recipe_errors, set_stop_with_launcher
 from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
 from shared.fsdp import set_fsdp_on_cpu
@@ -107,6 +107,20 @@ OFFLINE_SETTINGS = {
     "exact_match_samples": 1000,
 }
 
+# The flags each helper below takes as keyword arguments of the same names (``flags``).
+LOSS_FLAGS = ("loss_type", "epsilon", "epsilon_high", "beta", "max_completion_length")  # loss.grpo_loss
+ROLLOUT_FLAGS = (  # rollout.training_round
+    "num_generations",
+    "seed",
+    "max_completion_length",
+    "reward_weights",
+    "scale_rewards",
+    "per_device_train_batch_size",
+    "temperature",
+    "num_iterations",
+    "beta",
+)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -120,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/DeepMath-103K'.")
     add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
     add("--validation_split_percentage", type=positive_float, default=5, help="Held out when there is no validation.")
-    add("--max_prompt_length", type=positive_int, help="Refuse longer prompts, naming the row (default: no limit).")
+    add("--max_prompt_length", type=positive_int, help="Refuse longer prompts, quoting one (default: no limit).")
     add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training prompts.")
     add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation prompts.")
     add = parser.add_argument_group("model").add_argument
@@ -270,6 +284,12 @@ def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Nam
         parser.error("--validation_file needs --train_file")
 
 
+def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The flags ``names`` and their values: what a helper takes as keyword arguments of those names (the names are
+    listed beside it, e.g. ``llm_kit.optimizer.OPTIMIZER_FLAGS``). The same as llm_finetune.py's."""
+    return {name: getattr(args, name) for name in names}
+
+
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:
     """The model, or the trained ``default`` adapter alone, and the tokenizer, for ``from_pretrained``, written whole
     or not at all (a collective). The same as dpo.py's ``save``: kept in each recipe so that each copies alone."""
@@ -322,145 +342,75 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    set_keep_gathered_in_one_process(
-        accelerator
-    )  # FSDP in 1 process: no resharding after forward (nothing to shard over)
+    set_keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward
     set_seed(args.seed)
     set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/grpo.py")
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
-    # Split: the last process only generates, the others train (process groups of their own: a collective).
-    split = split_layout(accelerator, args.generation_mode, parallelism.name)
+    split = split_layout(accelerator, args.generation_mode, parallelism.name, **flags(args, SPLIT_FLAGS))  # collective
+    trains = not (split and split.generates)  # split: the last process only generates, the others train
     data_parallel_size = accelerator.num_processes - bool(split) if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
-    # On a resume, the accumulation that keeps the checkpoint's global batch in this process count.
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator.num_processes,
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        data_parallel_size,
-        args.seed,
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # a resume keeps its global batch
+        accelerator.num_processes, checkpoint, data_parallel_size=data_parallel_size, **flags(args, BATCH_FLAGS)
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     # A round: the prompts of one optimizer step's completions; this process generates and trains its share of them.
     prompts_per_round, share = check_layout(accelerator, global_batch_size, args.num_generations, data_parallel_size)
-    adapter_name_or_path, model_name_or_path = starting_point(  # offline: the SFT adapter, else a pretrained base
-        accelerator,
-        args.adapter_name_or_path,
-        args.model_name_or_path,
-        lora,
-        output_dir,
-        HERE,
-        args.offline_default_settings,
-    )
-    config, _ = causal_lm_config(
-        accelerator, model_name_or_path, args.max_completion_length, args.load_in_4bit, args.trust_remote_code
-    )
-    tokenizer = chat_tokenizer(accelerator, model_name_or_path, args.trust_remote_code, args.tokenizer_name)
-    add_chat_template(accelerator, tokenizer)
 
     # ------------------------------------------------------------------------------- data
-    with accelerator.main_process_first():  # the main process fills datasets' cache, the others read it
-        raw_datasets, fmt, train_dataset, counts = load_prompts(
-            accelerator,
-            tokenizer=tokenizer,
-            train_file=args.train_file,
-            validation_file=args.validation_file,
-            dataset_name=args.dataset_name,
-            dataset_config_name=args.dataset_config_name,
-            validation_split_percentage=args.validation_split_percentage,
-            seed=args.seed,
-            max_train_samples=args.max_train_samples,
-            max_eval_samples=args.max_eval_samples,
-            max_prompt_length=args.max_prompt_length,
-            answers="accuracy" in args.reward_funcs,
-        )
-    reward_functions = load_reward_functions(args.reward_funcs, args.format_pattern, train_dataset.column_names)
+    with accelerator.main_process_first():  # every row checked before any model is built (or pretrained)
+        raw_datasets, fmt, reward_functions = read_prompts(**flags(args, PROMPT_FLAGS))
+    args.adapter_name_or_path, args.model_name_or_path = starting_point(  # offline: the SFT adapter, else a base
+        accelerator, lora, output_dir, HERE, **flags(args, START_FLAGS)
+    )
+    config, _ = causal_lm_config(
+        accelerator, args.model_name_or_path, args.max_completion_length, args.load_in_4bit, args.trust_remote_code
+    )
+    tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
+    add_chat_template(accelerator, tokenizer)
+    with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
+        train_dataset, counts = tokenize_prompts(accelerator, raw_datasets, fmt, tokenizer, args.max_prompt_length)
     train_dataloader = prompt_loader(train_dataset, prompts_per_round, args.seed)
 
     # ------------------------------------------------------------------------------ model
-    model = load_policy(
-        accelerator,
-        model_name_or_path=model_name_or_path,
-        config=config,
-        lora=lora,
-        load_in_4bit=args.load_in_4bit,
-        trust_remote_code=args.trust_remote_code,
-        gradient_checkpointing=args.gradient_checkpointing,
-        adapter_name_or_path=adapter_name_or_path,
-        beta=args.beta,
-        lora_r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
-        lora_target_modules=args.lora_target_modules,
+    model = load_model(  # a continued adapter (with beta, its frozen copy: the reference), a new one, or none
+        accelerator, args.model_name_or_path, config, lora=lora, reference=args.beta > 0, **flags(args, POLICY_FLAGS)
     )
-    trainable, total = parameter_counts(accelerator, model, model_name_or_path)
+    trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the main process reads a layer at a time
-        load_4bit_sharded(accelerator, model, model_name_or_path)
+        load_4bit_sharded(accelerator, model, args.model_name_or_path)
         disable_fsdp_ram_efficient_loading()  # env: transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        fused=fused_adamw(accelerator),
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=args.adam_epsilon,
-    )
     steps_per_epoch = len(train_dataloader) * args.num_iterations  # a round of prompts: --num_iterations steps
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     epochs = math.ceil(max_train_steps / steps_per_epoch)
-    # Warm-up and training steps times the processes: the prepared scheduler steps once per process per step.
-    processes = accelerator.num_processes
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler_type, optimizer, args.num_warmup_steps * processes, max_train_steps * processes
-    )
+    optimizer, lr_scheduler = adamw_and_scheduler(accelerator, model, max_train_steps, **flags(args, OPTIMIZER_FLAGS))
 
     # ------------------------------------------------------------------------------ prepare
-    # A collective (split: the trainers' own DDP); FSDP: the plugin wraps each decoder block.
-    model, optimizer, lr_scheduler, reference_model, policy_generator = prepare_policy(
-        accelerator,
-        model,
-        optimizer,
-        lr_scheduler,
-        split=split,
-        fsdp=layout == "fsdp",
-        tokenizer=tokenizer,
-        model_name_or_path=model_name_or_path,
-        config=config,
-        trust_remote_code=args.trust_remote_code,
-        lora=lora,
-        beta=args.beta,
-        max_completion_length=args.max_completion_length,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
+    if layout == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
+        set_fsdp_units(accelerator, model)
+    # Split: the trainers' DDP over their own group (the generating process never trains), which gets their weights.
+    model, optimizer, lr_scheduler = (split.prepare if split else accelerator.prepare)(model, optimizer, lr_scheduler)
+    reference_model, policy_generator = reference_and_generator(  # with beta, a full fine-tune's: a frozen copy
+        accelerator, model, tokenizer, config, split, lora, layout == "fsdp", **flags(args, POLICY_SETUP_FLAGS)
     )
     generator = split or policy_generator  # split: the trainers receive the generating process's rounds
     sft_rows, sft_fmt = as_sft_rows(raw_datasets["validation"], fmt)
-    exact_match_samples = 0 if args.skip_eval else args.exact_match_samples
-    exact_rows, exact_before = exact_match_before(  # greedy answers to held-out prompts, scored again at the end
-        accelerator, model, tokenizer, sft_rows, sft_fmt, exact_match_samples, layout == "fsdp", args.seed
+    exact_samples = 0 if args.skip_eval else args.exact_match_samples  # greedy answers, scored again at the end
+    exact_rows, exact_before = exact_match_before(
+        accelerator, model, tokenizer, sft_rows, sft_fmt, exact_samples, layout == "fsdp", args.seed
     )
-    run_config = {
-        **vars(args),
-        "adapter_name_or_path": adapter_name_or_path,
-        "model_name_or_path": model_name_or_path,
-        "method": method,
-        "parallelism": parallelism.name,
-        "data_format": fmt,
-        "global_batch_size": global_batch_size,
-        "prompts_per_round": prompts_per_round,
-        "max_train_steps": max_train_steps,
-    }
+    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
+    run_config |= {"global_batch_size": global_batch_size, "prompts_per_round": prompts_per_round}
+    run_config |= {"max_train_steps": max_train_steps}
     accelerator.init_trackers("grpo", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
-    load_state = (lambda folder: load_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter
-    write_state = (lambda folder: save_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter
+    load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, 1, lr_scheduler, load_state=load_state)
     completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
     record = CompletionsRecord(
@@ -470,73 +420,32 @@ def main():
         accelerator,
         stop=stop,
         checkpoints_dir=checkpoints_dir,
-        checkpointing_steps=args.checkpointing_steps,
-        checkpoints_total_limit=args.checkpoints_total_limit,
         steps_per_epoch=steps_per_epoch,
         max_train_steps=max_train_steps,
-        num_iterations=args.num_iterations,
         write_state=(lambda folder: split.save_state(folder, write_state)) if split else write_state,  # split: +round
         layout=layout,
-        history=lambda: {"train/loss_curve": record.losses(), **train_log.history()},
+        history=lambda: {"train/loss_curve": record.losses(), **train_log.history()},  # a resume goes on with them
         batch=batch_shape,
+        **flags(args, (*CHECKPOINT_FLAGS, "num_iterations")),
     )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
-    # Every process reads every round's prompts, in the same order, from the round the checkpoint reached.
-    prompt_rounds = rounds(
-        accelerator, train_dataloader, resume.epoch, resume.batches_to_skip // args.num_iterations, epochs
-    )
-    trains = not (split and split.generates)
+    prompt_rounds = rounds(accelerator, train_dataloader, resume, args.num_iterations, epochs)  # the same everywhere
     if not trains:  # split: this process makes every round, one ahead of the trainers, then stops
-        split.serve(
-            policy_generator,
-            model,
-            prompt_rounds,
-            completed_steps=completed_steps,
-            max_train_steps=max_train_steps,
-            num_iterations=args.num_iterations,
-            num_generations=args.num_generations,
-            seed=args.seed,
-            at_step_end=save_at_step_end,
-            checkpoint=checkpoint,
-        )
-    # The loss's settings, the same every step (loss.py: TRL's clipped ratio, KL term and reductions).
-    loss_of = functools.partial(
-        grpo_loss,
-        loss_type=args.loss_type,
-        epsilon=args.epsilon,
-        epsilon_high=args.epsilon_high,
-        beta=args.beta,
-        step_completions=global_batch_size,
-        processes=data_parallel_size,
-        max_completion_length=args.max_completion_length,
+        split.serve(policy_generator, model, prompt_rounds, save_at_step_end, checkpoint, resume, max_train_steps)
+    loss_of = functools.partial(  # the loss's settings, the same every step (loss.py: TRL's clipped ratio, KL ...)
+        grpo_loss, step_completions=global_batch_size, processes=data_parallel_size, **flags(args, LOSS_FLAGS)
     )
+    # The rollout's settings, the same every round (rollout.py: generation, rewards, advantages, micro-batches).
+    rollout_settings = dict(share=share, global_batch_size=global_batch_size, group=split and split.trainers)
+    rollout_settings |= dict(reward_functions=reward_functions, tokenizer=tokenizer, fmt=fmt, model=model)
+    rollout_settings |= dict(reference_model=reference_model, mask_truncated=args.mask_truncated_completions)
+    rollout_settings |= flags(args, ROLLOUT_FLAGS)
     for prompts in record.timed(prompt_rounds if trains else []):
-        # Rollout (rollout.py): this process's share generated (split: received), scored, gathered, its advantages.
-        batches, gathered, advantages, step_tokens = training_round(
-            accelerator,
-            generator,
-            prompts,
-            round_index=completed_steps // args.num_iterations,
-            share=share,
-            num_generations=args.num_generations,
-            seed=args.seed,
-            global_batch_size=global_batch_size,
-            max_completion_length=args.max_completion_length,
-            reward_functions=reward_functions,
-            reward_weights=args.reward_weights,
-            scale_rewards=args.scale_rewards,
-            tokenizer=tokenizer,
-            fmt=fmt,
-            per_device_train_batch_size=args.per_device_train_batch_size,
-            mask_truncated=args.mask_truncated_completions,
-            model=model,
-            reference_model=reference_model,
-            temperature=args.temperature,
-            num_iterations=args.num_iterations,
-            beta=args.beta,
-            group=split and split.trainers,
-            trainer_state=trainer_state(completed_steps, max_train_steps, completed_steps // steps_per_epoch),
+        round_index, epoch = completed_steps // args.num_iterations, completed_steps // steps_per_epoch
+        state = trainer_state(completed_steps, max_train_steps, epoch)  # what TRL passes reward functions
+        batches, gathered, advantages, step_tokens = training_round(  # this process's share, scored, its advantages
+            accelerator, generator, prompts, round_index=round_index, trainer_state=state, **rollout_settings
         )
 
         for iteration in range(min(args.num_iterations, max_train_steps - completed_steps)):  # this round's steps
@@ -554,10 +463,8 @@ def main():
             optimizer.zero_grad()
             completed_steps += 1
             progress_bar.update(1)
-            step = {
-                **metrics.result(accelerator, args.beta, group=split and split.trainers),
-                **round_metrics(gathered, reward_functions, advantages),
-            }
+            step = metrics.result(accelerator, args.beta, group=split and split.trainers)
+            step |= round_metrics(gathered, reward_functions, advantages)
             record.step(completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens"))
             train_log.add(accelerator, completed_steps, step, lr_scheduler.get_last_lr()[0])
             save_at_step_end(completed_steps)  # a checkpoint when due; SIGTERM or Ctrl-C: one, then exit

@@ -60,34 +60,31 @@ from tqdm.auto import tqdm
 
 # bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-from transformers import get_scheduler
 
 # shared/ (beside this file in a copy, or one folder up here) and this recipe's kits go first on sys.path, so that no
 # installed package of those names shadows them; this folder too, for an import that is not a run.
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_final
 from shared.signals import install_stop_on_signals
-from shared.fsdp import (
-    check_offload_fits_host_ram,
-    gathered_state_dict,
-    set_keep_gathered_in_one_process,
-    set_wrap_at_blocks,
-)
-from llm_kit.loading import causal_lm_config, default_base_model, load_base_model, parameter_counts, save_merged
-from shared.lora import lora_model
-from shared.model_split import find_block_list, split_devices
+from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
+from llm_kit.loading import causal_lm_config, default_base_model, parameter_counts, save_merged
+from llm_kit.loading import set_fsdp_units
+from shared.model_split import split_devices
 from shared.results import RunRecord
 from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
-from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
+from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
 from shared.fsdp import set_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
-from llm_kit.adapters import load_adapter_state, save_adapter_state
+from llm_kit.adapters import MODEL_FLAGS, adapter_checkpoints, load_model
+from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver
+from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from llm_kit.sharded_4bit import load_4bit_sharded
 from llm_kit.sft_data import (
+    DATA_FLAGS,
     add_chat_template,
     best_fit_decreasing,
     chat_tokenizer,
@@ -102,6 +99,8 @@ from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_s
 
 # What the offline default model (no --model_name_or_path) trains with unless a flag says otherwise.
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 600, "learning_rate": 1e-3}
+# The flags ``load_model`` takes here: the shared ones, the length a device_map plans for, and whether to merge.
+SFT_MODEL_FLAGS = (*MODEL_FLAGS, "max_length", "merge_and_save")
 # Said when no data flag is given: a user's model would otherwise train on the offline questions without a word.
 BUNDLED_DATA = (
     "data: no --train_file or --dataset_name, so this run trains on the bundled questions (is a standard-library name "
@@ -219,6 +218,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The flags ``names`` and their values: what a helper of the kit takes as keyword arguments of those names (the
+    names are listed beside it, e.g. ``llm_kit.optimizer.OPTIMIZER_FLAGS``)."""
+    return {name: getattr(args, name) for name in names}
+
+
+# The flags ``dataloaders`` takes, by their names.
+LOADER_FLAGS = (
+    "packing",
+    "max_length",
+    "group_by_length",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "seed",
+)
+
+
 def dataloaders(
     train_dataset,
     eval_dataset,
@@ -286,6 +302,33 @@ def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) ->
     accelerator.print(f"saved the {'adapter' if trained_only else 'model'} and the tokenizer to {output_dir}")
 
 
+def run_results(run_config: dict, parallelism_requested: str, *, counts: dict, parameters: tuple[int, int]) -> dict:
+    """What ``results.json`` holds besides the evaluation: the resolved configuration, the model, method and
+    parallelism, the data's format and counts, and the model's trainable and total parameters."""
+    return {
+        "recipe": "llm_finetune",
+        "config": run_config,
+        "model": run_config["model_name_or_path"],
+        "method": run_config["method"],
+        "parallelism": run_config["parallelism"],
+        "parallelism_requested": parallelism_requested,
+        "data/format": run_config["data_format"],
+        "data/counts": counts,
+        "global_batch_size": run_config["global_batch_size"],
+        "model/trainable_parameters": parameters[0],
+        "model/total_parameters": parameters[1],
+    }
+
+
+def log_train_loss(accelerator, progress_bar, record, lr_scheduler, completed_steps: int, logging_steps: int) -> None:
+    """The mean loss of the steps since the last log (a sync point: it reads them) on the progress bar, and with the
+    learning rate to the trackers (``train/loss``, ``train/learning_rate``)."""
+    since_last_log = completed_steps % logging_steps or logging_steps
+    loss, lr = statistics.fmean(record.losses()[-since_last_log:]), lr_scheduler.get_last_lr()[0]
+    progress_bar.set_postfix({"train/loss": f"{loss:.4f}"})
+    accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
+
+
 def evaluate(accelerator, model, eval_dataloader) -> dict:
     """Loss and perplexity on the answer tokens of every validation sample, each counted once (``eval/*``)."""
     model.eval()
@@ -331,8 +374,7 @@ def main():
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
     )
     set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    # FSDP in 1 process: no resharding after forward (nothing to shard over)
-    set_keep_gathered_in_one_process(accelerator)
+    set_keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward
     set_seed(args.seed)
     set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     if args.offline_default_settings:  # e.g. "the offline default model trains with --learning_rate 0.001 (...)"
@@ -343,104 +385,49 @@ def main():
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
-    # A resume keeps its checkpoint's global batch: the accumulation follows this run's process count.
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        accelerator.num_processes,
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        data_parallel_size,
-        args.seed,
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # a resume keeps its global batch
+        accelerator.num_processes, checkpoint, data_parallel_size=data_parallel_size, **flags(args, BATCH_FLAGS)
     )
+
+    # ------------------------------------------------------------------------------- data
+    with accelerator.main_process_first():  # every row checked before any model is built (or pretrained)
+        raw_datasets, fmt = load_raw_datasets(**flags(args, DATA_FLAGS))
+    if not (args.train_file or args.dataset_name):
+        accelerator.print(BUNDLED_DATA)
     args.model_name_or_path = args.model_name_or_path or default_base_model(accelerator, output_dir, HERE)
     config, args.max_length = causal_lm_config(
         accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
     )
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
-
-    # ------------------------------------------------------------------------------- data
     with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
-        raw_datasets, fmt = load_raw_datasets(
-            args.train_file,
-            args.validation_file,
-            args.dataset_name,
-            args.dataset_config_name,
-            args.validation_split_percentage,
-            args.seed,
-            args.max_train_samples,
-            args.max_eval_samples,
-        )
-        if not (args.train_file or args.dataset_name):
-            accelerator.print(BUNDLED_DATA)
         if fmt == "messages":  # the recipe's template where the model has none: saved only when trained with
             add_chat_template(accelerator, tokenizer)
         train_dataset, eval_dataset, counts = tokenize_datasets(
             accelerator, raw_datasets, fmt, tokenizer, args.max_length
         )
     train_dataloader, eval_dataloader = dataloaders(
-        train_dataset,
-        eval_dataset,
-        tokenizer,
-        data_parallel_size,
-        packing=args.packing,
-        max_length=args.max_length,
-        group_by_length=args.group_by_length,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        seed=args.seed,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        train_dataset, eval_dataset, tokenizer, data_parallel_size, **flags(args, LOADER_FLAGS)
     )
 
     # ------------------------------------------------------------------------------ model
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
-    model = load_base_model(
-        accelerator,
-        args.model_name_or_path,
-        config,
-        lora,
-        args.load_in_4bit,
-        split_over,
-        args.max_length,
-        args.trust_remote_code,
-        args.merge_and_save and lora,
+    model = load_model(  # frozen + an adapter (LoRA), or every weight trained; split over devices with a device_map
+        accelerator, args.model_name_or_path, config, lora=lora, devices=split_over, **flags(args, SFT_MODEL_FLAGS)
     )
-    if args.gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if lora:
-        model = lora_model(
-            model,
-            args.model_name_or_path,
-            r=args.lora_r,
-            alpha=args.lora_alpha,  # get_peft_model
-            dropout=args.lora_dropout,
-            target_modules=args.lora_target_modules,
-            task_type="CAUSAL_LM",
-        )
     trainable, total = parameter_counts(accelerator, model, args.model_name_or_path)
     if args.load_in_4bit and parallelism.name == "fsdp":  # built empty: the weights come now, a layer at a time
         load_4bit_sharded(accelerator, model, args.model_name_or_path)  # the main process reads, the others receive
         disable_fsdp_ram_efficient_loading()  # env: done above; transformers must not load to meta on rank 1+ again
 
     # ------------------------------------------------------------------ optimizer and scheduler
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trained,
-        lr=args.learning_rate,
-        weight_decay=args.weight_decay,
-        eps=args.adam_epsilon,
-        fused=fused_adamw(accelerator),
-    )
-    # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short);
-    # the scheduler's steps times the processes: the prepared scheduler steps once per process per optimizer step.
+    # Each process sees 1/data_parallel_size of the batches, grouped by the accumulation (the last group may be short).
     steps_per_epoch = math.ceil(len(train_dataloader) / (data_parallel_size * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    warmup_steps, scheduler_steps = (n * accelerator.num_processes for n in (args.num_warmup_steps, max_train_steps))
-    lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, scheduler_steps)
+    optimizer, lr_scheduler = adamw_and_scheduler(accelerator, model, max_train_steps, **flags(args, OPTIMIZER_FLAGS))
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # one FSDP unit per decoder block; an offload that cannot fit is refused now
-        block_class = set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
-        accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
-        check_offload_fits_host_ram(accelerator, model)
+        set_fsdp_units(accelerator, model)
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
@@ -455,26 +442,26 @@ def main():
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
-    load_state = (lambda folder: load_adapter_state(accelerator, folder)) if lora else None  # LoRA: the adapter alone
+    load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
     )
     completed_steps = resume.completed_steps
-    every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps  # checkpoints
-    last_checkpoint = max_train_steps - (args.checkpointing_steps == "epoch")  # no epoch checkpoint at the end
-    save_checkpoint_at = lambda step: save_checkpoint(  # the whole history so far: a resume goes on with it
-        accelerator,
-        checkpoints_dir,
-        step,
-        args.checkpoints_total_limit,
-        layout=layout,
-        history={"train/loss_curve": record.losses()},
-        batch=batch_shape,
-        write_state=(lambda folder: save_adapter_state(accelerator, folder)) if lora else None,  # LoRA: the adapter
-    )
     devices = sorted(set(split_over), key=str) or None  # a split model: results name every device it uses
     record = RunRecord(
         accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps, devices=devices
+    )
+    save_at_step_end = checkpoint_saver(  # a checkpoint when due, or on SIGTERM or Ctrl-C (then exit)
+        accelerator,
+        stop=stop,
+        checkpoints_dir=checkpoints_dir,
+        steps_per_epoch=steps_per_epoch,
+        max_train_steps=max_train_steps,
+        write_state=write_state,
+        layout=layout,
+        history=lambda: {"train/loss_curve": record.losses()},  # the whole history so far: a resume goes on with it
+        batch=batch_shape,
+        **flags(args, CHECKPOINT_FLAGS),
     )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
@@ -510,14 +497,8 @@ def main():
             global_loss = accelerator.reduce(step_loss, "sum") / step_tokens
             record.step(completed_steps, global_loss, samples=samples, tokens=real_tokens, answer_tokens=step_tokens)
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                since_last_log = completed_steps % args.logging_steps or args.logging_steps
-                loss, lr = statistics.fmean(record.losses()[-since_last_log:]), lr_scheduler.get_last_lr()[0]  # sync
-                progress_bar.set_postfix({"train/loss": f"{loss:.4f}"})
-                accelerator.log({"train/loss": loss, "train/learning_rate": lr}, step=completed_steps)
-            if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
-                stop.exit(save_checkpoint_at(completed_steps))
-            if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
-                save_checkpoint_at(completed_steps)
+                log_train_loss(accelerator, progress_bar, record, lr_scheduler, completed_steps, args.logging_steps)
+            save_at_step_end(completed_steps)  # a checkpoint when due; SIGTERM or Ctrl-C: one, then all exit
     progress_bar.close()
 
     # ------------------------------------------------------------------------------- save
@@ -526,10 +507,7 @@ def main():
         save_merged(accelerator, args.model_name_or_path, output_dir, tokenizer, args.trust_remote_code)
 
     # ------------------------------------------------------------------------- evaluation
-    results = {"recipe": "llm_finetune", "config": run_config, "model": args.model_name_or_path, "method": method}
-    results |= {"parallelism": parallelism.name, "parallelism_requested": args.parallelism, "data/format": fmt}
-    results |= {"data/counts": counts, "global_batch_size": global_batch_size}
-    results |= {"model/trainable_parameters": trainable, "model/total_parameters": total}
+    results = run_results(run_config, args.parallelism, counts=counts, parameters=(trainable, total))
     results |= evaluate(accelerator, model, [] if args.skip_eval else eval_dataloader)
     results["samples"] = generate_samples(  # (the others wait just below)
         accelerator, model, tokenizer, raw_datasets["validation"], fmt, args.generate_samples, args.sample_tokens

@@ -944,7 +944,14 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     assert "--lora_dropout 0.1 would be switched off: --disable_dropout (on by default" in capsys.readouterr().err
     assert recipe.parse_args(["--lora_dropout", "0.1", "--no-disable_dropout"]).disable_dropout is False
     with pytest.raises(RecipeError) as error:
-        starting_point(OneProcess, str(base / "sft_adapter"), "Qwen/Qwen2.5-0.5B", True, base, REPO / "recipes")
+        starting_point(
+            OneProcess,
+            True,
+            base,
+            REPO / "recipes",
+            adapter_name_or_path=str(base / "sft_adapter"),
+            model_name_or_path="Qwen/Qwen2.5-0.5B",
+        )
     assert f"was trained on {str(base)!r}, not on --model_name_or_path 'Qwen/Qwen2.5-0.5B'" in error.value.message
     with pytest.raises(RecipeError) as error:
         preference_format(datasets.Dataset.from_list([{"prompt": "q", "completion": "a"}]), "x")

@@ -868,7 +868,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
     """Each refusal is one paragraph naming the flag, the file or the row."""
     import datasets
 
-    from grpo_kit.data import check_layout, prompt_format
+    from grpo_kit.data import check_layout, check_prompt_lengths, prompt_format
     from grpo_kit.loss import frozen_copy
     from grpo_kit.rewards import load_reward_functions
     from grpo_kit.split import split_layout
@@ -928,9 +928,10 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
     tokenizer = tokenizer_of(base)
     rows = datasets.Dataset.from_list([{"prompt": "short"}, {"prompt": "a much longer prompt " * 8}])
     with pytest.raises(RecipeError) as error:
-        prompt_format(rows, "--train_file 'x.jsonl'", tokenizer, max_prompt_length=8)
-    assert "Row 2 of --train_file 'x.jsonl': its 'prompt' has" in error.value.message
-    assert prompt_format(rows, "x", tokenizer, max_prompt_length=None) == "standard"
+        check_prompt_lengths(datasets.DatasetDict({"train": rows}), "standard", tokenizer, max_prompt_length=8)
+    assert "A train prompt has" in error.value.message and "'a much longer prompt a much" in error.value.message
+    check_prompt_lengths(datasets.DatasetDict({"train": rows}), "standard", tokenizer, max_prompt_length=1000)
+    assert prompt_format(rows, "x") == "standard"
     for bad, message in (
         ([{"question": "q"}], "has no 'prompt' column"),
         ([{"prompt": "q"}, {"prompt": "  "}], "Row 2 of x has no 'prompt' string"),

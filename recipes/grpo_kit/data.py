@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader, Sampler
 from shared.data import refuse_empty_cells
 from shared.errors import RecipeError
 
-from llm_kit.sft_data import check_conversation, collate, load_raw_datasets, stdlib_names
+from llm_kit.sft_data import DATA_FLAGS, check_conversation, collate, load_raw_datasets, stdlib_names
 
-from .rewards import ANSWER_COLUMNS
+from .rewards import ANSWER_COLUMNS, load_reward_functions
 
 FORMATS = ("standard", "conversational")
 PROMPT_COLUMNS = ("prompt", "prompt_ids", "index")  # what the reward functions are not given as columns
@@ -32,13 +32,11 @@ def prompt_ids(prompt, fmt: str, tokenizer) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
-def prompt_format(
-    dataset: datasets.Dataset, source: str, tokenizer=None, max_prompt_length: int | None = None, answers: bool = False
-) -> str:
+def prompt_format(dataset: datasets.Dataset, source: str, answers: bool = False) -> str:
     """The format of ``dataset`` (``FORMATS``), every row checked (rows count from 1, as the lines of a JSON Lines
     file): a ``prompt`` that is empty, not a string like the others, or not a list of messages, is refused naming its
-    row; with ``tokenizer`` and ``max_prompt_length``, so is a prompt of more tokens than that; with ``answers`` (the
-    accuracy reward reads them), a row with no ``answer`` (or ``solution``): its completions would score 0 silently."""
+    row; with ``answers`` (the accuracy reward reads them), a row with no ``answer`` (or ``solution``): its completions
+    would score 0 silently. Needs no tokenizer: bad rows are refused before any model is built."""
     columns = dataset.column_names
     if answers:
         refuse_empty_cells(dataset, [column for column in ANSWER_COLUMNS if column in columns][:1], source)
@@ -57,21 +55,36 @@ def prompt_format(
             check_conversation(prompt, f"{where} (column 'prompt')", "prompt", answer=False)
             if not prompt:
                 raise RecipeError(f"{where} has an empty 'prompt' conversation: fill it in, or drop the row.")
-        if tokenizer is not None and max_prompt_length is not None:
-            length = len(prompt_ids(prompt, fmt, tokenizer))
-            if length > max_prompt_length:
-                raise RecipeError(
-                    f"{where}: its 'prompt' has {length} tokens, more than --max_prompt_length {max_prompt_length}. "
-                    "Pass a larger --max_prompt_length, or shorten or drop the row (prompts are not cut: the model "
-                    "would answer a question it was not asked)."
-                )
     return fmt
 
 
-def tokenize_prompts(accelerator, dataset: datasets.Dataset, fmt: str, tokenizer) -> tuple[datasets.Dataset, dict]:
-    """``dataset`` with each prompt's ``prompt_ids`` and its ``index`` in the split, and the counts printed in one
-    line (prompts, their longest and median token counts). Call it under ``main_process_first`` (datasets caches
+def check_prompt_lengths(raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_prompt_length: int) -> None:
+    """Refuse a training or validation prompt of more tokens than ``max_prompt_length``, quoting its beginning (the
+    rows are shuffled and split by now: its text names it)."""
+    for split, rows in raw_datasets.items():
+        for row in rows:
+            length = len(prompt_ids(row["prompt"], fmt, tokenizer))
+            if length > max_prompt_length:
+                shown = str(row["prompt"])
+                shown = shown[:80] + " ..." if len(shown) > 80 else shown
+                raise RecipeError(
+                    f"A {split} prompt has {length} tokens, more than --max_prompt_length {max_prompt_length}: "
+                    f"{shown!r}. Pass a larger --max_prompt_length, or "
+                    "shorten or drop the prompt (prompts are not cut: the model would answer a question it was not "
+                    "asked)."
+                )
+
+
+def tokenize_prompts(
+    accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_prompt_length: int | None = None
+) -> tuple[datasets.Dataset, dict]:
+    """The training prompts with each one's ``prompt_ids`` and its ``index`` in the split, and the counts printed in
+    one line (prompts, their longest and median token counts); with ``max_prompt_length``, every training and
+    validation prompt checked first (``check_prompt_lengths``). Call it under ``main_process_first`` (datasets caches
     it)."""
+    if max_prompt_length is not None:
+        check_prompt_lengths(raw_datasets, fmt, tokenizer, max_prompt_length)
+    dataset = raw_datasets["train"]
     tokenized = dataset.map(
         lambda row, index: {"prompt_ids": prompt_ids(row["prompt"], fmt, tokenizer), "index": index},
         with_indices=True,
@@ -93,10 +106,12 @@ def tokenize_prompts(accelerator, dataset: datasets.Dataset, fmt: str, tokenizer
     return tokenized, counts
 
 
-def load_prompts(
-    accelerator,
+# The flags ``read_prompts`` takes, by the names the recipe's parser gives them.
+PROMPT_FLAGS = (*DATA_FLAGS, "reward_funcs", "format_pattern")
+
+
+def read_prompts(
     *,
-    tokenizer,
     train_file: str | None,
     validation_file: str | None,
     dataset_name: str | None,
@@ -105,12 +120,15 @@ def load_prompts(
     seed: int,
     max_train_samples: int | None,
     max_eval_samples: int | None,
-    max_prompt_length: int | None,
-    answers: bool,
-) -> tuple[datasets.DatasetDict, str, datasets.Dataset, dict]:
+    reward_funcs: list[str],
+    format_pattern: str,
+) -> tuple[datasets.DatasetDict, str, list]:
     """The ``train`` and ``validation`` prompts (the user's files, a Hub dataset, or ``stdlib_name_prompts``), every
-    row checked (``prompt_format``), their format, and the tokenized training prompts with their counts (printed once).
-    Call it under ``main_process_first`` (datasets caches it)."""
+    row checked (``prompt_format``; a row without an answer where the accuracy reward reads them), their format, and
+    the reward functions (``rewards.load_reward_functions``: one that needs a column the data lacks is refused). No
+    tokenizer needed: bad data is refused before any model is built. Call it under ``main_process_first`` (datasets
+    caches it)."""
+    answers = "accuracy" in reward_funcs
     raw_datasets, fmt = load_raw_datasets(
         train_file,
         validation_file,
@@ -120,11 +138,10 @@ def load_prompts(
         seed,
         max_train_samples,
         max_eval_samples,
-        lambda rows, source: prompt_format(rows, source, tokenizer, max_prompt_length, answers),
+        lambda rows, source: prompt_format(rows, source, answers),
         default_data=stdlib_name_prompts,
     )
-    train_dataset, counts = tokenize_prompts(accelerator, raw_datasets["train"], fmt, tokenizer)
-    return raw_datasets, fmt, train_dataset, counts
+    return raw_datasets, fmt, load_reward_functions(reward_funcs, format_pattern, raw_datasets["train"].column_names)
 
 
 class EpochShuffle(Sampler[int]):
@@ -161,10 +178,12 @@ def check_layout(
     return global_batch_size // num_generations, slice(rank * rows, (rank + 1) * rows)
 
 
-def rounds(accelerator, train_dataloader: DataLoader, first_epoch: int, rounds_to_skip: int, epochs: int):
-    """The prompts of every round from where training picks up (``load_checkpoint``'s epoch, and the rounds of it
-    already done) to the end of epoch ``epochs`` - 1: each epoch in its own order (``EpochShuffle.set_epoch``: the same
-    on every process and after a resume), the done rounds skipped (``skip_first_batches``)."""
+def rounds(accelerator, train_dataloader: DataLoader, resume, num_iterations: int, epochs: int):
+    """The prompts of every round, the same on every process, from where training picks up (``resume``, the
+    ``ResumePoint`` of ``load_checkpoint``: its epoch, and the rounds of ``num_iterations`` steps of it already done)
+    to the end of epoch ``epochs`` - 1: each epoch in its own order (``EpochShuffle.set_epoch``: the same on every
+    process and after a resume), the done rounds skipped (``skip_first_batches``)."""
+    first_epoch, rounds_to_skip = resume.epoch, resume.batches_to_skip // num_iterations
     for epoch in range(first_epoch, epochs):
         train_dataloader.sampler.set_epoch(epoch)
         skip = rounds_to_skip if epoch == first_epoch else 0

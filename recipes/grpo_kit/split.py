@@ -43,9 +43,22 @@ IN_FLIGHT = "round_in_flight.pt"  # in a checkpoint: the round the generating pr
 BUCKET_ELEMENTS = 2**26  # weights are sent in flat buffers of at most this many elements (256 MiB of fp32)
 
 
-def split_layout(accelerator, generation_mode: str, parallelism: str) -> SplitLayout | None:
+# The flags ``split_layout`` takes (what the generating process's rounds follow), by the recipe's names.
+SPLIT_FLAGS = ("num_iterations", "num_generations", "seed")
+
+
+def split_layout(
+    accelerator,
+    generation_mode: str,
+    parallelism: str,
+    num_iterations: int = 1,
+    num_generations: int = 2,
+    seed: int = 0,
+) -> SplitLayout | None:
     """The split layout's process groups and roles (a collective: every process makes them), None for ``colocate``;
-    refused in one process (nobody to split with) and under FSDP (the trainers replicate the model)."""
+    refused in one process (nobody to split with) and under FSDP (the trainers replicate the model). The generating
+    process makes ``num_generations`` completions of each prompt with the round's noise (from ``seed``), a round per
+    ``num_iterations`` optimizer steps."""
     if generation_mode != "split":
         return None
     if accelerator.num_processes < 2 or parallelism != "ddp":
@@ -56,7 +69,7 @@ def split_layout(accelerator, generation_mode: str, parallelism: str) -> SplitLa
             "(on a CPU-only machine too: 2 gloo processes), or use --generation_mode colocate (the default), which "
             "also runs in one process and under FSDP."
         )
-    return SplitLayout(accelerator)
+    return SplitLayout(accelerator, num_iterations, num_generations, seed)
 
 
 class SplitLayout:
@@ -64,7 +77,8 @@ class SplitLayout:
     (``rollout.Generator``): ``generate`` receives their share of the round the generating process made, ``update``
     sends it the weights after a round. On the generating process, ``serve`` is its whole training loop."""
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator, num_iterations: int, num_generations: int, seed: int):
+        self.num_iterations, self.num_generations, self.seed = num_iterations, num_generations, seed
         self.accelerator, world = accelerator, accelerator.num_processes
         self.rank, self.generator_rank = accelerator.process_index, world - 1
         self.generates = self.rank == self.generator_rank
@@ -167,26 +181,16 @@ class SplitLayout:
 
     # --------------------------------------------------------------------------- the generating process
     def serve(
-        self,
-        generator,
-        model,
-        prompt_rounds,
-        *,
-        completed_steps: int,
-        max_train_steps: int,
-        num_iterations: int,
-        num_generations: int,
-        seed: int,
-        at_step_end,
-        checkpoint: Path | None,
+        self, generator, model, prompt_rounds, at_step_end, checkpoint: Path | None, resume, max_train_steps: int
     ) -> None:
         """The generating process's loop, round by round in step with the trainers' (the module's docstring):
-        ``prompt_rounds`` are the rounds' prompts from the one ``completed_steps`` reached on (every process reads the
-        same), each prompt repeated ``num_generations`` times and sampled with the round's noise
+        ``prompt_rounds`` are the rounds' prompts from the one ``resume`` (a ``ResumePoint``) reached on (every
+        process reads the same), each prompt repeated ``num_generations`` times and sampled with the round's noise
         (``sampling_noise``), the whole global batch at once by ``generator`` (a ``PolicyGenerator`` that returns its
-        log-probs);
-        ``at_step_end(completed_steps)`` takes part in the trainers' stop and checkpoint at a round's end. Resumed
-        from ``checkpoint``, the round it holds (``IN_FLIGHT``) is sent first."""
+        log-probs); ``at_step_end(completed_steps)`` takes part in the trainers' stop and checkpoint at a round's end.
+        Resumed from ``checkpoint``, the round it holds (``IN_FLIGHT``) is sent first."""
+        num_iterations, num_generations, seed = self.num_iterations, self.num_generations, self.seed
+        completed_steps = resume.completed_steps
         first_round, last_round = completed_steps // num_iterations, math.ceil(max_train_steps / num_iterations) - 1
         prompt_rounds = iter(prompt_rounds)
         saved = Path(checkpoint or "") / IN_FLIGHT

@@ -13,10 +13,74 @@ from accelerate.checkpointing import load_accelerator_state, save_accelerator_st
 from accelerate.utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
 
 from shared.errors import RecipeError
+from shared.lora import lora_model
 
-from .loading import default_base_model
+from .loading import default_base_model, load_base_model
 
 SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
+# The flags ``load_model`` takes, by the names the recipes' parsers give them.
+MODEL_FLAGS = (
+    "load_in_4bit",
+    "trust_remote_code",
+    "gradient_checkpointing",
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+)
+POLICY_FLAGS = (*MODEL_FLAGS, "adapter_name_or_path")  # the preference and RL recipes': an adapter to continue
+
+
+def load_model(
+    accelerator,
+    model_name_or_path: str,
+    config,
+    *,
+    lora: bool,
+    load_in_4bit: bool,
+    trust_remote_code: bool,
+    gradient_checkpointing: bool,
+    lora_r: int,
+    lora_alpha: float,
+    lora_dropout: float,
+    lora_target_modules: list[str],
+    adapter_name_or_path: str | None = None,
+    reference: bool = True,
+    devices: list | None = None,
+    max_length: int = 512,
+    merge_and_save: bool = False,
+):
+    """The model a recipe trains: the base (``loading.load_base_model``: on this process's device or split over
+    ``devices``, frozen with ``lora``, 4-bit with ``load_in_4bit``), recomputing activations in backward with
+    ``gradient_checkpointing``, and with ``lora`` the adapter it trains: ``adapter_name_or_path`` continued (with a
+    frozen ``reference`` copy: ``continued_adapter``) or a new one (``get_peft_model``; its reference, where a recipe
+    has one, is the base with the adapter off). Without ``lora``: every weight trained."""
+    model = load_base_model(
+        accelerator,
+        model_name_or_path,
+        config,
+        lora,
+        load_in_4bit,
+        devices or [],
+        max_length,
+        trust_remote_code,
+        merge_and_save and lora,
+    )
+    if gradient_checkpointing:  # non-reentrant: the reentrant one breaks DDP and gets no grad from a frozen base
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if adapter_name_or_path:  # trained "default" (+ a frozen "reference" copy: the SFT policy)
+        return continued_adapter(model, adapter_name_or_path, reference=reference)
+    if not lora:
+        return model
+    return lora_model(
+        model,
+        model_name_or_path,
+        r=lora_r,
+        alpha=lora_alpha,
+        dropout=lora_dropout,
+        target_modules=lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
 
 
 def save_adapter_state(accelerator, folder: Path) -> None:
@@ -58,6 +122,15 @@ def save_adapter_state(accelerator, folder: Path) -> None:
     )
 
 
+def adapter_checkpoints(accelerator) -> tuple:
+    """The functions that load and write a checkpoint holding the adapter alone (``load_adapter_state``,
+    ``save_adapter_state``), for ``shared.checkpoints.load_checkpoint(load_state=...)`` and ``save_checkpoint
+    (write_state=...)``."""
+    return (lambda folder: load_adapter_state(accelerator, folder)), (
+        lambda folder: save_adapter_state(accelerator, folder)
+    )
+
+
 def load_adapter_state(accelerator, folder: Path) -> None:
     """``accelerator.load_state(folder)`` of a ``save_adapter_state`` checkpoint: the adapter into the model built
     with its base (not strict: the base is not in it), then the optimizer, scheduler, samplers, RNG states and step.
@@ -85,23 +158,29 @@ def load_adapter_state(accelerator, folder: Path) -> None:
     accelerator.step = loaded.get("step", accelerator.step)
 
 
+# The flags ``starting_point`` takes, by the names the recipes' parsers give them.
+START_FLAGS = ("adapter_name_or_path", "model_name_or_path", "offline_default_settings")
+
+
 def starting_point(
     accelerator,
-    adapter: str | None,
-    model_name_or_path: str | None,
     lora: bool,
     output_dir: Path,
     recipes_dir: Path,
-    offline_settings: str = "",
+    *,
+    adapter_name_or_path: str | None,
+    model_name_or_path: str | None,
+    offline_default_settings: str = "",
 ) -> tuple[str | None, str]:
     """The SFT adapter to continue (or None) and the base model. Offline (neither given, LoRA): the adapter that
     ``recipes/llm_finetune.py`` saved by default in ``outputs/llm_finetune``, when there is one (said so), else its
     default base (``llm_kit.loading.default_base_model``, which may pretrain one first: ``recipes/train_lm.py`` in a
     subprocess, into ``output_dir/base_model``). An adapter whose base (its
     adapter_config.json) differs from ``model_name_or_path`` is refused: LoRA weights trained on one base are
-    meaningless on another. ``offline_settings``: what the offline default trains with, printed when given."""
-    if offline_settings:
-        accelerator.print(offline_settings)
+    meaningless on another. ``offline_default_settings``: what the offline default trains with, printed when given."""
+    adapter = adapter_name_or_path
+    if offline_default_settings:
+        accelerator.print(offline_default_settings)
     if adapter is None and model_name_or_path is None and lora and Path(SFT_DEFAULT, "adapter_config.json").is_file():
         adapter = SFT_DEFAULT
         accelerator.print(f"offline default: continuing the SFT adapter recipes/llm_finetune.py saved in {adapter}")

@@ -15,7 +15,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shared.fsdp import available_host_ram
+from shared.fsdp import available_host_ram, check_offload_fits_host_ram, set_wrap_at_blocks
 from shared.model_split import dispatch_on_devices, find_block_list, lm_head_cost_in_blocks, plan_device_map
 from shared.checkpoints import save_final
 from shared.errors import RecipeError
@@ -299,3 +299,12 @@ def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
     use one layout on every CPU (CUDA never repacks)."""
     for layer in (module for module in model.modules() if hasattr(module, "support_avx512bf16_for_cpu")):
         layer.support_avx512bf16_for_cpu = False  # (read by Linear4bit.forward, set from the CPU when it was built)
+
+
+def set_fsdp_units(accelerator, model) -> None:
+    """Under FSDP, one unit per decoder block (``shared.fsdp.set_wrap_at_blocks``: the block class, said so), and an
+    offload that cannot fit the host's memory refused now. Call before ``prepare``. Changes: the Accelerator's FSDP
+    plugin (``transformer_cls_names_to_wrap``)."""
+    block_class = set_wrap_at_blocks(accelerator, model, find_block_list(model, set(model._no_split_modules)))
+    accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
+    check_offload_fits_host_ram(accelerator, model)

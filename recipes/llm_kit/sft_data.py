@@ -58,6 +58,19 @@ def add_chat_template(accelerator, tokenizer) -> None:
         )
 
 
+# The flags ``load_raw_datasets`` takes, by the names the recipes' parsers give them.
+DATA_FLAGS = (
+    "train_file",
+    "validation_file",
+    "dataset_name",
+    "dataset_config_name",
+    "validation_split_percentage",
+    "seed",
+    "max_train_samples",
+    "max_eval_samples",
+)
+
+
 def load_raw_datasets(
     train_file: str | None = None,
     validation_file: str | None = None,

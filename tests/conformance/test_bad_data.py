@@ -36,7 +36,9 @@ class DataShape:
     """How a recipe's training data looks. ``row(i)``: a good row; ``suffix``: the file it is written to (``.csv``
     writes an empty cell for a hole, ``.jsonl`` a JSON null or ""); ``label``/``text``: the column a missing label or
     an empty text goes in; ``args``: the flags that reach the data check (a tiny model, no training);
-    ``not_applicable``: a case the recipe cannot have, and why."""
+    ``not_applicable``: a case the recipe cannot have, and why; ``default_base``: without a model flag the recipe
+    builds its default base (pretrained first with recipes/train_lm.py when there is none), which bad data must not
+    wait for."""
 
     row: Callable[[int], dict] | None = None
     suffix: str = ".jsonl"
@@ -44,6 +46,7 @@ class DataShape:
     text: str | None = None
     args: Callable[[dict], tuple] = lambda models: ()
     not_applicable: dict[str, str] = field(default_factory=dict)
+    default_base: bool = False
 
 
 TINY_LLAMA = lambda models: ("--model_name_or_path", models["llama"], "--max_train_steps", "1")
@@ -63,12 +66,14 @@ DATA_SHAPES = {
         text="completion",
         args=TINY_LLAMA,
         not_applicable={"missing_label": NO_LABEL},
+        default_base=True,
     ),
     "dpo.py": DataShape(
         row=lambda i: {"prompt": f"Is item {i} a class?", "chosen": "a class", "rejected": "a function"},
         text="chosen",
         args=TINY_LLAMA,
         not_applicable={"missing_label": NO_LABEL},
+        default_base=True,
     ),
     # Prompts with the column the accuracy reward reads (a reward column's hole: no answer to score against).
     "grpo.py": DataShape(
@@ -76,6 +81,7 @@ DATA_SHAPES = {
         label="answer",
         text="prompt",
         args=lambda models: (*TINY_LLAMA(models), "--num_generations", "2", "--max_completion_length", "4"),
+        default_base=True,
     ),
     "train_lm.py": DataShape(
         suffix=".txt",
@@ -197,3 +203,35 @@ def test_bad_data_is_refused_in_one_paragraph_naming_the_file_the_row_and_the_co
     assert "Traceback" not in run.output and len(paragraphs) == 1, str(run)
     assert expected(case, shape, path) in " ".join(run.output.split()), str(run)
     assert "train/loss" not in run.output, str(run)  # refused before any training
+
+
+# What a recipe prints when it starts on its default base: pretraining one (llm_kit.loading.default_base_model), or
+# continuing the SFT adapter in outputs/llm_finetune (llm_kit.adapters.starting_point), whichever this machine has.
+DEFAULT_BASE_LINES = ("no base model yet: pretraining one first", "offline default: continuing the SFT adapter")
+DEFAULT_BASE_RECIPES = [recipe for recipe, shape in DATA_SHAPES.items() if shape.default_base]
+
+
+@pytest.fixture(scope="module")
+def refusals_without_a_model(tmp_path_factory):
+    """Each recipe with a default base, launched with a broken --train_file and no model flag (one process each)."""
+    root = tmp_path_factory.mktemp("bad_data_no_model")
+    files = {
+        recipe: write_data(root, recipe[:-3], DATA_SHAPES[recipe], "malformed_line") for recipe in DEFAULT_BASE_RECIPES
+    }
+    jobs = {
+        recipe: Job(
+            ONE_PROCESS, recipe, ("--train_file", path, "--max_train_steps", "1", "--output_dir", root / recipe)
+        )
+        for recipe, path in files.items()
+    }
+    return {recipe: (run, files[recipe]) for recipe, run in launch_all(jobs).items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", DEFAULT_BASE_RECIPES)
+def test_bad_data_is_refused_before_the_default_base_is_built(refusals_without_a_model, recipe):
+    """Without a model flag the base may take minutes to pretrain: a file that cannot be read is refused first."""
+    run, path = refusals_without_a_model[recipe]
+    assert run.returncode != 0, str(run)
+    assert expected("malformed_line", DATA_SHAPES[recipe], path) in " ".join(run.output.split()), str(run)
+    assert not [line for line in DEFAULT_BASE_LINES if line in run.output], str(run)

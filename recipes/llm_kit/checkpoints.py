@@ -1,11 +1,17 @@
-"""When ``recipes/grpo.py`` saves a checkpoint: every ``--checkpointing_steps`` (or epoch), and at the end of a round
-when SIGTERM or Ctrl-C asked every process to stop (``shared.checkpoints.save_checkpoint`` writes it)."""
+"""When the LLM recipes (``llm_finetune.py``, ``dpo.py``, ``grpo.py``) save a checkpoint: every
+``--checkpointing_steps`` (or epoch), and at a step's end (GRPO: a round's end) when SIGTERM or Ctrl-C asked every
+process to stop (``shared.checkpoints.save_checkpoint`` writes it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from shared.checkpoints import save_checkpoint
+
+# The flags ``checkpoint_saver`` takes, and those ``shared.checkpoints.keep_global_batch`` takes, by the names the
+# recipes' parsers give them.
+CHECKPOINT_FLAGS = ("checkpointing_steps", "checkpoints_total_limit")
+BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed")
 
 
 def checkpoint_saver(
@@ -17,15 +23,16 @@ def checkpoint_saver(
     checkpoints_total_limit: int | None,
     steps_per_epoch: int,
     max_train_steps: int,
-    num_iterations: int,
     write_state,
     layout: str,
     history,
     batch: dict,
+    num_iterations: int = 1,
 ):
-    """The function every process calls at a step's end (split: the generating process at a round's end): it saves
-    ``checkpoints_dir/step_N`` when a checkpoint is due (files written, a collective), and on SIGTERM or Ctrl-C saves
-    one at the round's end and exits. ``history()`` gives the run's curves at the moment of saving."""
+    """The function every process calls at a step's end (GRPO's split layout: the generating process at a round's
+    end): it saves ``checkpoints_dir/step_N`` when a checkpoint is due (files written, a collective), and on SIGTERM
+    or Ctrl-C saves one (GRPO: at the end of a round of ``num_iterations`` steps) and exits. ``history()`` gives the
+    run's curves at the moment of saving: a resume goes on with them."""
     every = steps_per_epoch if checkpointing_steps == "epoch" else checkpointing_steps
     last_checkpoint = max_train_steps - (checkpointing_steps == "epoch")  # no epoch checkpoint at the end
 
