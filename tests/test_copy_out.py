@@ -17,6 +17,7 @@ from harness.launch import REPO, Job, launch_all, read_results
 from harness.models import save_tiny_llama
 
 RECIPES = sorted(path.name for path in (REPO / "recipes").glob("*.py"))
+LAYOUTS = ("beside", "one_up")  # shared/ beside the recipe, or one folder up
 
 
 def imported_unit(name: str) -> list[str]:
@@ -66,18 +67,23 @@ def plain_env() -> dict:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
-@pytest.mark.slow  # a process per layout importing all five recipes: the fast lane's largest cost
-@pytest.mark.parametrize("layout", ["beside", "one_up"])
-def test_every_copied_unit_imports_its_own_copy(tmp_path, layout):
-    projects = {name: tmp_path / name.removesuffix(".py") for name in RECIPES}
-    folders = {name: str(copy_unit(name, project, layout)) for name, project in projects.items()}
+@pytest.fixture(scope="module")
+def imported_copies(tmp_path_factory) -> dict:
+    """Every recipe's unit copied both ways, each layout in a project of its own, and imported in one process: layout
+    -> (the recipe's project, its copied folder, what it imported)."""
+    root = tmp_path_factory.mktemp("copies")
+    projects = {(layout, name): root / layout / name.removesuffix(".py") for layout in LAYOUTS for name in RECIPES}
+    folders = {
+        f"{layout}/{name}": str(copy_unit(name, project, layout)) for (layout, name), project in projects.items()
+    }
     # Import every recipe as a module (its top level runs: the sys.path rule, the helpers, module-level paths), each
     # from its own copied unit, in one process started outside this repository (the helpers of the recipe before are
     # forgotten first), and report the file of every helper module it imported.
     probe = (
         "import importlib.util, json, sys\n"
         "found = {}\n"
-        f"for name, folder in {folders!r}.items():\n"
+        f"for key, folder in {folders!r}.items():\n"
+        "    name = key.split('/')[1]\n"
         "    helpers = [m for m in sys.modules if m.split('.')[0] == 'shared' or m.split('.')[0].endswith('_kit')]\n"
         "    for module in helpers:\n"
         "        del sys.modules[module]\n"
@@ -86,17 +92,29 @@ def test_every_copied_unit_imports_its_own_copy(tmp_path, layout):
         "    spec.loader.exec_module(module)\n"
         "    helpers = {m: getattr(sys.modules[m], '__file__', None) for m in sys.modules\n"
         "               if m.split('.')[0] == 'shared' or m.split('.')[0].endswith('_kit')}\n"
-        "    found[name] = [helpers, str(getattr(module, 'METRICS_DIR', ''))]\n"
+        "    found[key] = [helpers, str(getattr(module, 'METRICS_DIR', ''))]\n"
         "print('FOUND ' + json.dumps(found))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=tmp_path, env=plain_env(), capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", probe], cwd=root, env=plain_env(), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.split("FOUND ", 1)[1])
-    assert sorted(found) == RECIPES
-    for name, (helpers, metrics_dir) in found.items():
-        project = projects[name]
+    return {
+        layout: {
+            name: (projects[layout, name], folders[f"{layout}/{name}"], found.get(f"{layout}/{name}"))
+            for name in RECIPES
+        }
+        for layout in LAYOUTS
+    }
+
+
+@pytest.mark.slow  # one process importing every recipe in both layouts: the fast lane's largest cost
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_copied_unit_imports_its_own_copy(imported_copies, layout):
+    copies = imported_copies[layout]
+    assert all(imported is not None for _, _, imported in copies.values()), copies
+    for name, (project, folder, (helpers, metrics_dir)) in copies.items():
         if "shared/" in imported_unit(name):  # (the linear toy imports nothing of this repository)
             assert helpers.get("shared") == str(project / "shared" / "__init__.py"), name
         else:
@@ -104,7 +122,7 @@ def test_every_copied_unit_imports_its_own_copy(tmp_path, layout):
         for module, file in helpers.items():
             assert file and file.startswith(str(project) + os.sep), f"{name} imported {module} from {file}"
         if metrics_dir:  # resources the recipe reads from its kit must be the copy's, and be there
-            assert metrics_dir == folders[name] + "/classifier_kit/metrics", name
+            assert metrics_dir == folder + "/classifier_kit/metrics", name
             assert (project / metrics_dir / "accuracy" / "accuracy.py").is_file()
 
 

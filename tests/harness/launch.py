@@ -136,7 +136,10 @@ class Launch:
         self.log = tempfile.TemporaryFile("w+")
         self.started = time.monotonic()
         self.forked = None
-        if forked and visible_gpus() == 0 and not launch_args:
+        # A process count is the one launch argument a fork runs as a started launch does (torchrun's workers, more
+        # of them); the others (ports, restarts, machines) are what the tests of the launch itself start for real.
+        forkable = [str(arg) for arg in launch_args[::2]] in ([], ["--num_processes"])
+        if forked and visible_gpus() == 0 and forkable:
             self.forked = zygotes(observe).start(self.command[1:], full_env, self.log)
             if self.forked is not None:
                 return
