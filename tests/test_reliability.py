@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib.util
+import traceback
 import json
 import os
 import re
@@ -333,6 +334,23 @@ def test_a_hung_rank_times_out_after_dist_timeout_and_leaves_a_hang_dump(tmp_pat
     text = dump.read_text()
     assert "Timed out waiting 5000ms" in text and "Python stacks of every thread" in text and "reliable_toy.py" in text
     assert not list((out / "debug").glob("rank1_*")), "the stopped rank cannot write: its silence is the clue"
+
+
+def test_a_slow_import_is_not_reported_as_a_stalled_collective():
+    """Under load, importing torch can take longer than 0.8 x --dist_timeout, and torch.distributed registers ops while
+    it imports: the watcher must not take that for a rank stuck in a collective (a false rank{R}_stalled dump)."""
+    spec = importlib.util.spec_from_file_location("hang_dump", REPO / "tools" / "hang_dump.py")
+    hang_dump = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hang_dump)
+    frame = lambda filename, name: traceback.FrameSummary(filename, 1, name)
+    importing = [
+        frame("recipes/linear_toy.py", "<module>"),
+        frame("<frozen importlib._bootstrap>", "_call_with_frames_removed"),
+        frame("/venv/torch/distributed/tensor/_ops/registration.py", "auto_register_op_variants"),
+    ]
+    assert hang_dump.waiting_in(importing).startswith("no collective")
+    in_all_reduce = [frame("recipes/linear_toy.py", "main"), frame("/venv/torch/distributed/c10d.py", "all_reduce")]
+    assert hang_dump.waiting_in(in_all_reduce).startswith("all_reduce")
 
 
 def test_a_restarted_attempt_keeps_the_dumps_that_made_it_restart(tmp_path):

@@ -162,6 +162,8 @@ def waiting_in(frames) -> str:
     (called from recipes/linear_toy.py:158)``; a backward pass stands for DDP/FSDP's gradient collectives."""
     ours = [frame for frame in frames if "site-packages" not in frame.filename and "/lib/python" not in frame.filename]
     caller = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else "unknown"
+    if any(frame.filename.startswith("<frozen importlib") for frame in frames):  # a slow import, not a hang
+        return f"no collective on the stack (importing, at {caller})"
     for frame in reversed(frames):
         if "torch/distributed" in frame.filename.replace("\\", "/") and not frame.name.startswith("_"):
             return f"{frame.name} (called from {caller})"
