@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from harness.launch import ONE_PROCESS, Launch, Run, launch, read_results
 from safetensors.numpy import load_file
@@ -20,18 +21,28 @@ from .catalogue import LAYOUTS, OPT_OUTS, RECIPE_NAMES, TWO_PROCESSES, flags, ma
 from .catalogue import tiny_models
 
 RESUMING = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name)] + list(LAYOUTS)
+STARTED_FOR_SIGTERM = "train_lm.py"
 STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+): .*?(/\S+/checkpoints/step_\d+)(.*)$", re.MULTILINE)
 
 
-def stopped_by(signal_number: int, config: str, script: str, *args, output_dir: Path, launch_args=()) -> Run:
-    """A started 2-process launch, sent ``signal_number`` (to the launcher alone) once its first checkpoint is
-    complete."""
-    run = Launch(config, script, *args, "--output_dir", output_dir, launch_args=launch_args)
+def ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def stopped_by(signal_number: int, config: str, script: str, *args, output_dir: Path, launch_args=(), forked=False):
+    """A 2-process launch, sent ``signal_number`` (to the launcher alone, as SLURM does) once its first checkpoint is
+    complete. ``forked``: the launcher and its workers are forks of the zygotes (the launcher passes the signal on to
+    its workers' forked_python, which passes it to the worker), else started."""
+    run = Launch(config, script, *args, "--output_dir", output_dir, launch_args=launch_args, forked=forked)
+    launcher = psutil.Process(run.forked.pid if run.forked else run.process.pid)
     for _ in range(3000):  # up to 5 minutes
         if list((output_dir / "checkpoints").glob("step_*/progress.json")):
-            run.process.send_signal(signal_number)
+            launcher.send_signal(signal_number)
             break
-        if run.process.poll() is not None:
+        if ended(launcher):
             break
         __import__("time").sleep(0.1)
     return run.finish()
@@ -67,7 +78,9 @@ def scenario(name: str, models: dict, root: Path) -> dict:
     other = two if ("resume_in_another_process_count", name) in OPT_OUTS or layout else "single_gpu.yaml"
     skips = ("damaged_checkpoint_skipped", name) not in OPT_OUTS
     runs = {"uninterrupted": launch(two, name, *args, "--output_dir", folder / "uninterrupted", launch_args=count)}
-    runs["stopped"] = stopped_by(signal.SIGTERM, two, name, *args, output_dir=folder / "stopped", launch_args=count)
+    # One recipe's launcher and workers are started, as a user's are; the others' are forks (no imports to wait for).
+    stopped = dict(output_dir=folder / "stopped", launch_args=count, forked=name != STARTED_FOR_SIGTERM)
+    runs["stopped"] = stopped_by(signal.SIGTERM, two, name, *args, **stopped)
     resume = (*args, "--output_dir", folder / "stopped", "--resume_from_checkpoint", "latest")
     runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints") if skips else None
     runs["resumed"] = launch(other, name, *resume, launch_args=other_count)
