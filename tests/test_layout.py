@@ -141,7 +141,7 @@ RECIPE_LINE_LIMIT, MAIN_LINE_LIMIT, LINEAR_TOY_LINE_LIMIT = 600, 160, 230
 # Recipes not yet within a limit, and why: each is an expected failure (strict: it fails once the recipe fits, so
 # that its entry goes).
 MAIN_NOT_YET = "main() still over 160 formatted lines: issue 45's setup and bookkeeping not yet in named functions"
-FILE_NOT_YET_WITHIN = {"linear_toy.py": "279 formatted lines: not yet cut to 230"}
+FILE_NOT_YET_WITHIN = {"linear_toy.py": "256 formatted lines: not yet cut to 230"}
 MAIN_NOT_YET_WITHIN = {name: MAIN_NOT_YET for name in ("dpo.py", "grpo.py", "llm_finetune.py")}
 
 
