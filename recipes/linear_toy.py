@@ -1,10 +1,9 @@
 """The "dual-GPU training" tutorial example, done right: a linear model learns y = x·w + b + noise.
 
 What the popular version gets wrong, and what this file does instead:
-- the model is never wrapped in DDP, so each GPU trains its own copy -> ``accelerator.prepare(model)`` wraps it, and
-  the gradients are averaged across processes after every backward;
-- no distributed sampler, so both GPUs see the same samples -> the prepared data loader gives each process its own
-  shard of every global batch;
+- the model is never wrapped in DDP, so each GPU trains its own copy -> ``accelerator.prepare(model)`` wraps it:
+  gradients are averaged across processes after every backward;
+- no distributed sampler, so both GPUs see the same samples -> the prepared loader shards every global batch;
 - ``nn.Linear(in, 1)`` returns (batch, 1) but the targets are (batch,), and MSELoss silently broadcasts them to
   (batch, batch) -> the targets are built as (batch, 1);
 - every process prints and saves -> ``accelerator.print`` and ``save_model`` act once, on the main process.
@@ -76,12 +75,15 @@ def refuse(accelerator: Accelerator, message: str) -> None:  # every process sto
     raise SystemExit(f"error: {message}" if accelerator.is_main_process else 1)
 
 
-def save_atomically(accelerator: Accelerator, folder: Path, write, checkpoints_dir: Path) -> None:
-    """``write(tmp)``, then tmp's files moved into ``folder`` (progress.json last): a kill or full disk never leaves a
-    half-written file there, and a failed write stops every process with one line."""
+def save_atomically(accelerator: Accelerator, folder: Path, save, texts: dict, checkpoints_dir: Path) -> None:
+    """``save(tmp)`` on every process, the main process's ``texts`` (name: text) beside, then tmp's files moved into
+    ``folder`` (progress.json last): a kill or full disk never leaves a half-written file there, and a failed write
+    stops every process with one line."""
     tmp, error = folder / ".saving.tmp", None  # inside: the same disk, and a step_N without progress.json is skipped
     try:
-        write(tmp)
+        save(str(tmp))
+        for name, text in texts.items() if accelerator.is_main_process else ():
+            (tmp / name).write_text(text)
     except Exception as failed:  # a full disk (OSError, or safetensors' and torch.save's errors): the space left
         error = f"{getattr(failed, 'strerror', None) or failed}, {shutil.disk_usage(folder.parent).free:,} bytes free"
     if error := next(filter(None, gather_object([error])), None):
@@ -101,8 +103,7 @@ def resume(accelerator: Accelerator, checkpoints_dir: Path, resume_from_checkpoi
     """Load the checkpoint (``latest``: the newest complete one, or none) on every process; return its loss curve. One
     that does not load everywhere, or of another run's flags or process count, is refused in one line."""
     complete = sorted((p.parent for p in checkpoints_dir.glob("step_*/progress.json")), key=lambda f: int(f.name[5:]))
-    folder, why = complete[-1:] if resume_from_checkpoint == "latest" else [Path(resume_from_checkpoint)], None
-    folder = folder[0] if folder else None
+    folder = (complete or [None])[-1] if resume_from_checkpoint == "latest" else Path(resume_from_checkpoint)
     try:
         progress = json.loads((folder / "progress.json").read_text()) if folder else {"run": run, "loss_curve": []}
         why = None if progress["run"] == run else f"it holds a run of {progress['run']}, this one is {run}"
@@ -126,8 +127,7 @@ def main():
     # ------------------------------------------------------------------ Accelerator and seed
     # Without CUDA a plain Accelerator() under a 2-process config does NOT start DDP: each process would train alone
     # on all the data. cpu=True joins them over gloo; the check below catches any other way to lose a process.
-    # Seedable sampler: one shuffle whatever the process count, so 2 processes match 1 process sample for sample.
-    seedable = DataLoaderConfiguration(use_seedable_sampler=True)
+    seedable = DataLoaderConfiguration(use_seedable_sampler=True)  # one shuffle in any process count: 2 match 1
     cpu = not torch.cuda.is_available()
     accelerator = Accelerator(
         cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps, dataloader_config=seedable
@@ -140,15 +140,11 @@ def main():
     output_dir, checkpoints_dir = Path(args.output_dir), Path(args.output_dir) / "checkpoints"
     held = [name for name in ("model.safetensors", "results.json", "checkpoints") if (output_dir / name).exists()]
     if held and not (args.overwrite_output_dir or args.resume_from_checkpoint):
-        refuse(
-            accelerator,
-            f"--output_dir {args.output_dir!r} already holds an earlier run's output ({', '.join(held)}). "
-            "Pass --overwrite_output_dir to replace it, --resume_from_checkpoint latest to continue that run.",
-        )
+        used = f"--output_dir {args.output_dir!r} already holds an earlier run's output ({', '.join(held)})"
+        refuse(accelerator, f"{used}: --overwrite_output_dir replaces it, --resume_from_checkpoint latest goes on.")
     existing = next(folder for folder in [output_dir, *output_dir.absolute().parents] if folder.exists())
     if not (existing.is_dir() and os.access(existing, os.W_OK)):  # (created by the first save: none if refused)
         refuse(accelerator, f"Cannot use --output_dir {args.output_dir!r}: {existing} is no folder you can write to.")
-    # Samples per optimizer step (with sequences, x sequence length gives the tokens).
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     # What a resume must keep: the data, its order, the steps.
     run = dict(seed=args.seed, samples=args.num_samples, batch=global_batch_size, processes=accelerator.num_processes)
@@ -160,8 +156,9 @@ def main():
     inputs = torch.randn(args.num_samples, args.in_features, generator=generator)
     # Targets are (N, 1) to match the model's output: (N,) targets would broadcast to (N, N) in MSELoss.
     targets = inputs @ true_weight.T + true_bias + 0.1 * torch.randn(args.num_samples, 1, generator=generator)
-    # Its own generator: a DataLoader without one draws from the global RNG whenever it starts iterating.
-    shuffling = torch.Generator().manual_seed(args.seed)
+    shuffling = torch.Generator().manual_seed(
+        args.seed
+    )  # its own: else each epoch's shuffle draws from the global RNG
     train_dataloader = DataLoader(
         TensorDataset(inputs, targets), args.per_device_train_batch_size, shuffle=True, generator=shuffling
     )
@@ -179,19 +176,11 @@ def main():
     model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
 
     # ---------------------------------------------------------------------- training loop
-    # accumulate() also steps on the last, shorter group of an epoch, hence the ceiling.
-    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)  # a short last group steps
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     latest = args.resume_from_checkpoint  # the model, optimizer, sampler and RNG states, then the steps done
     loss_curve = resume(accelerator, checkpoints_dir, latest, run) if latest else []  # loss of every step (global)
-    step_times = []
-    completed_steps = len(loss_curve)
-
-    def write_checkpoint(folder: Path) -> None:
-        accelerator.save_state(str(folder))  # every process saves its RNG state there
-        if accelerator.is_main_process:  # the losses so far: their count is the steps done
-            (folder / "progress.json").write_text(json.dumps({"loss_curve": loss_curve, "run": run}))
-
+    step_times, completed_steps = [], len(loss_curve)
     step_loss, started = torch.zeros((), device=accelerator.device), time.perf_counter()
     for epoch in range(completed_steps // steps_per_epoch, math.ceil(max_train_steps / steps_per_epoch)):
         model.train()
@@ -209,8 +198,7 @@ def main():
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
-            # Sync point: reduce() and .item() wait for every process (cheap here; big models log every N steps). A
-            # signal rides along: when any process got one, all stop after this same step.
+            # Sync point (cheap here; big models log every N steps). A signal rides along: any process's stops all.
             summed = accelerator.reduce(torch.stack([step_loss, step_loss.new_tensor(stop["signal"])]), "sum").tolist()
             loss_curve.append(summed[0] / accelerator.num_processes)
             step_loss.zero_()
@@ -218,12 +206,9 @@ def main():
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
             if summed[1] or args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
-                save_atomically(
-                    accelerator,
-                    folder := checkpoints_dir / f"step_{completed_steps}",
-                    write_checkpoint,
-                    checkpoints_dir,
-                )
+                progress = {"progress.json": json.dumps({"loss_curve": loss_curve, "run": run})}
+                folder = checkpoints_dir / f"step_{completed_steps}"
+                save_atomically(accelerator, folder, accelerator.save_state, progress, checkpoints_dir)
             if summed[1]:
                 name = signal.Signals(stop["signal"] or signal.SIGTERM).name
                 accelerator.print(f"stopped by {name} after step {completed_steps}: saved {folder}; {RESUME}")
@@ -232,8 +217,7 @@ def main():
                 break
 
     # --------------------------------------------------------------------- evaluation
-    learned = accelerator.unwrap_model(model)
-    weight, bias = learned.weight.detach().float().cpu()[0], learned.bias.detach().float().cpu()
+    weight, bias = (p.detach().float().cpu().flatten() for p in accelerator.unwrap_model(model).parameters())
     weight_error = (weight - true_weight[0]).abs().max().item()
     accelerator.print(f"true    weight: {[round(w, 4) for w in true_weight[0].tolist()]}  bias {true_bias.item():.4f}")
     accelerator.print(f"learned weight: {[round(w, 4) for w in weight.tolist()]}  bias {bias.item():.4f}")
@@ -248,27 +232,20 @@ def main():
     cuda = accelerator.device.type == "cuda"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak = (str(accelerator.device), torch.cuda.max_memory_allocated(accelerator.device)) if cuda else ("cpu", rss)
-    peaks = {
-        (f"rank{r}/" if several else "") + n: round(b / 2**30, 4) for r, (n, b) in enumerate(gather_object([peak]))
-    }
+    gathered = enumerate(gather_object([peak]))  # a collective
+    peaks = {(f"rank{r}/" if several else "") + n: round(b / 2**30, 4) for r, (n, b) in gathered}
     measured = step_times[2:]  # the first steps warm up (allocation, the first all-reduce)
     results = {"recipe": "linear_toy", "parallelism": "ddp" if several else "single", "config": vars(args)}
     results |= {"num_processes": accelerator.num_processes, "device": str(accelerator.device)}
     results |= {"distributed_type": accelerator.distributed_type.value, "mixed_precision": accelerator.mixed_precision}
     results |= {"distributed/backend": torch.distributed.get_backend() if several else None, "memory/peak_gib": peaks}
-    results |= {"perf/step_time_s": sum(measured) / len(measured) if measured else None}
+    results |= {"perf/step_time_s": sum(measured) / len(measured) if measured else None, "train/loss": loss_curve[-1]}
     results |= {"perf/samples_per_sec": global_batch_size * len(measured) / sum(measured) if measured else None}
     results |= {"global_batch_size": global_batch_size, "completed_steps": completed_steps, "resumed_from": latest}
-    results |= {"train/loss": loss_curve[-1], "train/loss_curve": loss_curve}
     results |= {"eval/max_abs_weight_error": weight_error, "model/weight": weight.tolist(), "model/bias": bias.item()}
-    results |= {"true/weight": true_weight[0].tolist(), "true/bias": true_bias.item()}
-
-    def write_output(folder: Path) -> None:  # model.safetensors and results.json, from the main process
-        accelerator.save_model(model, folder)
-        if accelerator.is_main_process:  # the files exist on machine 0 only in a multi-machine run
-            (folder / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
-
-    save_atomically(accelerator, output_dir, write_output, checkpoints_dir)
+    results |= {"true/weight": true_weight[0].tolist(), "true/bias": true_bias.item(), "train/loss_curve": loss_curve}
+    texts = {"results.json": json.dumps(results, indent=2, sort_keys=True, default=str) + "\n"}
+    save_atomically(accelerator, output_dir, lambda tmp: accelerator.save_model(model, tmp), texts, checkpoints_dir)
     accelerator.print(f"wrote {output_dir / 'results.json'} and {output_dir / 'model.safetensors'}")
     # Drop DDP while the process group lives: gloo can hang in DDP's destructor at exit (docs/troubleshooting.md).
     model, optimizer, train_dataloader = accelerator.free_memory(model, optimizer, train_dataloader)

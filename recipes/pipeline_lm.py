@@ -58,7 +58,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import ProjectConfiguration, set_seed
-from torch.utils.data import DataLoader
 
 # bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
@@ -69,10 +68,11 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
-from lm_kit.data import lm_datasets
+from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_final
+from lm_kit.data import DataFlags, lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
-from lm_kit.model import build_lm, lm_config, optimizer_groups, save_lm, whole_model
+from lm_kit.training import BatchFlags, lm_dataloaders, resume_accumulation
+from lm_kit.model import ModelFlags, build_lm, lm_config, optimizer_groups, save_lm, whole_model
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
@@ -84,6 +84,7 @@ from lm_kit.split import plan_lm_split
 # cross-stage clip and the gather of the stages' weights).
 from pipeline_kit.pipeline import (
     SCHEDULES,
+    PipelineFlags,
     StageCheckpoints,
     build_pipeline,
     build_stage_modules,
@@ -216,8 +217,15 @@ def main():
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
     set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
+    # The accumulation, decided before the Accelerator (it takes it): a resume's keeps its global batch and seed.
+    # New Code (pipeline) #
+    data_parallel_size = 1  # every process reads every batch: a pipeline shards the model, not the data
+    # End New Code #
+    batch_flags = BatchFlags(**{name: getattr(args, name) for name in BatchFlags._fields})  # the flags it reads
+    args.gradient_accumulation_steps, batch_shape = resume_accumulation(batch_flags, data_parallel_size)
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,  # batches per optimizer step
         mixed_precision=args.mixed_precision,
         # Not its checkpoint naming + total_limit: shared/checkpoints.py saves atomically and every process agrees.
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
@@ -227,6 +235,7 @@ def main():
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+    model_flags = ModelFlags(**{name: getattr(args, name) for name in ModelFlags._fields})  # what lm_config reads
     # New Code (pipeline) #
     parallelism = choose_parallelism(accelerator, "pipeline", "recipes/pipeline_lm.py")  # refuses 1 process, FSDP
     layout, num_processes = "pipeline", accelerator.num_processes  # checkpoints: each process saves its own stages
@@ -241,58 +250,20 @@ def main():
     )
     stages_of_processes = stage_layout(args.pipeline_schedule, num_processes, stages_per_process)  # [[0, 2], [1, 3]]
     num_stages, stage_indices = num_processes * stages_per_process, stages_of_processes[accelerator.process_index]
-    accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
-    model_config = lm_config(  # the model's shape: bad sizes fail before any data
-        model_name_or_path=args.model_name_or_path,
-        model_size=args.model_size,
-        num_layers=args.num_layers,
-        vocab_size=args.vocab_size,
-        block_size=args.block_size,
-        num_stages=num_stages,
-        split_by=parallelism.name,
-        check=partial(check_pipeline_model, stages_of_processes),
-    )
+    check = partial(check_pipeline_model, stages_of_processes)  # decoders whose stages build_stage_modules can cut
+    model_config = lm_config(model_flags, num_stages=num_stages, split_by=parallelism.name, check=check)
     # End New Code #
+    accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # on a resume: its global batch and seed
-        accelerator.num_processes,
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        # New Code (pipeline) #
-        1,  # every process reads every batch: a pipeline shards the model, not the data
-        # End New Code #
-        args.seed,
-    )
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # batches per optimizer step
 
     # ------------------------------------------------------------------------------- data
+    data_flags = DataFlags(**{name: getattr(args, name) for name in DataFlags._fields})  # what lm_datasets reads
     data = lm_datasets(  # text, tokenizer, blocks
-        accelerator,
-        dataset_name=args.dataset_name,
-        dataset_config_name=args.dataset_config_name,
-        train_file=args.train_file,
-        validation_file=args.validation_file,
-        validation_split_percentage=args.validation_split_percentage,
-        corpus_max_mb=args.corpus_max_mb,
-        model_name_or_path=args.model_name_or_path,
-        vocab_size=args.vocab_size,
-        block_size=args.block_size,
-        max_train_samples=args.max_train_samples,
-        max_eval_samples=args.max_eval_samples,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        # New Code (pipeline) #
-        data_parallel_size=1,  # every process reads every batch: a pipeline shards the model, not the data
-        # End New Code #
-        output_dir=output_dir,
-        checkpoint=checkpoint,
+        accelerator, data_flags, data_parallel_size=data_parallel_size, output_dir=output_dir, checkpoint=checkpoint
     )
-    # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
-    pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
-    train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
-    # eval's own generator: without, each pass draws from the global RNG (an evaluation first would change dropout)
-    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned, generator=torch.Generator())
+    train_dataloader, eval_dataloader = lm_dataloaders(
+        data, args.per_device_train_batch_size, eval_batch_size, accelerator.device
+    )
 
     # ------------------------------------------------------------------------------ model
     model = build_lm(args.model_name_or_path, model_config, data.tokenizer, args.seed)  # pretrained, or new weights
@@ -301,39 +272,23 @@ def main():
     if args.gradient_checkpointing:  # before the split and prepare(); non-reentrant: the reentrant one breaks DDP
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     # New Code (pipeline) #
-    # This process's stages, one module each; "model" is from here on their list (train(), parameters(), optimizer).
-    model = build_stage_modules(model, split.blocks_per_stage, stage_indices).to(accelerator.device)
+    model = build_stage_modules(model, split.blocks_per_stage, stage_indices).to(accelerator.device)  # its stages
     # End New Code #
 
     # ------------------------------------------------------------------ optimizer and scheduler
     groups = optimizer_groups(model, args.weight_decay)  # weight decay on matrices only; fused: one kernel
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.95), fused=fused_adamw(accelerator))
-    # (pipeline) Every process sees every batch (the loader is not sharded); accumulate() also steps on an epoch's end.
-    # New Code (pipeline) #
-    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
-    # End New Code #
+    steps_per_epoch = math.ceil(len(train_dataloader) // data_parallel_size / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # (pipeline) The scheduler is not prepared (see below): it steps once per optimizer step.
-    # New Code (pipeline) #
-    warmup, total = args.num_warmup_steps, max_train_steps
-    # End New Code #
+    warmup, total = args.num_warmup_steps * data_parallel_size, max_train_steps * data_parallel_size
     lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total)
 
     # ------------------------------------------------------------------------------ prepare
     # New Code (pipeline) #
-    # No prepare(): it would wrap each stage in DDP (all-reducing the gradients of different parts of the model), shard
-    # the data loaders (every stage works on every batch) and step the scheduler once per process.
+    # No prepare(): it would wrap stages in DDP, shard loaders (each stage needs each batch), step the scheduler p×.
     train_dataloader, eval_dataloader = unsharded([train_dataloader, eval_dataloader], accelerator.device, args.seed)
-    pipeline = build_pipeline(  # the schedules of this process's stages
-        accelerator,
-        model,
-        stages_of_processes,
-        pipeline_schedule=args.pipeline_schedule,
-        num_microbatches=args.num_microbatches,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        block_size=args.block_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-    )
+    pipeline_flags = PipelineFlags(**{name: getattr(args, name) for name in PipelineFlags._fields})  # what it reads
+    pipeline = build_pipeline(accelerator, model, stages_of_processes, pipeline_flags)  # this process's schedules
     StageCheckpoints.register(accelerator, model, optimizer, lr_scheduler, split.blocks_per_stage, stages_of_processes)
     evaluate = lambda: evaluate_pipeline(accelerator, pipeline, eval_dataloader, eval_batch_size)
     # End New Code #
@@ -341,33 +296,24 @@ def main():
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler)
 
     # ---------------------------------------------------------------------- training loop
-    # New Code (pipeline) #
-    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    # End New Code #
+    global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
     tokens_per_step = global_batch_size * args.block_size  # = batch x block x accumulation x data parallel
     cpu_threads = torch.get_num_threads() if accelerator.device.type == "cpu" else None
     config = vars(args) | {"parallelism_resolved": parallelism.name, "max_train_steps_resolved": max_train_steps}
     config |= {"model_config": model_config.to_diff_dict(), "cpu_threads": cpu_threads}
     before = {"eval/perplexity_before_training": evaluate()["eval/perplexity"]} if args.eval_before_training else {}
-    # New Code (pipeline) #
-    curve, devices = resume.history.get("train/loss_curve"), None  # a resume goes on with its curve
-    # End New Code #
-    record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # losses, speed, memory
-    accelerator.print(f"config: {json.dumps(config, sort_keys=True, default=str)}")
     results = {"recipe": Path(__file__).stem, "parallelism": parallelism.name, **split.facts(), **data.facts, **before}
     results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "config": config}
     # New Code (pipeline) #
     results |= pipeline.facts(stages_of_processes, split.stage_costs)  # the schedule, m, the ideal bubble
+    curve, devices = resume.history.get("train/loss_curve"), None  # a resume goes on with its curve
     # End New Code #
+    record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # losses, speed, memory
+    accelerator.print(f"config: {json.dumps(config, sort_keys=True, default=str)}")
     # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-    save_checkpoint_at = lambda step: save_checkpoint(
-        accelerator,
-        output_dir / "checkpoints",
-        step,
-        args.checkpoints_total_limit,
-        layout=layout,
-        history={"train/loss_curve": record.losses()},
-        batch=batch_shape,
+    save = partial(save_checkpoint, accelerator, output_dir / "checkpoints", layout=layout, batch=batch_shape)
+    save_checkpoint_at = lambda step: save(
+        step, args.checkpoints_total_limit, history={"train/loss_curve": record.losses()}
     )
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -379,8 +325,7 @@ def main():
             # (pipeline) accumulate(): a step every gradient_accumulation_steps batches or at the loader's end
             with accelerator.accumulate(model):
                 # New Code (pipeline) #
-                # One schedule.step: every micro-batch through every stage, forward and backward, in its order.
-                step_loss += pipeline.step(batch["input_ids"])
+                step_loss += pipeline.step(batch["input_ids"])  # every micro-batch through every stage, in its order
                 # End New Code #
                 if accelerator.sync_gradients:
                     if args.max_grad_norm > 0:
@@ -393,13 +338,11 @@ def main():
             if accelerator.sync_gradients:
                 completed_steps += 1
                 # (pipeline) The sum: only the process with the last stage has the loss, the others 0.
-                # New Code (pipeline) #
-                loss = accelerator.reduce(step_loss, reduction="sum")
-                # End New Code #
+                loss = accelerator.reduce(step_loss, reduction="sum") / data_parallel_size
                 step_loss.zero_()
                 record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                    loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
+                    loss = record.losses()[-1]  # sync point: reading the losses waits for the device
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
                     stop.exit(save_checkpoint_at(completed_steps))
@@ -416,17 +359,12 @@ def main():
     state_dict = gather_full_state_dict(model)  # every process's stages, on the main process (a collective)
     final_model = whole_model(model_config, state_dict) if accelerator.is_main_process else None
     # End New Code #
-
     write = partial(save_lm, final_model, state_dict, data.tokenizer)  # config.json, model.safetensors, tokenizer
     save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)  # into place whole, or said
 
     # ------------------------------------------------------------------------- evaluation
-    # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
-    results |= NOT_EVALUATED if args.skip_eval else evaluate()
-    if accelerator.is_main_process and args.sample_tokens > 0:  # greedy: the saved model generates the same
-        results |= greedy_sample(
-            final_model, data.tokenizer, args.sample_prompt, args.sample_tokens, accelerator.device
-        )
+    results |= NOT_EVALUATED if args.skip_eval else evaluate()  # every block once, in every mode
+    results |= greedy_sample(accelerator, final_model, data.tokenizer, args.sample_prompt, args.sample_tokens)
     record.write(output_dir, results, model)  # a collective
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)
     accelerator.end_training()

@@ -48,9 +48,6 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import ProjectConfiguration, set_seed
-from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs
-from accelerate.utils import TorchDynamoPlugin
-from torch.utils.data import DataLoader
 
 # bitsandbytes (PEFT imports it) warns on each CPU process of an optional kernel it lacks: docs/troubleshooting.md
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
@@ -61,12 +58,14 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_checkpoint, save_final
+from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_final
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_wrap_at_blocks
-from lm_kit.data import lm_datasets
+from lm_kit.data import DataFlags, lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
 from lm_kit.eval import perplexity_results
-from lm_kit.model import build_lm, lm_config, optimizer_groups, save_lm, whole_model
+from lm_kit.training import BatchFlags, lm_dataloaders, resume_accumulation
+from lm_kit.training import accelerator_settings, data_parallel_size_of
+from lm_kit.model import ModelFlags, build_lm, lm_config, optimizer_groups, save_lm, whole_model
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
@@ -211,19 +210,17 @@ def main():
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
     set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
-    ddp_kwargs = DistributedDataParallelKwargs(  # ddp: the gradient buckets, compressed for the all-reduce or not
-        bucket_cap_mb=args.ddp_bucket_cap_mb, comm_hook=DDPCommunicationHookType(args.ddp_comm_hook)
-    )
+    # The accumulation, decided before the Accelerator (it takes it): a resume's keeps its global batch and seed.
+    data_parallel_size = data_parallel_size_of(args.parallelism)  # the launch's processes that split each batch
+    batch_flags = BatchFlags(**{name: getattr(args, name) for name in BatchFlags._fields})  # the flags it reads
+    args.gradient_accumulation_steps, batch_shape = resume_accumulation(batch_flags, data_parallel_size)
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,  # batches per optimizer step
         mixed_precision=args.mixed_precision,
-        # --compile: prepare() compiles each decoder block (regional: the first block's compile serves all the others).
-        dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if args.compile else None,
-        # A seedable sampler with a fixed seed shuffles alike in every mode and process count: batch-for-batch runs.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         # Not its checkpoint naming + total_limit: shared/checkpoints.py saves atomically and every process agrees.
         project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
-        kwargs_handlers=[ddp_kwargs],  # ddp only: the gradient buckets and their compression
+        **accelerator_settings(args.seed, args.compile, args.ddp_bucket_cap_mb, args.ddp_comm_hook),  # sampler, DDP
     )
     set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
     set_seed(args.seed)
@@ -231,57 +228,23 @@ def main():
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
+    model_flags = ModelFlags(**{name: getattr(args, name) for name in ModelFlags._fields})  # what lm_config reads
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/train_lm.py", compile=args.compile)
     layout = "fsdp" if parallelism.name == "fsdp" else "replica"  # of checkpoints: FSDP shards, or whole weights
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     num_stages = len(split_over) or 1
-    data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1  # split a batch
-    model_config = lm_config(  # the model's shape: bad sizes fail before any data
-        model_name_or_path=args.model_name_or_path,
-        model_size=args.model_size,
-        num_layers=args.num_layers,
-        vocab_size=args.vocab_size,
-        block_size=args.block_size,
-        num_stages=num_stages,
-        split_by=parallelism.name,
-    )
+    model_config = lm_config(model_flags, num_stages=num_stages, split_by=parallelism.name)  # bad sizes fail now
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # on a resume: its global batch and seed
-        accelerator.num_processes,
-        checkpoint,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        data_parallel_size,
-        args.seed,
-    )
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # batches per optimizer step
 
     # ------------------------------------------------------------------------------- data
+    data_flags = DataFlags(**{name: getattr(args, name) for name in DataFlags._fields})  # what lm_datasets reads
     data = lm_datasets(  # text, tokenizer, blocks
-        accelerator,
-        dataset_name=args.dataset_name,
-        dataset_config_name=args.dataset_config_name,
-        train_file=args.train_file,
-        validation_file=args.validation_file,
-        validation_split_percentage=args.validation_split_percentage,
-        corpus_max_mb=args.corpus_max_mb,
-        model_name_or_path=args.model_name_or_path,
-        vocab_size=args.vocab_size,
-        block_size=args.block_size,
-        max_train_samples=args.max_train_samples,
-        max_eval_samples=args.max_eval_samples,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        data_parallel_size=data_parallel_size,
-        output_dir=output_dir,
-        checkpoint=checkpoint,
+        accelerator, data_flags, data_parallel_size=data_parallel_size, output_dir=output_dir, checkpoint=checkpoint
     )
-    # drop_last: same-shape batches (pipeline stages need them). Pinned on a GPU: the copy does not wait for the GPU.
-    pinned, batch_size = accelerator.device.type == "cuda", args.per_device_train_batch_size
-    train_dataloader = DataLoader(data.train_dataset, batch_size, shuffle=True, drop_last=True, pin_memory=pinned)
-    # eval's own generator: without, each pass draws from the global RNG (an evaluation first would change dropout)
-    eval_dataloader = DataLoader(data.eval_dataset, eval_batch_size, pin_memory=pinned, generator=torch.Generator())
+    train_dataloader, eval_dataloader = lm_dataloaders(
+        data, args.per_device_train_batch_size, eval_batch_size, accelerator.device
+    )
 
     # ------------------------------------------------------------------------------ model
     model = build_lm(args.model_name_or_path, model_config, data.tokenizer, args.seed)  # pretrained, or new weights
@@ -321,21 +284,16 @@ def main():
     config = vars(args) | {"parallelism_resolved": parallelism.name, "max_train_steps_resolved": max_train_steps}
     config |= {"model_config": model_config.to_diff_dict(), "cpu_threads": cpu_threads}
     before = {"eval/perplexity_before_training": evaluate()["eval/perplexity"]} if args.eval_before_training else {}
-    curve, devices = resume.history.get("train/loss_curve"), split_over or None  # a resume goes on with its curve
-    record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # losses, speed, memory
-    accelerator.print(f"config: {json.dumps(config, sort_keys=True, default=str)}")
     results = {"recipe": Path(__file__).stem, "parallelism": parallelism.name, **split.facts(), **data.facts, **before}
     results |= {"parallelism_requested": args.parallelism, "device_map_devices": list(map(str, split_over))}
     results |= {"global_batch_size": global_batch_size, "tokens_per_step": tokens_per_step, "config": config}
+    curve, devices = resume.history.get("train/loss_curve"), split_over or None  # a resume goes on with its curve
+    record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # losses, speed, memory
+    accelerator.print(f"config: {json.dumps(config, sort_keys=True, default=str)}")
     # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-    save_checkpoint_at = lambda step: save_checkpoint(
-        accelerator,
-        output_dir / "checkpoints",
-        step,
-        args.checkpoints_total_limit,
-        layout=layout,
-        history={"train/loss_curve": record.losses()},
-        batch=batch_shape,
+    save = partial(save_checkpoint, accelerator, output_dir / "checkpoints", layout=layout, batch=batch_shape)
+    save_checkpoint_at = lambda step: save(
+        step, args.checkpoints_total_limit, history={"train/loss_curve": record.losses()}
     )
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -362,7 +320,7 @@ def main():
                 step_loss.zero_()
                 record.step(completed_steps, loss, samples=global_batch_size, tokens=tokens_per_step)
                 if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
-                    loss = record.losses()[-1]  # Sync point: reading the losses waits for the device
+                    loss = record.losses()[-1]  # sync point: reading the losses waits for the device
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
                     stop.exit(save_checkpoint_at(completed_steps))
@@ -379,17 +337,12 @@ def main():
     final_model = accelerator.unwrap_model(model)
     if accelerator.is_main_process and parallelism.name == "fsdp":  # a plain model to sample from
         final_model = whole_model(model_config, state_dict)
-
     write = partial(save_lm, final_model, state_dict, data.tokenizer)  # config.json, model.safetensors, tokenizer
     save_final(accelerator, output_dir, write, output_dir / "checkpoints", state_dict)  # into place whole, or said
 
     # ------------------------------------------------------------------------- evaluation
-    # The whole validation set, each block once, in every mode; perplexity = exp(mean token loss).
-    results |= NOT_EVALUATED if args.skip_eval else evaluate()
-    if accelerator.is_main_process and args.sample_tokens > 0:  # greedy: the saved model generates the same
-        results |= greedy_sample(
-            final_model, data.tokenizer, args.sample_prompt, args.sample_tokens, accelerator.device
-        )
+    results |= NOT_EVALUATED if args.skip_eval else evaluate()  # every block once, in every mode
+    results |= greedy_sample(accelerator, final_model, data.tokenizer, args.sample_prompt, args.sample_tokens)
     record.write(output_dir, results, model)  # a collective
     # Drop DDP while the process group lives: gloo can hang in DDP's destructor at exit (docs/troubleshooting.md).
     model, optimizer, lr_scheduler = accelerator.free_memory(model, optimizer, lr_scheduler)

@@ -41,8 +41,10 @@ import logging
 import math
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from statistics import fmean
+from typing import NamedTuple
 
 import evaluate
 import torch
@@ -183,61 +185,56 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_data(
-    accelerator,
-    *,
-    train_file,
-    validation_file,
-    dataset_name,
-    dataset_config_name,
-    seed,
-    text_column,
-    label_column,
-    max_train_samples,
-    max_eval_samples,
-    task,
-):
+class DataFlags(NamedTuple):
+    """The flags of these names (``--help`` says each) that say which samples to train on and how they become batches:
+    what ``load_data`` and ``get_dataloaders`` read, as one small object."""
+
+    train_file: str | None
+    validation_file: str | None
+    dataset_name: str | None
+    dataset_config_name: str | None
+    text_column: list[str]
+    label_column: str
+    task: str
+    max_train_samples: int | None
+    max_eval_samples: int | None
+    seed: int
+    model_name_or_path: str
+    tokenizer_name: str | None
+    trust_remote_code: bool
+    max_length: int
+    pad_to_max_length: bool
+    group_by_length: bool
+    per_device_train_batch_size: int
+    per_device_eval_batch_size: int
+
+
+def load_data(accelerator, flags: DataFlags):
     """The train/validation splits (checked, cut to --max_*_samples), regression or not, the label names (or None), and
     a function from a batch of label values to ids (the same mapping for both splits):
     classifier_kit/classification.py."""
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
-        source = (train_file, validation_file, dataset_name, dataset_config_name)
-        raw_datasets = load_splits(*source, seed=seed, text_columns=text_column, label_column=label_column)
-    for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
+        source = flags.train_file, flags.validation_file, flags.dataset_name, flags.dataset_config_name
+        seed, label_column = flags.seed, flags.label_column
+        raw_datasets = load_splits(*source, seed=seed, text_columns=flags.text_column, label_column=label_column)
+    for split, limit in (("train", flags.max_train_samples), ("validation", flags.max_eval_samples)):
         if limit:  # a shuffled subset
             raw_datasets[split] = raw_datasets[split].shuffle(seed=seed)
             raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
-    task, reason = choose_task(raw_datasets, label_column, task)
+    task, reason = choose_task(raw_datasets, label_column, flags.task)
     accelerator.print(f"task: {task} ({reason})")
     label_names, label_ids = read_labels(raw_datasets, label_column, regression=task == "regression")
     accelerator.print(f"data: {len(label_names)} labels: {label_names}" if label_names else "data: scores")
     return raw_datasets, task == "regression", label_names, label_ids
 
 
-def get_dataloaders(
-    accelerator,
-    raw_datasets,
-    label_ids,
-    config,
-    *,
-    tokenizer_name,
-    model_name_or_path,
-    trust_remote_code,
-    pad_to_max_length,
-    text_column,
-    max_length,
-    label_column,
-    per_device_train_batch_size,
-    seed,
-    group_by_length,
-    per_device_eval_batch_size,
-):
+def get_dataloaders(accelerator, raw_datasets, label_ids, config, flags: DataFlags):
     """The tokenizer, and tokenized, dynamically padded batches: each batch padded to its own longest text
     (--pad_to_max_length: every text to --max_length) by transformers' DataCollatorWithPadding; --group_by_length
     batches similar lengths together (shared/sampling.py)."""
-    tokenizer_name = tokenizer_name or model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust_remote_code)
+    tokenizer_name = flags.tokenizer_name or flags.model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=flags.trust_remote_code)
     if tokenizer.pad_token is None:
         # Decoder-only models (Llama, Qwen, GPT-2) often have no pad token; batches need one. The model pools the last
         # token that is not padding, so it must know the id too (config.pad_token_id), and the padding goes right.
@@ -246,10 +243,12 @@ def get_dataloaders(
     tokenizer.padding_side, config.pad_token_id = "right", tokenizer.pad_token_id
 
     def tokenize(batch):
-        padding = "max_length" if pad_to_max_length else False  # False: the collator pads each batch
-        texts = [batch[column] for column in text_column]  # a pair: tokenizer(text, text_pair), longest-first cut
-        encoded = tokenizer(*texts, truncation=True, max_length=max_length, padding=padding)
-        return {**encoded, "labels": label_ids(batch[label_column])}
+        padding = "max_length" if flags.pad_to_max_length else False  # False: the collator pads each batch
+        texts = [
+            batch[column] for column in flags.text_column
+        ]  # a pair: tokenizer(text, text_pair), longest-first cut
+        encoded = tokenizer(*texts, truncation=True, max_length=flags.max_length, padding=padding)
+        return {**encoded, "labels": label_ids(batch[flags.label_column])}
 
     with accelerator.main_process_first():
         columns = raw_datasets["train"].column_names
@@ -260,8 +259,12 @@ def get_dataloaders(
     collator = DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
     )
-    lengths, batch_size = [len(ids) for ids in train_dataset["input_ids"]], per_device_train_batch_size
-    sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if group_by_length else None
+    lengths, batch_size, seed = (
+        [len(ids) for ids in train_dataset["input_ids"]],
+        flags.per_device_train_batch_size,
+        flags.seed,
+    )
+    sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if flags.group_by_length else None
     # Their own generators: a DataLoader without one draws a seed from the global RNG each time it starts iterating,
     # which would shift the dropout masks of a resumed run.
     # Pinned on a GPU: the prepared loader's non_blocking copy (build_accelerator) does not wait for it.
@@ -277,7 +280,7 @@ def get_dataloaders(
     )
     generator = torch.Generator().manual_seed(seed)
     eval_dataloader = DataLoader(
-        eval_dataset, per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
+        eval_dataset, flags.per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
     )
     if len(train_dataloader) < accelerator.num_processes:
         raise RecipeError(
@@ -297,6 +300,15 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
         {"params": [p for n, p in trained if n in decay], "weight_decay": weight_decay},
         {"params": [p for n, p in trained if n not in decay], "weight_decay": 0.0},
     ]
+
+
+def parameter_counts(model) -> dict:
+    """The model's trained and total parameters, as results.json records them."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {
+        "model/trainable_parameters": trainable,
+        "model/total_parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 def save_model(accelerator, model, tokenizer, output_dir: Path, base_name: str, load: dict, lora: bool) -> None:
@@ -377,34 +389,25 @@ def main():
     args = parse_args()
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # What acts process-wide, one line each; then the Accelerator (real DDP over gloo without CUDA, processes counted).
     set_stop_with_launcher()  # Linux: dies with its launcher (a SIGKILLed launcher cannot stop its workers)
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
     set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     # The accumulation, for the Accelerator: a resume's keeps its global batch (find_checkpoint: every process agrees).
     checkpoints_dir, processes = Path(args.output_dir) / "checkpoints", int(os.environ.get("WORLD_SIZE", "1"))
-    args.gradient_accumulation_steps, batch_shape = keep_global_batch(
-        processes,
-        resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir) if args.resume_from_checkpoint else None,
-        args.per_device_train_batch_size,
-        args.gradient_accumulation_steps,
-        processes,
-        args.seed,
-    )
+    own = resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir) if args.resume_from_checkpoint else None
+    batch = args.per_device_train_batch_size, args.gradient_accumulation_steps  # as passed
+    args.gradient_accumulation_steps, batch_shape = keep_global_batch(processes, own, *batch, processes, args.seed)
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         mixed_precision=args.mixed_precision,
         log_with=args.report_to,
-        project_config=ProjectConfiguration(
-            project_dir=args.output_dir, save_on_each_node=args.save_on_each_node
-        ),  # the seedable sampler: same order in any process count, on resume
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        project_config=ProjectConfiguration(project_dir=args.output_dir, save_on_each_node=args.save_on_each_node),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # the same order in any process count
     )
     set_fsdp_on_cpu(accelerator)  # CPU + FSDP config: Accelerate's state set back to FSDP2 (cpu=True drops it)
-    # FSDP in 1 process: no resharding after forward (nothing to shard over)
-    set_keep_gathered_in_one_process(accelerator)
+    set_keep_gathered_in_one_process(accelerator)  # FSDP in 1 process: no resharding after forward
     set_seed(args.seed)
     set_quiet_library_logs(accelerator)  # library warnings once, from the main process; no colour codes in log files
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
@@ -417,37 +420,12 @@ def main():
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
-    raw_datasets, regression, label_names, label_ids = load_data(
-        accelerator,
-        train_file=args.train_file,
-        validation_file=args.validation_file,
-        dataset_name=args.dataset_name,
-        dataset_config_name=args.dataset_config_name,
-        seed=args.seed,
-        text_column=args.text_column,
-        label_column=args.label_column,
-        max_train_samples=args.max_train_samples,
-        max_eval_samples=args.max_eval_samples,
-        task=args.task,
-    )  # regression: no label names
+    data_flags = DataFlags(**{name: getattr(args, name) for name in DataFlags._fields})  # what the data reads
+    raw_datasets, regression, label_names, label_ids = load_data(accelerator, data_flags)  # regression: no names
     # The model's config, named labels included (checked before any tokenizing: a bad model name fails fast).
     config = load_model_config(args.model_name_or_path, label_names, args.max_length, args.trust_remote_code)
     tokenizer, train_dataloader, eval_dataloader = get_dataloaders(
-        accelerator,
-        raw_datasets,
-        label_ids,
-        config,
-        tokenizer_name=args.tokenizer_name,
-        model_name_or_path=args.model_name_or_path,
-        trust_remote_code=args.trust_remote_code,
-        pad_to_max_length=args.pad_to_max_length,
-        text_column=args.text_column,
-        max_length=args.max_length,
-        label_column=args.label_column,
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        seed=args.seed,
-        group_by_length=args.group_by_length,
-        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        accelerator, raw_datasets, label_ids, config, data_flags
     )
     baseline = baselines(train_dataloader.dataset["labels"], eval_dataloader.dataset["labels"], regression)
 
@@ -455,8 +433,7 @@ def main():
     load = {"config": config, "trust_remote_code": args.trust_remote_code}
     model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **load)
     start_at_the_mean(model, train_dataloader.dataset["labels"], regression, accelerator.print)  # before LoRA
-    if args.gradient_checkpointing:
-        # Before the split and prepare() (FSDP wraps the layers); non-reentrant: the reentrant one breaks DDP.
+    if args.gradient_checkpointing:  # before the split and prepare(); non-reentrant: the reentrant one breaks DDP
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # SEQ_CLS: PEFT also trains (and saves) the classification head, which starts from scratch
         model = lora_model(
@@ -468,8 +445,7 @@ def main():
             target_modules=args.lora_target_modules,
             task_type="SEQ_CLS",
         )
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    parameters = parameter_counts(model)  # before a split or sharding moves or cuts them
     devices = None  # the devices of a device_map split (peak memory is measured on each)
     if parallelism.name == "device_map":
         model, devices = split_model(model, args.model_name_or_path, accelerator.device, accelerator.print)
@@ -478,20 +454,16 @@ def main():
     groups = parameter_groups(model, args.weight_decay)  # weight decay but on biases and norms
     optimizer = torch.optim.AdamW(groups, lr=args.learning_rate, fused=fused_adamw(accelerator))
     # Optimizer steps per epoch after sharding: each process sees 1/num_processes of the batches.
-    batches_per_process = math.ceil(len(train_dataloader) / accelerator.num_processes)
-    steps_per_epoch = math.ceil(batches_per_process / args.gradient_accumulation_steps)
+    steps_per_epoch = math.ceil(math.ceil(len(train_dataloader) / processes) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # The prepared scheduler steps once per process per optimizer step, hence the multiplications.
-    warmup_steps = int(args.warmup_ratio * max_train_steps) * accelerator.num_processes
-    total_steps = max_train_steps * accelerator.num_processes
+    warmup_steps, total_steps = int(args.warmup_ratio * max_train_steps) * processes, max_train_steps * processes
     lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, num_training_steps=total_steps)
 
     # ------------------------------------------------------------------------------ prepare
     if parallelism.name == "fsdp":  # FSDP shards one Transformer layer at a time (its class read from the model)
-        block_class = set_wrap_at_blocks(
-            accelerator, model, find_block_list(model, set(model._no_split_modules or ()))
-        )
-        accelerator.print(f"fsdp: one unit per {block_class or 'configured block'}")
+        blocks = find_block_list(model, set(model._no_split_modules or ()))
+        accelerator.print(f"fsdp: one unit per {set_wrap_at_blocks(accelerator, model, blocks) or 'configured block'}")
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
@@ -507,14 +479,8 @@ def main():
     completed_steps, curve = resume.completed_steps, resume.history.get("train/loss_curve")
     record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # shared/results.py
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
-    save = lambda: save_checkpoint(
-        accelerator,
-        output_dir / "checkpoints",
-        completed_steps,
-        args.checkpoints_total_limit,
-        history={"train/loss_curve": record.losses()},
-        batch=batch_shape,
-    )  # a sync
+    saver = partial(save_checkpoint, accelerator, output_dir / "checkpoints", batch=batch_shape)  # a collective
+    save = lambda: saver(completed_steps, args.checkpoints_total_limit, history={"train/loss_curve": record.losses()})
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
     token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -565,12 +531,10 @@ def main():
     # --------------------------------------------------------------------- evaluation
     scores = evaluate_model(accelerator, model, [] if args.skip_eval else eval_dataloader, regression)
     accelerator.print(f"eval: {scores} (baseline: {baseline})")
-    results = {"recipe": "transformer_finetune", **scores, **baseline, "label_names": label_names}
-    results |= {"model": args.model_name_or_path, "config": run_config}
-    results.update(method="lora" if args.lora_r else "full", task=config.problem_type or "classification")
-    results.update({"model/trainable_parameters": trainable, "model/total_parameters": total})
-    results.update({"parallelism": parallelism.name, "global_batch_size": global_batch_size})
-    results["device_map_devices"] = [str(device) for device in devices] if devices else None
+    results = {"recipe": "transformer_finetune", **scores, **baseline, "label_names": label_names, **parameters}
+    results |= {"model": args.model_name_or_path, "config": run_config, "method": "lora" if args.lora_r else "full"}
+    results |= {"task": config.problem_type or "classification", "parallelism": parallelism.name}
+    results |= {"global_batch_size": global_batch_size, "device_map_devices": list(map(str, devices or [])) or None}
     real, padded = accelerator.reduce(token_counts, "sum").tolist()
     results["train/padding_fraction"] = 1 - real / max(padded, 1)
     # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).

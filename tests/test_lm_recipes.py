@@ -619,6 +619,44 @@ def test_a_model_folder_without_config_json_is_refused_saying_so(refusals):
     assert "Traceback" not in message and "model_type" not in message
 
 
+def test_the_batch_split_decided_before_the_accelerator_is_the_one_the_chosen_parallelism_makes(monkeypatch):
+    """train_lm.py decides how many processes split each batch (and with it the accumulation a resume keeps) from
+    --parallelism and the launch's WORLD_SIZE, before the Accelerator exists; choose_parallelism names the parallelism
+    after it is built. For every launch choose_parallelism accepts, the two agree: ddp and fsdp split each batch over
+    every process, single and device_map over one."""
+    import importlib.util
+    import itertools
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate.utils import DistributedType
+
+    spec = importlib.util.spec_from_file_location("train_lm_under_test", REPO / "recipes" / TRAIN)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    from shared.errors import RecipeError
+
+    accepted = []
+    for requested, processes, fsdp, gpus in itertools.product(
+        ("auto", "single", "ddp", "fsdp", "device_map"), (1, 2), (False, True), (0, 2)
+    ):
+        monkeypatch.setenv("WORLD_SIZE", str(processes))
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", str(fsdp).lower())
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        kind = DistributedType.FSDP if fsdp else DistributedType.MULTI_GPU if processes > 1 else DistributedType.NO
+        accelerator = SimpleNamespace(
+            num_processes=processes, distributed_type=kind, device=torch.device("cuda" if gpus else "cpu")
+        )
+        try:
+            chosen = recipe.choose_parallelism(accelerator, requested, "recipes/train_lm.py").name
+        except RecipeError:
+            continue
+        accepted.append(chosen)
+        expected = processes if chosen in ("ddp", "fsdp") else 1
+        assert recipe.data_parallel_size_of(requested) == expected, (requested, processes, fsdp, gpus, chosen)
+    assert set(accepted) == {"single", "ddp", "fsdp", "device_map"}
+
+
 @pytest.fixture(scope="module")
 def pipeline_recipe():
     """pipeline_lm.py imported as a module: its request checks are plain functions (the "microbatches" launch above

@@ -26,10 +26,14 @@ def perplexity_results(accelerator, loss_sum: float, num_tokens: int, num_blocks
     }
 
 
-def greedy_sample(model, tokenizer, prompt: str, max_new_tokens: int, device: torch.device) -> dict:
-    """``prompt`` and the ``max_new_tokens`` tokens ``model`` generates greedily after it (so that a test can
-    regenerate the same text from the saved model), printed, as results.json's ``sample/prompt`` and ``sample/text``.
-    A model split by a device_map stays where its hooks put it; any other is moved to ``device``."""
+def greedy_sample(accelerator, model, tokenizer, prompt: str, max_new_tokens: int) -> dict:
+    """On the main process, ``prompt`` and the ``max_new_tokens`` tokens ``model`` generates greedily after it (so
+    that a test can regenerate the same text from the saved model), printed, as results.json's ``sample/prompt`` and
+    ``sample/text``; nothing elsewhere, or for 0 tokens. A model split by a device_map stays where its hooks put it;
+    any other is moved to the accelerator's device."""
+    if not accelerator.is_main_process or max_new_tokens <= 0:
+        return {}
+    device = accelerator.device
     model.eval()
     if not getattr(model, "hf_device_map", None):
         model.to(device)
