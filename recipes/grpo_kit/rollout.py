@@ -1,12 +1,12 @@
 """Generation for ``recipes/grpo.py``: completions of the round's prompts, behind one small interface, ``Generator``:
 ``generate(prompt_ids, noise) -> Rollouts``. ``PolicyGenerator`` is the colocated one (``--generation_mode
-colocate``): every process generates its share with the policy it trains, through transformers' ``generate``. Another
+colocate``): every process generates its share with the policy it trains, one forward per token (``decode``). Another
 engine (a vLLM server, a process that only generates) takes the same prompts and noise and returns the same
 ``Rollouts``, with the generating policy's per-token log-probs where they differ from the trained policy's.
 
-Sampling is this module's own, not ``generate``'s: ``generate`` runs greedy over scores that ``NoiseSampler`` (a logits
-processor) reduced to the token it sampled, by inverse transform, from a uniform number per completion and position:
-``sampling_noise``, drawn from a generator seeded with the seed and the round. So a completion's sample depends on its
+Sampling is this module's own, not transformers': ``NoiseSampler`` samples each token by inverse transform from a
+uniform number per completion and position: ``sampling_noise``, drawn from a generator seeded with the seed and the
+round. So a completion's sample depends on its
 place in the round, not on the process that generates it nor on what ran before: a resumed run samples what the
 uninterrupted one did, with no RNG state to save, and 1 or 2 processes sample the same completions (unless a logit
 differs in its last bits between batch shapes and a uniform falls exactly there)."""
@@ -90,12 +90,12 @@ class PolicyGenerator:
     """Colocated generation: the policy being trained generates this process's completions, unwrapped from DDP (no
     gradient to sync), in eval mode (no dropout; left in training mode after) and without gradients, with the KV cache,
     prompts padded on the left, until every row has ended or ``max_completion_length`` tokens. Each prompt is read
-    once for all its consecutive rows (a group's completions, ``prompt_cache``), not once per row. Under FSDP2
-    (``sharded``; the recipe registers ``generate`` as a forward method, so that it gathers the root's own parameters
-    as a forward does) every forward gathers each block's parameters from all processes, so all of them must run as
-    many forwards: ``synced_gpus`` keeps a process whose rows have ended stepping (on padding) until every process's
-    have. ``logps``: return the log-prob the policy gave each sampled token (the split layout's generating process,
-    whose policy is not the one the trainers score with)."""
+    once for all its consecutive rows (a group's completions, ``prompt_cache``), not once per row; with LoRA, through
+    a merged copy of the adapted weights (``merged_adapter``). Under FSDP2 (``sharded``) every forward gathers each
+    block's parameters from all processes, so all of them must run as many forwards: ``decode`` keeps a process whose
+    rows have ended stepping (on padding) until every process's have. ``logps``: return the log-prob the policy gave
+    each sampled token (the split layout's generating process, whose policy is not the one the trainers score
+    with)."""
 
     def __init__(
         self,
