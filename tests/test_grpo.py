@@ -734,6 +734,57 @@ def test_generation_reads_each_group_s_prompt_once_and_samples_as_rows_apart(bas
     assert together.completion_ids[2] != together.completion_ids[3]  # the same prompt, other noise
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_the_training_forward_reads_each_group_s_prompt_once_with_the_plain_forward_s_log_probs_and_gradients(
+    base, name
+):
+    """The training forward of a micro-batch whose rows are runs of one prompt's completions (a group cut where the
+    micro-batch starts, prompts of two lengths, completions of unequal lengths) reads each distinct prompt once (the
+    first forward's batch: the distinct prompts but their last token; then every row's last prompt token and
+    completion) and gives every completion token the log-prob, and the LoRA weights the gradient, of one plain forward
+    of each row alone (an untied Llama, a tied Qwen2, GPT-2's absolute positions; eval mode: no dropout to draw)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from grpo_kit.data import micro_batches, prompt_ids
+    from grpo_kit.loss import completion_logps
+    from grpo_kit.rollout import Rollouts
+
+    folder = base if name == "llama" else base / name
+    tokenizer = tokenizer_of(folder)
+    torch.manual_seed(0)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(folder),
+        LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False),
+    ).eval()
+    questions = ["Is `email.utils.unquote` a class, a function or a method? Say it.", "Is `a.b` a class?"]
+    distinct = [prompt_ids([{"role": "user", "content": q}], "conversational", tokenizer) for q in questions]
+    prompts = [distinct[0]] * 2 + [distinct[1]] * 3
+    completions = [[5, 9, tokenizer.eos_token_id], [7, 8, 9, 10, 11], [12], [13, 14, 15, 16], [17, 18]]
+    rows = [{"prompt_ids": ids} for ids in prompts]
+    rollouts = Rollouts(completions, [False] * len(completions))
+    (batch,) = micro_batches(rows, rollouts, torch.zeros(5), 5, tokenizer.pad_token_id, False, "cpu")
+    shapes = []
+    embeddings = model.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(out.shape[:2]))
+    logps, _ = completion_logps(model, batch, 0.7)
+    embeddings.remove()
+    assert shapes[0] == (2, max(map(len, distinct)) - 1)  # the distinct prompts but their last token, once
+    assert shapes[1][0] == len(rows) and shapes[1][1] < batch["input_ids"].shape[1] - len(distinct[1]) + 2
+    (logps * batch["mask"]).sum().backward()
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    shared = {n: p.grad.clone() for n, p in lora.items()}
+    model.zero_grad()
+    total = 0
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        plain = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / 0.7
+        expected = plain.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(logps[row, : len(completion)].detach(), expected.detach(), rtol=1e-5, atol=1e-5)
+        total = total + expected.sum()
+    total.backward()
+    for n, p in lora.items():
+        torch.testing.assert_close(shared[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
+
+
 def generator_sampler(generator, noise, length):
     from grpo_kit.rollout import NoiseSampler
 

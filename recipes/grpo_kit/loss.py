@@ -21,6 +21,7 @@ import math
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
 
 from llm_kit.adapters import reference_policy
 from llm_kit.loading import load_base_model
@@ -76,7 +77,9 @@ def completion_logps(model, batch: dict, temperature: float, chunk_tokens: int =
     (``logits_to_keep``), the log-softmax in fp32 over ``chunk_tokens`` positions at a time, each chunk recomputed in
     backward (checkpointed): the softmax over the vocabulary exists for one chunk at a time."""
     positions = batch["loss_positions"]
-    logits = model(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=positions).logits
+    logits = shared_prompt_logits(model, batch)
+    if logits is None:  # no two consecutive rows with the same prompt: one plain forward
+        logits = model(input_ids=batch["input_ids"], use_cache=False, logits_to_keep=positions).logits
     if logits.shape[:2] != positions.shape:  # a model that ignores logits_to_keep: pick the completion positions
         logits = torch.take_along_dim(logits, positions.to(logits.device)[..., None], dim=1)
     targets = batch["loss_targets"].to(logits.device).flatten()
@@ -86,6 +89,54 @@ def completion_logps(model, batch: dict, temperature: float, chunk_tokens: int =
     ]
     logps, entropy = (torch.cat(columns).view(positions.shape) for columns in zip(*pieces))
     return logps, entropy
+
+
+def shared_prompt_logits(model, batch: dict) -> torch.Tensor | None:
+    """The logits ``completion_logps`` takes (rows x K x vocabulary, at each row's completion positions) with each
+    prompt read once for its run of consecutive rows (a group's completions; with gradients): one forward over the
+    distinct prompts but their last token gives their keys and values (a cache), copied to each of their rows, then one
+    forward over every row's last prompt token and completion at the positions they have in the row, attending to its
+    prompt's keys and values (a mask leaves out the columns beyond a shorter prompt). Equal to the plain forward of the
+    rows within float rounding, in the logits and the gradients (a prompt's gradient is its rows' sum); the prompts'
+    part of the forward and backward costs distinct prompts, not rows. None where nothing would be shared (no two
+    consecutive rows with the same prompt), under gradient checkpointing (which forbids the cache) and under FSDP2
+    (two forwards before one backward): the caller runs the plain forward."""
+    input_ids, positions = batch["input_ids"], batch["loss_positions"]
+    inner = getattr(model, "module", model)  # DDP: the prompts' forward outside its wrapper (one wrapped forward)
+    if getattr(inner, "is_gradient_checkpointing", False) or any(
+        type(p).__name__ == "DTensor" for p in inner.parameters()
+    ):
+        return None
+    # Each row's prompt but its last token (its first scored position), and which rows repeat the prompt before them:
+    # read from the device (on a GPU, a sync point per micro-batch).
+    lengths = positions[:, 0].tolist()
+    starts = [
+        row == 0
+        or lengths[row] != lengths[row - 1]
+        or not input_ids[row, : lengths[row]].equal(input_ids[row - 1, : lengths[row]])
+        for row in range(len(lengths))
+    ]
+    if all(starts) or min(lengths) < 1:
+        return None
+    firsts = [row for row, start in enumerate(starts) if start]
+    run_of_row = torch.tensor(starts).cumsum(0).sub(1).to(input_ids.device)
+    cached = max(lengths)
+    cache = DynamicCache(config=inner.config)
+    # Columns past a shorter prompt hold its row's completion or padding: computed, never attended to (the mask).
+    inner(input_ids=input_ids[firsts, :cached], cache=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(run_of_row)  # each row gets its prompt's keys and values (a gather: gradients add up)
+    first = torch.tensor(lengths, device=input_ids.device)[:, None]
+    tail = first + torch.arange(input_ids.shape[1] - min(lengths), device=input_ids.device)  # each row's positions
+    tail_ids = input_ids.gather(1, tail.clamp(max=input_ids.shape[1] - 1))  # past a row's end: its padding, unread
+    columns = torch.arange(cached, device=input_ids.device)
+    mask = torch.cat([(columns < first).long(), torch.ones_like(tail)], dim=1)
+    keep = torch.where(batch["loss_targets"] != -100, torch.arange(positions.shape[1], device=positions.device), 0)
+    logits = model(
+        input_ids=tail_ids, attention_mask=mask, position_ids=tail, cache=cache, use_cache=True, logits_to_keep=keep
+    ).logits
+    if logits.shape[:2] != keep.shape:  # a model that ignores logits_to_keep: pick the completion positions
+        logits = torch.take_along_dim(logits, keep[..., None], dim=1)
+    return logits
 
 
 def completion_tokens(gathered: torch.Tensor, mask_truncated: bool) -> torch.Tensor:

@@ -1,30 +1,24 @@
 """Generation for ``recipes/grpo.py``: completions of the round's prompts, behind one small interface, ``Generator``:
 ``generate(prompt_ids, noise) -> Rollouts``. ``PolicyGenerator`` is the colocated one (``--generation_mode
-colocate``): every process generates its share with the policy it trains, through transformers' ``generate``. Another
+colocate``): every process generates its share with the policy it trains, one forward per token (``decode``). Another
 engine (a vLLM server, a process that only generates) takes the same prompts and noise and returns the same
 ``Rollouts``, with the generating policy's per-token log-probs where they differ from the trained policy's.
 
-Sampling is this module's own, not ``generate``'s: ``generate`` runs greedy over scores that ``NoiseSampler`` (a logits
-processor) reduced to the token it sampled, by inverse transform, from a uniform number per completion and position:
-``sampling_noise``, drawn from a generator seeded with the seed and the round. So a completion's sample depends on its
+Sampling is this module's own, not transformers': ``NoiseSampler`` samples each token by inverse transform from a
+uniform number per completion and position: ``sampling_noise``, drawn from a generator seeded with the seed and the
+round. So a completion's sample depends on its
 place in the round, not on the process that generates it nor on what ran before: a resumed run samples what the
 uninterrupted one did, with no RNG state to save, and 1 or 2 processes sample the same completions (unless a logit
 differs in its last bits between batch shapes and a uniform falls exactly there)."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import (
-    DynamicCache,
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
 from .data import micro_batches
 from .loss import add_fixed_logps, completion_tokens, group_advantages
@@ -75,27 +69,33 @@ class NoiseSampler(LogitsProcessor):
         self.logps = [] if logps else None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        tokens = self.sample(scores, input_ids.shape[1] - self.prompt_length)
+        return torch.full_like(scores, -torch.inf).scatter_(1, tokens[:, None], 0.0)
+
+    def sample(self, scores: torch.Tensor, position: int) -> torch.Tensor:
+        """Each row's token at completion position ``position`` (0 first), sampled from ``scores`` (rows x
+        vocabulary) by its uniform there."""
         scores = unfiltered = scores.float() / self.temperature
         for kept in self.filters:
-            scores = kept(input_ids, scores)
+            scores = kept(None, scores)
         cdf = torch.softmax(scores, dim=-1).cumsum(dim=-1)
-        uniform = self.noise[:, input_ids.shape[1] - self.prompt_length].to(cdf.device)[:, None] * cdf[:, -1:]
+        uniform = self.noise[:, position].to(cdf.device)[:, None] * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, uniform.contiguous(), right=True).clamp(max=scores.shape[-1] - 1)
         if self.logps is not None:
             self.logps.append(torch.log_softmax(unfiltered, dim=-1).gather(1, tokens)[:, 0])
-        return torch.full_like(scores, -torch.inf).scatter_(1, tokens, 0.0)
+        return tokens[:, 0]
 
 
 class PolicyGenerator:
     """Colocated generation: the policy being trained generates this process's completions, unwrapped from DDP (no
     gradient to sync), in eval mode (no dropout; left in training mode after) and without gradients, with the KV cache,
     prompts padded on the left, until every row has ended or ``max_completion_length`` tokens. Each prompt is read
-    once for all its consecutive rows (a group's completions, ``prompt_cache``), not once per row. Under FSDP2
-    (``sharded``; the recipe registers ``generate`` as a forward method, so that it gathers the root's own parameters
-    as a forward does) every forward gathers each block's parameters from all processes, so all of them must run as
-    many forwards: ``synced_gpus`` keeps a process whose rows have ended stepping (on padding) until every process's
-    have. ``logps``: return the log-prob the policy gave each sampled token (the split layout's generating process,
-    whose policy is not the one the trainers score with)."""
+    once for all its consecutive rows (a group's completions, ``prompt_cache``), not once per row; with LoRA, through
+    a merged copy of the adapted weights (``merged_adapter``). Under FSDP2 (``sharded``) every forward gathers each
+    block's parameters from all processes, so all of them must run as many forwards: ``decode`` keeps a process whose
+    rows have ended stepping (on padding) until every process's have. ``logps``: return the log-prob the policy gave
+    each sampled token (the split layout's generating process, whose policy is not the one the trainers score
+    with)."""
 
     def __init__(
         self,
@@ -138,19 +138,24 @@ class PolicyGenerator:
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         unwrapped.eval()
         try:
-            with torch.no_grad():  # (the prepared model's forward keeps its mixed-precision autocast)
+            # LoRA: each adapted weight with its update added, one matmul a layer instead of three (a copy of
+            # them while generating; the policy's weights themselves untouched).
+            with torch.no_grad(), merged_adapter(unwrapped, sharded=self.sharded):
                 cache = prompt_cache(unwrapped, prompt_ids, input_ids, attention_mask)
-                output = unwrapped.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    cache=cache,  # generate goes on from each prompt's last token
-                    generation_config=self.config,
-                    logits_processor=LogitsProcessorList([sampler]),
-                    synced_gpus=self.sharded,
+                completions = decode(
+                    unwrapped,
+                    input_ids,
+                    attention_mask,
+                    cache,
+                    sampler,
+                    max_new_tokens=self.config.max_new_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    synced=self.sharded,
                 )
         finally:
             unwrapped.train()  # what follows generation: training
-        rollouts = cut_at_end(output[:, length:].tolist(), self.eos_token_ids)
+        rollouts = cut_at_end(completions.tolist(), self.eos_token_ids)
         if self.logps:  # each row's, to its end
             logps = torch.stack(sampler.logps, dim=1).tolist()
             rollouts.logps = [row[: len(ids)] for row, ids in zip(logps, rollouts.completion_ids)]
@@ -158,6 +163,53 @@ class PolicyGenerator:
 
     def update(self, model) -> None:
         """Nothing: the policy it generates with is the one being trained."""
+
+
+@contextlib.contextmanager
+def merged_adapter(model, *, sharded: bool):
+    """Inside the block, a PEFT model's LoRA layers compute ``x (W + B A s)`` with one matmul, as a merged model does:
+    each adapted weight's base replaced by a merged copy (``W`` + PEFT's ``get_delta_weight``), the adapters switched
+    off; outside it, the base weights are the very tensors they were (PEFT's ``merge_adapter``/``unmerge_adapter``
+    would add and subtract the update in place, which leaves them a rounding off each round). The logits equal the
+    unmerged model's within float rounding (the sum taken in another order). Nothing changes for a model without
+    LoRA, with 4-bit or sharded (FSDP2) base weights, DoRA or several active adapters, or where the copy would not fit
+    the device's free memory."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [module for module in model.modules() if isinstance(module, LoraLayer)]
+    adapters = {tuple(layer.active_adapters) for layer in layers}
+    if (
+        not layers
+        or sharded
+        or not hasattr(model, "disable_adapter")
+        or len(adapters) != 1
+        or len(next(iter(adapters))) != 1
+        or model.peft_config[next(iter(adapters))[0]].use_dora
+        or any(type(layer.get_base_layer().weight) is not torch.nn.Parameter for layer in layers)
+        or any(
+            layer.get_base_layer().weight.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+            for layer in layers
+        )
+    ):
+        yield
+        return
+    (adapter,) = next(iter(adapters))
+    copy_bytes = sum(layer.get_base_layer().weight.nbytes for layer in layers)
+    device = layers[0].get_base_layer().weight.device
+    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < 2 * copy_bytes:
+        yield
+        return
+    bases = [layer.get_base_layer() for layer in layers]
+    originals = [base.weight for base in bases]
+    try:
+        for layer, base, weight in zip(layers, bases, originals):
+            merged = weight + layer.get_delta_weight(adapter).to(weight.dtype)
+            base.weight = torch.nn.Parameter(merged, requires_grad=False)
+        with model.disable_adapter():
+            yield
+    finally:
+        for base, weight in zip(bases, originals):
+            base.weight = weight
 
 
 def prompt_cache(model, prompt_ids: list[list[int]], input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -182,6 +234,51 @@ def prompt_cache(model, prompt_ids: list[list[int]], input_ids: torch.Tensor, at
     )
     cache.batch_select_indices(run_of_row)  # each row gets its prompt's keys and values
     return cache
+
+
+def decode(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache,
+    sampler: NoiseSampler,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    synced: bool,
+) -> torch.Tensor:
+    """The completion tokens (rows x at most ``max_new_tokens``; padding after a row's end-of-sequence token) of the
+    left-padded prompts ``input_ids``, whose keys and values but the last token's are in ``cache`` (``prompt_cache``;
+    None: one-token prompts): one forward per token, each row's next token the one ``sampler`` draws from its logits,
+    until every row has ended. What ``generate`` does with greedy search over ``NoiseSampler``'s scores (the same
+    forwards, positions and tokens), without its per-token logits processors, stopping criteria and input
+    bookkeeping. ``synced`` (FSDP2: every forward gathers each block from every process): every process steps until
+    all of them have ended (a collective per token), as ``generate``'s ``synced_gpus``."""
+    eos = torch.tensor(eos_token_ids, device=input_ids.device)
+    tokens, mask = input_ids[:, -1:], attention_mask
+    positions = mask.sum(dim=1, keepdim=True) - 1  # each row's last prompt token, counted from its first
+    ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+    generated = []
+    for position in range(max_new_tokens):
+        logits = model(
+            input_ids=tokens,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        tokens = sampler.sample(logits, position).masked_fill(ended, pad_token_id)  # an ended row: padding
+        generated.append(tokens)
+        ended |= torch.isin(tokens, eos)
+        left = (~ended).any().float()
+        if synced:  # ended only when every process has
+            torch.distributed.all_reduce(left)
+        if not left:  # a sync point (on a GPU: waits for the forward)
+            break
+        tokens, mask, positions = tokens[:, None], torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1), positions + 1
+    return torch.stack(generated, dim=1)
 
 
 def cut_at_end(rows: list[list[int]], eos_token_ids: list[int]) -> Rollouts:
