@@ -51,11 +51,12 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
             f"(Accelerate would shard the model anyway). Use --parallelism fsdp (or auto), or launch {requested} "
             f"with its own config: {launch}"
         )
-    if requested == "device_map" and processes > 1:
+    if requested in ("single", "device_map") and processes > 1:  # single: DDP under a 1-process batch arithmetic
+        what = "splits the model inside" if requested == "device_map" else "trains in"
         raise RecipeError(
-            f"--parallelism device_map splits the model inside one process, but this launch has {processes} "
-            "processes: Accelerate refuses to train a device_map model in a distributed mode (and each process "
-            f"would hold its own split copy). Launch it with 1 process: {launch} (on a CPU-only machine too)."
+            f"--parallelism {requested} {what} one process, but this launch has {processes} processes: Accelerate "
+            "would wrap the model in DDP (a device_map model it refuses) while the recipe counts one process's "
+            f"batches. Launch it with 1 process: {launch} (on a CPU-only machine too), or pass --parallelism auto."
         )
     if compile and requested == "device_map":
         raise RecipeError(

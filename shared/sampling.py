@@ -10,9 +10,8 @@ from transformers.trainer_pt_utils import get_length_grouped_indices
 class LengthGroupedShuffledSampler(Sampler[int]):
     """Batch-aligned runs of indices of similar length (transformers' grouping), seeded by epoch: a resume agrees."""
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0, mega_batch_batches: int = 50):
+    def __init__(self, lengths: list[int], batch_size: int, seed: int = 0):
         self.lengths, self.batch_size, self.seed, self.epoch = lengths, batch_size, seed, 0
-        self.mega_batch_batches = mega_batch_batches
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -22,7 +21,7 @@ class LengthGroupedShuffledSampler(Sampler[int]):
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = get_length_grouped_indices(self.lengths, self.batch_size, self.mega_batch_batches, generator)
+        order = get_length_grouped_indices(self.lengths, self.batch_size, 50, generator)  # 50 batches a mega-batch
         # Mega-batches hold whole batches, so only the last batch of all can be short.
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         full = [batch for batch in batches if len(batch) == self.batch_size]

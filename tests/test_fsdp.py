@@ -316,3 +316,14 @@ def test_fsdp_needs_the_fsdp_config(monkeypatch):
         num_processes=2, distributed_type=DistributedType.MULTI_CPU, device=torch.device("cpu")
     )
     assert choose_parallelism(accelerator, "ddp", "recipes/train_lm.py").name == "ddp"
+
+
+@pytest.mark.parametrize("parallelism", ["single", "device_map"])
+def test_a_one_process_parallelism_in_a_2_process_launch_is_refused(monkeypatch, parallelism):
+    """--parallelism single under a 2-process launch would train as DDP (Accelerate wraps the model) while the recipe
+    counts one process's batches: steps per epoch twice over, the logged loss a sum. Refused, naming the launch."""
+    from accelerate.utils import DistributedType
+
+    message = refusal(monkeypatch, parallelism, 2, DistributedType.MULTI_CPU, fsdp_config=False)
+    assert f"--parallelism {parallelism}" in message and "this launch has 2 processes" in message
+    assert "accelerate_configs/" in message and "--parallelism auto" in message
