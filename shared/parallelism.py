@@ -55,8 +55,8 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
         what = "splits the model inside" if requested == "device_map" else "trains in"
         raise RecipeError(
             f"--parallelism {requested} {what} one process, but this launch has {processes} processes: Accelerate "
-            "would wrap the model in DDP (a device_map model it refuses) while the recipe counts one process's "
-            f"batches. Launch it with 1 process: {launch} (on a CPU-only machine too), or pass --parallelism auto."
+            "refuses to train a device_map model in a distributed mode, and wraps another in DDP while the recipe "
+            f"counts one process's batches. Launch 1 process: {launch} (on a CPU too), or pass --parallelism auto."
         )
     if compile and requested == "device_map":
         raise RecipeError(
