@@ -269,8 +269,9 @@ def main(argv=None) -> int:
     lines = [
         "# recipes/grpo.py vs TRL GRPOTrainer: the reward rise on the offline task",
         "",
-        f"Command: `{report['command']}`. CPU: {machine['cpu_model']}, {machine['cpu_cores']} cores; versions "
-        f"{json.dumps(report['versions'])}. Settings `{json.dumps(report['settings'])}`.",
+        f"Command: `{report['command']}`. CPU: {machine['cpu_model']}, {machine['cpu_cores']} cores, flags "
+        f"{', '.join(machine['cpu_flags']) or '-'}; versions {json.dumps(report['versions'])}. Settings "
+        f"`{json.dumps(report['settings'])}`.",
         "",
         "| side | mean reward by quarter of the run | mean reward | held-out exact match before -> after | wall s "
         "| other processes' CPU share |",
