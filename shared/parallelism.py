@@ -56,7 +56,8 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
         raise RecipeError(
             f"--parallelism {requested} {what} one process, but this launch has {processes} processes: Accelerate "
             "refuses to train a device_map model in a distributed mode, and wraps another in DDP while the recipe "
-            f"counts one process's batches. Launch 1 process: {launch} (on a CPU too), or pass --parallelism auto."
+            f"counts one process's batches. Launch it with 1 process: {launch} (on a CPU too), or pass "
+            "--parallelism auto."
         )
     if compile and requested == "device_map":
         raise RecipeError(
