@@ -36,6 +36,8 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, gather_object, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
+RESUME = "resume from the newest checkpoint with the same command and --resume_from_checkpoint latest"
+
 
 def positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
@@ -68,9 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-RESUME = "resume from the newest checkpoint with the same command and --resume_from_checkpoint latest"
-
-
 def refuse(accelerator: Accelerator, message: str) -> None:  # every process stops; the message printed once
     raise SystemExit(f"error: {message}" if accelerator.is_main_process else 1)
 
@@ -92,7 +91,6 @@ def save_atomically(accelerator: Accelerator, folder: Path, save, texts: dict, c
         kept = f"the newest checkpoint is {newest.parent}" if newest else "no checkpoint was saved"
         refuse(accelerator, f"saving {folder} failed ({error}); all saved before is kept, {kept}: {RESUME}")
     if accelerator.is_main_process:
-        folder.mkdir(parents=True, exist_ok=True)
         for entry in sorted(tmp.iterdir(), key=lambda entry: entry.name == "progress.json"):
             os.replace(entry, folder / entry.name)
         tmp.rmdir()
@@ -125,14 +123,12 @@ def main():
         signal.signal(number, lambda number, frame: stop.update(signal=stop["signal"] or number))
 
     # ------------------------------------------------------------------ Accelerator and seed
-    # Without CUDA a plain Accelerator() under a 2-process config does NOT start DDP: each process would train alone
-    # on all the data. cpu=True joins them over gloo; the check below catches any other way to lose a process.
-    seedable = DataLoaderConfiguration(use_seedable_sampler=True)  # one shuffle in any process count: 2 match 1
-    cpu = not torch.cuda.is_available()
     accelerator = Accelerator(
-        cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps, dataloader_config=seedable
+        cpu=not torch.cuda.is_available(),  # without CUDA: else a 2-process launch starts no DDP, each process alone
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),  # one shuffle in any process count
     )
-    if accelerator.num_processes != (expected := int(os.environ.get("WORLD_SIZE", "1"))):
+    if accelerator.num_processes != (expected := int(os.environ.get("WORLD_SIZE", "1"))):  # any other way to lose one
         raise SystemExit(f"error: {expected} processes launched, {accelerator.num_processes} joined: each alone")
     several = accelerator.num_processes > 1
     accelerator.print(f"parallelism: {'ddp' if several else 'single'} ({accelerator.num_processes} processes)")
@@ -150,28 +146,20 @@ def main():
     run = dict(seed=args.seed, samples=args.num_samples, batch=global_batch_size, processes=accelerator.num_processes)
 
     # ------------------------------------------------------------------------------- data
-    # Built identically on every process from the seed, so no process needs to send it to another.
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(args.seed)  # the same data on every process: none sends it
     true_weight, true_bias = torch.randn(1, args.in_features, generator=generator), torch.randn(1, generator=generator)
     inputs = torch.randn(args.num_samples, args.in_features, generator=generator)
     # Targets are (N, 1) to match the model's output: (N,) targets would broadcast to (N, N) in MSELoss.
     targets = inputs @ true_weight.T + true_bias + 0.1 * torch.randn(args.num_samples, 1, generator=generator)
-    shuffling = torch.Generator().manual_seed(
-        args.seed
-    )  # its own: else each epoch's shuffle draws from the global RNG
-    train_dataloader = DataLoader(
-        TensorDataset(inputs, targets), args.per_device_train_batch_size, shuffle=True, generator=shuffling
-    )
+    train_dataset = TensorDataset(inputs, targets)
+    shuffling = torch.Generator().manual_seed(args.seed)  # its own: else every epoch's shuffle draws the global RNG
+    train_dataloader = DataLoader(train_dataset, args.per_device_train_batch_size, shuffle=True, generator=shuffling)
     if len(train_dataloader) < accelerator.num_processes * args.gradient_accumulation_steps:
         refuse(accelerator, f"One optimizer step needs {global_batch_size} samples; --num_samples is smaller.")
 
-    # ------------------------------------------------------------------------------ model
+    # ----------------------------------------------------------------- model, optimizer, prepare
     model = torch.nn.Linear(args.in_features, 1)
-
-    # ------------------------------------------------------------------ optimizer
     optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
-
-    # ------------------------------------------------------------------------------ prepare
     # DDP around the model (several processes), on the device; each process gets its own slice of every global batch.
     model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
 
@@ -188,8 +176,7 @@ def main():
         skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps  # seen before the resume
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         for inputs_batch, targets_batch in active_dataloader:
-            # accumulate(): no all-reduce but on a step's last micro-batch, the only one that steps (no `step % gas`).
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model):  # all-reduce, step on a step's last micro-batch only (no `step % gas`)
                 loss = torch.nn.functional.mse_loss(model(inputs_batch), targets_batch)
                 step_loss += loss.detach() / args.gradient_accumulation_steps
                 accelerator.backward(loss)
@@ -206,13 +193,13 @@ def main():
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
             if summed[1] or args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
-                progress = {"progress.json": json.dumps({"loss_curve": loss_curve, "run": run})}
+                texts = {"progress.json": json.dumps({"loss_curve": loss_curve, "run": run})}
                 folder = checkpoints_dir / f"step_{completed_steps}"
-                save_atomically(accelerator, folder, accelerator.save_state, progress, checkpoints_dir)
+                save_atomically(accelerator, folder, accelerator.save_state, texts, checkpoints_dir)
             if summed[1]:
-                name = signal.Signals(stop["signal"] or signal.SIGTERM).name
-                accelerator.print(f"stopped by {name} after step {completed_steps}: saved {folder}; {RESUME}")
-                raise SystemExit(128 + (stop["signal"] or signal.SIGTERM))
+                number = signal.Signals(stop["signal"] or signal.SIGTERM)  # a peer's signal stops this one as SIGTERM
+                accelerator.print(f"stopped by {number.name} after step {completed_steps}: saved {folder}; {RESUME}")
+                raise SystemExit(128 + number)
             if completed_steps >= max_train_steps:
                 break
 
@@ -228,11 +215,10 @@ def main():
     )
 
     # --------------------------------------------------------------------------- save
-    # Peak memory per process (a collective): CUDA's allocator, or the CPU process's peak resident set (Linux: KiB).
-    cuda = accelerator.device.type == "cuda"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cuda = accelerator.device.type == "cuda"  # (2 CPU processes each report "cpu:0": named "cpu" here)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the process's peak resident set (Linux: KiB)
     peak = (str(accelerator.device), torch.cuda.max_memory_allocated(accelerator.device)) if cuda else ("cpu", rss)
-    gathered = enumerate(gather_object([peak]))  # a collective
+    gathered = enumerate(gather_object([peak]))  # a collective: every process's peak
     peaks = {(f"rank{r}/" if several else "") + n: round(b / 2**30, 4) for r, (n, b) in gathered}
     measured = step_times[2:]  # the first steps warm up (allocation, the first all-reduce)
     results = {"recipe": "linear_toy", "parallelism": "ddp" if several else "single", "config": vars(args)}

@@ -140,7 +140,7 @@ KITS = sorted(path for path in (REPO / "recipes").glob("*_kit") if path.is_dir()
 RECIPE_LINE_LIMIT, MAIN_LINE_LIMIT, LINEAR_TOY_LINE_LIMIT = 600, 160, 230
 # Recipes not yet within a limit, and why: each is an expected failure (strict: it fails once the recipe fits, so
 # that its entry goes).
-FILE_NOT_YET_WITHIN = {"linear_toy.py": "256 formatted lines: not yet cut to 230"}
+FILE_NOT_YET_WITHIN = {"linear_toy.py": "242 formatted lines: not yet cut to 230"}
 MAIN_NOT_YET_WITHIN = {}
 
 
