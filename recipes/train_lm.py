@@ -77,6 +77,7 @@ from shared.flags import add_reliability_flags, positive_float, positive_int, pr
 from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.errors import RecipeError
 from shared.fsdp import set_fsdp_on_cpu
 from shared.signals import install_stop_on_signals
 
@@ -229,7 +230,12 @@ def main():
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
     model_flags = ModelFlags(**{name: getattr(args, name) for name in ModelFlags._fields})  # what lm_config reads
-    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/train_lm.py", compile=args.compile)
+    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/train_lm.py")
+    if args.compile and parallelism.name == "device_map":  # regional compile: of blocks that prepare() wraps whole
+        raise RecipeError(
+            "--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map: "
+            "leave --compile out, or launch another way."
+        )
     layout = "fsdp" if parallelism.name == "fsdp" else "replica"  # of checkpoints: FSDP shards, or whole weights
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
