@@ -83,7 +83,7 @@ from dpo_kit.metrics import TrainLog
 from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
@@ -263,12 +263,6 @@ def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Nam
         )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
-
-
-def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
-    """The flags ``names`` and their values: what a helper of the kit takes as keyword arguments of those names (the
-    names are listed beside it, e.g. ``llm_kit.optimizer.OPTIMIZER_FLAGS``). The same as llm_finetune.py's."""
-    return {name: getattr(args, name) for name in names}
 
 
 def run_results(run_config: dict, train_log, *, counts: dict, parameters: tuple[int, int]) -> dict:
