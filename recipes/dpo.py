@@ -78,12 +78,12 @@ from llm_kit.adapters import POLICY_FLAGS, SFT_DEFAULT, START_FLAGS, adapter_che
 from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
-from dpo_kit.loss import METRICS, dpo_losses, metric_means, sequence_logps, step_counts, step_loss
+from dpo_kit.loss import LOSS_FLAGS, METRICS, dpo_losses, metric_means, sequence_logps, step_counts, step_loss
 from dpo_kit.metrics import TrainLog
 from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
@@ -263,12 +263,6 @@ def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Nam
         )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
-
-
-def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
-    """The flags ``names`` and their values: what a helper of the kit takes as keyword arguments of those names (the
-    names are listed beside it, e.g. ``llm_kit.optimizer.OPTIMIZER_FLAGS``). The same as llm_finetune.py's."""
-    return {name: getattr(args, name) for name in names}
 
 
 def run_results(run_config: dict, train_log, *, counts: dict, parameters: tuple[int, int]) -> dict:
@@ -452,7 +446,7 @@ def main():
     run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
     run_config |= {"global_batch_size": global_batch_size, "max_train_steps": max_train_steps}
     accelerator.init_trackers("dpo", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
-    loss_kw = {name: getattr(args, name) for name in ("beta", "loss_type", "label_smoothing", "rpo_alpha")}
+    loss_kw = flags(args, LOSS_FLAGS)  # every step's loss and the evaluation's
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone

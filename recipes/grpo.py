@@ -87,7 +87,7 @@ from grpo_kit.split import SPLIT_FLAGS, split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.errors import install_peer_exit_hooks, report_recipe_errors, set_stop_with_launcher
-from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.fsdp import set_fsdp_on_cpu
 from shared.parallelism import choose_parallelism
 from llm_kit.sft_data import add_chat_template, chat_tokenizer
@@ -282,12 +282,6 @@ def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Nam
         )
     if args.validation_file and not args.train_file:
         parser.error("--validation_file needs --train_file")
-
-
-def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
-    """The flags ``names`` and their values: what a helper takes as keyword arguments of those names (the names are
-    listed beside it, e.g. ``llm_kit.optimizer.OPTIMIZER_FLAGS``). The same as llm_finetune.py's."""
-    return {name: getattr(args, name) for name in names}
 
 
 def save(accelerator, model, tokenizer, output_dir: Path, trained_only: bool) -> None:

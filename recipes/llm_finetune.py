@@ -73,7 +73,7 @@ from llm_kit.loading import causal_lm_config, default_base_model, parameter_coun
 from llm_kit.loading import set_fsdp_units
 from shared.model_split import split_devices
 from shared.results import RunRecord
-from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
@@ -216,12 +216,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args.learning_rate = args.learning_rate or 2e-4
     return args
-
-
-def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
-    """The flags ``names`` and their values: what a helper of the kit takes as keyword arguments of those names (the
-    names are listed beside it, e.g. ``llm_kit.optimizer.OPTIMIZER_FLAGS``)."""
-    return {name: getattr(args, name) for name in names}
 
 
 # The flags ``dataloaders`` takes, by their names.

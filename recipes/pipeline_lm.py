@@ -69,10 +69,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_final
-from lm_kit.data import DataFlags, lm_datasets
+from lm_kit.data import DATA_FLAGS, lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
-from lm_kit.training import BatchFlags, lm_dataloaders, resume_accumulation
-from lm_kit.model import ModelFlags, build_lm, lm_config, optimizer_groups, save_lm, whole_model
+from lm_kit.training import BATCH_FLAGS, lm_dataloaders, resume_accumulation
+from lm_kit.model import MODEL_FLAGS, build_lm, lm_config, optimizer_groups, save_lm, whole_model
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
@@ -84,7 +84,7 @@ from lm_kit.split import plan_lm_split
 # cross-stage clip and the gather of the stages' weights).
 from pipeline_kit.pipeline import (
     SCHEDULES,
-    PipelineFlags,
+    PIPELINE_FLAGS,
     StageCheckpoints,
     build_pipeline,
     build_stage_modules,
@@ -99,7 +99,7 @@ from pipeline_kit.pipeline import (
 
 # End New Code #
 from shared.results import RunRecord
-from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
@@ -221,8 +221,9 @@ def main():
     # New Code (pipeline) #
     data_parallel_size = 1  # every process reads every batch: a pipeline shards the model, not the data
     # End New Code #
-    batch_flags = BatchFlags(**{name: getattr(args, name) for name in BatchFlags._fields})  # the flags it reads
-    args.gradient_accumulation_steps, batch_shape = resume_accumulation(batch_flags, data_parallel_size)
+    args.gradient_accumulation_steps, batch_shape = resume_accumulation(
+        args.output_dir, args.resume_from_checkpoint, data_parallel_size, **flags(args, BATCH_FLAGS)
+    )
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         gradient_accumulation_steps=args.gradient_accumulation_steps,  # batches per optimizer step
@@ -235,7 +236,6 @@ def main():
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
-    model_flags = ModelFlags(**{name: getattr(args, name) for name in ModelFlags._fields})  # what lm_config reads
     # New Code (pipeline) #
     parallelism = choose_parallelism(accelerator, "pipeline", "recipes/pipeline_lm.py")  # refuses 1 process, FSDP
     layout, num_processes = "pipeline", accelerator.num_processes  # checkpoints: each process saves its own stages
@@ -251,15 +251,14 @@ def main():
     stages_of_processes = stage_layout(args.pipeline_schedule, num_processes, stages_per_process)  # [[0, 2], [1, 3]]
     num_stages, stage_indices = num_processes * stages_per_process, stages_of_processes[accelerator.process_index]
     check = partial(check_pipeline_model, stages_of_processes)  # decoders whose stages build_stage_modules can cut
-    model_config = lm_config(model_flags, num_stages=num_stages, split_by=parallelism.name, check=check)
+    model_config = lm_config(num_stages=num_stages, split_by=parallelism.name, check=check, **flags(args, MODEL_FLAGS))
     # End New Code #
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
 
     # ------------------------------------------------------------------------------- data
-    data_flags = DataFlags(**{name: getattr(args, name) for name in DataFlags._fields})  # what lm_datasets reads
     data = lm_datasets(  # text, tokenizer, blocks
-        accelerator, data_flags, data_parallel_size=data_parallel_size, output_dir=output_dir, checkpoint=checkpoint
+        accelerator, data_parallel_size, output_dir, checkpoint, **flags(args, DATA_FLAGS)
     )
     train_dataloader, eval_dataloader = lm_dataloaders(
         data, args.per_device_train_batch_size, eval_batch_size, accelerator.device
@@ -287,8 +286,7 @@ def main():
     # New Code (pipeline) #
     # No prepare(): it would wrap stages in DDP, shard loaders (each stage needs each batch), step the scheduler p×.
     train_dataloader, eval_dataloader = unsharded([train_dataloader, eval_dataloader], accelerator.device, args.seed)
-    pipeline_flags = PipelineFlags(**{name: getattr(args, name) for name in PipelineFlags._fields})  # what it reads
-    pipeline = build_pipeline(accelerator, model, stages_of_processes, pipeline_flags)  # this process's schedules
+    pipeline = build_pipeline(accelerator, model, stages_of_processes, **flags(args, PIPELINE_FLAGS))  # its schedules
     StageCheckpoints.register(accelerator, model, optimizer, lr_scheduler, split.blocks_per_stage, stages_of_processes)
     evaluate = lambda: evaluate_pipeline(accelerator, pipeline, eval_dataloader, eval_batch_size)
     # End New Code #

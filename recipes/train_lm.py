@@ -60,12 +60,12 @@ sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
 from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_final
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_wrap_at_blocks
-from lm_kit.data import DataFlags, lm_datasets
+from lm_kit.data import DATA_FLAGS, lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
 from lm_kit.eval import perplexity_results
-from lm_kit.training import BatchFlags, lm_dataloaders, resume_accumulation
+from lm_kit.training import BATCH_FLAGS, lm_dataloaders, resume_accumulation
 from lm_kit.training import accelerator_settings, data_parallel_size_of
-from lm_kit.model import ModelFlags, build_lm, lm_config, optimizer_groups, save_lm, whole_model
+from lm_kit.model import MODEL_FLAGS, build_lm, lm_config, optimizer_groups, save_lm, whole_model
 
 # Llama-architecture shapes by name (tiny to try, small for CPU, GPT-3's 125m/350m/1.3b): one table, which the fit
 # planner (tools/plan.py) reads too.
@@ -73,10 +73,11 @@ from shared.presets import MODEL_PRESETS
 from lm_kit.split import plan_lm_split
 from shared.model_split import dispatch_on_devices, split_devices
 from shared.results import RunRecord
-from shared.flags import add_reliability_flags, positive_float, positive_int, prepare_output_dir
+from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index
 from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
+from shared.errors import RecipeError
 from shared.fsdp import set_fsdp_on_cpu
 from shared.signals import install_stop_on_signals
 
@@ -212,8 +213,9 @@ def main():
     set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
     # The accumulation, decided before the Accelerator (it takes it): a resume's keeps its global batch and seed.
     data_parallel_size = data_parallel_size_of(args.parallelism)  # the launch's processes that split each batch
-    batch_flags = BatchFlags(**{name: getattr(args, name) for name in BatchFlags._fields})  # the flags it reads
-    args.gradient_accumulation_steps, batch_shape = resume_accumulation(batch_flags, data_parallel_size)
+    args.gradient_accumulation_steps, batch_shape = resume_accumulation(
+        args.output_dir, args.resume_from_checkpoint, data_parallel_size, **flags(args, BATCH_FLAGS)
+    )
     accelerator = build_accelerator(
         dist_timeout=args.dist_timeout,
         gradient_accumulation_steps=args.gradient_accumulation_steps,  # batches per optimizer step
@@ -228,19 +230,24 @@ def main():
     if accelerator.device.type == "cpu" and args.cpu_threads_per_process > 0:
         torch.set_num_threads(args.cpu_threads_per_process)  # one core per process stands in for one GPU
     eval_batch_size = args.per_device_eval_batch_size or args.per_device_train_batch_size
-    model_flags = ModelFlags(**{name: getattr(args, name) for name in ModelFlags._fields})  # what lm_config reads
-    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/train_lm.py", compile=args.compile)
+    parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/train_lm.py")
+    if args.compile and parallelism.name == "device_map":  # regional compile: of blocks that prepare() wraps whole
+        raise RecipeError(
+            "--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map: "
+            "leave --compile out, or launch another way."
+        )
     layout = "fsdp" if parallelism.name == "fsdp" else "replica"  # of checkpoints: FSDP shards, or whole weights
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     split_over = split_devices(accelerator.device) if parallelism.name == "device_map" else []
     num_stages = len(split_over) or 1
-    model_config = lm_config(model_flags, num_stages=num_stages, split_by=parallelism.name)  # bad sizes fail now
+    model_config = lm_config(  # bad sizes fail now
+        num_stages=num_stages, split_by=parallelism.name, **flags(args, MODEL_FLAGS)
+    )
     checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
 
     # ------------------------------------------------------------------------------- data
-    data_flags = DataFlags(**{name: getattr(args, name) for name in DataFlags._fields})  # what lm_datasets reads
     data = lm_datasets(  # text, tokenizer, blocks
-        accelerator, data_flags, data_parallel_size=data_parallel_size, output_dir=output_dir, checkpoint=checkpoint
+        accelerator, data_parallel_size, output_dir, checkpoint, **flags(args, DATA_FLAGS)
     )
     train_dataloader, eval_dataloader = lm_dataloaders(
         data, args.per_device_train_batch_size, eval_batch_size, accelerator.device

@@ -44,7 +44,6 @@ import sys
 from functools import partial
 from pathlib import Path
 from statistics import fmean
-from typing import NamedTuple
 
 import evaluate
 import torch
@@ -74,7 +73,7 @@ from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, se
 from shared.errors import RecipeError, install_peer_exit_hooks, report_recipe_errors, set_stop_with_launcher
 from shared.errors import stop_if_found
 from shared.flags import add_reliability_flags, model_problem, positive_float, positive_int, prepare_output_dir
-from shared.flags import tokenizer_problem
+from shared.flags import flags, tokenizer_problem
 from shared.fsdp import set_fsdp_on_cpu
 from shared.parallelism import choose_parallelism
 from shared.sampling import LengthGroupedShuffledSampler
@@ -185,56 +184,92 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class DataFlags(NamedTuple):
-    """The flags of these names (``--help`` says each) that say which samples to train on and how they become batches:
-    what ``load_data`` and ``get_dataloaders`` read, as one small object."""
-
-    train_file: str | None
-    validation_file: str | None
-    dataset_name: str | None
-    dataset_config_name: str | None
-    text_column: list[str]
-    label_column: str
-    task: str
-    max_train_samples: int | None
-    max_eval_samples: int | None
-    seed: int
-    model_name_or_path: str
-    tokenizer_name: str | None
-    trust_remote_code: bool
-    max_length: int
-    pad_to_max_length: bool
-    group_by_length: bool
-    per_device_train_batch_size: int
-    per_device_eval_batch_size: int
+# The flags ``load_data`` takes, by the names the recipe's parser gives them.
+DATA_FLAGS = (
+    "train_file",
+    "validation_file",
+    "dataset_name",
+    "dataset_config_name",
+    "text_column",
+    "label_column",
+    "task",
+    "max_train_samples",
+    "max_eval_samples",
+    "seed",
+)
 
 
-def load_data(accelerator, flags: DataFlags):
+def load_data(
+    accelerator,
+    *,
+    train_file: str | None,
+    validation_file: str | None,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    text_column: list[str],
+    label_column: str,
+    task: str,
+    max_train_samples: int | None,
+    max_eval_samples: int | None,
+    seed: int,
+):
     """The train/validation splits (checked, cut to --max_*_samples), regression or not, the label names (or None), and
     a function from a batch of label values to ids (the same mapping for both splits):
     classifier_kit/classification.py."""
     # The main process reads (and caches) first; the others then load from its cache instead of racing to write it.
     with accelerator.main_process_first():
-        source = flags.train_file, flags.validation_file, flags.dataset_name, flags.dataset_config_name
-        seed, label_column = flags.seed, flags.label_column
-        raw_datasets = load_splits(*source, seed=seed, text_columns=flags.text_column, label_column=label_column)
-    for split, limit in (("train", flags.max_train_samples), ("validation", flags.max_eval_samples)):
+        source = train_file, validation_file, dataset_name, dataset_config_name
+        raw_datasets = load_splits(*source, seed=seed, text_columns=text_column, label_column=label_column)
+    for split, limit in (("train", max_train_samples), ("validation", max_eval_samples)):
         if limit:  # a shuffled subset
             raw_datasets[split] = raw_datasets[split].shuffle(seed=seed)
             raw_datasets[split] = raw_datasets[split].select(range(min(limit, len(raw_datasets[split]))))
-    task, reason = choose_task(raw_datasets, label_column, flags.task)
+    task, reason = choose_task(raw_datasets, label_column, task)
     accelerator.print(f"task: {task} ({reason})")
     label_names, label_ids = read_labels(raw_datasets, label_column, regression=task == "regression")
     accelerator.print(f"data: {len(label_names)} labels: {label_names}" if label_names else "data: scores")
     return raw_datasets, task == "regression", label_names, label_ids
 
 
-def get_dataloaders(accelerator, raw_datasets, label_ids, config, flags: DataFlags):
+# The flags ``get_dataloaders`` takes, by the names the recipe's parser gives them.
+LOADER_FLAGS = (
+    "model_name_or_path",
+    "tokenizer_name",
+    "trust_remote_code",
+    "text_column",
+    "label_column",
+    "max_length",
+    "pad_to_max_length",
+    "group_by_length",
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "seed",
+)
+
+
+def get_dataloaders(
+    accelerator,
+    raw_datasets,
+    label_ids,
+    config,
+    *,
+    model_name_or_path: str,
+    tokenizer_name: str | None,
+    trust_remote_code: bool,
+    text_column: list[str],
+    label_column: str,
+    max_length: int,
+    pad_to_max_length: bool,
+    group_by_length: bool,
+    per_device_train_batch_size: int,
+    per_device_eval_batch_size: int,
+    seed: int,
+):
     """The tokenizer, and tokenized, dynamically padded batches: each batch padded to its own longest text
     (--pad_to_max_length: every text to --max_length) by transformers' DataCollatorWithPadding; --group_by_length
     batches similar lengths together (shared/sampling.py)."""
-    tokenizer_name = flags.tokenizer_name or flags.model_name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=flags.trust_remote_code)
+    tokenizer_name = tokenizer_name or model_name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         # Decoder-only models (Llama, Qwen, GPT-2) often have no pad token; batches need one. The model pools the last
         # token that is not padding, so it must know the id too (config.pad_token_id), and the padding goes right.
@@ -243,12 +278,10 @@ def get_dataloaders(accelerator, raw_datasets, label_ids, config, flags: DataFla
     tokenizer.padding_side, config.pad_token_id = "right", tokenizer.pad_token_id
 
     def tokenize(batch):
-        padding = "max_length" if flags.pad_to_max_length else False  # False: the collator pads each batch
-        texts = [
-            batch[column] for column in flags.text_column
-        ]  # a pair: tokenizer(text, text_pair), longest-first cut
-        encoded = tokenizer(*texts, truncation=True, max_length=flags.max_length, padding=padding)
-        return {**encoded, "labels": label_ids(batch[flags.label_column])}
+        padding = "max_length" if pad_to_max_length else False  # False: the collator pads each batch
+        texts = [batch[column] for column in text_column]  # a pair: tokenizer(text, text_pair), longest-first cut
+        encoded = tokenizer(*texts, truncation=True, max_length=max_length, padding=padding)
+        return {**encoded, "labels": label_ids(batch[label_column])}
 
     with accelerator.main_process_first():
         columns = raw_datasets["train"].column_names
@@ -259,12 +292,8 @@ def get_dataloaders(accelerator, raw_datasets, label_ids, config, flags: DataFla
     collator = DataCollatorWithPadding(
         tokenizer, pad_to_multiple_of=8 if accelerator.mixed_precision != "no" else None
     )
-    lengths, batch_size, seed = (
-        [len(ids) for ids in train_dataset["input_ids"]],
-        flags.per_device_train_batch_size,
-        flags.seed,
-    )
-    sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if flags.group_by_length else None
+    lengths, batch_size = [len(ids) for ids in train_dataset["input_ids"]], per_device_train_batch_size
+    sampler = LengthGroupedShuffledSampler(lengths, batch_size, seed) if group_by_length else None
     # Their own generators: a DataLoader without one draws a seed from the global RNG each time it starts iterating,
     # which would shift the dropout masks of a resumed run.
     # Pinned on a GPU: the prepared loader's non_blocking copy (build_accelerator) does not wait for it.
@@ -280,7 +309,7 @@ def get_dataloaders(accelerator, raw_datasets, label_ids, config, flags: DataFla
     )
     generator = torch.Generator().manual_seed(seed)
     eval_dataloader = DataLoader(
-        eval_dataset, flags.per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
+        eval_dataset, per_device_eval_batch_size, collate_fn=collator, generator=generator, pin_memory=pinned
     )
     if len(train_dataloader) < accelerator.num_processes:
         raise RecipeError(
@@ -420,12 +449,13 @@ def main():
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
 
     # ------------------------------------------------------------------------------- data
-    data_flags = DataFlags(**{name: getattr(args, name) for name in DataFlags._fields})  # what the data reads
-    raw_datasets, regression, label_names, label_ids = load_data(accelerator, data_flags)  # regression: no names
+    raw_datasets, regression, label_names, label_ids = load_data(  # regression: no label names
+        accelerator, **flags(args, DATA_FLAGS)
+    )
     # The model's config, named labels included (checked before any tokenizing: a bad model name fails fast).
     config = load_model_config(args.model_name_or_path, label_names, args.max_length, args.trust_remote_code)
     tokenizer, train_dataloader, eval_dataloader = get_dataloaders(
-        accelerator, raw_datasets, label_ids, config, data_flags
+        accelerator, raw_datasets, label_ids, config, **flags(args, LOADER_FLAGS)
     )
     baseline = baselines(train_dataloader.dataset["labels"], eval_dataloader.dataset["labels"], regression)
 

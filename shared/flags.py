@@ -1,4 +1,4 @@
-"""The command line every recipe shares: argparse types, the reliability flags, and the paths flags name, checked."""
+"""The command line every recipe shares: argparse types, the reliability flags, paths checked, a helper's flags."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ def _positive(text: str, kind, words: str):
 def steps_or_epoch(text: str) -> int | str:
     """argparse type for ``--checkpointing_steps``: a number of optimizer steps, or ``epoch``."""
     return "epoch" if text == "epoch" else positive_int(text)
+
+
+def flags(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """``{name: args.name}`` for ``names``: a helper's keyword arguments of the same names (a tuple ``*_FLAGS``)."""
+    return {name: getattr(args, name) for name in names}
 
 
 def add_reliability_flags(parser: argparse.ArgumentParser) -> None:

@@ -30,7 +30,7 @@ def fsdp_launch_config() -> bool:
 Parallelism = namedtuple("Parallelism", "name reason")
 
 
-def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, compile: bool = False) -> Parallelism:
+def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str) -> Parallelism:
     """The parallelism ``--parallelism`` (``auto``: the launch's) gives, or one paragraph for what cannot work."""
     processes = accelerator.num_processes
     fsdp = accelerator.distributed_type == DistributedType.FSDP or fsdp_launch_config()
@@ -58,11 +58,6 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str, co
             "refuses to train a device_map model in a distributed mode, and wraps another in DDP while the recipe "
             f"counts one process's batches. Launch it with 1 process: {launch} (on a CPU too), or pass "
             "--parallelism auto."
-        )
-    if compile and requested == "device_map":
-        raise RecipeError(
-            "--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map: "
-            "leave --compile out, or launch another way."
         )
     if requested in ("ddp", "pipeline") and processes < 2:
         what = (

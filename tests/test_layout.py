@@ -650,6 +650,66 @@ def test_the_rule_finds_the_accumulation_set_however_it_is_written(tmp_path):
         assert len(accumulation_set_after_build(path)) == count, code
 
 
+def flags_handed_another_way(path: Path) -> list[str]:
+    """The lines of ``path`` that hand a recipe's flags to a helper otherwise than by ``**flags(args, X_FLAGS)``
+    (``shared.flags.flags``, ``X_FLAGS`` the tuple of the names the helper takes): a ``flags`` of its own, a settings
+    class (``...Flags``, a NamedTuple's ``_fields``), a dict built from ``getattr(args, name)``, or ``flags`` called
+    with names that are not a ``*_FLAGS`` tuple (or one made of them and a few single names)."""
+
+    def listed(node) -> bool:  # X_FLAGS, or (*X_FLAGS, "name", ...): names listed beside a helper, and a few more
+        if isinstance(node, ast.Tuple):
+            starred = [item.value for item in node.elts if isinstance(item, ast.Starred)]
+            single = [item for item in node.elts if not isinstance(item, ast.Starred)]
+            texts = all(isinstance(item, ast.Constant) and isinstance(item.value, str) for item in single)
+            return bool(starred) and all(map(listed, starred)) and texts
+        return isinstance(node, ast.Name) and node.id.endswith("_FLAGS")
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef) and (node.name == "flags" or node.name.endswith("Flags")):
+            found.append(f"{node.name} defined")
+        elif isinstance(node, ast.Attribute) and node.attr == "_fields":
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.DictComp) and isinstance(node.value, ast.Call):
+            call = node.value
+            if ast.unparse(call.func) == "getattr" and call.args and ast.unparse(call.args[0]) == "args":
+                found.append(ast.unparse(node))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "flags":
+            if len(node.args) != 2 or ast.unparse(node.args[0]) != "args" or not listed(node.args[1]):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_recipes_hand_their_flags_to_helpers_one_way():
+    """One spelling in every recipe: a helper (in the recipe or its kit) takes plain keyword arguments, and the
+    recipe hands it its flags with ``**flags(args, X_FLAGS)``, ``flags`` defined once in shared/flags.py and
+    ``X_FLAGS`` the tuple of the flags' names beside the helper that takes them."""
+    files = RECIPES + [path for kit in KITS for path in python_files(kit)]
+    found = {path.relative_to(REPO).as_posix(): lines for path in files if (lines := flags_handed_another_way(path))}
+    assert not found, f"flags handed to a helper another way than **flags(args, X_FLAGS): {found}"
+    # Every recipe but the linear toy (one file, nothing of shared/, no helper that takes flags).
+    without = [path.name for path in RECIPES if "**flags(args, " not in path.read_text()]
+    assert without == ["linear_toy.py"], f"recipes that hand no flags with **flags(args, X_FLAGS): {without}"
+
+
+def test_the_rule_finds_flags_handed_another_way_however_it_is_written(tmp_path):
+    cases = {
+        "def flags(args, names):\n    return {name: getattr(args, name) for name in names}\n": 2,
+        "class BatchFlags(NamedTuple):\n    seed: int\n": 1,
+        "flags = BatchFlags(**{n: getattr(args, n) for n in BatchFlags._fields})\n": 2,
+        "loss_kw = {name: getattr(args, name) for name in ('beta', 'loss_type')}\n": 1,
+        "helper(**flags(args, ('beta', 'loss_type')))\n": 1,  # names in place, not listed beside the helper
+        "helper(**flags(args, names))\n": 1,
+        "helper(**flags(vars(args), BATCH_FLAGS))\n": 1,
+        "helper(x, **flags(args, BATCH_FLAGS))\nsettings |= flags(args, (*CHECKPOINT_FLAGS, 'num_iterations'))\n": 0,
+        "chosen = {k: v for k, v in settings.items() if getattr(args, k) is None}\n": 0,  # defaults, not a hand-off
+    }
+    for number, (code, count) in enumerate(cases.items()):
+        path = tmp_path / f"case_{number}.py"
+        path.write_text(code)
+        assert len(flags_handed_another_way(path)) == count, code
+
+
 # ----------------------------------------------------------------------------- one vocabulary
 # Names users meet in other projects for what we call the first name: none of them may appear as a flag.
 ALIASES = {

@@ -550,6 +550,7 @@ def refusals(tmp_path_factory):
         ),
         "block_size": (ONE_PROCESS, TRAIN, "--block_size", "512"),
         "device_map_two_processes": ("ddp_2gpu.yaml", TRAIN, "--parallelism", "device_map"),
+        "compile_device_map": (ONE_PROCESS, TRAIN, "--parallelism", "device_map", "--compile"),
         "small_corpus": (ONE_PROCESS, TRAIN, "--train_file", tiny_text, "--validation_file", tiny_text),
         "no_config": (ONE_PROCESS, TRAIN, "--model_name_or_path", root / "without_config"),  # (a traceback before)
     }
@@ -605,6 +606,12 @@ def test_device_map_with_two_processes_is_refused(refusals):
     message = refusals["device_map_two_processes"]
     assert "Accelerate refuses to train a device_map model in a distributed mode" in message
     assert "accelerate_configs/model_sharding_2gpu.yaml" in message
+
+
+@pytest.mark.slow
+def test_compile_of_a_device_map_split_is_refused(refusals):
+    message = refusals["compile_device_map"]
+    assert "--compile works on a model prepare() wraps whole (single, ddp, fsdp), not on a device_map" in message
 
 
 @pytest.mark.slow

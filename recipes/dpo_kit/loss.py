@@ -71,6 +71,10 @@ def step_counts(batch: dict) -> torch.Tensor:
     return torch.stack([(batch["index"] >= 0).sum(), completion_tokens(batch).chunk(2)[0].sum()])
 
 
+# The flags ``step_loss`` (and so ``dpo_losses``) takes, by the names the recipe's parser gives them.
+LOSS_FLAGS = ("beta", "loss_type", "label_smoothing", "rpo_alpha")
+
+
 def step_loss(
     model, batch: dict, reference: torch.Tensor, step_pairs, step_tokens, rpo_alpha: float | None, **loss_kw
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -207,27 +207,43 @@ def load_tokenizer(
     return tokenizer
 
 
-class DataFlags(NamedTuple):
-    """The LM recipes' flags of these names (their ``--help`` says each) that say which text to train on and how it
-    becomes batches: what ``lm_datasets`` reads, as one small object."""
-
-    dataset_name: str | None
-    dataset_config_name: str | None
-    train_file: str | None
-    validation_file: str | None
-    validation_split_percentage: float
-    corpus_max_mb: float | None
-    model_name_or_path: str | None
-    vocab_size: int
-    block_size: int
-    max_train_samples: int | None
-    max_eval_samples: int | None
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int
+# The flags ``lm_datasets`` takes, by the names the recipes' parsers give them.
+DATA_FLAGS = (
+    "dataset_name",
+    "dataset_config_name",
+    "train_file",
+    "validation_file",
+    "validation_split_percentage",
+    "corpus_max_mb",
+    "model_name_or_path",
+    "vocab_size",
+    "block_size",
+    "max_train_samples",
+    "max_eval_samples",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+)
 
 
 def lm_datasets(
-    accelerator, flags: DataFlags, *, data_parallel_size: int, output_dir: Path, checkpoint: Path | None
+    accelerator,
+    data_parallel_size: int,
+    output_dir: Path,
+    checkpoint: Path | None,
+    *,
+    dataset_name: str | None,
+    dataset_config_name: str | None,
+    train_file: str | None,
+    validation_file: str | None,
+    validation_split_percentage: float,
+    corpus_max_mb: float | None,
+    model_name_or_path: str | None,
+    vocab_size: int,
+    block_size: int,
+    max_train_samples: int | None,
+    max_eval_samples: int | None,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int,
 ) -> LMData:
     """The training and validation blocks (``input_ids`` tensors of ``--block_size`` tokens), the tokenizer and the
     data facts, from the LM recipes' flags: the text (``--dataset_name``/``--dataset_config_name``, ``--train_file``/
@@ -241,43 +257,41 @@ def lm_datasets(
     with accelerator.main_process_first():
         try:
             raw, corpus, documents = load_text_corpus(
-                dataset_name=flags.dataset_name,
-                dataset_config_name=flags.dataset_config_name,
-                train_file=flags.train_file,
-                validation_file=flags.validation_file,
-                validation_split_percentage=flags.validation_split_percentage,
-                corpus_max_mb=flags.corpus_max_mb,
+                dataset_name=dataset_name,
+                dataset_config_name=dataset_config_name,
+                train_file=train_file,
+                validation_file=validation_file,
+                validation_split_percentage=validation_split_percentage,
+                corpus_max_mb=corpus_max_mb,
             )
         except (OSError, ValueError, ConnectionError) as error:
             raise RecipeError(f"Could not load the training text: {error}") from None
-        tokenizer = load_tokenizer(
-            accelerator, raw["train"], flags.vocab_size, output_dir, checkpoint, flags.model_name_or_path
-        )
-        packed, token_counts = tokenize_and_pack(raw, tokenizer, flags.block_size, documents)
+        tokenizer = load_tokenizer(accelerator, raw["train"], vocab_size, output_dir, checkpoint, model_name_or_path)
+        packed, token_counts = tokenize_and_pack(raw, tokenizer, block_size, documents)
     for split in ("train", "validation"):
         if len(packed[split]) == 0:
             raise RecipeError(
                 f"The {split} text has {token_counts[split]} tokens, fewer than one block of "
-                f"--block_size {flags.block_size}. Use more text or a smaller --block_size."
+                f"--block_size {block_size}. Use more text or a smaller --block_size."
             )
     train_dataset, eval_dataset = packed["train"], packed["validation"]
-    if flags.max_train_samples:
-        train_dataset = train_dataset.select(range(min(flags.max_train_samples, len(train_dataset))))
-    if flags.max_eval_samples:
-        eval_dataset = eval_dataset.select(range(min(flags.max_eval_samples, len(eval_dataset))))
+    if max_train_samples:
+        train_dataset = train_dataset.select(range(min(max_train_samples, len(train_dataset))))
+    if max_eval_samples:
+        eval_dataset = eval_dataset.select(range(min(max_eval_samples, len(eval_dataset))))
     train_dataset.set_format("torch", columns=["input_ids"])
     eval_dataset.set_format("torch", columns=["input_ids"])
-    batches_needed = data_parallel_size * flags.gradient_accumulation_steps  # batches of one optimizer step
-    if len(train_dataset) // flags.per_device_train_batch_size < batches_needed:  # whole batches only (drop_last)
+    batches_needed = data_parallel_size * gradient_accumulation_steps  # batches of one optimizer step
+    if len(train_dataset) // per_device_train_batch_size < batches_needed:  # whole batches only (drop_last)
         raise RecipeError(
-            f"One optimizer step needs {batches_needed * flags.per_device_train_batch_size} blocks of "
-            f"{flags.block_size} tokens but the training set has {len(train_dataset)} ({token_counts['train']} "
+            f"One optimizer step needs {batches_needed * per_device_train_batch_size} blocks of "
+            f"{block_size} tokens but the training set has {len(train_dataset)} ({token_counts['train']} "
             "tokens). Use more text, a smaller --block_size, --per_device_train_batch_size or "
             "--gradient_accumulation_steps."
         )
     accelerator.print(
         f"data: {corpus}: {len(train_dataset)} train / {len(eval_dataset)} validation blocks of "
-        f"{flags.block_size} tokens, vocabulary {len(tokenizer)}"
+        f"{block_size} tokens, vocabulary {len(tokenizer)}"
     )
     facts = {
         "data/corpus": corpus,

@@ -4,8 +4,6 @@ groups; a whole model from gathered weights."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from accelerate.utils import set_seed
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
@@ -16,25 +14,27 @@ from shared.flags import model_problem
 from shared.presets import MODEL_PRESETS
 
 
-class ModelFlags(NamedTuple):
-    """The LM recipes' flags of these names (their ``--help`` says each) that give the model's shape: what
-    ``lm_config`` reads, as one small object."""
-
-    model_name_or_path: str | None
-    model_size: str
-    num_layers: int | None
-    vocab_size: int
-    block_size: int
+# The flags ``lm_config`` takes, by the names the recipes' parsers give them.
+MODEL_FLAGS = ("model_name_or_path", "model_size", "num_layers", "vocab_size", "block_size")
 
 
-def lm_config(flags: ModelFlags, *, num_stages: int, split_by: str, check=None):
+def lm_config(
+    *,
+    num_stages: int,
+    split_by: str,
+    check=None,
+    model_name_or_path: str | None,
+    model_size: str,
+    num_layers: int | None,
+    vocab_size: int,
+    block_size: int,
+):
     """The model's configuration, from the recipe's flags: ``--model_name_or_path``'s, or the Llama-architecture preset
     ``--model_size`` (``MODEL_PRESETS``) with ``--num_layers`` blocks if given, an untied LM head (a split can then put
     the embeddings on the first part and the head on the last) and ``--vocab_size`` (``build_lm`` fits it to the
     trained tokenizer). Refuses, before any data work, a ``--block_size`` beyond the model's positions, what
     ``check(config)`` refuses if given (a recipe's own limits: pipeline_lm.py's decoders whose stages it can cut), and
     fewer blocks than the ``num_stages`` that ``split_by`` (the parallelism's name) cuts the model into."""
-    model_name_or_path, model_size, num_layers, vocab_size, block_size = flags
     if model_name_or_path:
         if problem := model_problem(model_name_or_path):  # a missing path, a folder without config.json
             raise RecipeError(problem)

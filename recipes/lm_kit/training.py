@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, DDPCommunicationHookType, DistributedDataParallelKwargs
@@ -23,27 +22,28 @@ def data_parallel_size_of(parallelism: str) -> int:
     return 1 if parallelism in ("single", "device_map", "pipeline") else int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class BatchFlags(NamedTuple):
-    """The LM recipes' flags of these names (their ``--help`` says each) that fix the global batch and the data order
-    of a run: what ``resume_accumulation`` reads, as one small object."""
-
-    output_dir: str
-    resume_from_checkpoint: str | None
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int | None
-    seed: int
+# The flags ``resume_accumulation`` takes, by the names the recipes' parsers give them.
+BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed")
 
 
-def resume_accumulation(flags: BatchFlags, data_parallel_size: int) -> tuple[int, dict]:
+def resume_accumulation(
+    output_dir: str,
+    resume_from_checkpoint: str | None,
+    data_parallel_size: int,
+    *,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int | None,
+    seed: int,
+) -> tuple[int, dict]:
     """``keep_global_batch`` for this launch, before the Accelerator: the accumulation to train with (the one passed,
     1 if none; on a resume, the one that keeps the checkpoint's global batch in this launch's process count, refusing
     another seed), and the batch's shape for ``save_checkpoint``. The checkpoint is the one this process finds on its
     own disk; ``find_checkpoint`` later makes every process agree on it, or stops them all."""
-    checkpoints_dir, resume = Path(flags.output_dir) / "checkpoints", flags.resume_from_checkpoint
-    own = resolve_checkpoint(resume, checkpoints_dir) if resume else None
+    checkpoints_dir = Path(output_dir) / "checkpoints"
+    own = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir) if resume_from_checkpoint else None
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))
-    batch = flags.per_device_train_batch_size, flags.gradient_accumulation_steps
-    return keep_global_batch(num_processes, own, *batch, data_parallel_size, flags.seed)
+    batch = per_device_train_batch_size, gradient_accumulation_steps
+    return keep_global_batch(num_processes, own, *batch, data_parallel_size, seed)
 
 
 def accelerator_settings(seed: int, compile: bool, ddp_bucket_cap_mb: int, ddp_comm_hook: str) -> dict:

@@ -16,7 +16,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -305,25 +304,32 @@ class Pipeline:
         return pipeline_facts(self.name, self.microbatches, stages_of_processes, stage_costs)
 
 
-class PipelineFlags(NamedTuple):
-    """``pipeline_lm.py``'s flags of these names (its ``--help`` says each) that shape the schedules: what
-    ``build_pipeline`` reads, as one small object."""
-
-    pipeline_schedule: str
-    num_microbatches: int
-    per_device_train_batch_size: int
-    block_size: int
-    gradient_accumulation_steps: int
+# The flags ``build_pipeline`` takes, by the names the recipe's parser gives them.
+PIPELINE_FLAGS = (
+    "pipeline_schedule",
+    "num_microbatches",
+    "per_device_train_batch_size",
+    "block_size",
+    "gradient_accumulation_steps",
+)
 
 
 def build_pipeline(
-    accelerator, stage_modules: nn.ModuleList, stages_of_processes: list[list[int]], flags: PipelineFlags
+    accelerator,
+    stage_modules: nn.ModuleList,
+    stages_of_processes: list[list[int]],
+    *,
+    pipeline_schedule: str,
+    num_microbatches: int,
+    per_device_train_batch_size: int,
+    block_size: int,
+    gradient_accumulation_steps: int,
 ) -> Pipeline:
     """The schedules of ``--pipeline_schedule`` over ``--num_microbatches`` for this process's ``stage_modules``, and
     the ideal bubble, printed. The stages' input/output shapes are inferred on the first step, and gradients are
     scaled by the loss rather than by the schedule: ``scale_grads=True`` would divide *all* accumulated gradients by m
     after every ``step()``, so with gradient accumulation the earlier batches would be divided again."""
-    name, microbatches, device = flags.pipeline_schedule, flags.num_microbatches, accelerator.device
+    name, microbatches, device = pipeline_schedule, num_microbatches, accelerator.device
     stage_indices = stages_of_processes[accelerator.process_index]
     num_stages = sum(len(indices) for indices in stages_of_processes)
     stages = [
@@ -342,7 +348,7 @@ def build_pipeline(
         eval_schedule = zbv_eval_schedule(stage_modules, stage_indices, num_stages, microbatches, device)
     # Each micro-batch's loss is divided by the predicted tokens of the whole optimizer step: (batch / m) x (block - 1)
     # x m x accumulation.
-    divisor = flags.per_device_train_batch_size * (flags.block_size - 1) * flags.gradient_accumulation_steps
+    divisor = per_device_train_batch_size * (block_size - 1) * gradient_accumulation_steps
     bubble = ideal_bubble_slots(name, len(stages_of_processes), len(stage_indices))
     accelerator.print(
         f"pipeline: {name}, {num_stages} stages on {len(stages_of_processes)} processes "
