@@ -56,8 +56,7 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str) ->
         raise RecipeError(
             f"--parallelism {requested} {what} one process, but this launch has {processes} processes: Accelerate "
             "refuses to train a device_map model in a distributed mode, and wraps another in DDP while the recipe "
-            f"counts one process's batches. Launch it with 1 process: {launch} (on a CPU too), or pass "
-            "--parallelism auto."
+            f"counts one process's batches. Launch it with 1 process: {launch} (on a CPU too), or --parallelism auto."
         )
     if requested in ("ddp", "pipeline") and processes < 2:
         what = (
