@@ -270,6 +270,10 @@ def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Nam
         )
     if not args.beta >= 0:
         parser.error(f"--beta weighs the KL to the reference: 0 (none) or more, not {args.beta}")
+    if args.top_k < 0:
+        parser.error(f"--top_k {args.top_k}: 0 samples from every token (vLLM's -1), k > 0 from the k likeliest")
+    if args.top_p > 1:
+        parser.error(f"--top_p {args.top_p}: a probability mass, at most 1.0 (1.0: every token)")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_funcs):
         parser.error(
             f"--reward_weights has {len(args.reward_weights)} weights for {len(args.reward_funcs)} --reward_funcs: "

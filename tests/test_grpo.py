@@ -936,6 +936,8 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
         (["--beta", "-0.1"], "--beta weighs the KL to the reference: 0 (none) or more"),
         (["--reward_funcs", "accuracy", "format", "--reward_weights", "1"], "--reward_weights has 1 weights for 2"),
         (["--num_iterations", "2", "--checkpointing_steps", "3"], "is not a multiple of --num_iterations 2"),
+        (["--top_k", "-1"], "--top_k -1: 0 samples from every token (vLLM's -1)"),
+        (["--top_p", "1.5"], "--top_p 1.5: a probability mass, at most 1.0"),
     ):
         with pytest.raises(SystemExit):
             recipe.parse_args(argv)
@@ -991,3 +993,25 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, tmp_path, c
         with pytest.raises(RecipeError) as error:
             prompt_format(datasets.Dataset.from_list(bad), "x")
         assert message in error.value.message, bad
+
+
+def test_a_validation_file_in_another_format_than_the_training_file_is_refused_before_any_model(tmp_path):
+    """Conversational training prompts beside plain validation prompts (the same columns, other types) were read as
+    conversations and ended in a TypeError after the model was loaded; now one paragraph naming both files."""
+    from grpo_kit.data import read_prompts
+    from shared.errors import RecipeError
+
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} plus 1?"}], "answer": str(i + 1)} for i in range(4)]
+    train, validation = tmp_path / "conv.jsonl", tmp_path / "plain.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    validation.write_text("".join(json.dumps({**row, "prompt": row["prompt"][0]["content"]}) + "\n" for row in rows))
+    flags = dict(dataset_name=None, dataset_config_name=None, validation_split_percentage=10, seed=0)
+    flags |= dict(max_train_samples=None, max_eval_samples=None, reward_funcs=["accuracy"], format_pattern=".*")
+    with pytest.raises(RecipeError) as error:
+        read_prompts(train_file=str(train), validation_file=str(validation), **flags)
+    assert (
+        f"--train_file '{train}' holds conversational rows but --validation_file '{validation}' holds standard rows"
+        in error.value.message
+    )
+    raw, fmt, _ = read_prompts(train_file=str(train), validation_file=str(train), **flags)
+    assert fmt == "conversational" and len(raw["validation"]) == 4

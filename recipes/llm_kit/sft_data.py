@@ -115,11 +115,18 @@ def load_raw_datasets(
     else:
         raw = (default_data or stdlib_names)()
     # Every row checked before anything is shuffled or split off, so that a bad row is named by its place in the file.
+    formats = {}
     for split in ("train", "validation") if train_file or dataset_name else ():
         if split in raw and len(raw[split]):
             given = train_file if split == "train" else validation_file
             source = f"--{split}_file {given!r}" if given else f"the {split} split of {dataset_name}"
-            row_format(raw[split], source)
+            formats[source] = row_format(raw[split], source)
+    if len(set(formats.values())) > 1:  # same columns, other types: a prompt string here, a list of messages there
+        (train, train_format), (validation, validation_format) = formats.items()
+        raise RecipeError(
+            f"{train} holds {train_format} rows but {validation} holds {validation_format} rows: both must be in one "
+            "format (every row is read as the training rows are): convert one of them."
+        )
     if "validation" not in raw:
         raw = raw["train"].train_test_split(test_size=validation_split_percentage / 100, seed=seed)
         raw["validation"] = raw.pop("test")
