@@ -9,6 +9,7 @@ installed). CPU processes stand in for GPUs."""
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -275,6 +276,11 @@ def runs(base, sampled, tmp_path_factory):
     }
     jobs = {name: Job(job[0], job[1], tuple(job[2:])) for name, job in jobs.items()}
     jobs["resumed"].args += ("--resume_from_checkpoint", checkpoint)
+    # The split run's last checkpoint, where its run ended, resumed with one more step (in a copy of its folder).
+    split = jobs["split"]
+    jobs["split_extended"] = Job(split.config, split.script, (*split.args, "--max_train_steps", "5"), after="split")
+    jobs["split_extended"].args += ("--resume_from_checkpoint", "latest")
+    jobs["split_extended"].prepare = lambda: shutil.copytree(root / "split", root / "split_extended")
     jobs["split_in_3"].kwargs["launch_args"] = ("--num_processes", "3")
     for name, job in jobs.items():
         job.args = (*job.args, "--output_dir", root / name)
@@ -498,6 +504,17 @@ def test_split_rounds_are_made_one_round_behind_and_trained_against_their_genera
 
 
 @pytest.mark.slow
+def test_a_split_run_extended_from_its_last_checkpoint_says_it_leaves_the_longer_run_s_path(runs):
+    """A split checkpoint saved at its run's last step holds no round in flight (none was made for after it): resumed
+    with more steps, the generating process makes that round with the trained weights, not the weights a longer
+    uninterrupted run would have made it with. It trains on, and says so in one line."""
+    run = runs["split_extended"]
+    assert run["returncode"] == 0 and len(run["results"]["train/loss_curve"]) == 5, run["log"][-3000:]
+    said = [line for line in run["log"].splitlines() if "holds no round in flight" in line]
+    assert len(said) == 1 and "(its run ended there): round 4 is made now, with the trained weights" in said[0]
+    assert "step_000004" in said[0]
+
+
 def test_split_in_three_processes_ends_as_the_two_process_run(runs):
     """Two trainers of 4 (DDP over their own group; the generating process takes no part) train as one trainer of
     8, to summation order (a split run resumed, in another process count too: tests/conformance/test_resume.py)."""

@@ -198,6 +198,12 @@ class SplitLayout:
         if checkpoint is not None and saved.is_file():  # what the uninterrupted run made for this round
             self.in_flight = torch.load(saved, weights_only=True)
         else:
+            if checkpoint is not None:  # saved at its run's last step, where no next round was made
+                print(
+                    f"{checkpoint} holds no round in flight (its run ended there): round {first_round} is made now, "
+                    "with the trained weights, so from here the run is not the one a longer uninterrupted run trains",
+                    flush=True,
+                )
             self.in_flight = self.make(generator, prompts, first_round, num_generations, seed)
         for round_index in range(first_round, last_round + 1):
             made, self.in_flight = self.in_flight, None
