@@ -38,15 +38,12 @@ from lib.launch import launch_and_wait  # a side in its own processes
 from lib.machine import library_versions, machine_info  # as every record
 from lib.trl_side import trainer_arguments  # TRL set up as the recipe trains
 
+from grpo import OFFLINE_SETTINGS  # the recipe's offline default
+
 RECIPE = REPO / "recipes" / "grpo.py"
-# recipes/grpo.py's OFFLINE_SETTINGS (the offline default) but the steps, and the other flags both sides share.
-SETTINGS = {
-    "learning_rate": 2e-4,
-    "num_generations": 8,
-    "per_device_train_batch_size": 16,
-    "max_completion_length": 8,
-    "temperature": 0.7,
-    "top_k": 20,
+# recipes/grpo.py's OFFLINE_SETTINGS (the offline default, imported: what this study measures) but the steps and the
+# held-out scoring (done here, by the same code for both sides), and the other flags both sides share.
+SETTINGS = {k: v for k, v in OFFLINE_SETTINGS.items() if k not in ("max_train_steps", "exact_match_samples")} | {
     "gradient_accumulation_steps": 1,
     "lr_scheduler_type": "linear",
     "num_warmup_steps": 0,
