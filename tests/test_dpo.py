@@ -982,3 +982,33 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     assert f"] error: Row 3 of --train_file {str(bad)!r}: 'chosen' and 'rejected' are identical" in run.output
     assert run.output.count("] error: ") == 1, run.output  # 2 processes refuse alike: one paragraph (the box aside)
     assert "[rank0]: Traceback" not in run.output and "[rank1]: Traceback" not in run.output
+
+
+def test_a_validation_file_in_another_format_than_the_training_file_is_refused_before_any_model(tmp_path):
+    """Conversational pairs for training beside string pairs for validation (the same columns, other types): one
+    paragraph naming both files, from the data loader the LLM recipes share (grpo's case: test_grpo.py)."""
+    from dpo_kit.preference_data import preference_format
+    from llm_kit.sft_data import load_raw_datasets
+    from shared.errors import RecipeError
+
+    def turn(role, text):
+        return [{"role": role, "content": text}]
+
+    rows = [
+        {
+            "prompt": turn("user", f"{i} + 1?"),
+            "chosen": turn("assistant", str(i + 1)),
+            "rejected": turn("assistant", "0"),
+        }
+        for i in range(4)
+    ]
+    strings = [{key: value[0]["content"] for key, value in row.items()} for row in rows]
+    train, validation = tmp_path / "conv.jsonl", tmp_path / "plain.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    validation.write_text("".join(json.dumps(row) + "\n" for row in strings))
+    with pytest.raises(RecipeError) as error:
+        load_raw_datasets(str(train), str(validation), row_format=preference_format)
+    assert (
+        f"--train_file '{train}' holds conversational rows but --validation_file '{validation}' holds standard rows"
+        in (error.value.message)
+    )
