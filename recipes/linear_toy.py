@@ -142,8 +142,9 @@ def main():
     if not (existing.is_dir() and os.access(existing, os.W_OK)):  # (created by the first save: none if refused)
         refuse(accelerator, f"Cannot use --output_dir {args.output_dir!r}: {existing} is no folder you can write to.")
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    # What a resume must keep: the data, its order, the steps.
+    # What a resume must keep: the data, its order, the steps, the rate (a checkpoint's optimizer keeps its own).
     run = dict(seed=args.seed, samples=args.num_samples, batch=global_batch_size, processes=accelerator.num_processes)
+    run["learning_rate"] = args.learning_rate
 
     # ------------------------------------------------------------------------------- data
     generator = torch.Generator().manual_seed(args.seed)  # the same data on every process: none sends it
@@ -176,6 +177,8 @@ def main():
         skip = (completed_steps % steps_per_epoch) * args.gradient_accumulation_steps  # seen before the resume
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         for inputs_batch, targets_batch in active_dataloader:
+            if completed_steps >= max_train_steps:  # done, or resumed from the checkpoint of the last step
+                break
             with accelerator.accumulate(model):  # all-reduce, step on a step's last micro-batch only (no `step % gas`)
                 loss = torch.nn.functional.mse_loss(model(inputs_batch), targets_batch)
                 step_loss += loss.detach() / args.gradient_accumulation_steps
@@ -200,8 +203,6 @@ def main():
                 number = signal.Signals(stop["signal"] or signal.SIGTERM)  # a peer's signal stops this one as SIGTERM
                 accelerator.print(f"stopped by {number.name} after step {completed_steps}: saved {folder}; {RESUME}")
                 raise SystemExit(128 + number)
-            if completed_steps >= max_train_steps:
-                break
 
     # --------------------------------------------------------------------- evaluation
     weight, bias = (p.detach().float().cpu().flatten() for p in accelerator.unwrap_model(model).parameters())

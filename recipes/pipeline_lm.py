@@ -320,6 +320,8 @@ def main():
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         for batch in record.timed(active_dataloader):  # timed: measures the wait for each batch
+            if completed_steps >= max_train_steps:  # done, or resumed from the checkpoint of the last step
+                break
             # (pipeline) accumulate(): a step every gradient_accumulation_steps batches or at the loader's end
             with accelerator.accumulate(model):
                 # New Code (pipeline) #
@@ -346,8 +348,6 @@ def main():
                     stop.exit(save_checkpoint_at(completed_steps))
                 if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                     save_checkpoint_at(completed_steps)
-            if completed_steps >= max_train_steps:
-                break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
             save_checkpoint_at(completed_steps)
 

@@ -27,6 +27,8 @@ PROGRESS_FILE = "progress.json"
 # What a failed write raises: the OS's error, safetensors' (no errno), torch.save's ("unexpected pos", "basic_ios").
 WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
 FINGERPRINT_BYTES = 2**20  # hashed at each end of every file
+# Optimizer settings a checkpoint restores over this run's (torch's load_state_dict keeps the saved ones), by flag.
+RESTORED_SETTINGS = {"initial_lr": "--learning_rate", "weight_decay": "--weight_decay", "eps": "--adam_epsilon"}
 LAYOUTS = {
     "replica": "whole model (single, ddp or device_map)",
     "fsdp": "model in FSDP shards (fsdp)",
@@ -65,13 +67,8 @@ def save_checkpoint(
     stop_if_found(problem, cleanup=remove_tmp)
     if writes:
         try:
-            progress = {
-                "completed_steps": completed_steps,
-                "layout": layout,
-                "history": history or {},
-                "batch": batch,
-                "manifest": manifest(tmp),
-            }
+            progress = dict(completed_steps=completed_steps, layout=layout, history=history or {}, batch=batch)
+            progress["manifest"] = manifest(tmp)
             (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
         except WRITE_ERRORS as error:
             problem = failed_save(f"the checkpoint {final}", error, checkpoints_dir, checkpoints_dir, needed=None)
@@ -391,9 +388,13 @@ def load_checkpoint(
     load_state=None,
 ) -> ResumePoint:
     """Load ``checkpoint`` (``accelerator.load_state`` or ``load_state(folder)``; a prepared ``lr_scheduler`` brought
-    to this process count) and return where training picks up, for ``accelerator.skip_first_batches``."""
+    to this process count; refused if it restores other ``RESTORED_SETTINGS`` than the flags set) and return where
+    training picks up, for ``accelerator.skip_first_batches``."""
     if checkpoint is None:
         return ResumePoint()
+    prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)
+    optimizer = (lr_scheduler.scheduler if prepared else lr_scheduler).optimizer if lr_scheduler is not None else None
+    from_flags = [dict(group) for group in optimizer.param_groups] if optimizer else []  # as this run's flags set them
     try:
         (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
     except RuntimeError as error:  # torch's load_state_dict: "size mismatch for classifier.weight: copying a param..."
@@ -409,19 +410,21 @@ def load_checkpoint(
         ) from None
     completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
     saved_processes = (progress.get("batch") or {}).get("num_processes", accelerator.num_processes)
-    prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)
     if prepared and not accelerator.split_batches and saved_processes != accelerator.num_processes:
         # A prepared scheduler steps once per process per optimizer step: its count, in this run's processes.
         inner, ratio = lr_scheduler.scheduler, accelerator.num_processes / saved_processes
         inner.last_epoch = round(inner.last_epoch * ratio)
         inner._step_count = 1 + round((inner._step_count - 1) * ratio)  # 1 after the constructor's own step
-    history = progress.get("history", {})
-    point = ResumePoint(
-        completed_steps,
-        completed_steps // steps_per_epoch,
-        (completed_steps % steps_per_epoch) * gradient_accumulation_steps,
-        history,
-    )
+    for group, saved in zip(from_flags, optimizer.param_groups if optimizer else []):
+        for key, flag in RESTORED_SETTINGS.items():
+            if (was := saved.get(key, group.get(key))) != (now := group.get(key)):
+                raise RecipeError(
+                    f"{checkpoint} was trained with {flag} {was:g}, this run has {now:g}: a resume goes on with the "
+                    f"checkpoint's optimizer and schedule, so it would train with {was:g} and record {now:g}. Pass "
+                    f"{flag} {was:g} to resume it, or start a new run (another --output_dir)."
+                )
+    epoch, into_epoch = divmod(completed_steps, steps_per_epoch)
+    point = ResumePoint(completed_steps, epoch, into_epoch * gradient_accumulation_steps, progress.get("history", {}))
     # accumulate() syncs when accelerator.step (load_state set the saver's) is a multiple of this run's accumulation.
     accelerator.step = point.batches_to_skip
     accelerator.print(

@@ -93,11 +93,5 @@ def in_validation_split(group: str, validation_percent: int) -> bool:
 
 def split_by_column(rows: datasets.Dataset) -> datasets.DatasetDict:
     """``train`` and ``validation`` by the ``split`` column, which goes."""
-    return datasets.DatasetDict(
-        {
-            split: rows.filter(lambda value, wanted=split: value == wanted, input_columns="split").remove_columns(
-                "split"
-            )
-            for split in ("train", "validation")
-        }
-    )
+    kept = lambda split: rows.filter(lambda value, wanted=split: value == wanted, input_columns="split")
+    return datasets.DatasetDict({split: kept(split).remove_columns("split") for split in ("train", "validation")})

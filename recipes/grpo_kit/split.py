@@ -192,9 +192,10 @@ class SplitLayout:
         num_iterations, num_generations, seed = self.num_iterations, self.num_generations, self.seed
         completed_steps = resume.completed_steps
         first_round, last_round = completed_steps // num_iterations, math.ceil(max_train_steps / num_iterations) - 1
-        prompt_rounds = iter(prompt_rounds)
-        saved = Path(checkpoint or "") / IN_FLIGHT
-        started, prompts = time.perf_counter(), next(prompt_rounds)
+        prompt_rounds, started = iter(prompt_rounds), time.perf_counter()
+        if completed_steps >= max_train_steps:  # resumed from the checkpoint of the last step: no round left to make
+            return
+        saved, prompts = Path(checkpoint or "") / IN_FLIGHT, next(prompt_rounds)
         if checkpoint is not None and saved.is_file():  # what the uninterrupted run made for this round
             self.in_flight = torch.load(saved, weights_only=True)
         else:

@@ -2,7 +2,9 @@
 SLURM, Kubernetes and spot machines do before they kill; the workers get it through the launcher) ends the step,
 saves a checkpoint, says which and how to resume, exits 143; resumed with ``latest`` in another process count, past a
 damaged newer checkpoint that it skips and names, the run ends where the uninterrupted run ends (every loss and saved
-weight within 1e-6); resumed with another ``--seed`` (another data order, other held-out samples) it is refused."""
+weight within 1e-6), and resumed once more from the checkpoint of its last step it trains no step more; resumed with
+another ``--seed`` (another data order, other held-out samples) or another ``--learning_rate`` (which the
+checkpoint's optimizer would override, while results.json recorded it) it is refused."""
 
 import json
 import re
@@ -22,6 +24,7 @@ from .catalogue import tiny_models
 
 RESUMING = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name)] + list(LAYOUTS)
 STARTED_FOR_SIGTERM = "train_lm.py"
+RERATED = "0.123"  # a --learning_rate no recipe trains with by default
 STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+): .*?(/\S+/checkpoints/step_\d+)(.*)$", re.MULTILINE)
 
 
@@ -84,8 +87,12 @@ def scenario(name: str, models: dict, root: Path) -> dict:
     resume = (*args, "--output_dir", folder / "stopped", "--resume_from_checkpoint", "latest")
     runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints") if skips else None
     runs["resumed"] = launch(other, name, *resume, launch_args=other_count)
+    shutil.copytree(folder / "stopped", folder / "finished")  # resumed once more, from the checkpoint of its last step
+    again = (*args, "--output_dir", folder / "finished", "--resume_from_checkpoint", "latest")
+    runs["resumed_again"] = launch(other, name, *again, launch_args=other_count)
     reseeded = (ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
     runs["reseeded"] = launch(*reseeded, launch_args=other_count)
+    runs["rerated"] = launch(*reseeded[:-2], "--learning_rate", RERATED, launch_args=other_count)
     if not skips:  # refused in one line instead: a damaged newest checkpoint, another process count
         runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints")
         runs["damaged_refused"] = launch(two, name, *resume)
@@ -158,6 +165,25 @@ def test_resumed_in_another_process_count_it_ends_as_the_uninterrupted_run(runs,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_resumed_from_the_checkpoint_of_its_last_step_it_trains_no_step_more(runs, name):
+    """What a job scheduler's requeue does to a run that ended (or was stopped in its evaluation or final save): the
+    same command, resuming ``latest``. The run must end as it ended, not take one more step."""
+    again = runs[name]["resumed_again"]
+    assert again.returncode == 0, str(again)
+    last = max_train_steps(name)
+    assert re.search(rf"resumed from \S+step_0*{last} at step {last}\b", again.output), str(again)
+    folder = runs[name]["folder"]
+    expected, got = read_results(folder / "uninterrupted"), read_results(folder / "finished")
+    assert len(got["train/loss_curve"]) == len(expected["train/loss_curve"]) == last
+    np.testing.assert_allclose(got["train/loss_curve"], expected["train/loss_curve"], rtol=0, atol=1e-6)
+    expected, got = saved_tensors(folder / "uninterrupted"), saved_tensors(folder / "finished")
+    assert expected and got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", offering("--resume_from_checkpoint", "damaged_checkpoint_skipped") + list(LAYOUTS))
 def test_latest_skips_a_damaged_newer_checkpoint_and_says_so(runs, name):
     damaged, resumed = runs[name]["damaged"], runs[name]["resumed"]
@@ -171,6 +197,19 @@ def test_a_resume_with_another_seed_is_refused_once(runs, name):
     assert run.returncode != 0, str(run)
     printed = errors(run.output)
     assert len(printed) == 1 and "seed" in printed[0] and "42" in printed[0] and "7" in printed[0], str(run)
+    assert not traced_through_a_recipe(run.output), str(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_a_resume_with_another_learning_rate_is_refused_once(runs, name):
+    """Resumed, a run trains with the rate its checkpoint's optimizer and scheduler hold: a new --learning_rate would
+    be recorded in results.json and not used."""
+    run, trained = runs[name]["rerated"], read_results(runs[name]["folder"] / "uninterrupted")["config"]
+    assert run.returncode != 0, str(run)
+    printed = errors(run.output)
+    assert len(printed) == 1 and "learning_rate" in printed[0], str(run)
+    assert f"{trained['learning_rate']:g}" in printed[0] and RERATED in printed[0], printed[0]
     assert not traced_through_a_recipe(run.output), str(run)
 
 
