@@ -492,7 +492,6 @@ def main():
             if args.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            lr_scheduler.step()
             optimizer.zero_grad()
             completed_steps += 1
             progress_bar.update(1)
@@ -500,6 +499,7 @@ def main():
             step_means = metric_means(sums[:-1], step_pairs, args.rpo_alpha)  # on the device until a log reads it
             record.step(completed_steps, step_means[0], samples=step_pairs, tokens=sums[-1])
             train_log.add(accelerator, completed_steps, step_means, lr_scheduler.get_last_lr()[0])  # every N: logged
+            lr_scheduler.step()  # after the log, which reports the rate this step used (as the Trainer)
             save_at_step_end(completed_steps)  # a checkpoint when due; SIGTERM or Ctrl-C: one, then all exit
     progress_bar.close()
 

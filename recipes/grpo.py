@@ -439,7 +439,7 @@ def main():
     rollout_settings |= dict(reward_functions=reward_functions, tokenizer=tokenizer, fmt=fmt, model=model)
     rollout_settings |= dict(reference_model=reference_model, mask_truncated=args.mask_truncated_completions)
     rollout_settings |= flags(args, ROLLOUT_FLAGS)
-    for prompts in record.timed(prompt_rounds if trains else []):
+    for prompts in record.timed(prompt_rounds if trains and completed_steps < max_train_steps else []):
         round_index, epoch = completed_steps // args.num_iterations, completed_steps // steps_per_epoch
         state = trainer_state(completed_steps, max_train_steps, epoch)  # what TRL passes reward functions
         batches, gathered, advantages, step_tokens = training_round(  # this process's share, scored, its advantages
@@ -457,7 +457,6 @@ def main():
             if args.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            lr_scheduler.step()
             optimizer.zero_grad()
             completed_steps += 1
             progress_bar.update(1)
@@ -465,6 +464,7 @@ def main():
             step |= round_metrics(gathered, reward_functions, advantages)
             record.step(completed_steps, step["loss"], global_batch_size * (iteration == 0), step.pop("num_tokens"))
             train_log.add(accelerator, completed_steps, step, lr_scheduler.get_last_lr()[0])
+            lr_scheduler.step()  # after the log, which reports the rate this step used (as the Trainer)
             save_at_step_end(completed_steps)  # a checkpoint when due; SIGTERM or Ctrl-C: one, then exit
         generator.update(model)  # split: the round's weights to the generating process (colocated: nothing)
         if completed_steps >= max_train_steps:

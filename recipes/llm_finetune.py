@@ -481,7 +481,6 @@ def main():
             if args.max_grad_norm:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             optimizer.step()
-            lr_scheduler.step()
             optimizer.zero_grad()
             completed_steps += 1
             progress_bar.update(1)
@@ -492,6 +491,7 @@ def main():
             record.step(completed_steps, global_loss, samples=samples, tokens=real_tokens, answer_tokens=step_tokens)
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 log_train_loss(accelerator, progress_bar, record, lr_scheduler, completed_steps, args.logging_steps)
+            lr_scheduler.step()  # after the log, which reports the rate this step used (as the Trainer)
             save_at_step_end(completed_steps)  # a checkpoint when due; SIGTERM or Ctrl-C: one, then all exit
     progress_bar.close()
 

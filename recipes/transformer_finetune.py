@@ -519,6 +519,8 @@ def main():
         skip = resume.batches_to_skip if epoch == resume.epoch else 0  # a resumed epoch: the batches already seen
         active_dataloader = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
         for batch in record.timed(active_dataloader):  # timed: measures the wait for each batch
+            if completed_steps >= max_train_steps:  # done, or resumed from the checkpoint of the last step
+                break
             token_counts[0] += batch["attention_mask"].sum()  # padding is wasted compute (--group_by_length)
             token_counts[1] += batch["attention_mask"].numel()
             labels = batch.pop("labels")
@@ -532,7 +534,6 @@ def main():
                 if accelerator.sync_gradients and args.max_grad_norm:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()
-                lr_scheduler.step()
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
@@ -545,12 +546,11 @@ def main():
                 logs["train/learning_rate"] = lr_scheduler.get_last_lr()[0]
                 accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {logs['train/loss']:.4f}")
                 accelerator.log(logs, step=completed_steps)
+            lr_scheduler.step()  # after the log, which reports the rate this step used (as the Trainer)
             if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
                 stop.exit(save())
             if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
                 save()
-            if completed_steps >= max_train_steps:
-                break
         if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
             save()
 
