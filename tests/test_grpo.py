@@ -10,6 +10,7 @@ installed). CPU processes stand in for GPUs."""
 import json
 import math
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -910,6 +911,22 @@ def test_the_built_in_rewards_and_a_user_s_function(base):
     assert problem is None
     assert values[:, 0].tolist() == [1.0, 0.0] and values[:, 1].tolist() == [0.0, 1.0]
     assert values[0, 2] == 1.0 and math.isnan(values[1, 2])  # None: not applicable
+
+
+def test_a_reward_file_imports_the_modules_beside_it(tmp_path):
+    """As a script Python runs: a reward file's ``from helpers import ...`` finds helpers.py in its folder. The
+    folder is on ``sys.path`` while the file is imported only: nothing else the run imports is found there."""
+    from grpo_kit.rewards import load_reward_functions
+
+    (tmp_path / "grpo_test_helpers.py").write_text("def length(text):\n    return float(len(text))\n")
+    (tmp_path / "r.py").write_text(
+        "from grpo_test_helpers import length\n\n"
+        "def f(completions, **kw):\n    return [length(c) for c in completions]\n"
+    )
+    before = list(sys.path)
+    [(name, function)] = load_reward_functions([f"{tmp_path / 'r.py'}:f"], "", [])
+    assert name == "f" and function(["ab", "c"]) == [2.0, 1.0]
+    assert sys.path == before
 
 
 @pytest.mark.parametrize(

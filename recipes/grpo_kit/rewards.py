@@ -14,6 +14,7 @@ import importlib.util
 import math
 import numbers
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def load_reward_functions(names: list[str], format_pattern: str, columns: list[s
 
 
 def user_function(spec: str) -> tuple[str, object]:
-    """The function ``name`` of ``path/to/file.py:name``, imported from that file."""
+    """The function ``name`` of ``path/to/file.py:name``, imported from that file; its imports find the modules
+    beside it, as when Python runs it (its folder is first on ``sys.path`` while it is imported, not after)."""
     path, _, function = spec.rpartition(":")
     if not path or not function or not path.endswith(".py"):
         raise RecipeError(
@@ -94,13 +96,16 @@ def user_function(spec: str) -> tuple[str, object]:
     if not Path(path).is_file():
         raise RecipeError(f"--reward_funcs {spec!r}: the file {path!r} does not exist (looked in {Path.cwd()}).")
     spec_ = importlib.util.spec_from_file_location(f"user_rewards_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec_)
+    module, folder = importlib.util.module_from_spec(spec_), str(Path(path).resolve().parent)
+    sys.path.insert(0, folder)
     try:
         spec_.loader.exec_module(module)
     except Exception as error:  # the user's file: any error in it is theirs to see, in one line
         raise RecipeError(
             f"--reward_funcs {spec!r}: importing {path!r} failed: {type(error).__name__}: {error}"
         ) from None
+    finally:
+        sys.path.remove(folder)
     found = getattr(module, function, None)
     if not callable(found):
         defined = sorted(name for name, value in vars(module).items() if callable(value) and not name.startswith("_"))
