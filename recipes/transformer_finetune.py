@@ -566,7 +566,7 @@ def main():
     results |= {"task": config.problem_type or "classification", "parallelism": parallelism.name}
     results |= {"global_batch_size": global_batch_size, "device_map_devices": list(map(str, devices or [])) or None}
     real, padded = accelerator.reduce(token_counts, "sum").tolist()
-    results["train/padding_fraction"] = 1 - real / max(padded, 1)
+    results["train/padding_fraction"] = 1 - real / padded if padded else None  # None: no batch trained (a resume)
     # fp16: GradScaler's loss scale at the end (1.0 when it is off); None without a scaler (fp32, bf16).
     results["train/grad_scale"] = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
     record.write(output_dir, results, model)  # a collective: the main process writes results.json

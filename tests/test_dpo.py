@@ -8,6 +8,7 @@ dropout; token ids as TRL's own preprocessing makes them), and the refusals. CPU
 import collections
 import json
 import math
+import shutil
 import types
 from functools import partial
 
@@ -174,6 +175,16 @@ def lora(base, tmp_path_factory):
             + ("--per_device_eval_batch_size", "3", *checkpoint),
             after="1x8",
         ),
+        # The 1x8 run requeued once it ended (in a copy of its folder): the same command, resuming latest.
+        "requeued": Job(
+            "single_gpu.yaml",
+            RECIPE,
+            (*data, *EXACT, "--per_device_train_batch_size", "8", "--checkpointing_steps", "2")
+            + ("--exact_match_samples", "4", "--per_device_eval_batch_size", "3")
+            + ("--resume_from_checkpoint", "latest"),
+            after="1x8",
+            prepare=lambda: shutil.copytree(root / "1x8", root / "requeued"),
+        ),
     }
     return launch_runs(root, jobs)
 
@@ -240,6 +251,18 @@ def test_a_resumed_run_ends_where_the_uninterrupted_one_does(lora):
 
 
 # ----------------------------------------------------------------------------- a full fine-tune
+@pytest.mark.slow
+def test_a_requeued_run_that_had_ended_keeps_its_trl_metrics(lora):
+    """A scheduler's requeue of a run that ended: resumed from the checkpoint of its last step, it trains no step and
+    logs no window, and its results.json keeps the last window's TRL metrics (train/rewards/..., the rate)."""
+    requeued, full = lora["requeued"]["results"], lora["1x8"]["results"]
+    assert requeued["resumed_from_step"] == requeued["completed_steps"] == 4
+    assert requeued["train/log"] == full["train/log"]
+    last = {key: value for key, value in full.items() if key.startswith("train/") and key != "train/log"}
+    assert {"train/rewards/accuracies", "train/rewards/margins", "train/learning_rate"} <= last.keys()
+    assert {key: requeued.get(key) for key in last} == last
+
+
 @pytest.fixture(scope="module")
 def full(base, tmp_path_factory):
     """A full fine-tune in 2 processes with IPO, on implicit-prompt conversations: one pass of reference log-probs

@@ -146,6 +146,29 @@ def sampled(base, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def requeued(base, sampled, tmp_path_factory):
+    """The sampled run requeued once it ended (in a copy of its folder): the same command, resuming latest."""
+    out = tmp_path_factory.mktemp("grpo") / "requeued"
+    shutil.copytree(sampled["dir"], out)
+    args = (*sampled_args(base), "--per_device_train_batch_size", "8", "--checkpointing_steps", "2")
+    run = launch("single_gpu.yaml", RECIPE, *args, "--output_dir", out, "--resume_from_checkpoint", "latest")
+    assert run.returncode == 0, str(run)
+    return {"dir": out, "results": read_results(out), "log": run.output}
+
+
+@pytest.mark.slow
+def test_a_requeued_run_that_had_ended_keeps_its_trl_metrics(requeued, sampled):
+    """Resumed from the checkpoint of its last step, a run trains no step and logs no window: results.json keeps the
+    last window's TRL metrics (train/reward, train/completions/..., the rate)."""
+    again, first = requeued["results"], sampled["results"]
+    assert again["resumed_from_step"] == again["completed_steps"] == 4
+    assert again["train/log"] == first["train/log"] and again["train/rewards"] == first["train/rewards"]
+    last = {key: value for key, value in first.items() if key.startswith("train/") and key != "train/log"}
+    assert {"train/reward", "train/completions/mean_length", "train/learning_rate"} <= last.keys()
+    assert {key: again.get(key) for key in last} == last
+
+
+@pytest.fixture(scope="module")
 def runs(base, sampled, tmp_path_factory):
     root = tmp_path_factory.mktemp("grpo_runs")
     checkpoint = sampled["dir"] / "checkpoints" / "step_000002"

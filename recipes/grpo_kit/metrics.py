@@ -96,7 +96,9 @@ class TrainLog:
 
     def __init__(self, history: dict, logging_steps: int, max_train_steps: int):
         self.log, self.rewards = history.get("train/log", []), history.get("train/rewards", [])
-        self.logging_steps, self.max_train_steps, self.window, self.last = logging_steps, max_train_steps, [], {}
+        self.logging_steps, self.max_train_steps, self.window = logging_steps, max_train_steps, []
+        # A resume keeps the last logged window's: one from the checkpoint of the last step logs no window more.
+        self.last = {key: value for key, value in self.log[-1].items() if key != "step"} if self.log else {}
 
     def add(self, accelerator, completed_steps: int, step: dict, learning_rate: float) -> None:
         self.window.append(step)
