@@ -138,6 +138,8 @@ def main():
     if held and not (args.overwrite_output_dir or args.resume_from_checkpoint):
         used = f"--output_dir {args.output_dir!r} already holds an earlier run's output ({', '.join(held)})"
         refuse(accelerator, f"{used}: --overwrite_output_dir replaces it, --resume_from_checkpoint latest goes on.")
+    if "checkpoints" in held and not args.resume_from_checkpoint and accelerator.is_main_process:
+        os.replace(checkpoints_dir, output_dir / f".superseded_{time.time_ns()}")  # `latest` must not resume it
     existing = next(folder for folder in [output_dir, *output_dir.absolute().parents] if folder.exists())
     if not (existing.is_dir() and os.access(existing, os.W_OK)):  # (created by the first save: none if refused)
         refuse(accelerator, f"Cannot use --output_dir {args.output_dir!r}: {existing} is no folder you can write to.")

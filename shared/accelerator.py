@@ -47,13 +47,9 @@ def init_group_after_restart(cpu: bool, dist_timeout: float | None = None) -> No
     address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = torch.distributed.TCPStore(address, port, is_master=False, **timeout)
     store = torch.distributed.PrefixStore(f"two_gpu_recipes/restart_{restart}", agent_store)
-    torch.distributed.init_process_group(
-        backend=distributed_backend(cpu),
-        store=store,
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        **timeout,
-    )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = distributed_backend(cpu)
+    torch.distributed.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, **timeout)
 
 
 def set_gpu_index() -> None:

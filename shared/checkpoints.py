@@ -11,6 +11,7 @@ import shlex
 import shutil
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,7 +262,7 @@ def find_checkpoint(
 ) -> Path | None:
     """The checkpoint every process resumes from, or None; a collective: disagreeing processes are refused."""
     if not resume_from_checkpoint:
-        return None
+        return set_aside_later_checkpoints(accelerator, checkpoints_dir, None)
     skipped = []
     try:
         found, problem = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir, skipped), None
@@ -310,7 +311,24 @@ def find_checkpoint(
             f"{LAYOUTS[layout]}. Resume it with the recipe and parallelism that wrote it, or start a "
             "new run from that run's saved model (--model_name_or_path)."
         )
-    return found
+    return set_aside_later_checkpoints(accelerator, checkpoints_dir, found)
+
+
+def set_aside_later_checkpoints(accelerator: Accelerator, checkpoints_dir, start: Path | None) -> Path | None:
+    """Rename the checkpoints after ``start`` (all, starting fresh) to ``.step_N.superseded_T``: another run's, which
+    ``latest`` and ``--checkpoints_total_limit`` must not count with this run's. Changes files; returns ``start``."""
+    after = checkpoint_steps(start) if start else 0
+    later = sorted(p for p in Path(checkpoints_dir).glob("step_*") if p.name[5:].isdigit() and int(p.name[5:]) > after)
+    on_each_node = accelerator.project_configuration.save_on_each_node
+    if later and (accelerator.is_local_main_process if on_each_node else accelerator.is_main_process):
+        for folder in later:
+            os.replace(folder, folder.with_name(f".{folder.name}.superseded_{time.time_ns()}"))
+        names = ", ".join(p.name for p in later)
+        accelerator.print(
+            f"set aside {names} (after step {after}, not this run's) as .step_N.superseded_* in {checkpoints_dir}"
+        )
+    accelerator.wait_for_everyone()
+    return start
 
 
 def keep_global_batch(

@@ -74,14 +74,8 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
 
 
 # What an earlier run leaves in its output_dir (the Hub scripts' check): a new run into it is refused unless asked.
-RUN_OUTPUTS = (
-    "config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "adapter_model.safetensors",
-    "results.json",
-)
+RUN_OUTPUTS = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+RUN_OUTPUTS += ("adapter_model.safetensors", "results.json")
 
 
 def prepare_output_dir(path: str | os.PathLike, overwrite: bool, resuming: str | None) -> Path:
@@ -126,16 +120,8 @@ def model_problem(model_name_or_path: str) -> str | None:
 
 
 # Any of these in a model folder is a tokenizer transformers can load (one file names the rest).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.txt",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-    "tekken.json",
-)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.txt", "vocab.json")
+TOKENIZER_FILES += ("spiece.model", "sentencepiece.bpe.model", "tekken.json")
 
 
 def tokenizer_problem(model_name_or_path: str, tokenizer_name: str | None) -> str | None:

@@ -2,13 +2,8 @@
 
 
 def _shape(hidden: int, blocks: int, heads: int, mlp: int, positions: int) -> dict:
-    return dict(
-        hidden_size=hidden,
-        num_hidden_layers=blocks,
-        num_attention_heads=heads,
-        intermediate_size=mlp,
-        max_position_embeddings=positions,
-    )
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "max_position_embeddings")
+    return dict(zip(keys, (hidden, blocks, heads, mlp, positions)))
 
 
 MODEL_PRESETS = {

@@ -25,7 +25,7 @@ PIPELINE_COMMENT = "# (pipeline) "
 # A fixed ceiling on shared/, in lines as ruff's formatter lays them out: a commit may lower it, never raise it. The
 # goal is smaller (about 1,200 lines of what two or more recipe families use), reached by moving code to where it
 # belongs, never by squeezing lines.
-SHARED_LINE_BUDGET = 1599
+SHARED_LINE_BUDGET = 1594
 
 
 def lines_of(path: Path) -> list[str]:
@@ -140,7 +140,7 @@ KITS = sorted(path for path in (REPO / "recipes").glob("*_kit") if path.is_dir()
 RECIPE_LINE_LIMIT, MAIN_LINE_LIMIT, LINEAR_TOY_LINE_LIMIT = 600, 160, 230
 # Recipes not yet within a limit, and why: each is an expected failure (strict: it fails once the recipe fits, so
 # that its entry goes).
-FILE_NOT_YET_WITHIN = {"linear_toy.py": "243 formatted lines: not yet cut to 230"}
+FILE_NOT_YET_WITHIN = {"linear_toy.py": "245 formatted lines: not yet cut to 230"}
 MAIN_NOT_YET_WITHIN = {}
 
 

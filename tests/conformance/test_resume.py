@@ -98,6 +98,12 @@ def scenario(name: str, models: dict, root: Path) -> dict:
         runs["damaged_refused"] = launch(two, name, *resume)
     if other == two and name == "linear_toy.py":
         runs["other_count_refused"] = launch(ONE_PROCESS, name, *resume)
+    short = ("--max_train_steps", 100 if name == "linear_toy.py" else 4)  # a shorter run over a longer one's folder
+    shutil.copytree(folder / "uninterrupted", folder / "replaced")
+    replacing = (*args, *map(str, short), "--output_dir", folder / "replaced")
+    config, processes = (two, count) if layout else (other, other_count)  # (a fresh split run: its 3 processes)
+    runs["replacing"] = launch(config, name, *replacing, "--overwrite_output_dir", launch_args=processes)
+    runs["requeued"] = launch(config, name, *replacing, "--resume_from_checkpoint", "latest", launch_args=processes)
     runs["folder"] = folder
     print({key: round(run.seconds, 1) for key, run in runs.items() if isinstance(run, Run)})
     return runs
@@ -181,6 +187,19 @@ def test_resumed_from_the_checkpoint_of_its_last_step_it_trains_no_step_more(run
     assert expected and got.keys() == expected.keys()
     for key, value in expected.items():
         np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_a_requeue_after_overwrite_output_dir_resumes_the_new_run_not_the_replaced_one(runs, name):
+    """A shorter run into a longer run's folder (--overwrite_output_dir), requeued with ``latest``: it goes on from
+    its own checkpoints, never from the replaced run's later ones (which would also outlive its own under
+    --checkpoints_total_limit)."""
+    replacing, requeued = runs[name]["replacing"], runs[name]["requeued"]
+    assert replacing.returncode == 0 and requeued.returncode == 0, str(replacing) + str(requeued)
+    short = 100 if name == "linear_toy.py" else 4
+    assert not re.search(rf"resumed from \S+ at step (?!{short}\b)\d+", requeued.output), str(requeued)
+    assert read_results(runs[name]["folder"] / "replaced")["completed_steps"] == short
 
 
 @pytest.mark.slow
