@@ -189,6 +189,12 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
         f"{skipping} step_000003: {third / 'model.safetensors'} has 1,000 bytes, the save wrote 2,304,000",
         f"{skipping} step_000002: {second / 'model.safetensors'} differs from what the save wrote (its fingerprint "
         "changed)",
+        f"set aside step_000002, step_000003 (after step 1, not this run's) as .step_N.superseded_* in {tmp_path}",
+    ]  # set aside: neither the next `latest` nor --checkpoints_total_limit sees them beside the run's own
+    assert sorted(path.name.split(".superseded_")[0] for path in tmp_path.iterdir()) == [
+        ".step_000002",
+        ".step_000003",
+        "step_000001",
     ]
     (first / "optimizer_0" / "__0_0.distcp").unlink()
     with pytest.raises(RecipeError) as refused:

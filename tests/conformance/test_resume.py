@@ -139,6 +139,17 @@ def saved_tensors(output_dir: Path) -> dict[str, np.ndarray]:
     }
 
 
+def ends_as_the_uninterrupted_run(folder: Path, output_dir: str) -> None:
+    """``folder / output_dir``'s loss curve (its length too) and saved weights are the uninterrupted run's, to 1e-6."""
+    expected, got = read_results(folder / "uninterrupted"), read_results(folder / output_dir)
+    assert len(got["train/loss_curve"]) == len(expected["train/loss_curve"])
+    np.testing.assert_allclose(got["train/loss_curve"], expected["train/loss_curve"], rtol=0, atol=1e-6)
+    expected, got = saved_tensors(folder / "uninterrupted"), saved_tensors(folder / output_dir)
+    assert expected and got.keys() == expected.keys()
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-6, err_msg=key)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", RESUMING)
 def test_sigterm_ends_the_step_saves_a_checkpoint_and_says_how_to_resume(runs, name):
@@ -160,14 +171,7 @@ def test_resumed_in_another_process_count_it_ends_as_the_uninterrupted_run(runs,
     assert resumed.returncode == 0, str(resumed)
     step = int(STOPPED.findall(runs[name]["stopped"].output)[0][0])
     assert re.search(rf"resumed from \S+step_0*{step} at step {step}\b", resumed.output), str(resumed)
-    folder = runs[name]["folder"]
-    expected, got = read_results(folder / "uninterrupted"), read_results(folder / "stopped")
-    assert len(got["train/loss_curve"]) == len(expected["train/loss_curve"])
-    np.testing.assert_allclose(got["train/loss_curve"], expected["train/loss_curve"], rtol=0, atol=1e-6)
-    expected, got = saved_tensors(folder / "uninterrupted"), saved_tensors(folder / "stopped")
-    assert expected and got.keys() == expected.keys()
-    for key, value in expected.items():
-        np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-6, err_msg=key)
+    ends_as_the_uninterrupted_run(runs[name]["folder"], "stopped")
 
 
 @pytest.mark.slow
@@ -179,14 +183,7 @@ def test_resumed_from_the_checkpoint_of_its_last_step_it_trains_no_step_more(run
     assert again.returncode == 0, str(again)
     last = max_train_steps(name)
     assert re.search(rf"resumed from \S+step_0*{last} at step {last}\b", again.output), str(again)
-    folder = runs[name]["folder"]
-    expected, got = read_results(folder / "uninterrupted"), read_results(folder / "finished")
-    assert len(got["train/loss_curve"]) == len(expected["train/loss_curve"]) == last
-    np.testing.assert_allclose(got["train/loss_curve"], expected["train/loss_curve"], rtol=0, atol=1e-6)
-    expected, got = saved_tensors(folder / "uninterrupted"), saved_tensors(folder / "finished")
-    assert expected and got.keys() == expected.keys()
-    for key, value in expected.items():
-        np.testing.assert_allclose(got[key], value, rtol=0, atol=1e-6, err_msg=key)
+    ends_as_the_uninterrupted_run(runs[name]["folder"], "finished")
 
 
 @pytest.mark.slow
