@@ -260,7 +260,7 @@ def find_checkpoint(
     checkpoints_dir: str | os.PathLike,
     layout: str = "replica",
 ) -> Path | None:
-    """The checkpoint every process resumes from, or None; a collective: disagreeing processes are refused."""
+    """The checkpoint all resume from, or None (disagreeing processes refused); later ones set aside: changes files."""
     if not resume_from_checkpoint:
         return set_aside_later_checkpoints(accelerator, checkpoints_dir, None)
     skipped = []
