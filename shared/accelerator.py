@@ -71,9 +71,8 @@ def build_accelerator(dist_timeout: float | None = None, **accelerator_kwargs) -
     init_group_after_restart(cpu=cpu, dist_timeout=dist_timeout)
     if not cpu and accelerator_kwargs.get("dataloader_config") is not None:
         # Batches copied to the GPU non_blocking, from pinned memory: queued behind the step, not a sync in each.
-        accelerator_kwargs["dataloader_config"] = dataclasses.replace(
-            accelerator_kwargs["dataloader_config"], non_blocking=True
-        )
+        config = accelerator_kwargs["dataloader_config"]
+        accelerator_kwargs["dataloader_config"] = dataclasses.replace(config, non_blocking=True)
     accelerator = Accelerator(**accelerator_kwargs)
     check_process_count(accelerator)
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":

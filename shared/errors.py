@@ -111,12 +111,8 @@ def install_peer_exit_hooks() -> None:
             store = torch.distributed.distributed_c10d._get_default_store()
             failed = "rank " + store.get(FAILED_RANK_KEY).decode() if store.check([FAILED_RANK_KEY]) else failed
         # sys.__stderr__: torch's excepthook around this one holds sys.stderr back, and prints none if this one exits.
-        print(
-            f"[rank {rank}] stopped: {failed} ended first, at step {steps} "
-            f"({'training' if steps else 'start-up'}); its error, if it had one, is above.",
-            file=sys.__stderr__,
-            flush=True,
-        )
+        said = f"[rank {rank}] stopped: {failed} ended first, at step {steps} ({'training' if steps else 'start-up'})"
+        print(f"{said}; its error, if it had one, is above.", file=sys.__stderr__, flush=True)
         sys.stdout.flush()
         atexit._run_exitfuncs()  # the handlers a normal exit runs (a tracker's flush), before the launcher's SIGTERM
         # The failed process exits first (the launcher's root cause), and the launcher reads this line before it stops.

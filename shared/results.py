@@ -21,12 +21,9 @@ GIB = 1024**3
 def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
     """Peak memory of this process per device, GiB: CUDA's allocated tensors; the CPU's resident set (all of it)."""
     scale = 1 if platform.system() == "Darwin" else 1024  # ru_maxrss is in KiB on Linux (bytes on macOS)
-    return {
-        str(device) if device.type == "cuda" else "cpu": torch.cuda.max_memory_allocated(device) / GIB
-        if device.type == "cuda"
-        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
-        for device in devices
-    }
+    resident = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / GIB
+    cuda = {str(device): torch.cuda.max_memory_allocated(device) / GIB for device in devices if device.type == "cuda"}
+    return cuda | ({"cpu": resident} if any(device.type != "cuda" for device in devices) else {})
 
 
 def percentile(values: list[float], q: int) -> float | None:
@@ -149,9 +146,9 @@ class RunRecord:
         accelerator, several = self.accelerator, self.accelerator.num_processes > 1
         per_rank = lambda value: {f"rank{r}": item for r, item in enumerate(gather_object([value]))}
         per_device = lambda peaks: {
-            (f"{rank}/" if several else "") + device: round(gib, 4)
-            for rank, peaks in per_rank(peaks).items()
-            for device, gib in peaks.items()
+            f"{r}/" * several + d: round(gib, 4)
+            for r, of_rank in per_rank(peaks).items()
+            for d, gib in of_rank.items()
         }
         curve = self.losses()
         unwrapped = accelerator.unwrap_model(model)  # a device_map split's map, on the PEFT wrapper or its base model
@@ -178,9 +175,7 @@ class RunRecord:
             **results,
         }
         if accelerator.trackers:
-            accelerator.log(
-                {key: value for key, value in results.items() if isinstance(value, (int, float))}, step=len(curve)
-            )
+            accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=len(curve))
         path = write_results(accelerator, output_dir, results)
         # Sync point: no process tears down its connections while another still writes (gloo can abort at exit).
         accelerator.wait_for_everyone()
