@@ -66,7 +66,7 @@ from classifier_kit.device_map import split_model
 from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, resolve_checkpoint
 from shared.checkpoints import save_checkpoint, save_final
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, set_wrap_at_blocks
-from shared.lora import lora_model
+from shared.lora import LORA_FLAGS, lora_model
 from shared.model_split import find_block_list
 from shared.results import RunRecord
 from shared.accelerator import build_accelerator, fused_adamw, set_gpu_index, set_quiet_library_logs
@@ -466,15 +466,7 @@ def main():
     if args.gradient_checkpointing:  # before the split and prepare(); non-reentrant: the reentrant one breaks DDP
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # SEQ_CLS: PEFT also trains (and saves) the classification head, which starts from scratch
-        model = lora_model(
-            model,
-            args.model_name_or_path,
-            r=args.lora_r,
-            alpha=args.lora_alpha,
-            dropout=args.lora_dropout,
-            target_modules=args.lora_target_modules,
-            task_type="SEQ_CLS",
-        )
+        model = lora_model(model, args.model_name_or_path, **flags(args, LORA_FLAGS), task_type="SEQ_CLS")
     parameters = parameter_counts(model)  # before a split or sharding moves or cuts them
     devices = None  # the devices of a device_map split (peak memory is measured on each)
     if parallelism.name == "device_map":

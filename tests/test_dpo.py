@@ -502,10 +502,10 @@ def test_the_reference_is_scored_without_dropout_whatever_the_flag(recipe, base)
     gpt2 = lora_model(
         AutoModelForCausalLM.from_pretrained(base / "gpt2"),
         str(base / "gpt2"),
-        r=4,
-        alpha=8,
-        dropout=0.1,
-        target_modules=["all-linear"],
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.1,
+        lora_target_modules=["all-linear"],
         task_type="CAUSAL_LM",
     )
     for name, model in (("continued adapter", continued), ("gpt2", gpt2)):
@@ -695,10 +695,10 @@ def test_lora_dpo_trains_a_tied_qwen2_and_gpt2_s_conv1d_layers(recipe, base, tmp
     model = lora_model(
         AutoModelForCausalLM.from_pretrained(tmp_path),
         str(tmp_path),
-        r=4,
-        alpha=8,
-        dropout=0.0,
-        target_modules=["all-linear"],
+        lora_r=4,
+        lora_alpha=8,
+        lora_dropout=0.0,
+        lora_target_modules=["all-linear"],
         task_type="CAUSAL_LM",
     )
     adapted = {module for module, _ in model.named_modules() if module.endswith(".lora_A")}

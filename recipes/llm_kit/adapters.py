@@ -72,15 +72,10 @@ def load_model(
         return continued_adapter(model, adapter_name_or_path, reference=reference)
     if not lora:
         return model
-    return lora_model(
-        model,
-        model_name_or_path,
-        r=lora_r,
-        alpha=lora_alpha,
-        dropout=lora_dropout,
-        target_modules=lora_target_modules,
-        task_type="CAUSAL_LM",
+    adapter = dict(
+        lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, lora_target_modules=lora_target_modules
     )
+    return lora_model(model, model_name_or_path, **adapter, task_type="CAUSAL_LM")
 
 
 def save_adapter_state(accelerator, folder: Path) -> None:
