@@ -83,6 +83,7 @@ from dpo_kit.metrics import TrainLog
 from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
+from shared.lora import LORA_FLAGS
 from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
@@ -450,11 +451,11 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
+    unchanged = {"training_examples": len(train_dataloader.dataset), **(flags(args, LORA_FLAGS) if lora else {})}
     resume = load_checkpoint(
-        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state, unchanged
     )
-    completed_steps = resume.completed_steps
-    train_log = TrainLog(resume.history.get("train/log", []), args.logging_steps, max_train_steps)
+    completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
     record = RunRecord(accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps)
     save_at_step_end = checkpoint_saver(  # a checkpoint when due, or on SIGTERM or Ctrl-C (then exit)
         accelerator,
@@ -466,6 +467,7 @@ def main():
         layout=layout,
         history=lambda: {"train/loss_curve": record.losses(), "train/log": train_log.log},  # a resume goes on
         batch=batch_shape,
+        unchanged=unchanged,
         **flags(args, CHECKPOINT_FLAGS),
     )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")

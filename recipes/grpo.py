@@ -51,7 +51,6 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import sys
 from pathlib import Path
 
@@ -87,6 +86,7 @@ from grpo_kit.split import SPLIT_FLAGS, split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.errors import install_peer_exit_hooks, report_recipe_errors, set_stop_with_launcher
+from shared.lora import LORA_FLAGS
 from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.fsdp import set_fsdp_on_cpu
 from shared.parallelism import choose_parallelism
@@ -385,7 +385,6 @@ def main():
     # ------------------------------------------------------------------ optimizer and scheduler
     steps_per_epoch = len(train_dataloader) * args.num_iterations  # a round of prompts: --num_iterations steps
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    epochs = math.ceil(max_train_steps / steps_per_epoch)
     optimizer, lr_scheduler = adamw_and_scheduler(accelerator, model, max_train_steps, **flags(args, OPTIMIZER_FLAGS))
 
     # ------------------------------------------------------------------------------ prepare
@@ -409,11 +408,11 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, 1, lr_scheduler, load_state=load_state)
+    unchanged = {"training_examples": len(train_dataloader.dataset), **(flags(args, LORA_FLAGS) if lora else {})}
+    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, 1, lr_scheduler, load_state, unchanged)
     completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
-    record = CompletionsRecord(
-        accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps
-    )
+    curve = resume.history.get("train/loss_curve")  # a resume goes on with it
+    record = CompletionsRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps)
     save_at_step_end = checkpoint_saver(  # a checkpoint when due, or on SIGTERM or Ctrl-C (then exit)
         accelerator,
         stop=stop,
@@ -424,11 +423,12 @@ def main():
         layout=layout,
         history=lambda: {"train/loss_curve": record.losses(), **train_log.history()},  # a resume goes on with them
         batch=batch_shape,
+        unchanged=unchanged,
         **flags(args, (*CHECKPOINT_FLAGS, "num_iterations")),
     )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     progress_bar = tqdm(total=max_train_steps, initial=completed_steps, disable=not accelerator.is_local_main_process)
-    prompt_rounds = rounds(accelerator, train_dataloader, resume, args.num_iterations, epochs)  # the same everywhere
+    prompt_rounds = rounds(accelerator, train_dataloader, resume, args.num_iterations, max_train_steps)
     if not trains:  # split: this process makes every round, one ahead of the trainers, then stops
         split.serve(policy_generator, model, prompt_rounds, save_at_step_end, checkpoint, resume, max_train_steps)
     loss_of = functools.partial(  # the loss's settings, the same every step (loss.py: TRL's clipped ratio, KL ...)

@@ -73,6 +73,7 @@ from llm_kit.loading import causal_lm_config, default_base_model, parameter_coun
 from llm_kit.loading import set_fsdp_units
 from shared.model_split import split_devices
 from shared.results import RunRecord
+from shared.lora import LORA_FLAGS
 from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
@@ -437,14 +438,13 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
+    unchanged = {"training_examples": len(train_dataloader.dataset), **(flags(args, LORA_FLAGS) if lora else {})}
     resume = load_checkpoint(
-        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state=load_state
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state, unchanged
     )
-    completed_steps = resume.completed_steps
+    completed_steps, curve = resume.completed_steps, resume.history.get("train/loss_curve")  # a resume goes on
     devices = sorted(set(split_over), key=str) or None  # a split model: results name every device it uses
-    record = RunRecord(
-        accelerator, max_train_steps, resume.history.get("train/loss_curve"), args.perf_warmup_steps, devices=devices
-    )
+    record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)
     save_at_step_end = checkpoint_saver(  # a checkpoint when due, or on SIGTERM or Ctrl-C (then exit)
         accelerator,
         stop=stop,
@@ -455,6 +455,7 @@ def main():
         layout=layout,
         history=lambda: {"train/loss_curve": record.losses()},  # the whole history so far: a resume goes on with it
         batch=batch_shape,
+        unchanged=unchanged,
         **flags(args, CHECKPOINT_FLAGS),
     )
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")

@@ -291,7 +291,10 @@ def main():
     evaluate = lambda: evaluate_pipeline(accelerator, pipeline, eval_dataloader, eval_batch_size)
     # End New Code #
     # (pipeline) Restores the stages, their optimizer and scheduler (the hooks above) and every process's RNG states.
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler)
+    unchanged = {"training_examples": len(data.train_dataset)}  # its number orders the shuffle: a resume keeps it
+    resume = load_checkpoint(
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, unchanged=unchanged
+    )
 
     # ---------------------------------------------------------------------- training loop
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
@@ -309,10 +312,9 @@ def main():
     record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # losses, speed, memory
     accelerator.print(f"config: {json.dumps(config, sort_keys=True, default=str)}")
     # Each checkpoint saves the whole loss curve so far (reading it waits for the device): a resume goes on.
-    save = partial(save_checkpoint, accelerator, output_dir / "checkpoints", layout=layout, batch=batch_shape)
-    save_checkpoint_at = lambda step: save(
-        step, args.checkpoints_total_limit, history={"train/loss_curve": record.losses()}
-    )
+    saving = dict(total_limit=args.checkpoints_total_limit, layout=layout, batch=batch_shape, unchanged=unchanged)
+    save = partial(save_checkpoint, accelerator, output_dir / "checkpoints", **saving)
+    save_checkpoint_at = lambda step: save(step, history={"train/loss_curve": record.losses()})
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
         model.train()

@@ -497,11 +497,18 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     # The scheduler's own step count is brought to this run's process count (it steps once per process per step).
-    resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler)
+    # A resume keeps the adapter's shape and the number of training examples (it orders their shuffle).
+    unchanged = {
+        "training_examples": len(train_dataloader.dataset),
+        **(flags(args, LORA_FLAGS) if args.lora_r else {}),
+    }
+    resume = load_checkpoint(
+        accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, unchanged=unchanged
+    )
     completed_steps, curve = resume.completed_steps, resume.history.get("train/loss_curve")
     record = RunRecord(accelerator, max_train_steps, curve, args.perf_warmup_steps, devices)  # shared/results.py
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
-    saver = partial(save_checkpoint, accelerator, output_dir / "checkpoints", batch=batch_shape)  # a collective
+    saver = partial(save_checkpoint, accelerator, output_dir / "checkpoints", batch=batch_shape, unchanged=unchanged)
     save = lambda: saver(completed_steps, args.checkpoints_total_limit, history={"train/loss_curve": record.losses()})
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
     token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync

@@ -19,6 +19,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import gather_object
+from torch.optim.lr_scheduler import LambdaLR
 from safetensors import SafetensorError
 
 from .errors import RecipeError, stop_if_found
@@ -46,9 +47,11 @@ def save_checkpoint(
     layout: str = "replica",
     history: dict | None = None,
     batch: dict | None = None,
+    unchanged: dict | None = None,
 ) -> Path:
     """``accelerator.save_state`` (or ``write_state(folder)``) to ``checkpoints_dir/step_N``, atomically, keeping the
-    newest ``total_limit``; progress.json keeps ``layout``, ``history`` and ``batch`` for a resume. A collective."""
+    newest ``total_limit``; progress.json keeps ``layout``, ``history``, ``batch`` and ``unchanged`` (what a resume
+    must keep: see ``load_checkpoint``) for a resume. A collective."""
     checkpoints_dir = Path(checkpoints_dir)
     final = checkpoints_dir / f"step_{completed_steps:06d}"
     tmp = checkpoints_dir / f".{final.name}.tmp"
@@ -69,7 +72,7 @@ def save_checkpoint(
     if writes:
         try:
             progress = dict(completed_steps=completed_steps, layout=layout, history=history or {}, batch=batch)
-            progress["manifest"] = manifest(tmp)
+            progress |= dict(unchanged=unchanged or {}, manifest=manifest(tmp))
             (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
         except WRITE_ERRORS as error:
             problem = failed_save(f"the checkpoint {final}", error, checkpoints_dir, checkpoints_dir, needed=None)
@@ -77,13 +80,11 @@ def save_checkpoint(
             size = sum(entry[0] for entry in progress["manifest"].values())
             kept = f"the newest {total_limit} kept" if total_limit else "all kept: --checkpoints_total_limit N keeps N"
             accelerator.print(f"saved checkpoint {final} ({size / 2**20:,.1f} MiB; {kept})")
+            old = checkpoints_dir / f".{final.name}.old"
             if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
-                old = checkpoints_dir / f".{final.name}.old"
                 os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, final)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
             if total_limit:  # a kill before this leaves total_limit + 1 complete ones: none is lost
                 for stale in complete_checkpoints(checkpoints_dir)[:-total_limit]:
                     # Renamed (atomic) before deleted: a kill mid-delete never leaves a half-deleted step_N.
@@ -187,11 +188,8 @@ def fingerprint(path: Path) -> str:
 
 def manifest(folder: Path) -> dict:
     """``{relative path: [size, fingerprint]}`` for every file under ``folder``."""
-    return {
-        str(path.relative_to(folder)): [path.stat().st_size, fingerprint(path)]
-        for path in sorted(folder.rglob("*"))
-        if path.is_file()
-    }
+    files = (path for path in sorted(folder.rglob("*")) if path.is_file())
+    return {str(path.relative_to(folder)): [path.stat().st_size, fingerprint(path)] for path in files}
 
 
 def damage(checkpoint: Path) -> str | None:
@@ -213,11 +211,9 @@ def checkpoint_steps(checkpoint: Path) -> int:  # the optimizer steps a complete
 
 
 def complete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``checkpoints_dir``, oldest first."""
-    checkpoints_dir = Path(checkpoints_dir)
-    if not checkpoints_dir.is_dir():
-        return []
-    return sorted((p for p in checkpoints_dir.glob("step_*") if (p / PROGRESS_FILE).is_file()), key=checkpoint_steps)
+    """Complete checkpoints under ``checkpoints_dir`` (none where it does not exist), oldest first."""
+    complete = (p for p in Path(checkpoints_dir).glob("step_*") if (p / PROGRESS_FILE).is_file())
+    return sorted(complete, key=checkpoint_steps)
 
 
 def resolve_checkpoint(
@@ -270,35 +266,19 @@ def find_checkpoint(
         found, problem = None, error.message
     for reason in skipped:
         accelerator.print(f"--resume_from_checkpoint latest: skipping the damaged checkpoint {reason}")
-    mine = {
-        "rank": accelerator.process_index,
-        "machine": os.environ.get("GROUP_RANK", "0"),
-        "problem": problem,
-        "host": socket.gethostname(),
-        "steps": checkpoint_steps(found) if found else None,
-        "folder": str(found or Path(checkpoints_dir).resolve()),
-    }
-    everyone = gather_object([mine])
+    steps, here = (checkpoint_steps(found) if found else None), Path(checkpoints_dir).resolve()
+    seen = problem or (f"step {steps} in {found}" if found else f"no complete checkpoint in {here}")
+    who = f"machine {os.environ.get('GROUP_RANK', '0')} (rank {accelerator.process_index}"
+    everyone = gather_object([dict(problem=problem, steps=steps, seen=f"{who}, host {socket.gethostname()}): {seen}")])
     if len({entry["problem"] for entry in everyone}) == 1 and problem:  # every process sees the same bad input
         raise RecipeError(problem)
     if any(entry["problem"] for entry in everyone) or len({entry["steps"] for entry in everyone}) > 1:
-        seen = "; ".join(
-            f"machine {e['machine']} (rank {e['rank']}, host {e['host']}): "
-            + (
-                e["problem"]
-                if e["problem"]
-                else f"step {e['steps']} in {e['folder']}"
-                if e["steps"] is not None
-                else f"no complete checkpoint in {e['folder']}"
-            )
-            for e in everyone
-        )
         raise RecipeError(
             "The processes disagree on the checkpoint to resume from (--resume_from_checkpoint "
-            f"{resume_from_checkpoint}): {seen}. Nothing was loaded: training on would mix different states. Each "
-            "machine reads its own disk; put --output_dir on a disk all machines share, or pass --save_on_each_node "
-            "so that every machine keeps its own copy of each checkpoint (then resume), or copy the newest checkpoint "
-            "folder to the same path on every machine."
+            f"{resume_from_checkpoint}): {'; '.join(entry['seen'] for entry in everyone)}. Nothing was loaded: "
+            "training on would mix different states. Each machine reads its own disk; put --output_dir on a disk all "
+            "machines share, or pass --save_on_each_node so that every machine keeps its own copy of each checkpoint "
+            "(then resume), or copy the newest checkpoint folder to the same path on every machine."
         )
     theirs = json.loads((found / PROGRESS_FILE).read_text()).get("layout", layout) if found else layout
     if found is None:
@@ -404,14 +384,31 @@ def load_checkpoint(
     gradient_accumulation_steps: int,
     lr_scheduler=None,
     load_state=None,
+    unchanged: dict | None = None,
 ) -> ResumePoint:
     """Load ``checkpoint`` (``accelerator.load_state`` or ``load_state(folder)``; a prepared ``lr_scheduler`` brought
-    to this process count; refused if it restores other ``RESTORED_SETTINGS`` than the flags set) and return where
-    training picks up, for ``accelerator.skip_first_batches``."""
+    to this process count and to this run's schedule; refused if it restores other ``RESTORED_SETTINGS`` than the
+    flags set, or saved another ``unchanged``: ``{"training_examples": n, flag: value}``) and return where training
+    picks up, for ``accelerator.skip_first_batches``."""
     if checkpoint is None:
         return ResumePoint()
+    completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
+    saved, unchanged = progress.get("unchanged"), unchanged or {}  # (a checkpoint of an older version: None)
+    show = lambda value: " ".join(map(str, value)) if isinstance(value, list) else "none" if value is None else value
+    for name in [*unchanged, *(saved.keys() - unchanged.keys())] if saved is not None else []:  # before loading
+        if (was := saved.get(name)) != (now := unchanged.get(name)):
+            raise RecipeError(
+                f"{checkpoint} was trained on {was} training examples, this run has {now} (the data, or the flags "
+                "that pick it, changed): their order follows their number, so a resume would train some twice and "
+                "others never. Resume it with the data it was trained on, or start a new run (another --output_dir)."
+                if name == "training_examples"
+                else f"{checkpoint} was trained with --{name} {show(was)}, this run has {show(now)}: a resume goes on "
+                f"with the model that run built and trained, and would record {show(now)}. Pass --{name} {show(was)} "
+                "to resume it, or start a new run (another --output_dir)."
+            )
     prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)
-    optimizer = (lr_scheduler.scheduler if prepared else lr_scheduler).optimizer if lr_scheduler is not None else None
+    inner = lr_scheduler.scheduler if prepared else lr_scheduler
+    optimizer = inner.optimizer if inner is not None else None
     from_flags = [dict(group) for group in optimizer.param_groups] if optimizer else []  # as this run's flags set them
     try:
         (load_state or (lambda folder: accelerator.load_state(str(folder))))(checkpoint)
@@ -426,11 +423,10 @@ def load_checkpoint(
             "the model and data it was trained on, or start this run afresh (no --resume_from_checkpoint, and another "
             "--output_dir or --overwrite_output_dir)."
         ) from None
-    completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
     saved_processes = (progress.get("batch") or {}).get("num_processes", accelerator.num_processes)
     if prepared and not accelerator.split_batches and saved_processes != accelerator.num_processes:
         # A prepared scheduler steps once per process per optimizer step: its count, in this run's processes.
-        inner, ratio = lr_scheduler.scheduler, accelerator.num_processes / saved_processes
+        ratio = accelerator.num_processes / saved_processes
         inner.last_epoch = round(inner.last_epoch * ratio)
         inner._step_count = 1 + round((inner._step_count - 1) * ratio)  # 1 after the constructor's own step
     for group, saved in zip(from_flags, optimizer.param_groups if optimizer else []):
@@ -441,6 +437,15 @@ def load_checkpoint(
                     f"checkpoint's optimizer and schedule, so it would train with {was:g} and record {now:g}. Pass "
                     f"{flag} {was:g} to resume it, or start a new run (another --output_dir)."
                 )
+    if isinstance(inner, LambdaLR):  # the saved rate is the saved schedule's: this run's (length, warm-up) rules
+        rates = [base * rate(inner.last_epoch) for base, rate in zip(inner.base_lrs, inner.lr_lambdas)]
+        if abs(rates[0] - (was := optimizer.param_groups[0]["lr"])) > 1e-6 * inner.base_lrs[0]:
+            accelerator.print(
+                f"step {completed_steps}'s learning rate: {rates[0]:g} by this run's schedule ({was:g} saved)"
+            )
+            for group, rate in zip(optimizer.param_groups, rates):
+                group["lr"] = rate
+            inner._last_lr = rates  # what get_last_lr() reports
     epoch, into_epoch = divmod(completed_steps, steps_per_epoch)
     point = ResumePoint(completed_steps, epoch, into_epoch * gradient_accumulation_steps, progress.get("history", {}))
     # accumulate() syncs when accelerator.step (load_state set the saver's) is a multiple of this run's accumulation.

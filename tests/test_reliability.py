@@ -278,6 +278,56 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
     assert inner._step_count == 4  # the constructor's step, then one per step
 
 
+def test_a_resume_on_a_longer_schedule_trains_on_at_its_rate(tmp_path):
+    """A finished 4-step run's checkpoint holds its linear schedule's last rate, 0. Resumed with --max_train_steps 8
+    (the run extended), its next step trains at the 8-step schedule's rate at step 4 (half the peak), as
+    ``get_last_lr`` (the logged rate) says, and a line says so; torch's load_state_dict alone leaves 0 for that step.
+    Resumed on its own schedule, the saved rate is kept to the bit and nothing is said."""
+    import torch
+    from accelerate.scheduler import AcceleratedScheduler
+    from transformers import get_scheduler
+
+    from shared.checkpoints import load_checkpoint
+
+    def run(max_train_steps: int, trained: int):  # the optimizer and prepared scheduler, `trained` steps in
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+        inner = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=max_train_steps)
+        for _ in range(trained):
+            optimizer.step()
+            inner.step()
+        return optimizer, AcceleratedScheduler(inner, optimizer)
+
+    printed = []
+    one = SimpleNamespace(
+        num_processes=1,
+        project_configuration=SimpleNamespace(save_on_each_node=False),
+        is_main_process=True,
+        is_local_main_process=True,
+        wait_for_everyone=lambda: None,
+        print=lambda *args: printed.append(" ".join(map(str, args))),
+        split_batches=False,
+    )
+    finished_optimizer, finished = run(4, 4)
+    saved = finished_optimizer.state_dict(), finished.scheduler.state_dict()
+    batch = {"num_processes": 1, "global_batch_size": 1}
+    checkpoint = save_checkpoint(one, tmp_path, 4, write_state=lambda folder: folder.mkdir(parents=True), batch=batch)
+    for max_train_steps, rate in ((4, 0.0), (8, 1e-3 * 4 / 8)):
+        optimizer, scheduler = run(max_train_steps, 0)
+        load = lambda folder, o=optimizer, s=scheduler: (
+            o.load_state_dict(saved[0]),
+            s.scheduler.load_state_dict(saved[1]),
+        )
+        printed.clear()
+        load_checkpoint(
+            one, checkpoint, steps_per_epoch=10, gradient_accumulation_steps=1, lr_scheduler=scheduler, load_state=load
+        )
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(rate, abs=0) and scheduler.get_last_lr() == [rate]
+        said = [line for line in printed if "learning rate" in line]
+        assert said == (
+            [] if max_train_steps == 4 else ["step 4's learning rate: 0.0005 by this run's schedule (0 saved)"]
+        )
+
+
 @pytest.mark.slow
 def test_resume_from_a_missing_or_incomplete_checkpoint_is_refused(tmp_path):
     missing = launch(  # refused in 1 process: no launcher

@@ -11,9 +11,10 @@ from .loss import METRICS
 class TrainLog:
     """Every step's metric means (``add``: ``loss.metric_means``, on the device); every ``logging_steps`` (and at the
     last step) the window's means, with the learning rate, sent to the trackers and kept in ``log`` (results.json's
-    ``train/log``), the last window's in ``last``. A resumed run goes on with its checkpoint's ``log``."""
+    ``train/log``), the last window's in ``last``. A resumed run goes on with its checkpoint's ``history``'s log."""
 
-    def __init__(self, log: list, logging_steps: int, max_train_steps: int):
+    def __init__(self, history: dict, logging_steps: int, max_train_steps: int):
+        log = history.get("train/log", [])
         self.log, self.logging_steps, self.max_train_steps, self.window = log, logging_steps, max_train_steps, []
         # A resume keeps the last logged window's: one from the checkpoint of the last step logs no window more.
         self.last = {key: value for key, value in log[-1].items() if key != "step"} if log else {}

@@ -8,6 +8,7 @@ generation prompt). Every other column goes to the reward functions."""
 
 from __future__ import annotations
 
+import math
 import datasets
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -178,13 +179,13 @@ def check_layout(
     return global_batch_size // num_generations, slice(rank * rows, (rank + 1) * rows)
 
 
-def rounds(accelerator, train_dataloader: DataLoader, resume, num_iterations: int, epochs: int):
+def rounds(accelerator, train_dataloader: DataLoader, resume, num_iterations: int, max_train_steps: int):
     """The prompts of every round, the same on every process, from where training picks up (``resume``, the
     ``ResumePoint`` of ``load_checkpoint``: its epoch, and the rounds of ``num_iterations`` steps of it already done)
-    to the end of epoch ``epochs`` - 1: each epoch in its own order (``EpochShuffle.set_epoch``: the same on every
-    process and after a resume), the done rounds skipped (``skip_first_batches``)."""
+    to the end of the epoch of step ``max_train_steps``: each epoch in its own order (``EpochShuffle.set_epoch``: the
+    same on every process and after a resume), the done rounds skipped (``skip_first_batches``)."""
     first_epoch, rounds_to_skip = resume.epoch, resume.batches_to_skip // num_iterations
-    for epoch in range(first_epoch, epochs):
+    for epoch in range(first_epoch, math.ceil(max_train_steps / (len(train_dataloader) * num_iterations))):
         train_dataloader.sampler.set_epoch(epoch)
         skip = rounds_to_skip if epoch == first_epoch else 0
         yield from accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader

@@ -27,6 +27,7 @@ def checkpoint_saver(
     layout: str,
     history,
     batch: dict,
+    unchanged: dict,
     num_iterations: int = 1,
 ):
     """The function every process calls at a step's end (GRPO's split layout: the generating process at a round's
@@ -46,6 +47,7 @@ def checkpoint_saver(
             layout=layout,
             history=history(),
             batch=batch,
+            unchanged=unchanged,
         )
 
     def save_at_step_end(completed_steps: int) -> None:

@@ -3,8 +3,9 @@ SLURM, Kubernetes and spot machines do before they kill; the workers get it thro
 saves a checkpoint, says which and how to resume, exits 143; resumed with ``latest`` in another process count, past a
 damaged newer checkpoint that it skips and names, the run ends where the uninterrupted run ends (every loss and saved
 weight within 1e-6), and resumed once more from the checkpoint of its last step it trains no step more; resumed with
-another ``--seed`` (another data order, other held-out samples) or another ``--learning_rate`` (which the
-checkpoint's optimizer would override, while results.json recorded it) it is refused."""
+another ``--seed`` (another data order, other held-out samples), another ``--learning_rate`` (which the
+checkpoint's optimizer would override, while results.json recorded it), another number of training examples (another
+shuffle) or another LoRA adapter it is refused."""
 
 import json
 import re
@@ -25,6 +26,14 @@ from .catalogue import tiny_models
 RESUMING = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name)] + list(LAYOUTS)
 STARTED_FOR_SIGTERM = "train_lm.py"
 RERATED = "0.123"  # a --learning_rate no recipe trains with by default
+# A training set a few examples smaller than the tiny run's, and what the refusal names. Its batches per epoch stay
+# as many (the LM corpus aside): a check of the steps per epoch alone would let it through.
+RESIZED = {"linear_toy.py": ("--num_samples", "4000"), "train_lm.py": ("--corpus_max_mb", "0.49")}
+RESIZED |= {"pipeline_lm.py": RESIZED["train_lm.py"], "transformer_finetune.py": ("--max_train_samples", "62")}
+RESIZED |= {"llm_finetune.py": ("--max_train_samples", "47"), "dpo.py": ("--max_train_samples", "47")}
+RESIZED |= {"grpo.py": ("--max_train_samples", "31")}
+# Another adapter over a LoRA checkpoint (the fine-tune's tiny run trains every weight: there, a new one).
+READAPTED = {"transformer_finetune.py": ("--lora_r", "4")}
 STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+): .*?(/\S+/checkpoints/step_\d+)(.*)$", re.MULTILINE)
 
 
@@ -93,6 +102,10 @@ def scenario(name: str, models: dict, root: Path) -> dict:
     reseeded = (ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
     runs["reseeded"] = launch(*reseeded, launch_args=other_count)
     runs["rerated"] = launch(*reseeded[:-2], "--learning_rate", RERATED, launch_args=other_count)
+    runs["resized"] = launch(*reseeded[:-2], *RESIZED[name], launch_args=other_count)
+    if "--lora_alpha" in flags(name):
+        readapted = READAPTED.get(name, ("--lora_alpha", "32"))
+        runs["readapted"] = launch(*reseeded[:-2], *readapted, launch_args=other_count)
     if not skips:  # refused in one line instead: a damaged newest checkpoint, another process count
         runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints")
         runs["damaged_refused"] = launch(two, name, *resume)
@@ -226,6 +239,30 @@ def test_a_resume_with_another_learning_rate_is_refused_once(runs, name):
     printed = errors(run.output)
     assert len(printed) == 1 and "learning_rate" in printed[0], str(run)
     assert f"{trained['learning_rate']:g}" in printed[0] and RERATED in printed[0], printed[0]
+    assert not traced_through_a_recipe(run.output), str(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_a_resume_over_another_training_set_is_refused_once(runs, name):
+    """The number of training examples orders their shuffle: resumed over a data file edited since, or another
+    --max_train_samples, a run would skip examples it never trained and train others twice."""
+    run = runs[name]["resized"]
+    assert run.returncode != 0, str(run)
+    printed, expected = errors(run.output), "'samples': 4000" if name == "linear_toy.py" else "training examples"
+    assert len(printed) == 1 and expected in printed[0], str(run)
+    assert not traced_through_a_recipe(run.output), str(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in RESUMING if "--lora_alpha" in flags(name.split()[0])])
+def test_a_resume_with_another_adapter_is_refused_once(runs, name):
+    """A LoRA checkpoint's weights are its adapter's: another --lora_alpha would rescale them silently (a jump in the
+    loss, and results.json recording the new one), another --lora_r or a new adapter would not load."""
+    run, (flag, value) = runs[name]["readapted"], READAPTED.get(name.split()[0], ("--lora_alpha", "32"))
+    assert run.returncode != 0, str(run)
+    printed = errors(run.output)
+    assert len(printed) == 1 and f"{flag} " in printed[0] and f"this run has {value}" in printed[0], str(run)
     assert not traced_through_a_recipe(run.output), str(run)
 
 
