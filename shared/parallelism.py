@@ -12,13 +12,9 @@ from accelerate.utils import DistributedType
 from .errors import RecipeError
 
 
-CONFIG_FOR = {
-    "single": "single_gpu.yaml",
-    "ddp": "ddp_2gpu.yaml",
-    "fsdp": "fsdp_2gpu.yaml",
-    "device_map": "model_sharding_2gpu.yaml",
-    "pipeline": "pipeline_2gpu.yaml",
-}
+# The launch config of each way of training (accelerate_configs/).
+CONFIG_FOR = {"single": "single_gpu.yaml", "ddp": "ddp_2gpu.yaml", "fsdp": "fsdp_2gpu.yaml"}
+CONFIG_FOR |= {"device_map": "model_sharding_2gpu.yaml", "pipeline": "pipeline_2gpu.yaml"}
 
 
 def fsdp_launch_config() -> bool:

@@ -174,6 +174,10 @@ class RunRecord:
             },
             **results,
         }
+        earlier = Path(output_dir) / "results.json"  # a requeue that trained no step keeps what its run measured
+        kept = json.loads(earlier.read_text()) if not self.steps_seen and earlier.is_file() else {}
+        if kept.get("train/loss_curve") == curve:  # (the same run's: its loss curve, every step of it)
+            results |= {key: value for key, value in kept.items() if key.startswith(("perf/", "memory/peak_gib"))}
         if accelerator.trackers:
             accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=len(curve))
         path = write_results(accelerator, output_dir, results)

@@ -38,12 +38,9 @@ class StopOnSignals:
     def exit(self, checkpoint: Path) -> None:
         """Say once which signal stopped the run and how to resume; exit with 128 + its number on every process."""
         if os.environ.get("RANK", "0") == "0":
-            name = signal.Signals(self.signal).name
-            print(
-                f"stopped by {name} after step {self.completed_steps}: saved the checkpoint {checkpoint}. Resume with "
-                f"{resume_command()}",
-                flush=True,
-            )
+            name, steps = signal.Signals(self.signal).name, self.completed_steps
+            said = f"stopped by {name} after step {steps}: saved the checkpoint {checkpoint}"
+            print(f"{said}. Resume with {resume_command()}", flush=True)
         raise SystemExit(128 + self.signal)
 
 

@@ -25,7 +25,7 @@ PIPELINE_COMMENT = "# (pipeline) "
 # A fixed ceiling on shared/, in lines as ruff's formatter lays them out: a commit may lower it, never raise it. The
 # goal is smaller (about 1,200 lines of what two or more recipe families use), reached by moving code to where it
 # belongs, never by squeezing lines.
-SHARED_LINE_BUDGET = 1594
+SHARED_LINE_BUDGET = 1591
 
 
 def lines_of(path: Path) -> list[str]:

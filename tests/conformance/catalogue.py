@@ -37,6 +37,8 @@ OPT_OUTS = {
     "count in one line instead (test_resume's refusal case checks it)",
     ("resume_in_another_process_count", "pipeline_lm.py"): "a pipeline checkpoint holds its stages: another process "
     "count is another split, refused when loading (tests/test_lm_recipes.py)",
+    ("requeue_keeps_measurements", "linear_toy.py"): "the one-file toy reports the speed of the steps it ran: a "
+    "requeue of a finished run, which runs none, writes null",
     ("damaged_checkpoint_skipped", "linear_toy.py"): "the one-file toy refuses a checkpoint that does not load in one "
     "line instead of looking for an older one (test_resume's refusal case checks it)",
 }

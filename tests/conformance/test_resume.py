@@ -96,7 +96,9 @@ def scenario(name: str, models: dict, root: Path) -> dict:
     resume = (*args, "--output_dir", folder / "stopped", "--resume_from_checkpoint", "latest")
     runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints") if skips else None
     runs["resumed"] = launch(other, name, *resume, launch_args=other_count)
-    shutil.copytree(folder / "stopped", folder / "finished")  # resumed once more, from the checkpoint of its last step
+    shutil.copytree(
+        folder / "uninterrupted", folder / "finished"
+    )  # resumed again, from the checkpoint of its last step
     again = (*args, "--output_dir", folder / "finished", "--resume_from_checkpoint", "latest")
     runs["resumed_again"] = launch(other, name, *again, launch_args=other_count)
     reseeded = (ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
@@ -197,6 +199,21 @@ def test_resumed_from_the_checkpoint_of_its_last_step_it_trains_no_step_more(run
     last = max_train_steps(name)
     assert re.search(rf"resumed from \S+step_0*{last} at step {last}\b", again.output), str(again)
     ends_as_the_uninterrupted_run(runs[name]["folder"], "finished")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", offering("--resume_from_checkpoint", "requeue_keeps_measurements") + list(LAYOUTS))
+def test_a_requeue_of_a_finished_run_keeps_what_the_run_measured(runs, name):
+    """The requeue trains no step, so it measures no speed: results.json keeps the run's perf/* and training's peak
+    memory instead of writing null (or the load's peak) over them."""
+    measured = {
+        key: value
+        for key, value in read_results(runs[name]["folder"] / "uninterrupted").items()
+        if key.startswith("perf/") or key == "memory/peak_gib"
+    }
+    assert measured["perf/step_time_s"] is not None and measured["memory/peak_gib"], measured
+    requeued = read_results(runs[name]["folder"] / "finished")
+    assert {key: requeued.get(key) for key in measured} == measured
 
 
 @pytest.mark.slow
