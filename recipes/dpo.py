@@ -43,7 +43,8 @@ Without --model_name_or_path, an SFT adapter or a model in outputs/train_lm, it 
 which it looks for beside itself.
 
 Writes to --output_dir: the adapter (LoRA/QLoRA) or the whole model, the tokenizer, ``results.json`` (TRL's metric
-names: ``train/rewards/accuracies`` ..., ``eval/rewards/accuracies`` ...) and ``checkpoints/step_N``.
+names: ``train/rewards/accuracies`` ..., ``eval/rewards/accuracies`` ...) and ``checkpoints/step_N`` every
+--checkpointing_steps (N steps or epoch) and after the last step.
 """
 
 import argparse

@@ -43,7 +43,8 @@ which it looks for beside itself.
 
 Writes to --output_dir: the adapter (LoRA/QLoRA) or the whole model, the tokenizer, ``results.json`` (TRL's metric
 names: ``train/reward``, ``train/rewards/<function>/mean``, ``train/completions/mean_length`` ...; ``train/rewards``,
-the mean reward of every optimizer step; ``perf/completions_per_sec``) and ``checkpoints/step_N``.
+the mean reward of every optimizer step; ``perf/completions_per_sec``) and ``checkpoints/step_N`` every
+--checkpointing_steps (N steps or epoch) and after the last step.
 """
 
 import argparse

@@ -17,8 +17,8 @@ One file: copy recipes/linear_toy.py (and accelerate_configs/, which the launch 
     accelerate launch --config_file accelerate_configs/model_sharding_2gpu.yaml recipes/linear_toy.py
 
 Writes ``output_dir/model.safetensors`` and ``output_dir/results.json`` (losses, weights, speed, the config), and
-with ``--checkpointing_steps N`` a resumable checkpoint every N steps (``--resume_from_checkpoint latest``). SIGTERM (a
-preemption notice) or Ctrl-C ends the step, saves a checkpoint and says how to resume.
+with ``--checkpointing_steps N`` a resumable checkpoint every N steps and after the last (``--resume_from_checkpoint
+latest``). SIGTERM (a preemption notice) or Ctrl-C ends the step, saves a checkpoint and says how to resume.
 """
 
 import argparse
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--max_train_steps", type=positive_int, default=None, help="Stop after this many optimizer steps.")
     add("--logging_steps", type=positive_int, default=50, help="Print the loss every N optimizer steps.")
     add("--learning_rate", type=positive_float, default=0.1, help="SGD learning rate.")
-    add("--checkpointing_steps", type=positive_int, default=None, help="Save a checkpoint every N optimizer steps.")
+    add("--checkpointing_steps", type=positive_int, help="Save a checkpoint every N optimizer steps and the last one.")
     add("--resume_from_checkpoint", default=None, help="A checkpoint folder, or 'latest' (the newest one saved).")
     return parser.parse_args(argv)
 
@@ -169,7 +169,7 @@ def main():
     # ---------------------------------------------------------------------- training loop
     steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)  # a short last group steps
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    latest = args.resume_from_checkpoint  # the model, optimizer, sampler and RNG states, then the steps done
+    latest, every = args.resume_from_checkpoint, args.checkpointing_steps  # save every N steps and after the last
     loss_curve = resume(accelerator, checkpoints_dir, latest, run) if latest else []  # loss of every step (global)
     step_times, completed_steps = [], len(loss_curve)
     step_loss, started = torch.zeros((), device=accelerator.device), time.perf_counter()
@@ -197,7 +197,7 @@ def main():
             step_times.append(-started + (started := time.perf_counter()))  # this step's seconds
             if completed_steps % args.logging_steps == 0 or completed_steps == max_train_steps:
                 accelerator.print(f"epoch {epoch} step {completed_steps}/{max_train_steps}: {loss_curve[-1]:.5f}")
-            if summed[1] or args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
+            if summed[1] or every and (completed_steps % every == 0 or completed_steps == max_train_steps):
                 texts = {"progress.json": json.dumps({"loss_curve": loss_curve, "run": run})}
                 folder = checkpoints_dir / f"step_{completed_steps}"
                 save_atomically(accelerator, folder, accelerator.save_state, texts, checkpoints_dir)

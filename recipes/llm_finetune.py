@@ -37,7 +37,8 @@ a model in outputs/train_lm, it pretrains one with recipes/train_lm.py, which it
 
 Writes to --output_dir: ``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA/QLoRA) or the whole model (full
 fine-tune), the tokenizer, ``merged/`` with ``--merge_and_save``, ``results.json``, and ``checkpoints/step_N``
-(adapter, optimizer, scheduler, sampler and RNG states; the base model is not copied into them).
+every --checkpointing_steps (N steps or epoch) and after the last step (adapter, optimizer, scheduler, sampler and RNG
+states; the base model is not copied into them).
 """
 
 import argparse

@@ -44,7 +44,8 @@ accelerate_configs/, which the launch lines name): the kits beside the recipe, s
 
 Writes to ``output_dir``: the model in Hugging Face format (the stages gathered into one), ``results.json`` (as
 train_lm.py, plus the schedule, m, the stages each process holds and the ideal bubble fraction) and, with
-``--checkpointing_steps``, checkpoints in ``checkpoints/step_N`` in which every stage saves its own part.
+``--checkpointing_steps``, checkpoints in ``checkpoints/step_N``, every N steps (or epoch) and after the last step, in
+which every stage saves its own part.
 """
 # End New Code #
 
@@ -315,6 +316,7 @@ def main():
     saving = dict(total_limit=args.checkpoints_total_limit, layout=layout, batch=batch_shape, unchanged=unchanged)
     save = partial(save_checkpoint, accelerator, output_dir / "checkpoints", **saving)
     save_checkpoint_at = lambda step: save(step, history={"train/loss_curve": record.losses()})
+    every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
         model.train()
@@ -348,10 +350,9 @@ def main():
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
                     stop.exit(save_checkpoint_at(completed_steps))
-                if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
+                # And after the last step (once): a requeue of the finished run resumes there, retraining nothing.
+                if every and (completed_steps % every == 0 or completed_steps == max_train_steps):
                     save_checkpoint_at(completed_steps)
-        if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-            save_checkpoint_at(completed_steps)
 
     # ------------------------------------------------------------------------------- save
     # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.

@@ -34,8 +34,8 @@ launch lines name): the kit beside the recipe, shared/ beside it or one folder u
 
 Writes to ``output_dir``: the model in Hugging Face format (``model.safetensors``, config, the tokenizer; FSDP shards
 gathered into one), ``results.json`` (losses, ``eval/perplexity``, throughput, peak memory per device, the resolved
-config) and, with ``--checkpointing_steps``, resumable checkpoints in ``checkpoints/step_N`` (under FSDP each process
-writes its shard).
+config) and, with ``--checkpointing_steps``, resumable checkpoints in ``checkpoints/step_N``, every N steps (or epoch)
+and after the last step (under FSDP each process writes its shard).
 """
 
 import argparse
@@ -304,6 +304,7 @@ def main():
     saving = dict(total_limit=args.checkpoints_total_limit, layout=layout, batch=batch_shape, unchanged=unchanged)
     save = partial(save_checkpoint, accelerator, output_dir / "checkpoints", **saving)
     save_checkpoint_at = lambda step: save(step, history={"train/loss_curve": record.losses()})
+    every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
     completed_steps, step_loss = resume.completed_steps, torch.zeros((), device=accelerator.device)
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
         model.train()
@@ -335,10 +336,9 @@ def main():
                     accelerator.print(f"step {completed_steps}/{max_train_steps}: train/loss {loss:.4f}")
                 if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
                     stop.exit(save_checkpoint_at(completed_steps))
-                if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
+                # And after the last step (once): a requeue of the finished run resumes there, retraining nothing.
+                if every and (completed_steps % every == 0 or completed_steps == max_train_steps):
                     save_checkpoint_at(completed_steps)
-        if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-            save_checkpoint_at(completed_steps)
 
     # ------------------------------------------------------------------------------- save
     # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.

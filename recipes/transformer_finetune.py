@@ -30,9 +30,9 @@ Launch (from the repository root):
 To use it in your project, copy recipes/transformer_finetune.py, recipes/classifier_kit/ and shared/ (and
 accelerate_configs/, which the launch lines name): the kit beside the recipe, shared/ beside it or one folder up.
 
-Writes to --output_dir: the fine-tuned model and tokenizer (``save_pretrained``, safetensors, with
-the label names, so ``AutoModelForSequenceClassification.from_pretrained(output_dir)`` predicts
-names, or for regression a score), ``results.json``, and ``checkpoints/step_N`` when --checkpointing_steps is set.
+Writes to --output_dir: the fine-tuned model and tokenizer (``save_pretrained``, safetensors, with the label names, so
+``AutoModelForSequenceClassification.from_pretrained(output_dir)`` predicts names, or for regression a score),
+``results.json``, and ``checkpoints/step_N`` every --checkpointing_steps (N steps or epoch) and after the last step.
 """
 
 import argparse
@@ -510,6 +510,7 @@ def main():
     accelerator.print(f"config: {json.dumps(run_config, sort_keys=True, default=str)}")
     saver = partial(save_checkpoint, accelerator, output_dir / "checkpoints", batch=batch_shape, unchanged=unchanged)
     save = lambda: saver(completed_steps, args.checkpoints_total_limit, history={"train/loss_curve": record.losses()})
+    every = steps_per_epoch if args.checkpointing_steps == "epoch" else args.checkpointing_steps
     step_loss = torch.zeros((), device=accelerator.device)  # mean over this step's micro-batches
     token_counts = torch.zeros(2, dtype=torch.long, device=accelerator.device)  # real, all: counted without a sync
     for epoch in range(resume.epoch, math.ceil(max_train_steps / steps_per_epoch)):
@@ -548,10 +549,9 @@ def main():
             lr_scheduler.step()  # after the log, which reports the rate this step used (as the Trainer)
             if stop.requested(completed_steps):  # SIGTERM or Ctrl-C to any process: all stop after this step
                 stop.exit(save())
-            if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
+            # And after the last step (once): a requeue of the finished run resumes there, retraining nothing.
+            if every and (completed_steps % every == 0 or completed_steps == max_train_steps):
                 save()
-        if args.checkpointing_steps == "epoch" and completed_steps < max_train_steps:
-            save()
 
     # --------------------------------------------------------------------------- save
     # Before the evaluation: nothing that can fail after the last optimizer step may lose the trained weights.

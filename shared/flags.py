@@ -45,7 +45,7 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     add(
         "--checkpointing_steps",
         type=steps_or_epoch,
-        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N optimizer steps, or 'epoch'.",
+        help="Save a resumable checkpoint to output_dir/checkpoints/step_N every N steps or 'epoch', and the last.",
     )
     add(
         "--checkpoints_total_limit",

@@ -1,6 +1,6 @@
 """When the LLM recipes (``llm_finetune.py``, ``dpo.py``, ``grpo.py``) save a checkpoint: every
-``--checkpointing_steps`` (or epoch), and at a step's end (GRPO: a round's end) when SIGTERM or Ctrl-C asked every
-process to stop (``shared.checkpoints.save_checkpoint`` writes it)."""
+``--checkpointing_steps`` (or epoch) and after the run's last step, and at a step's end (GRPO: a round's end) when
+SIGTERM or Ctrl-C asked every process to stop (``shared.checkpoints.save_checkpoint`` writes it)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ def checkpoint_saver(
     or Ctrl-C saves one (GRPO: at the end of a round of ``num_iterations`` steps) and exits. ``history()`` gives the
     run's curves at the moment of saving: a resume goes on with them."""
     every = steps_per_epoch if checkpointing_steps == "epoch" else checkpointing_steps
-    last_checkpoint = max_train_steps - (checkpointing_steps == "epoch")  # no epoch checkpoint at the end
 
     def save_at(step: int) -> Path:
         return save_checkpoint(
@@ -53,7 +52,8 @@ def checkpoint_saver(
     def save_at_step_end(completed_steps: int) -> None:
         if completed_steps % num_iterations == 0 and stop.requested(completed_steps):
             stop.exit(save_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
-        if every and completed_steps % every == 0 and completed_steps <= last_checkpoint:
+        # And after the last step (once): a requeue of the finished run resumes there, retraining nothing.
+        if every and (completed_steps % every == 0 or completed_steps == max_train_steps):
             save_at(completed_steps)
 
     return save_at_step_end

@@ -1,7 +1,7 @@
 """What the conformance suite knows of the recipes: which exist (recipes/*.py), the flags each offers (its own
 parser's ``--help``), how to run each one tiny with its defaults otherwise (evaluation on), and the cases a recipe
 opts out of, each with its reason. A new recipe is in every case its flags call for the day it lands; one missing from
-``tiny_args`` fails ``test_every_recipe_has_a_tiny_run`` with what to add."""
+``tiny_run`` fails ``test_every_recipe_has_a_tiny_run`` with what to add."""
 
 from __future__ import annotations
 
@@ -52,6 +52,14 @@ def recipe_module(name: str):
         sys.path.remove(str(RECIPES))
     spec.loader.exec_module(module)
     return module
+
+
+@functools.cache
+def checkpoints_by_epoch(name: str) -> bool:
+    """Whether the recipe's ``--checkpointing_steps`` takes ``epoch`` (its parser accepts it)."""
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
+        return recipe_module(name).parse_args(["--checkpointing_steps", "epoch"]).checkpointing_steps == "epoch"
+    return False
 
 
 @functools.cache
@@ -107,6 +115,21 @@ LM += ("--per_device_train_batch_size", "4", "--max_eval_samples", "8", "--sampl
 def tiny_args(name: str, models: dict[str, Path]) -> tuple[str, ...]:
     """A tiny run of ``name``: ``max_train_steps(name)`` optimizer steps with a checkpoint every 2 (the toy: every 50,
     its steps take a millisecond), its defaults otherwise (evaluation on, the bundled data where a recipe has one)."""
+    steps = ("--max_train_steps", max_train_steps(name), "--checkpointing_steps", 50 if name == "linear_toy.py" else 2)
+    return (*tiny_run(name, models), *map(str, steps))
+
+
+def one_epoch_args(name: str, models: dict[str, Path]) -> tuple[str, ...]:
+    """A tiny run of ``name`` over one epoch of a few steps in 1 process (a pipeline: in its 2 stages), no
+    --max_train_steps, checkpointing by epoch."""
+    # GRPO: 4 prompts, a step each; the classifier: its 64 samples (fewer miss a label), 16 a step; else 12 samples.
+    few = {"grpo.py": ("--max_train_samples", "4"), "transformer_finetune.py": ("--per_device_train_batch_size", "16")}
+    epoch = ("--num_train_epochs", "1", "--checkpointing_steps", "epoch")
+    return (*tiny_run(name, models), *few.get(name, ("--max_train_samples", "12")), *epoch)
+
+
+def tiny_run(name: str, models: dict[str, Path]) -> tuple[str, ...]:
+    """``name``'s tiny sizes (the model, data and batch), with no step count or checkpoints."""
     llm = ("--model_name_or_path", models["llama"], "--max_length", "64", "--per_device_train_batch_size", "2")
     llm += ("--max_train_samples", "48", "--max_eval_samples", "8", "--exact_match_samples", "4")
     runs = {
@@ -120,9 +143,8 @@ def tiny_args(name: str, models: dict[str, Path]) -> tuple[str, ...]:
         "grpo.py": (*llm[:2], "--max_train_samples", "32", "--max_eval_samples", "8", "--exact_match_samples", "4")
         + ("--num_generations", "4", "--max_completion_length", "6", "--per_device_train_batch_size", "4"),
     }
-    assert name in runs, f"{name} has no tiny run: add one to tests/conformance/catalogue.py's tiny_args"
-    every = 50 if name == "linear_toy.py" else 2
-    return tuple(map(str, (*runs[name], "--max_train_steps", max_train_steps(name), "--checkpointing_steps", every)))
+    assert name in runs, f"{name} has no tiny run: add one to tests/conformance/catalogue.py's tiny_run"
+    return tuple(map(str, runs[name]))
 
 
 def max_train_steps(name: str) -> int:

@@ -5,7 +5,9 @@ damaged newer checkpoint that it skips and names, the run ends where the uninter
 weight within 1e-6), and resumed once more from the checkpoint of its last step it trains no step more; resumed with
 another ``--seed`` (another data order, other held-out samples), another ``--learning_rate`` (which the
 checkpoint's optimizer would override, while results.json recorded it), another number of training examples (another
-shuffle) or another LoRA adapter it is refused."""
+shuffle) or another LoRA adapter it is refused. A run checkpoints its last step too, once, also where
+``--checkpointing_steps`` N (or ``epoch``) does not end there, so that a requeue (the same command, resuming
+``latest``) of a finished run trains nothing again, and keeps what the run measured."""
 
 import json
 import re
@@ -21,9 +23,10 @@ from harness.launch import ONE_PROCESS, Launch, Run, launch, read_results
 from safetensors.numpy import load_file
 
 from .catalogue import LAYOUTS, OPT_OUTS, RECIPE_NAMES, TWO_PROCESSES, flags, max_train_steps, offering, tiny_args
-from .catalogue import tiny_models
+from .catalogue import checkpoints_by_epoch, one_epoch_args, tiny_models
 
 RESUMING = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name)] + list(LAYOUTS)
+BY_EPOCH = [name for name in RECIPE_NAMES if "--resume_from_checkpoint" in flags(name) and checkpoints_by_epoch(name)]
 STARTED_FOR_SIGTERM = "train_lm.py"
 RERATED = "0.123"  # a --learning_rate no recipe trains with by default
 # A training set a few examples smaller than the tiny run's, and what the refusal names. Its batches per epoch stay
@@ -113,12 +116,21 @@ def scenario(name: str, models: dict, root: Path) -> dict:
         runs["damaged_refused"] = launch(two, name, *resume)
     if other == two and name == "linear_toy.py":
         runs["other_count_refused"] = launch(ONE_PROCESS, name, *resume)
-    short = ("--max_train_steps", 100 if name == "linear_toy.py" else 4)  # a shorter run over a longer one's folder
+    # A shorter run over a longer one's folder, of a step count --checkpointing_steps does not divide, keeping 2.
+    short = ("--max_train_steps", short_steps(name))
+    short += ("--checkpoints_total_limit", 2) if "--checkpoints_total_limit" in flags(name) else ()
     shutil.copytree(folder / "uninterrupted", folder / "replaced")
     replacing = (*args, *map(str, short), "--output_dir", folder / "replaced")
     config, processes = (two, count) if layout else (other, other_count)  # (a fresh split run: its 3 processes)
     runs["replacing"] = launch(config, name, *replacing, "--overwrite_output_dir", launch_args=processes)
+    runs["replacing_results"] = read_results(folder / "replaced") if runs["replacing"].returncode == 0 else None
     runs["requeued"] = launch(config, name, *replacing, "--resume_from_checkpoint", "latest", launch_args=processes)
+    if checkpoints_by_epoch(name) and not layout:  # one epoch checkpointed by epoch, then requeued
+        alone, one_epoch = ONE_PROCESS if name not in TWO_PROCESSES else two, one_epoch_args(name, models)  # (stages)
+        one_epoch += ("--output_dir", folder / "one_epoch")
+        runs["one_epoch"] = launch(alone, name, *one_epoch)
+        runs["one_epoch_results"] = read_results(folder / "one_epoch") if runs["one_epoch"].returncode == 0 else None
+        runs["one_epoch_requeued"] = launch(alone, name, *one_epoch, "--resume_from_checkpoint", "latest")
     runs["folder"] = folder
     print({key: round(run.seconds, 1) for key, run in runs.items() if isinstance(run, Run)})
     return runs
@@ -130,6 +142,21 @@ def runs(tmp_path_factory) -> dict:
     models = tiny_models(root)
     with ThreadPoolExecutor(max_workers=2) as pool:  # two recipes at a time: a 2-core machine kept busy
         return dict(zip(RESUMING, pool.map(lambda name: scenario(name, models, root), RESUMING)))
+
+
+def short_steps(name: str) -> int:
+    """The steps of the run that replaces the uninterrupted one: not a multiple of its --checkpointing_steps."""
+    return 130 if name == "linear_toy.py" else 5
+
+
+def checkpointed_steps(output_dir: Path) -> list[int]:
+    """The steps of the complete checkpoints in ``output_dir/checkpoints``, in order."""
+    return sorted(int(path.parent.name[5:]) for path in (output_dir / "checkpoints").glob("step_*/progress.json"))
+
+
+def saves_of(step: int, output: str) -> int:
+    """How many times the run printed that it saved the checkpoint of ``step`` (the toy saves without a line)."""
+    return len(re.findall(rf"saved checkpoint \S+/step_0*{step} \(", output))
 
 
 def errors(output: str) -> list[str]:
@@ -224,7 +251,7 @@ def test_a_requeue_after_overwrite_output_dir_resumes_the_new_run_not_the_replac
     --checkpoints_total_limit)."""
     replacing, requeued = runs[name]["replacing"], runs[name]["requeued"]
     assert replacing.returncode == 0 and requeued.returncode == 0, str(replacing) + str(requeued)
-    short = 100 if name == "linear_toy.py" else 4
+    short = short_steps(name)
     assert not re.search(rf"resumed from \S+ at step (?!{short}\b)\d+", requeued.output), str(requeued)
     assert read_results(runs[name]["folder"] / "replaced")["completed_steps"] == short
 
@@ -302,3 +329,41 @@ def test_the_toy_refuses_a_damaged_checkpoint_and_another_process_count_in_one_l
 @pytest.mark.parametrize("name", RESUMING)
 def test_every_recipe_prints_the_parallelism_it_chose(runs, name):
     assert re.search(r"^parallelism: \w+ \(", runs[name]["uninterrupted"].output, re.MULTILINE), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMING)
+def test_a_run_ends_with_a_checkpoint_of_its_last_step_so_a_requeue_retrains_nothing(runs, name):
+    """With --checkpointing_steps, a run's last step is checkpointed too, once (as the Trainer saves at the end when
+    it saves by steps): a run of 5 steps saving every 2 (the toy: 130, every 50) ends with the checkpoint of step 5,
+    which --checkpoints_total_limit 2 keeps with step 4's, and one of 12 saves step 12 once. Requeued (the same
+    command, resuming ``latest``), it resumes at step 5, trains and saves nothing, and its results.json keeps the
+    run's losses; without that checkpoint it resumed at step 4 and trained step 5 again."""
+    folder, short = runs[name]["folder"], short_steps(name)
+    replacing, requeued = runs[name]["replacing"], runs[name]["requeued"]
+    assert replacing.returncode == 0 and requeued.returncode == 0, str(replacing) + str(requeued)
+    every = 50 if name == "linear_toy.py" else 2
+    kept = [short - short % every, short] if name != "linear_toy.py" else [50, 100, short]
+    assert checkpointed_steps(folder / "replaced") == kept, str(replacing)
+    assert re.search(rf"resumed from \S+step_0*{short} at step {short}\b", requeued.output), str(requeued)
+    assert "saved checkpoint" not in requeued.output, str(requeued)
+    assert read_results(folder / "replaced")["train/loss_curve"] == runs[name]["replacing_results"]["train/loss_curve"]
+    if name != "linear_toy.py":  # a step count --checkpointing_steps divides: its last step saved once
+        last, uninterrupted = max_train_steps(name), runs[name]["uninterrupted"]
+        assert saves_of(last, uninterrupted.output) == 1 and saves_of(short, replacing.output) == 1, str(replacing)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BY_EPOCH)
+def test_a_one_epoch_run_checkpointed_by_epoch_ends_with_its_checkpoint_and_its_requeue_retrains_nothing(runs, name):
+    """--checkpointing_steps epoch over a run of one epoch: the epoch's end is the run's, and its checkpoint is saved
+    there, once. Requeued, the run resumes at its last step and trains nothing (without it: 'no complete checkpoint
+    ... yet, starting fresh', and the whole run again)."""
+    run, requeued, results = (runs[name][key] for key in ("one_epoch", "one_epoch_requeued", "one_epoch_results"))
+    assert run.returncode == 0 and requeued.returncode == 0, str(run) + str(requeued)
+    last = results["completed_steps"]
+    assert checkpointed_steps(runs[name]["folder"] / "one_epoch") == [last], str(run)
+    assert saves_of(last, run.output) == 1, str(run)
+    assert re.search(rf"resumed from \S+step_0*{last} at step {last}\b", requeued.output), str(requeued)
+    assert "saved checkpoint" not in requeued.output, str(requeued)
+    assert read_results(runs[name]["folder"] / "one_epoch")["train/loss_curve"] == results["train/loss_curve"]

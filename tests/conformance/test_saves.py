@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from harness.launch import ONE_PROCESS, Job, Launch, launch, launch_all
 
-from .catalogue import RECIPE_NAMES, TWO_PROCESSES, flags, tiny_args, tiny_models
+from .catalogue import RECIPE_NAMES, TWO_PROCESSES, flags, tiny_args, tiny_models, tiny_run
 
 SAVING = [name for name in RECIPE_NAMES if "--output_dir" in flags(name)]
 CHECKPOINTING = [name for name in SAVING if "--checkpointing_steps" in flags(name)]
@@ -187,7 +187,7 @@ def test_a_full_disk_at_the_final_save_keeps_the_earlier_output(tmp_path):
     it goes to a temporary folder and is refused in one paragraph, the earlier run's files as they were."""
     with small_disk(tmp_path / "disk", size="1m") as disk:
         out = earlier_run(disk / "out")
-        args = (*tiny_args("train_lm.py", {"llama": "", "bert": ""}), "--checkpointing_steps", "1000")
+        args = (*tiny_run("train_lm.py", {"llama": "", "bert": ""}), "--max_train_steps", "12")  # and no checkpoint
         run = launch(ONE_PROCESS, "train_lm.py", *args, "--output_dir", out, "--overwrite_output_dir")
         left = {path.name: path.read_text() for path in out.iterdir() if path.name in EARLIER}
         tmp = [path.name for path in out.rglob("*") if ".tmp" in path.name]
