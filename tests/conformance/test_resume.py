@@ -99,9 +99,8 @@ def scenario(name: str, models: dict, root: Path) -> dict:
     resume = (*args, "--output_dir", folder / "stopped", "--resume_from_checkpoint", "latest")
     runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints") if skips else None
     runs["resumed"] = launch(other, name, *resume, launch_args=other_count)
-    shutil.copytree(
-        folder / "uninterrupted", folder / "finished"
-    )  # resumed again, from the checkpoint of its last step
+    # The uninterrupted run requeued: resumed again, from the checkpoint of its last step.
+    shutil.copytree(folder / "uninterrupted", folder / "finished")
     again = (*args, "--output_dir", folder / "finished", "--resume_from_checkpoint", "latest")
     runs["resumed_again"] = launch(other, name, *again, launch_args=other_count)
     reseeded = (ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
