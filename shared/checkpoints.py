@@ -393,10 +393,10 @@ def load_checkpoint(
     if checkpoint is None:
         return ResumePoint()
     completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
-    saved, unchanged = progress.get("unchanged"), unchanged or {}  # (a checkpoint of an older version: None)
+    recorded, unchanged = progress.get("unchanged"), unchanged or {}  # (a checkpoint of an older version: None)
     show = lambda value: " ".join(map(str, value)) if isinstance(value, list) else "none" if value is None else value
-    for name in [*unchanged, *(saved.keys() - unchanged.keys())] if saved is not None else []:  # before loading
-        if (was := saved.get(name)) != (now := unchanged.get(name)):
+    for name in [*unchanged, *(recorded.keys() - unchanged.keys())] if recorded is not None else []:  # before loading
+        if (was := recorded.get(name)) != (now := unchanged.get(name)):
             raise RecipeError(
                 f"{checkpoint} was trained on {was} training examples, this run has {now} (the data, or the flags "
                 "that pick it, changed): their order follows their number, so a resume would train some twice and "
