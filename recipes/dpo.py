@@ -71,7 +71,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, save_final
+from shared.checkpoints import keep_global_batch, load_checkpoint, save_final, set_start_checkpoint
 from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
 from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
@@ -382,7 +382,7 @@ def main():
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason}); method: {method}")
     data_parallel_size = accelerator.num_processes if parallelism.name in ("ddp", "fsdp") else 1
     layout, checkpoints_dir = "fsdp" if parallelism.name == "fsdp" else "replica", output_dir / "checkpoints"
-    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
+    checkpoint = set_start_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir, layout=layout)
     args.gradient_accumulation_steps, batch_shape = keep_global_batch(  # a resume keeps its global batch
         accelerator.num_processes, checkpoint, data_parallel_size=data_parallel_size, **flags(args, BATCH_FLAGS)
     )

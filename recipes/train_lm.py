@@ -58,7 +58,7 @@ from transformers import get_scheduler
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parent))
 sys.path.insert(0, str(HERE))
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint, save_final
+from shared.checkpoints import load_checkpoint, save_checkpoint, save_final, set_start_checkpoint
 from shared.fsdp import check_offload_fits_host_ram, gathered_state_dict, set_wrap_at_blocks
 from lm_kit.data import DATA_FLAGS, lm_datasets
 from lm_kit.eval import NOT_EVALUATED, greedy_sample
@@ -243,7 +243,7 @@ def main():
     model_config = lm_config(  # bad sizes fail now
         num_stages=num_stages, split_by=parallelism.name, **flags(args, MODEL_FLAGS)
     )
-    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout=layout)
+    checkpoint = set_start_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints", layout)
 
     # ------------------------------------------------------------------------------- data
     data = lm_datasets(  # text, tokenizer, blocks

@@ -63,7 +63,7 @@ sys.path.insert(0, str(HERE))
 from classifier_kit.classification import baselines, choose_task, load_model_config, load_splits
 from classifier_kit.classification import read_labels
 from classifier_kit.device_map import split_model
-from shared.checkpoints import find_checkpoint, keep_global_batch, load_checkpoint, resolve_checkpoint
+from shared.checkpoints import keep_global_batch, load_checkpoint, resolve_checkpoint, set_start_checkpoint
 from shared.checkpoints import save_checkpoint, save_final
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process, set_wrap_at_blocks
 from shared.lora import LORA_FLAGS, lora_model
@@ -422,7 +422,7 @@ def main():
     stop = install_stop_on_signals(Path(args.output_dir) / "checkpoints")  # SIGTERM, Ctrl-C: checkpoint, then exit
     install_peer_exit_hooks()  # 2+ processes: a rank another one stopped says so in one line
     set_gpu_index()  # one process on a GPU: env ACCELERATE_TORCH_DEVICE=cuda:N, so results say cuda:0, not cuda
-    # The accumulation, for the Accelerator: a resume's keeps its global batch (find_checkpoint: every process agrees).
+    # The accumulation, for the Accelerator: a resume's keeps its global batch (every process agrees, below).
     checkpoints_dir, processes = Path(args.output_dir) / "checkpoints", int(os.environ.get("WORLD_SIZE", "1"))
     own = resolve_checkpoint(args.resume_from_checkpoint, checkpoints_dir) if args.resume_from_checkpoint else None
     batch = args.per_device_train_batch_size, args.gradient_accumulation_steps  # as passed
@@ -443,7 +443,7 @@ def main():
     stop_if_found(
         model_problem(args.model_name_or_path) or tokenizer_problem(args.model_name_or_path, args.tokenizer_name)
     )  # a model folder without config.json or a tokenizer: refused before any work
-    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, output_dir / "checkpoints")  # all agree
+    checkpoint = set_start_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)  # all agree
     parallelism = choose_parallelism(accelerator, args.parallelism, "recipes/transformer_finetune.py")  # or refuses
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps

@@ -1,4 +1,4 @@
-"""Checkpoints that never lose work, and one resume path: find_checkpoint, keep_global_batch, load_checkpoint."""
+"""Checkpoints that never lose work, and one resume path: set_start_checkpoint, keep_global_batch, load_checkpoint."""
 
 from __future__ import annotations
 
@@ -250,13 +250,13 @@ def resolve_checkpoint(
     return path
 
 
-def find_checkpoint(
+def set_start_checkpoint(
     accelerator: Accelerator,
     resume_from_checkpoint: str | None,
     checkpoints_dir: str | os.PathLike,
     layout: str = "replica",
 ) -> Path | None:
-    """The checkpoint all resume from, or None (disagreeing processes refused); later ones set aside: changes files."""
+    """Set the start: the checkpoint all processes agree on, or None; the later ones set aside (renamed, uncounted)."""
     if not resume_from_checkpoint:
         return set_aside_later_checkpoints(accelerator, checkpoints_dir, None)
     skipped = []

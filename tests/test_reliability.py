@@ -173,17 +173,17 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
 
         return save_checkpoint(one_process, tmp_path, step, write_state=write_state)
 
-    from shared.checkpoints import find_checkpoint
+    from shared.checkpoints import set_start_checkpoint
 
     first, second, third = save(1), save(2), save(3)
-    assert find_checkpoint(one_process, "latest", tmp_path) == third
+    assert set_start_checkpoint(one_process, "latest", tmp_path) == third
     with open(third / "model.safetensors", "r+b") as weights:  # truncated
         weights.truncate(1000)
     middle = bytearray((second / "model.safetensors").read_bytes())  # overwritten in its last MiB, same size
     middle[-10] ^= 0xFF
     (second / "model.safetensors").write_bytes(middle)
     printed.clear()  # the saves' own lines
-    assert find_checkpoint(one_process, "latest", tmp_path) == first
+    assert set_start_checkpoint(one_process, "latest", tmp_path) == first
     skipping = "--resume_from_checkpoint latest: skipping the damaged checkpoint"
     assert printed == [
         f"{skipping} step_000003: {third / 'model.safetensors'} has 1,000 bytes, the save wrote 2,304,000",
@@ -198,7 +198,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
     ]
     (first / "optimizer_0" / "__0_0.distcp").unlink()
     with pytest.raises(RecipeError) as refused:
-        find_checkpoint(one_process, str(first), tmp_path)
+        set_start_checkpoint(one_process, str(first), tmp_path)
     assert f"is damaged: {first / 'optimizer_0' / '__0_0.distcp'} is missing" in refused.value.message
     assert "Nothing was loaded" in refused.value.message
 

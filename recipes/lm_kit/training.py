@@ -38,7 +38,7 @@ def resume_accumulation(
     """``keep_global_batch`` for this launch, before the Accelerator: the accumulation to train with (the one passed,
     1 if none; on a resume, the one that keeps the checkpoint's global batch in this launch's process count, refusing
     another seed), and the batch's shape for ``save_checkpoint``. The checkpoint is the one this process finds on its
-    own disk; ``find_checkpoint`` later makes every process agree on it, or stops them all."""
+    own disk; ``set_start_checkpoint`` later makes every process agree on it, or stops them all."""
     checkpoints_dir = Path(output_dir) / "checkpoints"
     own = resolve_checkpoint(resume_from_checkpoint, checkpoints_dir) if resume_from_checkpoint else None
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))

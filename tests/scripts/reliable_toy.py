@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 # so that no installed package named "shared" shadows it. Every recipe opens with these lines, on purpose (copyable).
 HERE = Path(__file__).resolve().parent  # shared/ beside it (a copy in a test's project), or the repository's
 sys.path.insert(0, str(HERE if (HERE / "shared").is_dir() else HERE.parents[1]))
-from shared.checkpoints import find_checkpoint, load_checkpoint, save_checkpoint
+from shared.checkpoints import load_checkpoint, save_checkpoint, set_start_checkpoint
 from shared.results import RunRecord
 from shared.errors import RecipeError
 from shared.flags import add_reliability_flags
@@ -66,7 +66,7 @@ def main():
     output_dir = prepare_output_dir(args.output_dir, args.overwrite_output_dir, args.resume_from_checkpoint)
     # Every process agrees on the checkpoint to resume from (a collective), before any work.
     checkpoints_dir = output_dir / "checkpoints"
-    checkpoint = find_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)
+    checkpoint = set_start_checkpoint(accelerator, args.resume_from_checkpoint, checkpoints_dir)
     parallelism = choose_parallelism(accelerator, "auto", "recipes/linear_toy.py")
     accelerator.print(f"parallelism: {parallelism.name} ({parallelism.reason})")
     if parallelism.name == "device_map":
