@@ -72,7 +72,7 @@ def save_checkpoint(
     if writes:
         try:
             progress = dict(completed_steps=completed_steps, layout=layout, history=history or {}, batch=batch)
-            progress |= dict(unchanged=unchanged or {}, manifest=manifest(tmp))
+            progress |= dict(unchanged=unchanged, manifest=manifest(tmp))  # (unchanged None: nothing checked)
             (tmp / PROGRESS_FILE).write_text(json.dumps(progress) + "\n")
         except WRITE_ERRORS as error:
             problem = failed_save(f"the checkpoint {final}", error, checkpoints_dir, checkpoints_dir, needed=None)
@@ -84,7 +84,8 @@ def save_checkpoint(
             if final.exists():  # saving the same step again (e.g. after a resume): swap, never delete first
                 os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            if old.exists():  # (also one a kill left mid-swap)
+                shutil.rmtree(old)
             if total_limit:  # a kill before this leaves total_limit + 1 complete ones: none is lost
                 for stale in complete_checkpoints(checkpoints_dir)[:-total_limit]:
                     # Renamed (atomic) before deleted: a kill mid-delete never leaves a half-deleted step_N.
@@ -240,8 +241,7 @@ def resolve_checkpoint(
             "its save was interrupted, or it is not a checkpoint folder). Pass an earlier checkpoint or 'latest', "
             "which skips incomplete ones."
         )
-    problem = damage(path)
-    if problem:
+    if problem := damage(path):
         raise RecipeError(
             f"--resume_from_checkpoint {resume_from_checkpoint!r} is damaged: {problem}, so loading it would fail or "
             "resume from wrong weights. Nothing was loaded. Pass an earlier checkpoint, or 'latest', which skips "
@@ -394,17 +394,17 @@ def load_checkpoint(
         return ResumePoint()
     completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
     recorded, unchanged = progress.get("unchanged"), unchanged or {}  # (a checkpoint of an older version: None)
-    show = lambda value: " ".join(map(str, value)) if isinstance(value, list) else "none" if value is None else value
-    for name in [*unchanged, *(recorded.keys() - unchanged.keys())] if recorded is not None else []:  # before loading
-        if (was := recorded.get(name)) != (now := unchanged.get(name)):
+    show = lambda value: " ".join(value) if isinstance(value, list) else value  # (None: no LoRA adapter)
+    for name in [*recorded, *(name for name in unchanged if name not in recorded)] if recorded else []:
+        if (was := recorded.get(name)) != (now := unchanged.get(name)):  # refused before loading: nothing changed
             raise RecipeError(
                 f"{checkpoint} was trained on {was} training examples, this run has {now} (the data, or the flags "
                 "that pick it, changed): their order follows their number, so a resume would train some twice and "
                 "others never. Resume it with the data it was trained on, or start a new run (another --output_dir)."
                 if name == "training_examples"
                 else f"{checkpoint} was trained with --{name} {show(was)}, this run has {show(now)}: a resume goes on "
-                f"with the model that run built and trained, and would record {show(now)}. Pass --{name} {show(was)} "
-                "to resume it, or start a new run (another --output_dir)."
+                f"with the model that run built and trained, and would record {show(now)}. Resume it with the flags "
+                "it was trained with, or start a new run (another --output_dir)."
             )
     prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)
     inner = lr_scheduler.scheduler if prepared else lr_scheduler

@@ -1072,3 +1072,27 @@ def test_a_validation_file_in_another_format_than_the_training_file_is_refused_b
     )
     raw, fmt, _ = read_prompts(train_file=str(train), validation_file=str(train), **flags)
     assert fmt == "conversational" and len(raw["validation"]) == 4
+
+
+def test_the_last_steps_checkpoint_falls_on_a_round_end(monkeypatch):
+    """A GRPO resume starts a round at its first step: a checkpoint after a last step that ends no round (a
+    --max_train_steps that is not a multiple of --num_iterations) would make a longer resumed run generate that round
+    again and train its remaining steps on other completions. Every --checkpointing_steps and after the last step,
+    but only at a round's end; with one step a round, after the last step whatever it is."""
+    from types import SimpleNamespace
+
+    from llm_kit import checkpoints
+
+    saved = []
+    monkeypatch.setattr(checkpoints, "save_checkpoint", lambda accelerator, folder, step, *a, **k: saved.append(step))
+    fixed = dict(stop=SimpleNamespace(requested=lambda step: False), checkpoints_dir=REPO, checkpointing_steps=2)
+    fixed |= dict(checkpoints_total_limit=None, steps_per_epoch=100, write_state=None, layout="replica")
+    fixed |= dict(history=dict, batch={}, unchanged={})
+    for num_iterations, max_train_steps, expected in ((2, 6, [2, 4, 6]), (2, 5, [2, 4]), (1, 5, [2, 4, 5])):
+        saved.clear()
+        at_step_end = checkpoints.checkpoint_saver(
+            None, max_train_steps=max_train_steps, num_iterations=num_iterations, **fixed
+        )
+        for step in range(1, max_train_steps + 1):
+            at_step_end(step)
+        assert saved == expected, (num_iterations, max_train_steps)

@@ -52,8 +52,10 @@ def checkpoint_saver(
     def save_at_step_end(completed_steps: int) -> None:
         if completed_steps % num_iterations == 0 and stop.requested(completed_steps):
             stop.exit(save_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
-        # And after the last step (once): a requeue of the finished run resumes there, retraining nothing.
-        if every and (completed_steps % every == 0 or completed_steps == max_train_steps):
+        # And after the last step (once): a requeue of the finished run resumes there, retraining nothing. GRPO: at
+        # a round's end only, where a resume picks up (mid-round, a longer run would redo the round's generation).
+        due = completed_steps % every == 0 or completed_steps == max_train_steps if every else False
+        if due and completed_steps % num_iterations == 0:
             save_at(completed_steps)
 
     return save_at_step_end
