@@ -137,8 +137,9 @@ def test_checkpoints_are_complete_folders(runs):
 def test_a_checkpoint_of_another_task_is_refused_naming_both_shapes(runs, tmp_path):
     """The 8-topic run's checkpoint resumed into a run on cat/dog data: torch's "size mismatch for
     classifier.weight" traceback before, one paragraph now naming the checkpoint, the parameter, the two shapes and
-    what to do (a resume from the same checkpoint with its own data is the test above)."""
-    rows = [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(20)]
+    what to do (a resume from the same checkpoint with its own data is the test above). As many training examples as
+    the run's 64 (--max_train_samples): another number is refused first, for the order of the data."""
+    rows = [f"sample number {i} about {'cats' if i % 2 else 'dogs'},{'cat' if i % 2 else 'dog'}" for i in range(100)]
     checkpoint = runs["single"]["dir"] / "checkpoints" / "step_000003"
     run = launch(
         ONE_PROCESS,
