@@ -865,6 +865,21 @@ def test_only_answer_tokens_carry_labels(recipe):
     assert cut["truncated"] and len(cut["input_ids"]) == 8 and cut["num_answer_tokens"] == 0
 
 
+def test_a_completion_or_text_ending_in_eos_gets_no_second_one(recipe):
+    """TRL's SFT appends the end-of-sequence token only when the text lacks it: data that already end in it (exported
+    from a chat log, or written for another trainer) must not teach the model to emit it twice."""
+    from llm_kit.sft_data import tokenize_sample
+
+    _, tokenizer = recipe
+    eos, ends = tokenizer.eos_token, lambda ids: ids[-2:]
+    pair = tokenize_sample({"prompt": "Q: 2 + 2?", "completion": " 4." + eos}, "prompt_completion", tokenizer, 512)
+    bare = tokenize_sample({"prompt": "Q: 2 + 2?", "completion": " 4."}, "prompt_completion", tokenizer, 512)
+    assert pair["input_ids"] == bare["input_ids"] and pair["labels"] == bare["labels"]
+    assert ends(pair["input_ids"]).count(tokenizer.eos_token_id) == 1, tokenizer.decode(pair["input_ids"])
+    text = tokenize_sample({"text": "def f(): pass" + eos}, "text", tokenizer, 512)
+    assert text["input_ids"] == tokenize_sample({"text": "def f(): pass"}, "text", tokenizer, 512)["input_ids"]
+
+
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
     import datasets
 
