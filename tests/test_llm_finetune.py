@@ -909,6 +909,38 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
     assert score == 2 / 3
 
 
+def test_rows_with_an_empty_prompt_are_not_asked(recipe, base):
+    """A prompt may be "" (the rows are checked so); a tokenizer without a BOS token, like this one, gives it no
+    token, and generate fails on an empty input: the exact match before training (on by default for short answers)
+    and --generate_samples leave such rows out instead of stopping the run with a traceback."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    from llm_kit.sft_eval import exact_match, exact_match_rows, generate_samples
+
+    _, tokenizer = recipe
+    assert tokenizer("", add_special_tokens=True).input_ids == []
+    rows = datasets.Dataset.from_list(
+        [{"prompt": "" if i % 2 else f"Is `json.x{i}` a class?", "completion": " class"} for i in range(6)]
+    )
+    printed = []
+
+    class Accelerator:  # the main process of one
+        is_main_process, device = True, "cpu"
+        print, unwrap_model = staticmethod(printed.append), staticmethod(lambda model: model)
+
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    asked = exact_match_rows(Accelerator(), rows, None, "prompt_completion", fsdp=False, tokenizer=tokenizer)
+    assert sorted(asked["prompt"]) == sorted(p for p in rows["prompt"] if p), asked["prompt"]
+    score, scored = exact_match(model, tokenizer, asked, "prompt_completion", "cpu")
+    assert len(scored) == 3 and 0 <= score <= 1
+    samples = generate_samples(Accelerator(), model, tokenizer, rows, "prompt_completion", 4, max_new_tokens=2)
+    assert [sample["prompt"] for sample in samples] == [rows[0]["prompt"], rows[2]["prompt"]]
+    nothing = rows.filter(lambda row: not row["prompt"])
+    assert exact_match_rows(Accelerator(), nothing, None, "prompt_completion", False, tokenizer=tokenizer) is None
+    assert "every validation prompt is empty" in printed[-1]
+
+
 def test_the_offline_default_asks_short_checkable_questions_held_out_by_definition():
     from llm_kit.sft_data import stdlib_names
 

@@ -50,12 +50,17 @@ def exact_match_rows(
     accelerator, validation: datasets.Dataset, count: int | None, fmt: str, fsdp: bool, seed: int = 0, tokenizer=None
 ) -> datasets.Dataset | None:
     """``count`` shuffled validation prompts to score (not the first ones: the offline data's first ones ask about one
-    package), or None: ``count`` 0, plain text (no prompt to answer), or FSDP2 (said so). ``count`` None: 100 when the
-    answers are short (a median of at most ``SHORT_ANSWER_TOKENS`` tokens, e.g. the offline default's one-word
-    answers), else none, said either way (greedy answers to free-form prompts almost never match word for word, and
-    generating them costs minutes)."""
+    package; empty prompts left out), or None: ``count`` 0, plain text (no prompt to answer), or FSDP2 (said so).
+    ``count`` None: 100 when the answers are short (a median of at most ``SHORT_ANSWER_TOKENS`` tokens, e.g. the
+    offline default's one-word answers), else none, said either way (greedy answers to free-form prompts almost never
+    match word for word, and generating them costs minutes)."""
     if count == 0 or fmt == "text":
         return None
+    if fmt == "prompt_completion":  # an empty prompt asks nothing (and without a BOS token gives generate no token)
+        validation = validation.select([i for i, prompt in enumerate(validation["prompt"]) if prompt.strip()])
+        if len(validation) == 0:
+            accelerator.print("eval: no exact match: every validation prompt is empty, so there is nothing to answer")
+            return None
     if count is None:
         rows = validation.select(range(min(200, len(validation))))
         lengths = [
@@ -139,6 +144,8 @@ def generate_samples(
         unwrapped = accelerator.unwrap_model(model)
         for row in rows.select(range(min(count, len(rows)))):
             prompt = prompt_of(row, fmt, tokenizer)
+            if not prompt.strip():  # nothing asked (and without a BOS token, no token to start from)
+                continue
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=fmt != "messages").input_ids
             with torch.no_grad():
                 answer = unwrapped.generate(
