@@ -909,6 +909,33 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
     assert score == 2 / 3
 
 
+def test_a_few_shot_conversation_is_scored_on_its_last_answer(recipe):
+    """A conversational GRPO prompt with a worked example (user, assistant, then the question) becomes, with its
+    answer column, a conversation of two answers. The exact match asks the question after the example and compares
+    with the answer column, not the example's question with the example's answer."""
+    import datasets
+
+    from grpo_kit.data import as_sft_rows
+    from llm_kit.sft_eval import exact_match
+
+    _, tokenizer = recipe
+    example = [{"role": "user", "content": "Is `json.dumps` a class?"}, {"role": "assistant", "content": "function"}]
+    question = {"role": "user", "content": "Is `json.JSONDecoder` a class?"}
+    prompts = datasets.Dataset.from_list([{"prompt": [*example, question], "answer": "class"}])
+    rows, fmt = as_sft_rows(prompts, "conversational")
+    asked = []
+
+    class Model:  # answers "class" to the question it is asked, and remembers it
+        def generate(self, ids, max_new_tokens, **kwargs):
+            asked.append(tokenizer.decode(ids[0]))
+            new = tokenizer("class" + tokenizer.eos_token, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    score, scored = exact_match(Model(), tokenizer, rows, fmt, "cpu")
+    assert asked == [tokenizer.apply_chat_template([*example, question], tokenize=False, add_generation_prompt=True)]
+    assert (scored[0]["question"], scored[0]["reference"], score) == (question["content"], "class", 1.0)
+
+
 def test_rows_with_an_empty_prompt_are_not_asked(recipe, base):
     """A prompt may be "" (the rows are checked so); a tokenizer without a BOS token, like this one, gives it no
     token, and generate fails on an empty input: the exact match before training (on by default for short answers)
