@@ -178,8 +178,8 @@ class RunRecord:
         kept = json.loads(earlier.read_text()) if not self.steps_seen and earlier.is_file() else {}
         if kept.get("train/loss_curve") == curve:  # (the same run's: its loss curve, every step of it)
             results |= {key: value for key, value in kept.items() if key.startswith(("perf/", "memory/peak_gib"))}
-        if accelerator.trackers:
-            accelerator.log({k: v for k, v in results.items() if isinstance(v, (int, float))}, step=len(curve))
+        summary = {k: v for k, v in results.items() if isinstance(v, int | float) and not k.startswith("train/")}
+        accelerator.log(summary, step=len(curve))  # train/* not again: the loop logged each window at its own step
         path = write_results(accelerator, output_dir, results)
         # Sync point: no process tears down its connections while another still writes (gloo can abort at exit).
         accelerator.wait_for_everyone()

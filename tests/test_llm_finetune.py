@@ -865,6 +865,21 @@ def test_only_answer_tokens_carry_labels(recipe):
     assert cut["truncated"] and len(cut["input_ids"]) == 8 and cut["num_answer_tokens"] == 0
 
 
+def test_a_completion_or_text_ending_in_eos_gets_no_second_one(recipe):
+    """TRL's SFT appends the end-of-sequence token only when the text lacks it: data that already end in it (exported
+    from a chat log, or written for another trainer) must not teach the model to emit it twice."""
+    from llm_kit.sft_data import tokenize_sample
+
+    _, tokenizer = recipe
+    eos, ends = tokenizer.eos_token, lambda ids: ids[-2:]
+    pair = tokenize_sample({"prompt": "Q: 2 + 2?", "completion": " 4." + eos}, "prompt_completion", tokenizer, 512)
+    bare = tokenize_sample({"prompt": "Q: 2 + 2?", "completion": " 4."}, "prompt_completion", tokenizer, 512)
+    assert pair["input_ids"] == bare["input_ids"] and pair["labels"] == bare["labels"]
+    assert ends(pair["input_ids"]).count(tokenizer.eos_token_id) == 1, tokenizer.decode(pair["input_ids"])
+    text = tokenize_sample({"text": "def f(): pass" + eos}, "text", tokenizer, 512)
+    assert text["input_ids"] == tokenize_sample({"text": "def f(): pass"}, "text", tokenizer, 512)["input_ids"]
+
+
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
     import datasets
 
@@ -892,6 +907,65 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
         (q, a, reply.strip()) for (q, a), reply in zip(pairs, replies.values())
     ]
     assert score == 2 / 3
+
+
+def test_a_few_shot_conversation_is_scored_on_its_last_answer(recipe):
+    """A conversational GRPO prompt with a worked example (user, assistant, then the question) becomes, with its
+    answer column, a conversation of two answers. The exact match asks the question after the example and compares
+    with the answer column, not the example's question with the example's answer."""
+    import datasets
+
+    from grpo_kit.data import as_sft_rows
+    from llm_kit.sft_eval import exact_match
+
+    _, tokenizer = recipe
+    example = [{"role": "user", "content": "Is `json.dumps` a class?"}, {"role": "assistant", "content": "function"}]
+    question = {"role": "user", "content": "Is `json.JSONDecoder` a class?"}
+    prompts = datasets.Dataset.from_list([{"prompt": [*example, question], "answer": "class"}])
+    rows, fmt = as_sft_rows(prompts, "conversational")
+    asked = []
+
+    class Model:  # answers "class" to the question it is asked, and remembers it
+        def generate(self, ids, max_new_tokens, **kwargs):
+            asked.append(tokenizer.decode(ids[0]))
+            new = tokenizer("class" + tokenizer.eos_token, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    score, scored = exact_match(Model(), tokenizer, rows, fmt, "cpu")
+    assert asked == [tokenizer.apply_chat_template([*example, question], tokenize=False, add_generation_prompt=True)]
+    assert (scored[0]["question"], scored[0]["reference"], score) == (question["content"], "class", 1.0)
+
+
+def test_rows_with_an_empty_prompt_are_not_asked(recipe, base):
+    """A prompt may be "" (the rows are checked so); a tokenizer without a BOS token, like this one, gives it no
+    token, and generate fails on an empty input: the exact match before training (on by default for short answers)
+    and --generate_samples leave such rows out instead of stopping the run with a traceback."""
+    import datasets
+    from transformers import AutoModelForCausalLM
+
+    from llm_kit.sft_eval import exact_match, exact_match_rows, generate_samples
+
+    _, tokenizer = recipe
+    assert tokenizer("", add_special_tokens=True).input_ids == []
+    rows = datasets.Dataset.from_list(
+        [{"prompt": "" if i % 2 else f"Is `json.x{i}` a class?", "completion": " class"} for i in range(6)]
+    )
+    printed = []
+
+    class Accelerator:  # the main process of one
+        is_main_process, device = True, "cpu"
+        print, unwrap_model = staticmethod(printed.append), staticmethod(lambda model: model)
+
+    model = AutoModelForCausalLM.from_pretrained(base).eval()
+    asked = exact_match_rows(Accelerator(), rows, None, "prompt_completion", fsdp=False, tokenizer=tokenizer)
+    assert sorted(asked["prompt"]) == sorted(p for p in rows["prompt"] if p), asked["prompt"]
+    score, scored = exact_match(model, tokenizer, asked, "prompt_completion", "cpu")
+    assert len(scored) == 3 and 0 <= score <= 1
+    samples = generate_samples(Accelerator(), model, tokenizer, rows, "prompt_completion", 4, max_new_tokens=2)
+    assert [sample["prompt"] for sample in samples] == [rows[0]["prompt"], rows[2]["prompt"]]
+    nothing = rows.filter(lambda row: not row["prompt"])
+    assert exact_match_rows(Accelerator(), nothing, None, "prompt_completion", False, tokenizer=tokenizer) is None
+    assert "every validation prompt is empty" in printed[-1]
 
 
 def test_the_offline_default_asks_short_checkable_questions_held_out_by_definition():

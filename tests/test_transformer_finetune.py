@@ -784,6 +784,26 @@ def test_a_hole_in_a_label_or_text_cell_is_refused_by_its_row_and_integer_labels
     assert config.id2label == {0: "1", 1: "2", 2: "3", 3: "4", 4: "5"}
 
 
+def test_max_length_is_refused_beyond_the_positions_a_roberta_can_number(tmp_path):
+    """RoBERTa numbers positions from pad_token_id + 1: roberta-base's max_position_embeddings 514 holds 512 tokens.
+    --max_length 514 passed the check against 514 and stopped at the first long batch with an index error (on a GPU
+    a device-side assert); it is refused up front with the length to use. A BERT's positions start at 0."""
+    from transformers import BertConfig, RobertaConfig
+
+    from classifier_kit.classification import load_model_config
+    from shared.errors import RecipeError
+
+    RobertaConfig(vocab_size=64, max_position_embeddings=34, pad_token_id=1).save_pretrained(tmp_path / "roberta")
+    BertConfig(vocab_size=64, max_position_embeddings=34, pad_token_id=0).save_pretrained(tmp_path / "bert")
+    assert load_model_config(str(tmp_path / "roberta"), ["a", "b"], 32, False).num_labels == 2
+    with pytest.raises(RecipeError) as refused:
+        load_model_config(str(tmp_path / "roberta"), ["a", "b"], 33, False)
+    assert (
+        "--max_length 33 is beyond" in refused.value.message and "Use --max_length 32 or less" in refused.value.message
+    )
+    assert load_model_config(str(tmp_path / "bert"), ["a", "b"], 34, False).num_labels == 2
+
+
 def test_the_correlation_metric_modules_load_offline_and_agree_with_scipy():
     import evaluate
     from scipy.stats import pearsonr, spearmanr

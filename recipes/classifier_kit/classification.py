@@ -222,13 +222,23 @@ def load_model_config(name: str, label_names: list[str] | None, max_length: int,
                 else "Pass a local folder with config.json and weights, or a Hub name when online."
             )
         ) from None
-    if max_length > getattr(config, "max_position_embeddings", max_length):
+    # RoBERTa's family numbers positions from pad_token_id + 1 (fairseq's way): roberta-base's 514 take 512 tokens.
+    offset = config.pad_token_id + 1 if config.model_type in PAD_OFFSET_POSITIONS else 0
+    positions = getattr(config, "max_position_embeddings", max_length + offset) - offset
+    if max_length > positions:
         raise RecipeError(
             f"--max_length {max_length} is beyond what {name!r} can take "
-            f"(max_position_embeddings={config.max_position_embeddings}). Use --max_length "
-            f"{config.max_position_embeddings} or less."
+            f"(max_position_embeddings={config.max_position_embeddings}"
+            + (f", numbered from pad_token_id + 1 = {offset}" if offset else "")
+            + f"). Use --max_length {positions} or less."
         )
     return config
+
+
+# The model types whose position ids start after the pad token's id (transformers' create_position_ids_from_input_ids).
+PAD_OFFSET_POSITIONS = {"roberta", "roberta-prelayernorm", "xlm-roberta", "xlm-roberta-xl", "camembert", "xmod"}
+PAD_OFFSET_POSITIONS |= {"data2vec-text", "longformer", "ibert", "mpnet", "luke", "markuplm", "layoutlmv3", "lilt"}
+PAD_OFFSET_POSITIONS |= {"esm"}
 
 
 def _docstring_rows(stdlib: str, python_version: str, packages: list[str], min_chars: int, validation_percent: int):

@@ -222,7 +222,8 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
         prompt = sample["prompt"] if fmt == "prompt_completion" else ""
         answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
         prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
-        answer_ids = tokenizer(answer, add_special_tokens=not prompt)["input_ids"] + [tokenizer.eos_token_id]
+        eos = [] if answer.endswith(tokenizer.eos_token) else [tokenizer.eos_token_id]  # TRL: only when missing
+        answer_ids = tokenizer(answer, add_special_tokens=not prompt)["input_ids"] + eos
         ids, labels = prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
     labels[0:1] = [-100]
     truncated = len(ids) > max_length

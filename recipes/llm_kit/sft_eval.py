@@ -24,7 +24,11 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
         scored.append({"question": question, "reference": reference.strip()})
     max_new_tokens = max(len(tokenizer(s["reference"], add_special_tokens=False).input_ids) for s in scored) + 2
     for row, sample in zip(rows, scored):
-        ids = tokenizer(prompt_of(row, fmt, tokenizer), return_tensors="pt", add_special_tokens=fmt != "messages")
+        prompt = prompt_of(row, fmt, tokenizer)
+        if fmt == "messages":  # the conversation up to its last answer: earlier answers are context (few-shot turns)
+            messages = row["messages"][: last_answer(row["messages"])]
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=fmt != "messages")
         ids = ids.input_ids.to(device)
         with torch.no_grad():
             generated = model.generate(
@@ -35,11 +39,17 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
 
 
 def last_prompt_and_answer(row: dict, fmt: str) -> tuple[str, str]:
-    """The user turn before a conversation's first answer, and that answer (or a row's prompt and completion)."""
+    """The turn before a conversation's last answer, and that answer (or a row's prompt and completion): a GRPO or DPO
+    prompt that holds few-shot turns is answered after them, not in place of their first answer."""
     if fmt == "messages":
-        first = next(index for index, message in enumerate(row["messages"]) if message["role"] == "assistant")
-        return (row["messages"][first - 1]["content"] if first else ""), row["messages"][first]["content"]
+        last = last_answer(row["messages"])
+        return (row["messages"][last - 1]["content"] if last else ""), row["messages"][last]["content"]
     return row["prompt"], row["completion"]
+
+
+def last_answer(messages: list[dict]) -> int:
+    """The index of a conversation's last assistant turn."""
+    return max(index for index, message in enumerate(messages) if message["role"] == "assistant")
 
 
 # Exact match means something for answers a model can give word for word: a label, a number, a name.
@@ -50,12 +60,17 @@ def exact_match_rows(
     accelerator, validation: datasets.Dataset, count: int | None, fmt: str, fsdp: bool, seed: int = 0, tokenizer=None
 ) -> datasets.Dataset | None:
     """``count`` shuffled validation prompts to score (not the first ones: the offline data's first ones ask about one
-    package), or None: ``count`` 0, plain text (no prompt to answer), or FSDP2 (said so). ``count`` None: 100 when the
-    answers are short (a median of at most ``SHORT_ANSWER_TOKENS`` tokens, e.g. the offline default's one-word
-    answers), else none, said either way (greedy answers to free-form prompts almost never match word for word, and
-    generating them costs minutes)."""
+    package; empty prompts left out), or None: ``count`` 0, plain text (no prompt to answer), or FSDP2 (said so).
+    ``count`` None: 100 when the answers are short (a median of at most ``SHORT_ANSWER_TOKENS`` tokens, e.g. the
+    offline default's one-word answers), else none, said either way (greedy answers to free-form prompts almost never
+    match word for word, and generating them costs minutes)."""
     if count == 0 or fmt == "text":
         return None
+    if fmt == "prompt_completion":  # an empty prompt asks nothing (and without a BOS token gives generate no token)
+        validation = validation.select([i for i, prompt in enumerate(validation["prompt"]) if prompt.strip()])
+        if len(validation) == 0:
+            accelerator.print("eval: no exact match: every validation prompt is empty, so there is nothing to answer")
+            return None
     if count is None:
         rows = validation.select(range(min(200, len(validation))))
         lengths = [
@@ -139,6 +154,8 @@ def generate_samples(
         unwrapped = accelerator.unwrap_model(model)
         for row in rows.select(range(min(count, len(rows)))):
             prompt = prompt_of(row, fmt, tokenizer)
+            if not prompt.strip():  # nothing asked (and without a BOS token, no token to start from)
+                continue
             ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=fmt != "messages").input_ids
             with torch.no_grad():
                 answer = unwrapped.generate(

@@ -1,6 +1,8 @@
 """Every recipe that logs to trackers (``--report_to``): ``train/learning_rate`` at step N is the rate step N's
 optimizer step used, as the HF Trainer (and TRL, through it) logs it, not the rate the scheduler set for the next step.
-Read from TensorBoard's event files of a 3-step run with a linear schedule and no warm-up: L, 2L/3, L/3."""
+Read from TensorBoard's event files of a 3-step run with a linear schedule and no warm-up: L, 2L/3, L/3. And each
+``train/*`` value is logged once per step: the run's summary at the end does not log the last step's again (a second
+point at that step, the last step's loss where the loop logged its window's mean)."""
 
 from pathlib import Path
 
@@ -16,7 +18,7 @@ RATE, STEPS = 1e-3, 3
 
 @pytest.fixture(scope="module")
 def logged(tmp_path_factory) -> dict:
-    """Per recipe: {step: logged train/learning_rate} of its tiny run, logging every step, 1 process."""
+    """Per recipe: {train/* tag: [(step, value) of each event]} of its tiny run, logging every step, 1 process."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     root = tmp_path_factory.mktemp("logs")
@@ -30,8 +32,9 @@ def logged(tmp_path_factory) -> dict:
     for name, run in runs.items():
         assert run.returncode == 0, f"{name}: {run}"
         events = next((root / Path(name).stem).rglob("events.out.tfevents*"))
-        scalars = EventAccumulator(str(events.parent)).Reload().Scalars("train/learning_rate")
-        found[name] = {event.step: event.value for event in scalars}
+        accumulator = EventAccumulator(str(events.parent)).Reload()
+        train_tags = [tag for tag in accumulator.Tags()["scalars"] if tag.startswith("train/")]
+        found[name] = {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in train_tags}
     return found
 
 
@@ -39,5 +42,15 @@ def logged(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("name", LOGGING)
 def test_the_logged_learning_rate_is_the_one_the_step_used(logged, name):
     expected = {step: RATE * (1 - (step - 1) / STEPS) for step in range(1, STEPS + 1)}
-    assert logged[name].keys() == expected.keys(), logged[name]
-    np.testing.assert_allclose([logged[name][step] for step in expected], list(expected.values()), rtol=1e-6)
+    rates = dict(logged[name]["train/learning_rate"])
+    assert rates.keys() == expected.keys(), rates
+    np.testing.assert_allclose([rates[step] for step in expected], list(expected.values()), rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LOGGING)
+def test_each_train_value_is_logged_once_per_step(logged, name):
+    assert "train/loss" in logged[name], sorted(logged[name])
+    steps = {tag: [step for step, _ in events] for tag, events in logged[name].items()}
+    twice = {tag: found for tag, found in steps.items() if len(found) != len(set(found))}
+    assert not twice, f"{name} logs these train/* values more than once at a step: {twice}"
