@@ -85,18 +85,27 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert np.array_equal(weights(results), weights(read_results(uninterrupted)))
 
 
+def stand_in_accelerator(printed: list | None = None, num_processes: int = 1, **more) -> SimpleNamespace:
+    """For in-process tests of shared/: an Accelerator's stand-in, the main process of one machine, that collects what
+    it prints in ``printed``."""
+    return SimpleNamespace(
+        num_processes=num_processes,
+        project_configuration=SimpleNamespace(save_on_each_node=False),
+        is_main_process=True,
+        is_local_main_process=True,
+        process_index=0,
+        split_batches=False,
+        wait_for_everyone=lambda: None,
+        print=lambda *args: None if printed is None else printed.append(" ".join(map(str, args))),
+        **more,
+    )
+
+
 def test_each_save_says_its_size_and_what_is_kept(tmp_path):
     """Checkpoints add up (14 x 260 MB for a 22M model, all kept by default): each save prints its size and whether
     --checkpoints_total_limit prunes. In-process, with a stand-in for the one process's Accelerator."""
     printed = []
-    one_process = SimpleNamespace(
-        num_processes=1,
-        project_configuration=SimpleNamespace(save_on_each_node=False),
-        is_main_process=True,
-        is_local_main_process=True,
-        wait_for_everyone=lambda: None,
-        print=lambda *args: printed.append(" ".join(map(str, args))),
-    )
+    one_process = stand_in_accelerator(printed)
 
     def write_state(folder):
         folder.mkdir(parents=True)
@@ -114,14 +123,7 @@ def test_a_kill_while_pruning_never_leaves_a_half_deleted_checkpoint(tmp_path, m
     """Pruning to --checkpoints_total_limit deletes a folder file by file. A kill midway must not leave a folder
     named step_N without its progress.json (resuming would skip it, but a user copying "the newest step_N" would not);
     the next save clears what the killed one left. In-process, with a stand-in for the one process's Accelerator."""
-    one_process = SimpleNamespace(
-        num_processes=1,
-        project_configuration=SimpleNamespace(save_on_each_node=False),
-        is_main_process=True,
-        is_local_main_process=True,
-        wait_for_everyone=lambda: None,
-        print=lambda *args: None,
-    )
+    one_process = stand_in_accelerator()
 
     def save(step):
         def write_state(folder):
@@ -155,15 +157,7 @@ def test_a_damaged_checkpoint_is_skipped_by_latest_and_refused_by_path(tmp_path)
     progress.json catches it first: 'latest' takes the newest intact one and says which it skipped and why; an
     explicit path gets one paragraph naming the file. In-process, with a stand-in for one process's Accelerator."""
     printed = []
-    one_process = SimpleNamespace(
-        num_processes=1,
-        project_configuration=SimpleNamespace(save_on_each_node=False),
-        is_main_process=True,
-        is_local_main_process=True,
-        process_index=0,
-        wait_for_everyone=lambda: None,
-        print=printed.append,
-    )
+    one_process = stand_in_accelerator(printed)
 
     def save(step):
         def write_state(folder):
@@ -211,16 +205,7 @@ def test_a_resume_in_another_process_count_keeps_the_global_batch_or_says_what_t
     from shared.checkpoints import keep_global_batch, load_checkpoint
 
     printed = []
-    processes = lambda n: SimpleNamespace(
-        num_processes=n,
-        project_configuration=SimpleNamespace(save_on_each_node=False),
-        is_main_process=True,
-        is_local_main_process=True,
-        wait_for_everyone=lambda: None,
-        print=lambda *args: printed.append(" ".join(map(str, args))),
-        split_batches=False,
-        load_state=lambda folder: None,
-    )
+    processes = lambda n: stand_in_accelerator(printed, n, load_state=lambda folder: None)
     two = processes(2)
     _, shape = keep_global_batch(2, None, 16, None, 2, 42)
     assert shape == {
@@ -298,15 +283,7 @@ def test_a_resume_on_a_longer_schedule_trains_on_at_its_rate(tmp_path):
         return optimizer, AcceleratedScheduler(inner, optimizer)
 
     printed = []
-    one = SimpleNamespace(
-        num_processes=1,
-        project_configuration=SimpleNamespace(save_on_each_node=False),
-        is_main_process=True,
-        is_local_main_process=True,
-        wait_for_everyone=lambda: None,
-        print=lambda *args: printed.append(" ".join(map(str, args))),
-        split_batches=False,
-    )
+    one = stand_in_accelerator(printed)
     finished_optimizer, finished = run(4, 4)
     saved = finished_optimizer.state_dict(), finished.scheduler.state_dict()
     batch = {"num_processes": 1, "global_batch_size": 1}
