@@ -54,8 +54,8 @@ def checkpoint_saver(
             stop.exit(save_at(completed_steps))  # SIGTERM or Ctrl-C to any process: all stop
         # And after the last step (once): a requeue of the finished run resumes there, retraining nothing. GRPO: at
         # a round's end only, where a resume picks up (mid-round, a longer run would redo the round's generation).
-        due = completed_steps % every == 0 or completed_steps == max_train_steps if every else False
-        if due and completed_steps % num_iterations == 0:
+        last_round_end = completed_steps == max_train_steps and completed_steps % num_iterations == 0
+        if every and (completed_steps % every == 0 or last_round_end):  # (every N: a multiple of num_iterations)
             save_at(completed_steps)
 
     return save_at_step_end

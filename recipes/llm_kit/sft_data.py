@@ -321,17 +321,20 @@ def check_batches(train_dataloader, data_parallel_size: int) -> None:
         )
 
 
-def prompt_of(sample: dict, fmt: str, tokenizer) -> str:
-    """What the model is asked: the conversation up to its first answer (with the generation prompt), the prompt, or
-    the first 64 characters of a text."""
+def prompt_of(sample: dict, fmt: str, tokenizer, last: bool = False) -> str:
+    """What the model is asked: the conversation up to its first answer (``last``: its last, the earlier turns
+    context), with the generation prompt; the prompt; or the first 64 characters of a text."""
     if fmt == "messages":
-        first_answer = next(
-            index for index, message in enumerate(sample["messages"]) if message["role"] == "assistant"
-        )
-        return tokenizer.apply_chat_template(
-            sample["messages"][:first_answer], tokenize=False, add_generation_prompt=True
-        )
+        messages = sample["messages"]
+        first = next(index for index, message in enumerate(messages) if message["role"] == "assistant")
+        answer = last_answer(messages) if last else first
+        return tokenizer.apply_chat_template(messages[:answer], tokenize=False, add_generation_prompt=True)
     return sample["prompt"] if fmt == "prompt_completion" else sample["text"][:64]
+
+
+def last_answer(messages: list[dict]) -> int:
+    """The index of a conversation's last assistant turn."""
+    return max(index for index, message in enumerate(messages) if message["role"] == "assistant")
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -12,7 +12,7 @@ import torch
 
 from shared.accelerator import main_process_alone
 
-from .sft_data import prompt_of
+from .sft_data import last_answer, prompt_of
 
 
 def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> tuple[float, list[dict]]:
@@ -24,10 +24,7 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
         scored.append({"question": question, "reference": reference.strip()})
     max_new_tokens = max(len(tokenizer(s["reference"], add_special_tokens=False).input_ids) for s in scored) + 2
     for row, sample in zip(rows, scored):
-        prompt = prompt_of(row, fmt, tokenizer)
-        if fmt == "messages":  # the conversation up to its last answer: earlier answers are context (few-shot turns)
-            messages = row["messages"][: last_answer(row["messages"])]
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = prompt_of(row, fmt, tokenizer, last=True)  # a few-shot conversation: its earlier turns as context
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=fmt != "messages")
         ids = ids.input_ids.to(device)
         with torch.no_grad():
@@ -45,11 +42,6 @@ def last_prompt_and_answer(row: dict, fmt: str) -> tuple[str, str]:
         last = last_answer(row["messages"])
         return (row["messages"][last - 1]["content"] if last else ""), row["messages"][last]["content"]
     return row["prompt"], row["completion"]
-
-
-def last_answer(messages: list[dict]) -> int:
-    """The index of a conversation's last assistant turn."""
-    return max(index for index, message in enumerate(messages) if message["role"] == "assistant")
 
 
 # Exact match means something for answers a model can give word for word: a label, a number, a name.
