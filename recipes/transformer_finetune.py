@@ -478,8 +478,9 @@ def main():
     # Optimizer steps per epoch after sharding: each process sees 1/num_processes of the batches.
     steps_per_epoch = math.ceil(math.ceil(len(train_dataloader) / processes) / args.gradient_accumulation_steps)
     max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # The prepared scheduler steps once per process per optimizer step, hence the multiplications.
-    warmup_steps, total_steps = int(args.warmup_ratio * max_train_steps) * processes, max_train_steps * processes
+    # The prepared scheduler steps once per process per optimizer step, hence the multiplications; the warm-up
+    # rounds up, as the HF Trainer's (0.1 of 4 steps: 1).
+    warmup_steps, total_steps = math.ceil(args.warmup_ratio * max_train_steps) * processes, max_train_steps * processes
     lr_scheduler = get_scheduler(args.lr_scheduler_type, optimizer, warmup_steps, num_training_steps=total_steps)
 
     # ------------------------------------------------------------------------------ prepare

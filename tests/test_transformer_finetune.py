@@ -296,6 +296,10 @@ def test_group_by_length_cuts_padding_and_bf16_and_tensorboard_work_on_cpu(runs)
     events = EventAccumulator(str(next(logs.glob("transformer_finetune*")))).Reload()
     logged = set(events.Tags()["scalars"])
     assert {"train/loss", "train/learning_rate", "eval/accuracy", "eval/f1", "perf/samples_per_sec"} <= logged, logged
+    # The rate each logged step trained with: --warmup_ratio 0.1 of 6 steps warms up for 1, rounded up as the HF
+    # Trainer rounds it (rounded down: none, and the rates would be 5/6, 3/6, 1/6 of the peak), then decays linearly.
+    rates = [(event.step, event.value) for event in events.Scalars("train/learning_rate")]
+    assert rates == [(2, pytest.approx(2e-4)), (4, pytest.approx(0.6 * 2e-4)), (6, pytest.approx(0.2 * 2e-4))]
     assert grouped["mixed_precision"] == "bf16" and grouped["config"]["group_by_length"] is True
     assert grouped["train/loss"] == grouped["train/loss"]  # not NaN
     # Even padded to multiples of 8 for bf16, grouped batches waste far less than random ones.
