@@ -95,8 +95,8 @@ from llm_kit.sft_eval import exact_match_before, exact_match_results
 
 # What the offline default (no --model_name_or_path) trains with unless a flag says otherwise: large steps from the
 # base; continuing the SFT recipe's adapter, smaller ones with RPO's NLL term (docs/dpo.md has the measurements).
-OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3}
-OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0}
+OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-3, "lr_scheduler_type": "cosine"}
+OFFLINE_SFT_SETTINGS = {"max_train_steps": 200, "learning_rate": 1e-4, "rpo_alpha": 5.0, "lr_scheduler_type": "cosine"}
 # Said when --disable_dropout (on by default) switched dropout off.
 DROPOUT_OFF = (
     "dropout: off in the policy and the reference, as in TRL ({} dropout probabilities set to 0; --no-disable_dropout "
@@ -198,7 +198,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     add("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
     add("--adam_epsilon", type=positive_float, default=1e-8, help="AdamW's epsilon.")
-    add("--lr_scheduler_type", default="cosine", help="transformers.get_scheduler name: linear, cosine, constant, ...")
+    add("--lr_scheduler_type", help="transformers.get_scheduler name: linear (TRL's; the default), cosine, ...")
     add("--num_warmup_steps", type=int, default=0, help="Linear learning-rate warm-up, in optimizer steps.")
     add("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm to this (0 disables).")
     add("--mixed_precision", choices=["no", "fp16", "bf16"], help="Override the config's mixed precision.")
@@ -229,9 +229,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
     for name, value in chosen.items():
         setattr(args, name, value)
-    settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
+    settings = " ".join(
+        f"--{name} {value:g}" if not isinstance(value, str) else f"--{name} {value}" for name, value in chosen.items()
+    )
     args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
     args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
+    args.lr_scheduler_type = args.lr_scheduler_type or "linear"
     return args
 
 

@@ -206,8 +206,8 @@ def lora(base, tmp_path_factory):
     jobs["resumed"] = Job("single_gpu.yaml", RECIPE, (*across, "8", *step("1x8", 2)), after="1x8")
     # Resumed in another process count: the 2x4 run's step-1 checkpoint in 1 process (accumulation 2, checkpointing),
     # that run's step-2 checkpoint in 2 processes (accumulation 1); the 1x8 run's (global batch 8) in 2 processes at
-    # 8 per device, which no accumulation keeps: refused. Early steps: the cosine schedule's rates, read a few steps
-    # too far on, are the same at steps 3 and 5 of 4 (cos is symmetric), so a late resume would not see them.
+    # 8 per device, which no accumulation keeps: refused. Early steps: a schedule read a few steps too far on gives
+    # other rates there, where past the end the linear schedule's are all 0, so a late resume would not see it.
     jobs["2x4_in_1"] = Job(
         "single_gpu.yaml", RECIPE, (*across, "4", *step("2x4", 1), "--checkpointing_steps", "1"), after="2x4"
     )
@@ -1398,8 +1398,9 @@ def test_bad_input_gets_one_clear_error(refusals, case, message):
 
 def test_the_offline_default_model_brings_the_settings_that_make_it_learn(base, tmp_path):
     """With no --model_name_or_path the recipe fine-tunes the small offline default model, which learns visibly only
-    with 600 steps at 1e-3 (docs/llm_finetune.md), not the 2e-4 and one epoch a pretrained LLM wants: it brings both,
-    says so in one line, and leaves each to its flag. A real model keeps the real defaults."""
+    with 600 steps at 1e-3 on a cosine schedule (docs/llm_finetune.md), not the 2e-4, one epoch and linear schedule a
+    pretrained LLM gets: it brings the three, says so in one line, and leaves each to its flag. A real model keeps the
+    real defaults, TRL's."""
     import importlib.util
     import shutil
 
@@ -1407,16 +1408,16 @@ def test_the_offline_default_model_brings_the_settings_that_make_it_learn(base, 
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     offline = recipe.parse_args([])
-    assert (offline.max_train_steps, offline.learning_rate) == (600, 1e-3)
-    given = recipe.parse_args(["--max_train_steps", "3"])
-    assert (given.max_train_steps, given.learning_rate) == (3, 1e-3)
+    assert (offline.max_train_steps, offline.learning_rate, offline.lr_scheduler_type) == (600, 1e-3, "cosine")
+    given = recipe.parse_args(["--max_train_steps", "3", "--lr_scheduler_type", "constant"])
+    assert (given.max_train_steps, given.learning_rate, given.lr_scheduler_type) == (3, 1e-3, "constant")
     real = recipe.parse_args(["--model_name_or_path", "org/model"])
     assert (real.max_train_steps, real.learning_rate, real.offline_default_settings) == (None, 2e-4, "")
     # Launched: the default model found where the recipe pretrains it (output_dir/base_model), 1 step.
     out = tmp_path / "out"
     shutil.copytree(base, out / "base_model")
     run = launch_ok("single_gpu.yaml", RECIPE, "--output_dir", out, "--max_train_steps", "1", "--skip_eval")
-    line = "the offline default model trains with --learning_rate 0.001 (what makes it learn visibly"
+    line = "the offline default model trains with --learning_rate 0.001 --lr_scheduler_type cosine (what makes it"
     assert [row for row in run.output.splitlines() if row.startswith(line)] != [], run.output[-3000:]
     assert run.output.count(line) == 2  # the line, and the resolved configuration that records it
     assert read_results(out)["config"]["learning_rate"] == 1e-3
