@@ -76,7 +76,7 @@ from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
 from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
 from llm_kit.adapters import POLICY_FLAGS, SFT_DEFAULT, START_FLAGS, adapter_checkpoints, load_model, starting_point
-from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver
+from llm_kit.checkpoints import ADAPTER_FLAGS, BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver, unchanged_by_a_resume
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
 from dpo_kit.loss import LOSS_FLAGS, METRICS, dpo_losses, metric_means, sequence_logps, step_counts, step_loss
@@ -84,7 +84,6 @@ from dpo_kit.metrics import TrainLog
 from dpo_kit.reference import disable_dropout, precompute_reference, reference_logps
 from shared.results import RunRecord
 from llm_kit.sharded_4bit import load_4bit_sharded
-from shared.lora import LORA_FLAGS
 from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.parallelism import choose_parallelism
@@ -455,7 +454,7 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
-    unchanged = {"training_examples": len(train_dataloader.dataset), **(flags(args, LORA_FLAGS) if lora else {})}
+    unchanged = unchanged_by_a_resume(len(train_dataloader.dataset), lora, **flags(args, ADAPTER_FLAGS))
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state, unchanged
     )

@@ -73,7 +73,7 @@ from shared.checkpoints import keep_global_batch, load_checkpoint, save_final, s
 from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
 from llm_kit.adapters import POLICY_FLAGS, START_FLAGS, adapter_checkpoints, load_model, starting_point
-from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver
+from llm_kit.checkpoints import ADAPTER_FLAGS, BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver, unchanged_by_a_resume
 from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from grpo_kit.data import PROMPT_FLAGS, as_sft_rows, check_layout, prompt_loader, read_prompts, rounds
@@ -87,7 +87,6 @@ from grpo_kit.split import SPLIT_FLAGS, split_layout
 from llm_kit.sharded_4bit import load_4bit_sharded
 from shared.accelerator import build_accelerator, set_gpu_index, set_quiet_library_logs
 from shared.errors import install_peer_exit_hooks, report_recipe_errors, set_stop_with_launcher
-from shared.lora import LORA_FLAGS
 from shared.flags import add_reliability_flags, flags, positive_float, positive_int, prepare_output_dir
 from shared.fsdp import set_fsdp_on_cpu
 from shared.parallelism import choose_parallelism
@@ -409,7 +408,7 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
-    unchanged = {"training_examples": len(train_dataloader.dataset), **(flags(args, LORA_FLAGS) if lora else {})}
+    unchanged = unchanged_by_a_resume(len(train_dataloader.dataset), lora, **flags(args, ADAPTER_FLAGS))
     resume = load_checkpoint(accelerator, checkpoint, steps_per_epoch, 1, lr_scheduler, load_state, unchanged)
     completed_steps, train_log = resume.completed_steps, TrainLog(resume.history, args.logging_steps, max_train_steps)
     curve = resume.history.get("train/loss_curve")  # a resume goes on with it

@@ -82,7 +82,7 @@ from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_sto
 from shared.fsdp import set_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
 from llm_kit.adapters import MODEL_FLAGS, adapter_checkpoints, load_model
-from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver
+from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver, unchanged_by_a_resume
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from llm_kit.sharded_4bit import load_4bit_sharded
 from llm_kit.sft_data import (
@@ -442,7 +442,7 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
-    unchanged = {"training_examples": len(train_dataloader.dataset), **(flags(args, LORA_FLAGS) if lora else {})}
+    unchanged = unchanged_by_a_resume(len(train_dataloader.dataset), lora, **flags(args, LORA_FLAGS))
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state, unchanged
     )

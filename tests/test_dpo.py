@@ -17,7 +17,7 @@ import pytest
 import torch
 from harness.launch import ONE_PROCESS, REPO, Job, launch, launch_all, read_facts, read_results, visible_gpus
 from harness.models import save_tiny_llama
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 RECIPE = "dpo.py"
 # LoRA without dropout, 4 steps, AdamW's epsilon large enough that the weights read out the gradients compared
@@ -292,15 +292,26 @@ def test_a_full_fine_tune_computes_the_reference_first_and_trains_one_model(full
 
 
 # ----------------------------------------------------------------------------- an SFT adapter continued
-@pytest.fixture(scope="module")
-def continued(base, tmp_path_factory):
-    """The SFT adapter continued, on strings from a CSV, with label smoothing; its base comes from the adapter."""
-    root = tmp_path_factory.mktemp("dpo_continued")
-    args = ("--adapter_name_or_path", base / "sft_adapter", "--train_file", base / "strings.csv")
+def continuing(adapter, base) -> tuple:
+    """The flags of a 3-step run continuing ``adapter``, checkpointed at step 2."""
+    args = ("--adapter_name_or_path", adapter, "--train_file", base / "strings.csv")
     args += ("--max_train_steps", "3", "--learning_rate", "1e-2", "--label_smoothing", "0.1")
     args += ("--per_device_train_batch_size", "8", "--logging_steps", "1", "--max_length", "24")
-    args += ("--max_prompt_length", "12")
-    return launch_runs(root, {"sft_adapter": Job("single_gpu.yaml", RECIPE, args)})
+    return (*args, "--max_prompt_length", "12", "--checkpointing_steps", "2")
+
+
+@pytest.fixture(scope="module")
+def continued(base, tmp_path_factory):
+    """The SFT adapter continued, on strings from a CSV, with label smoothing; its base comes from the adapter. It is
+    resumed from its step-2 checkpoint with another --lora_alpha, a flag a continued adapter ignores. It continues a
+    copy, in ``root/start``."""
+    root = tmp_path_factory.mktemp("dpo_continued")
+    shutil.copytree(base / "sft_adapter", root / "start")  # (a test trains it again in place)
+    args = continuing(root / "start", base)
+    step_2 = ("--resume_from_checkpoint", root / "sft_adapter" / "checkpoints" / "step_000002")
+    jobs = {"sft_adapter": Job("single_gpu.yaml", RECIPE, args)}
+    jobs["resumed"] = Job("single_gpu.yaml", RECIPE, (*args, *step_2, "--lora_alpha", "64"), after="sft_adapter")
+    return launch_runs(root, jobs)
 
 
 @pytest.mark.slow
@@ -317,6 +328,28 @@ def test_an_sft_adapter_is_continued_against_its_frozen_copy(continued, base):
     assert max_relative_difference(started, saved) > 1e-4
     assert json.loads((continued["sft_adapter"]["dir"] / "adapter_config.json").read_text())["r"] == 4
     assert results["data/counts"]["train"]["prompts_cut"] > 0
+
+
+@pytest.mark.slow
+def test_a_continued_adapter_resumes_whatever_the_lora_flags_and_not_from_another_adapter(continued, base, tmp_path):
+    """A continued adapter keeps its own rank and targets, so a resume with another --lora_alpha goes on to the same
+    end (were the ignored flags recorded, it would be refused). Its frozen copy is the reference, so a resume whose
+    --adapter_name_or_path holds other weights (here: the same folder, trained again since) is refused in one
+    paragraph before loading (were the flags or the folder's name recorded, it would resume against another
+    reference)."""
+    resumed, whole = continued["resumed"]["results"], continued["sft_adapter"]["results"]
+    assert "at step 2" in continued["resumed"]["log"]
+    assert resumed["train/loss_curve"] == pytest.approx(whole["train/loss_curve"], rel=1e-6)
+    start = continued["sft_adapter"]["dir"].parent / "start"  # the folder it continued, trained again (a step's worth)
+    weights = load_file(start / "adapter_model.safetensors")
+    save_file({name: tensor + 1e-3 for name, tensor in weights.items()}, start / "adapter_model.safetensors")
+    step_2 = continued["sft_adapter"]["dir"] / "checkpoints" / "step_000002"
+    args = (*continuing(start, base), "--resume_from_checkpoint", step_2, "--output_dir", tmp_path / "out")
+    run = launch(ONE_PROCESS, RECIPE, *args)
+    assert run.returncode != 0
+    said = [line for line in run.output.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1 and "trained with --adapter_name_or_path <a folder of files of sha256" in said[0], str(run)
+    assert "train/loss" not in run.output
 
 
 # ----------------------------------------------------------------------------- GPT-2 with its dropout, the defaults

@@ -4,14 +4,18 @@ SIGTERM or Ctrl-C asked every process to stop (``shared.checkpoints.save_checkpo
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from shared.checkpoints import save_checkpoint
+from shared.lora import LORA_FLAGS
 
 # The flags ``checkpoint_saver`` takes, and those ``shared.checkpoints.keep_global_batch`` takes, by the names the
 # recipes' parsers give them.
 CHECKPOINT_FLAGS = ("checkpointing_steps", "checkpoints_total_limit")
 BATCH_FLAGS = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+# The flags ``unchanged_by_a_resume`` takes: a new adapter's, or the one continued.
+ADAPTER_FLAGS = (*LORA_FLAGS, "adapter_name_or_path")
 
 
 def checkpoint_saver(
@@ -59,3 +63,21 @@ def checkpoint_saver(
             save_at(completed_steps)
 
     return save_at_step_end
+
+
+def unchanged_by_a_resume(training_examples: int, lora: bool, adapter_name_or_path: str | None = None, **lora_flags):
+    """What a resume must find as the checkpoint recorded it (``shared.checkpoints.load_checkpoint`` compares them
+    before loading): the number of training examples, which orders their shuffle, and the adapter trained. A new
+    adapter is its LoRA flags; a continued one (``adapter_name_or_path``: its own rank and targets, the flags ignored)
+    is a digest of its files, wherever the folder is now: its frozen copy is the reference, so another adapter, or the
+    same folder trained again since, would change what the resumed steps are measured against."""
+    if not lora:
+        return {"training_examples": training_examples}
+    if adapter_name_or_path is None:
+        return {"training_examples": training_examples, **lora_flags}
+    digest = hashlib.sha256()
+    for file in sorted(Path(adapter_name_or_path).glob("adapter_model.*")):  # .safetensors (or .bin): its weights
+        with file.open("rb") as opened:
+            digest.update(hashlib.file_digest(opened, "sha256").digest())
+    held = f"<a folder of files of sha256 {digest.hexdigest()[:12]}>"
+    return {"training_examples": training_examples, "adapter_name_or_path": held}
