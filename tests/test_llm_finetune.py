@@ -880,6 +880,114 @@ def test_a_completion_or_text_ending_in_eos_gets_no_second_one(recipe):
     assert text["input_ids"] == tokenize_sample({"text": "def f(): pass"}, "text", tokenizer, 512)["input_ids"]
 
 
+# A prompt that ends in a space: tokenized whole, the space goes into the completion's first token " a".
+MERGING = {"prompt": "Is asyncio.run a class, a function or a method? ", "completion": "a function"}
+
+
+def tokenizer_of(base, bos: bool):
+    """The tiny Llama's tokenizer as the recipe sets it up; ``bos``: one that starts every text with ``<s>``, as
+    Llama's does (the tiny one adds no special token)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.pad_token = tokenizer.eos_token
+    if bos:
+        tokenizer.add_special_tokens({"bos_token": "<s>"})
+        processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+        tokenizer.backend_tokenizer.post_processor = processor
+    return tokenizer
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["no_bos", "bos"])
+def test_a_prompt_and_its_completion_are_tokenized_whole_as_trl_does(base, bos):
+    """TRL's SFTTrainer (and the DPO recipe): the prompt alone and prompt + completion are tokenized whole, and the
+    completion's labels start where their tokens first differ. A prompt ending in a space gives the space to the
+    completion's first token (" a", the ids a tokenizer gives the whole text), and that token is trained; a row whose
+    tokens merge nothing across the boundary gets the prompt's ids then the completion's, as before (pairs.csv's
+    questions, a text)."""
+    import csv
+
+    from llm_kit.sft_data import tokenize_sample
+
+    tokenizer = tokenizer_of(base, bos)
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    sample = tokenize_sample(MERGING, "prompt_completion", tokenizer, 512)
+    prompt = tokenizer(MERGING["prompt"])["input_ids"]
+    whole = tokenizer(MERGING["prompt"] + MERGING["completion"] + eos)["input_ids"]
+    start = len(prompt) - 1  # the prompt's last token, its space, went into the completion's first
+    assert whole[:start] == prompt[:start] and tokenizer.decode(prompt[start:]) == " "
+    assert sample["input_ids"] == whole and tokenizer.decode(whole[start : start + 1]) == " a"
+    assert sample["labels"] == [-100] * start + whole[start:] and sample["prompt_merged"]
+    with open(base / "pairs.csv", newline="") as file:
+        rows = list(csv.DictReader(file)) + [{"prompt": "Name a module:\n", "completion": " os"}]
+    for row in rows:
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        answer = tokenizer(row["completion"], add_special_tokens=False)["input_ids"] + [eos_id]
+        sample = tokenize_sample(row, "prompt_completion", tokenizer, 512)
+        assert sample["input_ids"] == prompt + answer and sample["labels"] == [-100] * len(prompt) + answer, row
+        assert not sample["prompt_merged"], row
+    text = tokenize_sample({"text": MERGING["prompt"] + MERGING["completion"]}, "text", tokenizer, 512)
+    assert text["input_ids"] == tokenizer(MERGING["prompt"] + MERGING["completion"])["input_ids"] + [eos_id]
+    assert text["labels"] == [-100] + text["input_ids"][1:] and not text["prompt_merged"]
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["no_bos", "bos"])
+def test_prompt_and_completion_ids_and_labels_equal_trl_s_own_preprocessing(base, tmp_path, bos):
+    """Our ids and labels against TRL's own (SFTTrainer._prepare_dataset, the function its trainer calls): a prompt
+    ending in a space, one that merges nothing, a completion already ending in EOS, an empty prompt, and texts. The
+    first label aside: nothing in a sample predicts its first token, so ours is -100 and TRL's is never scored."""
+    pytest.importorskip("trl")
+    import types
+
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from llm_kit.sft_data import tokenize_sample
+
+    tokenizer = tokenizer_of(base, bos)
+    rows = [
+        MERGING,
+        {"prompt": "Is os.path a module?", "completion": " yes"},
+        {"prompt": "Is os.path a module? ", "completion": "yes" + tokenizer.eos_token},
+        {"prompt": "", "completion": "A plain text. "},
+    ]
+    config = SFTConfig(output_dir=str(tmp_path), max_length=512, bf16=False, report_to=[])
+    trainer = types.SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=True)
+    texts = [{"text": row["prompt"] + row["completion"]} for row in rows]
+    for data, fmt in ((rows, "prompt_completion"), (texts, "text")):
+        theirs = SFTTrainer._prepare_dataset(
+            trainer, datasets.Dataset.from_list(data), tokenizer, config, False, None, "train"
+        )
+        for row, trl_sample in zip(data, theirs, strict=True):
+            ours = tokenize_sample(row, fmt, tokenizer, 512)
+            assert ours["input_ids"] == trl_sample["input_ids"], row
+            assert ours["labels"][1:] == trl_sample["labels"][1:], row
+
+
+def test_the_data_line_and_counts_name_the_prompts_that_merge_into_their_completion(recipe):
+    """The recipe's data line and results.json's data/counts count the samples whose prompt's last token merges into
+    the completion's first, in the DPO recipe's words (TRL warns once)."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from llm_kit.sft_data import tokenize_datasets
+
+    _, tokenizer = recipe
+    printed, plain = [], {"prompt": "Is os.path a module?", "completion": " yes"}
+    raw = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list([MERGING, plain]), "validation": datasets.Dataset.from_list([plain])}
+    )
+    _, _, counts = tokenize_datasets(SimpleNamespace(print=printed.append), raw, "prompt_completion", tokenizer, 512)
+    assert counts["train"]["prompts_merged"] == 1 and counts["validation"]["prompts_merged"] == 0
+    assert printed == [
+        "data: format prompt_completion; train 2 samples (0 truncated to 512 tokens, 0 dropped: no answer token left; "
+        "1 whose prompt's last token merges into the completion's first, as TRL tokenizes them together); validation "
+        "1 samples (0 truncated to 512 tokens, 0 dropped: no answer token left)"
+    ]
+
+
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
     import datasets
 

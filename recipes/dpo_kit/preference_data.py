@@ -19,7 +19,7 @@ import torch
 from shared.data import no_value
 from shared.errors import RecipeError
 
-from llm_kit.sft_data import check_conversation, collate, stdlib_names
+from llm_kit.sft_data import check_conversation, collate, common_prefix_length, stdlib_names
 
 FORMATS = ("standard", "conversational", "conversational_implicit")
 
@@ -126,11 +126,6 @@ def tokenize_pair(row: dict, fmt: str, tokenizer, max_length: int, max_prompt_le
         "completion_cut": room > 0 and any(len(ids) > room for ids in completions),
         "prompt_merged": prompt_merged,
     }
-
-
-def common_prefix_length(ids: list[int], other: list[int]) -> int:
-    """How many leading tokens ``ids`` and ``other`` share."""
-    return next((index for index, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
 
 
 def tokenize_pairs(

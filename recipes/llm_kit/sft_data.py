@@ -194,10 +194,15 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     Conversations are rendered with the chat template one turn at a time: the text up to an assistant turn (with the
     generation prompt) is prompt, the rest of that turn is answer, and each piece is tokenized on its own, so which
     tokens are answers is exact (a template that does not render a conversation as a prefix of its continuation is
-    refused). The first token of a sample never has a label: nothing inside the sample predicts it (this also keeps
-    packed samples from predicting each other).
+    refused). A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are
+    tokenized whole (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does
+    not end with it), and the answer starts where their tokens first differ: a prompt that ends in a space gives it to
+    the answer's first word, as the whole text is tokenized (``prompt_merged``). A text is all answer. The first token
+    of a sample never has a label: nothing inside the sample predicts it (this also keeps packed samples from
+    predicting each other).
     """
     pieces: list[tuple[str, bool]] = []  # (text, is_answer)
+    prompt_merged = False
     if fmt == "messages":
         messages, done = sample["messages"], ""
         check_conversation(messages, "A conversation")  # (rows of files were checked with their row numbers)
@@ -221,10 +226,13 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     else:
         prompt = sample["prompt"] if fmt == "prompt_completion" else ""
         answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
-        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"] if prompt else []
-        eos = [] if answer.endswith(tokenizer.eos_token) else [tokenizer.eos_token_id]  # TRL: only when missing
-        answer_ids = tokenizer(answer, add_special_tokens=not prompt)["input_ids"] + eos
-        ids, labels = prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids
+        eos = "" if answer.endswith(tokenizer.eos_token) else tokenizer.eos_token  # TRL: only when missing
+        ids = tokenizer(prompt + answer + eos)["input_ids"]
+        prompt_ids = tokenizer(prompt)["input_ids"] if prompt else []
+        # TRL's rule (dpo_kit's tokenize_pair too): the answer starts where the prompt's and the whole's tokens differ.
+        answer_start = common_prefix_length(prompt_ids, ids)
+        prompt_merged = answer_start < len(prompt_ids)
+        labels = [-100] * answer_start + ids[answer_start:]
     labels[0:1] = [-100]
     truncated = len(ids) > max_length
     prompt_tokens = next((index for index, label in enumerate(labels) if label != -100), len(labels))
@@ -236,15 +244,22 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
         "num_answer_tokens": sum(label != -100 for label in labels),
         "truncated": truncated,
         "prompt_tokens": prompt_tokens,
+        "prompt_merged": prompt_merged,
     }
+
+
+def common_prefix_length(ids: list[int], other: list[int]) -> int:
+    """How many leading tokens ``ids`` and ``other`` share."""
+    return next((index for index, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
 
 
 def tokenize_datasets(
     accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int
 ) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
     """The training and validation sets as ``input_ids`` + ``labels``, and per split the samples, how many were
-    truncated and how many dropped because ``max_length`` cut off every answer token (refused when that leaves none).
-    Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
+    truncated, how many dropped because ``max_length`` cut off every answer token (refused when that leaves none)
+    and how many prompts merge into their completion's first token (``tokenize_sample``), said in one line. Call it
+    under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
     tokenized = raw_datasets.map(
         lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length),
         remove_columns=raw_datasets["train"].column_names,
@@ -258,6 +273,7 @@ def tokenize_datasets(
             "samples": len(tokenized[split]),
             "truncated": sum(tokenized[split]["truncated"]),
             "dropped_without_answer": len(tokenized[split]) - len(kept[split]),
+            "prompts_merged": sum(tokenized[split]["prompt_merged"]),
         }
         if len(kept[split]) == 0:
             prompts = sorted(tokenized[split]["prompt_tokens"])
@@ -267,14 +283,21 @@ def tokenize_datasets(
                 f"left to learn from. The shortest prompt has {prompts[0]} tokens and the median one {median}: use "
                 f"--max_length {median + 64} or more to keep most samples with answers of up to 64 tokens."
             )
-        kept[split] = kept[split].remove_columns(["truncated", "prompt_tokens", "num_answer_tokens"])
+        kept[split] = kept[split].remove_columns(["truncated", "prompt_tokens", "num_answer_tokens", "prompt_merged"])
+
+    def said(c: dict) -> str:
+        dropped = c["dropped_without_answer"]
+        parts = [f"{c['truncated']} truncated to {max_length} tokens, {dropped} dropped: no answer token left"]
+        if c["prompts_merged"]:
+            parts.append(
+                f"{c['prompts_merged']} whose prompt's last token merges into the completion's first, as TRL "
+                "tokenizes them together"
+            )
+        return "; ".join(parts)
+
     accelerator.print(
         f"data: format {fmt}; "
-        + "; ".join(
-            f"{split} {c['samples']} samples ({c['truncated']} truncated to {max_length} tokens, "
-            f"{c['dropped_without_answer']} dropped: no answer token left)"
-            for split, c in counts.items()
-        )
+        + "; ".join(f"{split} {c['samples']} samples ({said(c)})" for split, c in counts.items())
     )
     return kept["train"], kept["validation"], counts
 
