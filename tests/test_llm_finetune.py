@@ -988,6 +988,166 @@ def test_the_data_line_and_counts_name_the_prompts_that_merge_into_their_complet
     ]
 
 
+# ChatML as OpenHermes-2.5-Mistral writes it: a Mistral (SentencePiece) model with a template of plain-text turns.
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' "
+    "+ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TWO_TURNS = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "Is os.path a module?"},
+    {"role": "assistant", "content": "yes"},
+    {"role": "user", "content": "And json?"},
+    {"role": "assistant", "content": "yes it is"},
+]
+
+
+def sentencepiece_tokenizer(texts: list[str]):
+    """A Llama-2 / Mistral style tokenizer, trained here on ``texts``: BPE with byte fallback over SentencePiece's
+    Metaspace, which writes spaces as "▁" and prepends one to a text's start (``prepend_scheme="first"``), so a turn
+    tokenized on its own begins with a "▁" that the whole conversation's tokens do not hold; <s> added, as Llama's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizerFast
+
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    # The templates' characters (no merges of their own: nothing merges across a turn's end).
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=list("<|>[]/_\n")
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    tokenizer = LlamaTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        add_bos_token=True,
+        legacy=False,
+    )
+    tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def trained_spans(sample: dict) -> list[list[int]]:
+    """The runs of consecutive labelled tokens of a sample: one per answer."""
+    spans, previous = [], -100
+    for token, label in zip(sample["input_ids"], sample["labels"]):
+        if label != -100:
+            spans[-1:] = [spans[-1] + [token]] if previous != -100 else [*spans[-1:], [token]]
+        previous = label
+    return spans
+
+
+@pytest.mark.parametrize("template", ["chatml", "default"])
+def test_a_conversation_is_tokenized_whole_so_no_answer_starts_with_a_sentencepiece_space(base, template):
+    """A Llama-2 / Mistral tokenizer marks a text's start with "▁": a turn tokenized on its own would begin with a
+    space token that the whole conversation's tokens do not hold, and every answer would be trained to start with it
+    (exact match strips it, so the metric would not show it). The sample's ids are the whole rendering's, and the
+    trained tokens spell each answer and its end-of-turn text, nothing before it and nothing of the next turn; under
+    ChatML (as OpenHermes-2.5-Mistral) and the recipe's default template (a Llama-2 or Mistral base without one)."""
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_sample
+
+    chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()]
+    tokenizer = sentencepiece_tokenizer([m["content"] for chat in chats + [TWO_TURNS] for m in chat])
+    if template == "chatml":
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML if template == "chatml" else DEFAULT_CHAT_TEMPLATE
+    render = tokenizer.apply_chat_template
+    assert tokenizer.convert_ids_to_tokens(tokenizer("yes", add_special_tokens=False)["input_ids"])[0] == "▁"
+    sample = tokenize_sample({"messages": TWO_TURNS}, "messages", tokenizer, 512)
+    whole = tokenizer(render(TWO_TURNS, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert sample["input_ids"] == whole, tokenizer.convert_ids_to_tokens(sample["input_ids"])
+    spell = lambda ids: "".join(tokenizer.convert_ids_to_tokens(ids)).replace("▁", " ")  # as tokens, unstripped
+    answers = [
+        render(TWO_TURNS[: index + 1], tokenize=False)[
+            len(render(TWO_TURNS[:index], tokenize=False, add_generation_prompt=True)) :
+        ]
+        for index in (2, 4)
+    ]
+    assert answers[0] == "yes" + ("<|im_end|>\n" if template == "chatml" else "</s>\n")
+    assert [spell(span) for span in trained_spans(sample)] == answers
+    assert not sample["prompt_merged"] and not sample["answer_merged"]
+
+
+@pytest.mark.parametrize("template", ["chatml", "default"])
+def test_conversations_get_the_ids_and_labels_of_their_turns_tokenized_apart_where_nothing_merges(base, template):
+    """A byte-level BPE (GPT-2's, Llama-3's, Qwen's, the tests') writes a space as part of the next word and marks no
+    text's start: nothing merges across a turn's boundary, and a conversation tokenized whole gets the ids and labels
+    of its turns tokenized one at a time (the rule before the whole was tokenized), for every conversation of the
+    tests' data: system prompts, second turns, answers from one word to sentences."""
+    from transformers import AutoTokenizer
+
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_sample
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.chat_template = CHATML if template == "chatml" else DEFAULT_CHAT_TEMPLATE
+    chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()]
+    tokens = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    render = tokenizer.apply_chat_template
+    assert any(m["role"] == "system" for chat in chats for m in chat)
+    assert any(sum(m["role"] == "assistant" for m in chat) == 2 for chat in chats)
+    for messages in chats + [TWO_TURNS]:
+        ids, labels, done = [], [], ""
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant":
+                prompt = render(messages[:index], tokenize=False, add_generation_prompt=True)
+                full = render(messages[: index + 1], tokenize=False)
+                context, answer = tokens(prompt[len(done) :]), tokens(full[len(prompt) :])
+                ids, labels, done = ids + context + answer, labels + [-100] * len(context) + answer, full
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert sample["input_ids"] == ids and sample["labels"] == [-100] + labels[1:], messages
+        assert not sample["prompt_merged"] and not sample["answer_merged"]
+
+
+def test_tokens_that_merge_across_an_answer_s_ends_are_counted_and_the_next_turn_is_not_trained(base):
+    """A tokenizer whose merges cross the template's turns (here one trained on rendered conversations): the token
+    that holds the generation prompt's end and the answer's first word is trained (TRL's prompt/completion rule),
+    the token that holds an answer's last newline and the next turn's tag is not (it is the user's turn, which the
+    model is not taught to write); the data line and data/counts count both, per conversation."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_datasets, tokenize_sample
+
+    tokenizer = sentencepiece_tokenizer([])
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    rendered = tokenizer.apply_chat_template(TWO_TURNS, tokenize=False)
+    tokenizer = sentencepiece_tokenizer([rendered] * 5 + ["\n<|user|>"] * 20)
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    sample = tokenize_sample({"messages": TWO_TURNS}, "messages", tokenizer, 512)
+    ids = sample["input_ids"]
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    spell = lambda ids: "".join(tokenizer.convert_ids_to_tokens(ids)).replace("▁", " ")
+    first, second = trained_spans(sample)
+    labels = sample["labels"]
+    after = ids[next(at for at in range(1, len(ids)) if labels[at - 1] != -100 and labels[at] == -100)]
+    assert spell(first).endswith("\nyes</s>") and spell([after]).startswith("\n<|user|"), spell(ids)
+    assert spell(second).endswith("\nyes it is</s>\n") and sample["prompt_merged"] and sample["answer_merged"]
+    printed, plain = [], {"messages": TWO_TURNS[1:3]}
+    raw = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"messages": TWO_TURNS}, plain]),
+            "validation": datasets.Dataset.from_list([plain]),
+        }
+    )
+    _, _, counts = tokenize_datasets(SimpleNamespace(print=printed.append), raw, "messages", tokenizer, 512)
+    assert counts["train"] == {
+        "samples": 2,
+        "truncated": 0,
+        "dropped_without_answer": 0,
+        "prompts_merged": 2,
+        "answers_merged": 1,
+    }
+    assert printed[0].startswith(
+        "data: format messages; train 2 samples (0 truncated to 512 tokens, 0 dropped: no answer token left; 2 whose "
+        "prompt's last token merges into the completion's first, as TRL tokenizes them together; 1 whose answer's "
+        "last token merges into the next turn's first, not trained, as the conversation is tokenized whole); "
+    )
+
+
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
     import datasets
 

@@ -191,20 +191,21 @@ def data_format(columns: list[str]) -> str:
 def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     """``input_ids`` and ``labels`` (-100 everywhere but on answer tokens) of one sample, truncated to ``max_length``.
 
-    Conversations are rendered with the chat template one turn at a time: the text up to an assistant turn (with the
-    generation prompt) is prompt, the rest of that turn is answer, and each piece is tokenized on its own, so which
-    tokens are answers is exact (a template that does not render a conversation as a prefix of its continuation is
-    refused). A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are
-    tokenized whole (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does
-    not end with it), and the answer starts where their tokens first differ: a prompt that ends in a space gives it to
-    the answer's first word, as the whole text is tokenized (``prompt_merged``). A text is all answer. The first token
-    of a sample never has a label: nothing inside the sample predicts it (this also keeps packed samples from
-    predicting each other).
+    A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are tokenized
+    whole (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does not end
+    with it), and the answer starts where their tokens first differ: a prompt that ends in a space gives it to the
+    answer's first word, as the whole text is tokenized (``prompt_merged``). A conversation, by the same rule: its
+    chat template's rendering up to the last answer is tokenized whole (the template writes its own special tokens),
+    and each answer runs from where the rendering up to it (with the generation prompt) and the whole first differ to
+    where the rendering up to its end and the whole first differ (an end token that merges into the next turn's text,
+    ``answer_merged``, is context, not answer). Tokenizing the turns apart would differ where a tokenizer marks a
+    text's start (a SentencePiece ``"▁"`` before every answer). A template that does not render a conversation as a
+    prefix of its continuation is refused. A text is all answer. The first token of a sample never has a label:
+    nothing inside the sample predicts it (this also keeps packed samples from predicting each other).
     """
-    pieces: list[tuple[str, bool]] = []  # (text, is_answer)
-    prompt_merged = False
+    prompt_merged = answer_merged = False
     if fmt == "messages":
-        messages, done = sample["messages"], ""
+        messages, done, answers = sample["messages"], "", []
         check_conversation(messages, "A conversation")  # (rows of files were checked with their row numbers)
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -216,13 +217,20 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
                     "The chat template does not render a conversation as a prefix of its continuation, "
                     "so the answer tokens cannot be found exactly; use a template that does (most do)."
                 )
-            pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+            answers.append((prompt, full))
             done = full
-        ids, labels = [], []
-        for text, is_answer in pieces:
-            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-            ids += piece
-            labels += piece if is_answer else [-100] * len(piece)
+        # The template writes its own special tokens (a BOS among them) as text: the tokenizer adds none.
+        tokens = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokens(done)  # the conversation to its last answer, tokenized once, as the model will read it
+        labels = [-100] * len(ids)
+        for prompt, full in answers:
+            # TRL's prompt/completion rule (below) at both ends of an answer: a token that the context merges into
+            # the answer's first is trained; one that the answer's end merges into the next turn's text is not.
+            prompt_ids, full_ids = tokens(prompt), tokens(full)
+            start, end = common_prefix_length(prompt_ids, ids), common_prefix_length(full_ids, ids)
+            labels[start:end] = ids[start:end]
+            prompt_merged |= start < len(prompt_ids)
+            answer_merged |= end < len(full_ids)
     else:
         prompt = sample["prompt"] if fmt == "prompt_completion" else ""
         answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
@@ -245,6 +253,7 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
         "truncated": truncated,
         "prompt_tokens": prompt_tokens,
         "prompt_merged": prompt_merged,
+        "answer_merged": answer_merged,
     }
 
 
@@ -258,8 +267,8 @@ def tokenize_datasets(
 ) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
     """The training and validation sets as ``input_ids`` + ``labels``, and per split the samples, how many were
     truncated, how many dropped because ``max_length`` cut off every answer token (refused when that leaves none)
-    and how many prompts merge into their completion's first token (``tokenize_sample``), said in one line. Call it
-    under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
+    and how many prompts merge into their completion's first token or answers into the next turn (``tokenize_sample``),
+    said in one line. Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
     tokenized = raw_datasets.map(
         lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length),
         remove_columns=raw_datasets["train"].column_names,
@@ -274,6 +283,7 @@ def tokenize_datasets(
             "truncated": sum(tokenized[split]["truncated"]),
             "dropped_without_answer": len(tokenized[split]) - len(kept[split]),
             "prompts_merged": sum(tokenized[split]["prompt_merged"]),
+            "answers_merged": sum(tokenized[split]["answer_merged"]),
         }
         if len(kept[split]) == 0:
             prompts = sorted(tokenized[split]["prompt_tokens"])
@@ -283,7 +293,8 @@ def tokenize_datasets(
                 f"left to learn from. The shortest prompt has {prompts[0]} tokens and the median one {median}: use "
                 f"--max_length {median + 64} or more to keep most samples with answers of up to 64 tokens."
             )
-        kept[split] = kept[split].remove_columns(["truncated", "prompt_tokens", "num_answer_tokens", "prompt_merged"])
+        counted = ["truncated", "prompt_tokens", "num_answer_tokens", "prompt_merged", "answer_merged"]
+        kept[split] = kept[split].remove_columns(counted)
 
     def said(c: dict) -> str:
         dropped = c["dropped_without_answer"]
@@ -292,6 +303,11 @@ def tokenize_datasets(
             parts.append(
                 f"{c['prompts_merged']} whose prompt's last token merges into the completion's first, as TRL "
                 "tokenizes them together"
+            )
+        if c["answers_merged"]:
+            parts.append(
+                f"{c['answers_merged']} whose answer's last token merges into the next turn's first, not trained, as "
+                "the conversation is tokenized whole"
             )
         return "; ".join(parts)
 
