@@ -1101,6 +1101,49 @@ def test_conversations_get_the_ids_and_labels_of_their_turns_tokenized_apart_whe
         assert not sample["prompt_merged"] and not sample["answer_merged"]
 
 
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte_level"])
+def test_conversation_ids_and_labels_equal_trl_s_assistant_only_loss(base, tmp_path, kind):
+    """Our ids and labels against TRL's own (SFTTrainer._prepare_dataset with ``assistant_only_loss=True``, which
+    needs ChatML with ``{% generation %}`` markers around each answer and tokenizes the conversation whole), with the
+    SentencePiece-style tokenizer and the tests' byte-level one, on system prompts and second turns. The first label
+    aside: nothing in a sample predicts its first token."""
+    pytest.importorskip("trl")
+    import types
+
+    import datasets
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from llm_kit.sft_data import tokenize_sample
+
+    chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()][:12]
+    if kind == "sentencepiece":
+        tokenizer = sentencepiece_tokenizer([m["content"] for chat in chats + [TWO_TURNS] for m in chat])
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        tokenizer.pad_token = tokenizer.eos_token
+    turn = "message['content'] + '<|im_end|>' + '\\n'"
+    tokenizer.chat_template = (  # CHATML, each answer and its end marked as what the model writes
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == "
+        f"'assistant' %}}{{% generation %}}{{{{ {turn} }}}}{{% endgeneration %}}{{% else %}}{{{{ {turn} }}}}"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    assert tokenizer.apply_chat_template(TWO_TURNS, tokenize=False) == tokenizer.apply_chat_template(
+        TWO_TURNS, tokenize=False, chat_template=CHATML
+    )
+    rows = [{"messages": messages} for messages in chats + [TWO_TURNS]]
+    config = SFTConfig(output_dir=str(tmp_path), max_length=512, bf16=False, report_to=[], assistant_only_loss=True)
+    trainer = types.SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=None)
+    theirs = SFTTrainer._prepare_dataset(
+        trainer, datasets.Dataset.from_list(rows), tokenizer, config, False, None, "train"
+    )
+    for row, trl_sample in zip(rows, theirs, strict=True):
+        ours = tokenize_sample(row, "messages", tokenizer, 512)
+        assert ours["input_ids"] == trl_sample["input_ids"], row
+        assert ours["labels"][1:] == trl_sample["labels"][1:], row
+
+
 def test_tokens_that_merge_across_an_answer_s_ends_are_counted_and_the_next_turn_is_not_trained(base):
     """A tokenizer whose merges cross the template's turns (here one trained on rendered conversations): the token
     that holds the generation prompt's end and the answer's first word is trained (TRL's prompt/completion rule),
