@@ -352,6 +352,35 @@ def test_a_continued_adapter_resumes_whatever_the_lora_flags_and_not_from_anothe
     assert "train/loss" not in run.output
 
 
+def test_a_continued_adapter_is_known_by_the_weights_peft_loads(tmp_path):
+    """What a resume checks of a continued adapter is the file PEFT loads from its folder: adapter_model.safetensors
+    when there is one, else adapter_model.bin. A .bin left beside the .safetensors (an adapter converted) changes
+    nothing, rewritten or removed; the loaded file's weights do; a folder holding only a .bin is known by it."""
+    from peft.utils import load_peft_weights
+
+    from llm_kit.checkpoints import unchanged_by_a_resume
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file({"w": torch.ones(2, 2)}, folder / "adapter_model.safetensors")
+    torch.save({"w": torch.zeros(2, 2)}, folder / "adapter_model.bin")
+    assert torch.equal(load_peft_weights(str(folder), device="cpu")["w"], torch.ones(2, 2))  # what PEFT reads
+    held = lambda: unchanged_by_a_resume(8, True, adapter_name_or_path=str(folder), lora_r=16)
+    first = held()
+    assert set(first) == {"training_examples", "adapter_name_or_path"}
+    torch.save({"w": torch.full((2, 2), 2.0)}, folder / "adapter_model.bin")
+    assert held() == first
+    (folder / "adapter_model.bin").unlink()
+    assert held() == first
+    save_file({"w": torch.full((2, 2), 3.0)}, folder / "adapter_model.safetensors")
+    assert held() != first
+    (folder / "adapter_model.safetensors").unlink()
+    torch.save({"w": torch.ones(2, 2)}, folder / "adapter_model.bin")
+    only_bin = held()
+    torch.save({"w": torch.zeros(2, 2)}, folder / "adapter_model.bin")
+    assert held() != only_bin
+
+
 # ----------------------------------------------------------------------------- GPT-2 with its dropout, the defaults
 @pytest.fixture(scope="module")
 def gpt2(base, tmp_path_factory):

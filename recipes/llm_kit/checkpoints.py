@@ -69,15 +69,21 @@ def unchanged_by_a_resume(training_examples: int, lora: bool, adapter_name_or_pa
     """What a resume must find as the checkpoint recorded it (``shared.checkpoints.load_checkpoint`` compares them
     before loading): the number of training examples, which orders their shuffle, and the adapter trained. A new
     adapter is its LoRA flags; a continued one (``adapter_name_or_path``: its own rank and targets, the flags ignored)
-    is a digest of its files, wherever the folder is now: its frozen copy is the reference, so another adapter, or the
-    same folder trained again since, would change what the resumed steps are measured against."""
+    is a digest of the weights PEFT loads from it, wherever the folder is now: its frozen copy is the reference, so
+    another adapter, or the same folder trained again since, would change what the resumed steps are measured
+    against."""
     if not lora:
         return {"training_examples": training_examples}
     if adapter_name_or_path is None:
         return {"training_examples": training_examples, **lora_flags}
+    # PEFT's load_peft_weights reads the .safetensors when there is one: a .bin left beside it is never loaded.
+    folder = Path(adapter_name_or_path)
+    weights = next(
+        (file for file in (folder / "adapter_model.safetensors", folder / "adapter_model.bin") if file.is_file()), None
+    )
     digest = hashlib.sha256()
-    for file in sorted(Path(adapter_name_or_path).glob("adapter_model.*")):  # .safetensors (or .bin): its weights
-        with file.open("rb") as opened:
+    if weights is not None:  # (none: PEFT refuses the folder when it loads it)
+        with weights.open("rb") as opened:
             digest.update(hashlib.file_digest(opened, "sha256").digest())
     held = f"<a folder of files of sha256 {digest.hexdigest()[:12]}>"
     return {"training_examples": training_examples, "adapter_name_or_path": held}
