@@ -955,6 +955,33 @@ def test_the_data_line_counts_what_was_dropped_and_cut_and_refuses_when_nothing_
     )
 
 
+@pytest.mark.parametrize("fmt", ["standard", "conversational"])
+def test_a_tokenizer_that_splits_its_eos_text_is_refused(base, fmt):
+    """Each completion ends in the EOS, appended as text (TRL) or written by the chat template: a tokenizer that
+    writes that text as other tokens (``split_special_tokens`` in its config) would score pieces of it, never the token
+    that stops generation. Refused in one paragraph naming the tokenizer and the pieces, before any pair is tokenized;
+    the same tokenizer keeping it whole puts its id in each chosen completion."""
+    import datasets
+
+    from dpo_kit.preference_data import tokenize_pairs
+    from shared.errors import RecipeError
+
+    rows = STRINGS[:2] if fmt == "standard" else CONVERSATIONS[:2]
+    raw = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split in ("train", "validation")})
+    printed = []
+    accelerator = type("Accelerator", (OneProcess,), {"print": staticmethod(printed.append)})
+    tokenizer = chat_tokenizer_of(base)
+    train, _, _ = tokenize_pairs(accelerator, raw, fmt, tokenizer, 512, None)
+    assert all(tokenizer.eos_token_id in ids for ids in train["chosen_ids"])
+    tokenizer.split_special_tokens = True
+    with pytest.raises(RecipeError) as error:
+        tokenize_pairs(accelerator, raw, fmt, tokenizer, 512, None)
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer(tokenizer.eos_token, add_special_tokens=False)["input_ids"])
+    said = error.value.message
+    assert f"writes its end-of-sequence text {tokenizer.eos_token!r} as {pieces}, not as its token" in said
+    assert len(pieces) > 1 and len(printed) == 1  # the first call's data line only
+
+
 # ----------------------------------------------------------------------------- refusals
 BAD_ROWS = [
     ({"prompt": "Q?", "chosen": "yes", "rejected": None}, "Row 2 of test has no 'rejected'"),

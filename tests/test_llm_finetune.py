@@ -965,6 +965,45 @@ def test_prompt_and_completion_ids_and_labels_equal_trl_s_own_preprocessing(base
             assert ours["labels"][1:] == trl_sample["labels"][1:], row
 
 
+@pytest.mark.parametrize("fmt", ["prompt_completion", "text", "messages"])
+def test_a_tokenizer_that_splits_its_eos_text_is_refused(base, fmt):
+    """A tokenizer that writes its end-of-sequence text as other tokens (``split_special_tokens`` in its config) would
+    put those pieces where the EOS goes, after a completion or a text (TRL appends it as text) or at a turn's end (the
+    chat template writes it), so the model would never learn the token that stops generation: refused in one
+    paragraph naming the tokenizer, the text and its pieces, in every format, before any sample is tokenized. The same
+    tokenizer keeping it whole trains its id."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_datasets
+    from shared.errors import RecipeError
+
+    rows = {
+        "prompt_completion": [{"prompt": "Is os.path a module?", "completion": " yes"}],
+        "text": [{"text": "os.path is a module."}],
+        "messages": [{"messages": TWO_TURNS}],
+    }[fmt]
+    raw = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split in ("train", "validation")})
+    tokenizer = tokenizer_of(base, bos=False)
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    printed = []
+    train, _, _ = tokenize_datasets(SimpleNamespace(print=printed.append), raw, fmt, tokenizer, 512)
+    assert tokenizer.eos_token_id in [label for label in train[0]["labels"] if label != -100]
+    tokenizer.split_special_tokens = True
+    pieces = tokenizer(tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    assert len(pieces) > 1 and tokenizer.eos_token_id not in pieces
+    with pytest.raises(RecipeError) as error:
+        tokenize_datasets(SimpleNamespace(print=printed.append), raw, fmt, tokenizer, 512)
+    said = error.value.message
+    assert (
+        f"The tokenizer of {tokenizer.name_or_path} writes its end-of-sequence text {tokenizer.eos_token!r} as "
+        in said
+    )
+    assert str(tokenizer.convert_ids_to_tokens(pieces)) in said and "split_special_tokens" in said
+    assert len(printed) == 1  # the first run's data line only: refused before the samples
+
+
 def test_the_data_line_and_counts_name_the_prompts_that_merge_into_their_completion(recipe):
     """The recipe's data line and results.json's data/counts count the samples whose prompt's last token merges into
     the completion's first, in the DPO recipe's words (TRL warns once)."""

@@ -19,7 +19,7 @@ import torch
 from shared.data import no_value
 from shared.errors import RecipeError
 
-from llm_kit.sft_data import check_conversation, collate, common_prefix_length, stdlib_names
+from llm_kit.sft_data import check_conversation, check_eos_token, collate, common_prefix_length, stdlib_names
 
 FORMATS = ("standard", "conversational", "conversational_implicit")
 
@@ -140,6 +140,7 @@ def tokenize_pairs(
     precomputed reference is looked up by), the pairs whose prompt fills ``max_length`` dropped; per split how many
     pairs are kept, dropped and cut, said in one line. A split left without a pair is refused. Call it under
     ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
+    check_eos_token(tokenizer)  # each completion ends in it: as text after a string, or as the template writes it
     tokenized = raw_datasets.map(
         lambda row: tokenize_pair(row, fmt, tokenizer, max_length, max_prompt_length),
         remove_columns=raw_datasets["train"].column_names,

@@ -174,6 +174,22 @@ def check_conversation(messages, where: str, column: str = "messages", answer: b
         )
 
 
+def check_eos_token(tokenizer) -> None:
+    """Refuse a tokenizer that tokenizes its end-of-sequence text into other tokens (``split_special_tokens``, or an
+    ``eos_token`` that is not one of its tokens): the EOS appended to an answer (as text, as TRL appends it) and the
+    one a chat template writes would never be the token that ends generation, so the model would not learn to stop."""
+    eos = tokenizer.eos_token
+    pieces = tokenizer(eos, add_special_tokens=False)["input_ids"] if eos else [tokenizer.eos_token_id]
+    if pieces != [tokenizer.eos_token_id]:
+        raise RecipeError(
+            f"The tokenizer of {tokenizer.name_or_path} writes its end-of-sequence text {eos!r} as "
+            f"{tokenizer.convert_ids_to_tokens(pieces)}, not as its token {tokenizer.eos_token_id}: where it ends an "
+            "answer (appended as text, as TRL appends it, or written by the chat template), it would never teach the "
+            "model the token that ends generation. Use a tokenizer that keeps its special tokens whole "
+            "(split_special_tokens false in its tokenizer_config.json) and whose eos_token is one of its tokens."
+        )
+
+
 def data_format(columns: list[str]) -> str:
     """``messages``, ``prompt_completion`` or ``text``: the TRL formats, in that order of preference."""
     if "messages" in columns:
@@ -269,6 +285,7 @@ def tokenize_datasets(
     truncated, how many dropped because ``max_length`` cut off every answer token (refused when that leaves none)
     and how many prompts merge into their completion's first token or answers into the next turn (``tokenize_sample``),
     said in one line. Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
+    check_eos_token(tokenizer)  # every format trains the EOS: as text after an answer, or as the template writes it
     tokenized = raw_datasets.map(
         lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length),
         remove_columns=raw_datasets["train"].column_names,
