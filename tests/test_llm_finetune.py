@@ -1183,6 +1183,45 @@ def test_conversation_ids_and_labels_equal_trl_s_assistant_only_loss(base, tmp_p
         assert ours["labels"][1:] == trl_sample["labels"][1:], row
 
 
+def test_a_conversation_s_tools_are_rendered_in_training_and_in_its_exact_match_prompt(base):
+    """TRL's ``tools`` column (a list of tool schemas, or its JSON text): the chat template renders them into the
+    conversation (here a ChatML template that writes them in a system turn), so the model trains on the context it is
+    asked in; and the exact match asks with them too. Without them the tool calls would be learned without the tools'
+    definitions in sight. A cell that is not JSON is refused by its row."""
+    from llm_kit.sft_data import prompt_of, tokenize_sample
+
+    tokenizer = tokenizer_of(base, bos=False)
+    tokenizer.chat_template = (
+        "{% if tools %}{{ '<|im_start|>system\\n' + (tools | tojson) + '<|im_end|>\\n' }}{% endif %}" + CHATML
+    )
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a module", "parameters": {}}}]
+    messages = TWO_TURNS[1:3]
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert '"lookup"' in rendered and '"lookup"' not in tokenizer.apply_chat_template(messages, tokenize=False)
+    for given in (tools, json.dumps(tools)):
+        sample = tokenize_sample({"messages": messages, "tools": given}, "messages", tokenizer, 512)
+        assert sample["input_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode([i for i, label in zip(sample["input_ids"], sample["labels"]) if label != -100]) == (
+            "yes<|im_end|>\n"
+        )
+        prompt = prompt_of({"messages": messages, "tools": given}, "messages", tokenizer)
+        assert prompt == tokenizer.apply_chat_template(
+            messages[:1], tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    import datasets
+
+    from llm_kit.sft_data import check_rows
+    from shared.errors import RecipeError
+
+    rows = [
+        {"messages": messages, "tools": json.dumps(tools)},
+        {"messages": messages, "tools": "[{'name': 'lookup'}]"},
+    ]
+    with pytest.raises(RecipeError) as error:
+        check_rows(datasets.Dataset.from_list(rows), "messages", "chats.jsonl")
+    assert error.value.message.startswith("Row 2 of chats.jsonl: its 'tools' cell is not JSON")
+
+
 def test_tokens_that_merge_across_an_answer_s_ends_are_counted_and_the_next_turn_is_not_trained(base):
     """A tokenizer whose merges cross the template's turns (here one trained on rendered conversations): the token
     that holds the generation prompt's end and the answer's first word is trained (TRL's prompt/completion rule),

@@ -13,6 +13,7 @@ import ast
 import bisect
 import collections
 import hashlib
+import json
 import platform
 from pathlib import Path
 
@@ -148,6 +149,14 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
     if fmt == "messages":
         for number, messages in enumerate(dataset["messages"], start=1):
             check_conversation(messages, f"Row {number} of {source}")
+    for number, tools in enumerate(dataset["tools"] if fmt == "messages" and "tools" in dataset.column_names else []):
+        try:
+            chat_tools({"tools": tools})
+        except json.JSONDecodeError as error:
+            raise RecipeError(
+                f"Row {number + 1} of {source}: its 'tools' cell is not JSON ({error.msg}): {str(tools)[:200]}. "
+                "Give the tool schemas as a list, or as its JSON text."
+            ) from None
 
 
 def check_conversation(messages, where: str, column: str = "messages", answer: bool = True) -> None:
@@ -221,13 +230,15 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     """
     prompt_merged = answer_merged = False
     if fmt == "messages":
-        messages, done, answers = sample["messages"], "", []
+        messages, done, answers, tools = sample["messages"], "", [], chat_tools(sample)
         check_conversation(messages, "A conversation")  # (rows of files were checked with their row numbers)
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            prompt = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-            full = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+            prompt = tokenizer.apply_chat_template(
+                messages[:index], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            full = tokenizer.apply_chat_template(messages[: index + 1], tools=tools, tokenize=False)
             if not (prompt.startswith(done) and full.startswith(prompt)):
                 raise RecipeError(
                     "The chat template does not render a conversation as a prefix of its continuation, "
@@ -384,8 +395,18 @@ def prompt_of(sample: dict, fmt: str, tokenizer, last: bool = False) -> str:
         messages = sample["messages"]
         first = next(index for index, message in enumerate(messages) if message["role"] == "assistant")
         answer = last_answer(messages) if last else first
-        return tokenizer.apply_chat_template(messages[:answer], tokenize=False, add_generation_prompt=True)
+        tools = chat_tools(sample)
+        return tokenizer.apply_chat_template(
+            messages[:answer], tools=tools, tokenize=False, add_generation_prompt=True
+        )
     return sample["prompt"] if fmt == "prompt_completion" else sample["text"][:64]
+
+
+def chat_tools(sample: dict) -> list | None:
+    """The tool schemas a conversation is rendered with, as TRL reads them: its ``tools`` cell, a list or its JSON text
+    (a row without one: None, no tools)."""
+    tools = sample.get("tools")
+    return json.loads(tools) if isinstance(tools, str) else tools
 
 
 def last_answer(messages: list[dict]) -> int:
