@@ -8,10 +8,12 @@ trained three ways and resumed: the reference), ``qlora`` and ``architectures``,
 device_map split), ``full`` (the full fine-tune) and ``formats`` (positions, packing); a test that compares two
 scenarios takes both."""
 
+import collections
 import json
 import os
 import random
 import re
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -1267,6 +1269,44 @@ def test_tokens_that_merge_across_an_answer_s_ends_are_counted_and_the_next_turn
         "prompt's last token merges into the completion's first, as TRL tokenizes them together; 1 whose answer's "
         "last token merges into the next turn's first, not trained, as the conversation is tokenized whole); "
     )
+
+
+def test_a_fast_tokenizer_finds_each_answer_by_its_offsets_in_one_tokenization(base):
+    """A fast tokenizer's offsets find the same answer tokens as tokenizing the text up to each end alone (the rule a
+    tokenizer without offsets keeps), at both merges and none, with one tokenization of a conversation: tokenizing
+    the text up to each of its answers would cost the square of their number (4 s for one of 64 answers)."""
+    from transformers import AutoTokenizer
+
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, answer_tokens, tokenize_sample
+
+    chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()]
+    byte_level = AutoTokenizer.from_pretrained(base)
+    plain = sentencepiece_tokenizer([m["content"] for chat in chats + [TWO_TURNS] for m in chat])
+    plain.chat_template = DEFAULT_CHAT_TEMPLATE
+    merging = sentencepiece_tokenizer([plain.apply_chat_template(TWO_TURNS, tokenize=False)] * 5 + ["\n<|user|>"] * 20)
+    cases = [(byte_level, CHATML), (byte_level, DEFAULT_CHAT_TEMPLATE), (plain, DEFAULT_CHAT_TEMPLATE)]
+    cases += [(merging, DEFAULT_CHAT_TEMPLATE)]
+    found = collections.Counter()
+    for tokenizer, template in cases:
+        tokenizer.chat_template = template
+        for messages in chats + [TWO_TURNS]:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+            whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            without = {"input_ids": whole["input_ids"]}
+            for index in (i for i, message in enumerate(messages) if message["role"] == "assistant"):
+                start = len(
+                    tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+                )
+                end = len(tokenizer.apply_chat_template(messages[: index + 1], tokenize=False))
+                by_offsets = answer_tokens(tokenizer, whole, text, start, end)
+                assert by_offsets == answer_tokens(tokenizer, without, text, start, end), (messages, index)
+                found[by_offsets[2:]] += 1
+    assert found[(True, True)] and found[(False, False)]  # merges at both ends, and none
+    calls, call = [], type(merging).__call__
+    many = [{"role": role, "content": f"turn {n}"} for n in range(16) for role in ("user", "assistant")]
+    with mock.patch.object(type(merging), "__call__", lambda self, *a, **k: calls.append(a) or call(self, *a, **k)):
+        sample = tokenize_sample({"messages": many}, "messages", merging, 4096)
+    assert len(calls) == 1 and len(trained_spans(sample)) == 16
 
 
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):

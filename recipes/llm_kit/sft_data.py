@@ -246,18 +246,16 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
                 )
             answers.append((prompt, full))
             done = full
-        # The template writes its own special tokens (a BOS among them) as text: the tokenizer adds none.
-        tokens = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = tokens(done)  # the conversation to its last answer, tokenized once, as the model will read it
-        labels = [-100] * len(ids)
+        # The template writes its own special tokens (a BOS among them) as text: the tokenizer adds none. The
+        # conversation to its last answer is tokenized once, as the model will read it.
+        whole = tokenizer(done, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
+        ids, labels = whole["input_ids"], [-100] * len(whole["input_ids"])
         for prompt, full in answers:
             # TRL's prompt/completion rule (below) at both ends of an answer: a token that the context merges into
             # the answer's first is trained; one that the answer's end merges into the next turn's text is not.
-            prompt_ids, full_ids = tokens(prompt), tokens(full)
-            start, end = common_prefix_length(prompt_ids, ids), common_prefix_length(full_ids, ids)
+            start, end, into_answer, into_next = answer_tokens(tokenizer, whole, done, len(prompt), len(full))
             labels[start:end] = ids[start:end]
-            prompt_merged |= start < len(prompt_ids)
-            answer_merged |= end < len(full_ids)
+            prompt_merged, answer_merged = prompt_merged or into_answer, answer_merged or into_next
     else:
         prompt = sample["prompt"] if fmt == "prompt_completion" else ""
         answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
@@ -282,6 +280,28 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
         "prompt_merged": prompt_merged,
         "answer_merged": answer_merged,
     }
+
+
+def answer_tokens(tokenizer, whole, text: str, answer_start: int, answer_end: int) -> tuple[int, int, bool, bool]:
+    """Where the answer ``text[answer_start:answer_end]`` starts and ends in ``whole``, ``text`` tokenized once, and
+    whether a token spans its start (trained: the context merges into its first token) or its end (not trained: it
+    merges into the next turn's text). With a fast tokenizer's offsets: from the first token whose text ends past
+    ``answer_start`` to the last that ends by ``answer_end``. Without, by TRL's prompt/completion rule: the text up to
+    each end tokenized alone, the answer starting and ending where those tokens and the whole's first differ (the
+    same tokens, at a cost that grows with the square of the number of answers)."""
+    if "offset_mapping" not in whole:
+        tokens = lambda upto: tokenizer(text[:upto], add_special_tokens=False)["input_ids"]
+        before, through = tokens(answer_start), tokens(answer_end)
+        start, end = (
+            common_prefix_length(before, whole["input_ids"]),
+            common_prefix_length(through, whole["input_ids"]),
+        )
+        return start, end, start < len(before), end < len(through)
+    spans = whole["offset_mapping"]
+    start = next((index for index, (_, stop) in enumerate(spans) if stop > answer_start), len(spans))
+    end = next((index for index, (_, stop) in enumerate(spans) if stop > answer_end), len(spans))
+    merged = lambda index, at: index < len(spans) and spans[index][0] < at
+    return start, end, merged(start, answer_start), merged(end, answer_end)
 
 
 def common_prefix_length(ids: list[int], other: list[int]) -> int:
