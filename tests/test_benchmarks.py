@@ -9,12 +9,15 @@ themselves: a smoke run is marked as a plumbing check, and its ratios are not ju
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness.launch import visible_gpus, zygotes
+from harness.zygote import FORKED_PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
 import run as runner
@@ -26,6 +29,36 @@ def cli(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), *map(str, args)],
         cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# run.py with ``sys.executable`` set to forked_python: the Python processes its launches start (Accelerate's launcher
+# and its workers, torchrun, compare.py) are forks of the suite's zygotes (tests/harness/zygote.py), as the recipes'
+# launches in the other tests are; their command lines and environments stay the runner's.
+FORKING_RUNNER = (
+    "import os, runpy, sys\n"
+    "sys.executable, sys.argv = sys.argv[1], sys.argv[2:]\n"
+    "sys.path[0] = os.path.dirname(sys.argv[0])  # as python SCRIPT sets it\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def forking_cli(script: str, *args, timeout: float) -> subprocess.CompletedProcess:
+    """``cli``, but with the launches of the benchmark script forked from the zygotes where there is no GPU (a CUDA
+    context does not survive a fork)."""
+    if visible_gpus():
+        return cli(script, *args, timeout=timeout)
+    forked = zygotes()
+    for zygote in forked.pair:
+        zygote.wait_until_ready()
+    sockets = os.pathsep.join(str(zygote.path) for zygote in forked.pair)
+    return subprocess.run(
+        [sys.executable, "-c", FORKING_RUNNER, FORKED_PYTHON, str(REPO / "benchmarks" / script), *map(str, args)],
+        cwd=REPO,
+        env={**os.environ, "ZYGOTE_SOCKETS": sockets, "ZYGOTE_PYTHON": sys.executable},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -54,7 +87,7 @@ def bench(tmp_path_factory):
     )
     (root / "matrix.json").write_text(json.dumps(matrix))
     out = root / "out"
-    first = cli("run.py", "--matrix", root / "matrix.json", "--output_dir", out, "--jobs", "2", timeout=600)
+    first = forking_cli("run.py", "--matrix", root / "matrix.json", "--output_dir", out, "--jobs", "2", timeout=600)
     records = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
     return {"root": root, "out": out, "first": first, "records": records}
 
