@@ -35,9 +35,22 @@ def cli(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess
     )
 
 
-# run.py with ``sys.executable`` set to forked_python: the Python processes its launches start (Accelerate's launcher
-# and its workers, torchrun, compare.py) are forks of the suite's zygotes (tests/harness/zygote.py), as the recipes'
-# launches in the other tests are; their command lines and environments stay the runner's.
+def forked_python_environment() -> dict | None:
+    """What tests/harness/forked_python needs to find the suite's zygotes (tests/harness/zygote.py), which it asks for
+    a copy of a process that imported torch, transformers and PEFT instead of starting one; None on a machine with a
+    GPU, where launches start (a CUDA context does not survive a fork)."""
+    if visible_gpus():
+        return None
+    forked = zygotes()
+    for zygote in forked.pair:
+        zygote.wait_until_ready()
+    sockets = os.pathsep.join(str(zygote.path) for zygote in forked.pair)
+    return {"ZYGOTE_SOCKETS": sockets, "ZYGOTE_PYTHON": sys.executable}
+
+
+# A benchmark script with ``sys.executable`` set to forked_python: the Python processes its launches start
+# (Accelerate's launcher and its workers, torchrun and its workers, compare.py) are copies of the suite's zygotes, as
+# the recipes' launches in the other tests are; their command lines and environments stay the script's.
 FORKING_RUNNER = (
     "import os, runpy, sys\n"
     "sys.executable, sys.argv = sys.argv[1], sys.argv[2:]\n"
@@ -47,18 +60,14 @@ FORKING_RUNNER = (
 
 
 def forking_cli(script: str, *args, timeout: float) -> subprocess.CompletedProcess:
-    """``cli``, but with the launches of the benchmark script forked from the zygotes where there is no GPU (a CUDA
-    context does not survive a fork)."""
-    if visible_gpus():
+    """``cli``, with the script's launches forked from the zygotes where there is no GPU."""
+    found = forked_python_environment()
+    if found is None:
         return cli(script, *args, timeout=timeout)
-    forked = zygotes()
-    for zygote in forked.pair:
-        zygote.wait_until_ready()
-    sockets = os.pathsep.join(str(zygote.path) for zygote in forked.pair)
     return subprocess.run(
         [sys.executable, "-c", FORKING_RUNNER, FORKED_PYTHON, str(REPO / "benchmarks" / script), *map(str, args)],
         cwd=REPO,
-        env={**os.environ, "ZYGOTE_SOCKETS": sockets, "ZYGOTE_PYTHON": sys.executable},
+        env={**os.environ, **found},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -837,7 +846,7 @@ def test_dpo_vs_trl_judges_only_equal_work_and_equal_losses(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path):
+def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path, monkeypatch):
     """studies/grpo_vs_trl.py's first case, where TRL is installed: recipes/grpo.py and TRL's GRPOTrainer on the same
     fixed completions, DAPO with the KL term and 2 iterations per round: every step's loss and LoRA gradient within
     1e-6 (the study exits 1 otherwise). Its other cases (each loss type, accumulation, the other options) run in the
@@ -845,6 +854,11 @@ def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path):
     pytest.importorskip("trl")
     import grpo_vs_trl
 
+    found = forked_python_environment()
+    if found is not None:  # the study's launches (the recipe's and TRL's sides) forked from the zygotes, as run.py's
+        for name, value in found.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(sys, "executable", FORKED_PYTHON)
     argv = ["--cases", "dapo", "--work_dir", str(tmp_path / "work"), "--output_dir", str(tmp_path / "out")]
     assert grpo_vs_trl.main(argv) == 0, (tmp_path / "out" / "summary.md").read_text()
     report = json.loads((tmp_path / "out" / "grpo_vs_trl.json").read_text())
