@@ -108,6 +108,7 @@ class Launch:
         cpu_only: bool | None = None,
         forked: bool = False,
         observe: bool = False,
+        cwd: str | Path = REPO,
     ):
         script_path = script if Path(script).is_absolute() else RECIPES / script
         if config is None:  # ``python SCRIPT ARGS``: one process, no launcher (see ``ONE_PROCESS``)
@@ -142,12 +143,12 @@ class Launch:
         forkable = [str(arg) for arg in launch_args[::2]] in ([], ["--num_processes"])
         if forked and visible_gpus() == 0 and forkable:
             kind = RECORDING if "OBSERVE_DIR" in full_env else observe  # (observer_env: the hooks from the start)
-            self.forked = zygotes(kind).start(self.command[1:], full_env, self.log)
+            self.forked = zygotes(kind).start(self.command[1:], full_env, self.log, cwd)
             if self.forked is not None:
                 return
         self.process = subprocess.Popen(
             self.command,
-            cwd=REPO,
+            cwd=cwd,
             env=full_env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -332,9 +333,9 @@ class Zygotes:
         self.pair = (Zygote(observe), Zygote(observe))
         self.environment = self.pair[0].environment
 
-    def start(self, argv: list[str], environment: dict, log) -> Forked | None:
-        """``python ARGV`` forked with ``environment`` and its output in ``log``; None where ``environment`` differs
-        from the zygotes' in a variable that may be read at import time."""
+    def start(self, argv: list[str], environment: dict, log, cwd: str | Path = REPO) -> Forked | None:
+        """``python ARGV`` forked with ``environment``, in ``cwd``, its output in ``log``; None where ``environment``
+        differs from the zygotes' in a variable that may be read at import time."""
         differing = {
             name
             for name in set(environment) | set(self.environment)
@@ -351,7 +352,7 @@ class Zygotes:
             "ZYGOTE_SOCKETS": os.pathsep.join(str(zygote.path) for zygote in self.pair),
             "ZYGOTE_PYTHON": sys.executable,
         }
-        request = {"argv": argv, "env": {**environment, **found}, "cwd": str(REPO)}
+        request = {"argv": argv, "env": {**environment, **found}, "cwd": str(cwd)}
         socket.send_fds(connection, [json.dumps(request).encode()], [log.fileno()])
         return Forked(connection)
 
@@ -382,14 +383,23 @@ def launch(
     cpu_only: bool | None = None,
     forked: bool = True,
     observe: bool = False,
+    cwd: str | Path = REPO,
 ) -> Run:
-    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end
+    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from ``cwd`` (the repo root), to the end
     (``python SCRIPT ARGS`` where CONFIG is ``ONE_PROCESS``).
     ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs).
     ``forked``: its Python processes are forks of the zygotes where ``Launch`` can fork them. ``observe``: every
     process loads observer/ (its facts: ``read_facts``); off, Accelerate and the recipe run as a user's do."""
     launched = Launch(
-        config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only, forked=forked, observe=observe
+        config,
+        script,
+        *args,
+        env=env,
+        launch_args=launch_args,
+        cpu_only=cpu_only,
+        forked=forked,
+        observe=observe,
+        cwd=cwd,
     )
     return launched.finish(timeout)
 
