@@ -9,12 +9,15 @@ themselves: a smoke run is marked as a plumbing check, and its ratios are not ju
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness.launch import visible_gpus, zygotes
+from harness.zygote import FORKED_PYTHON
 
 REPO = Path(__file__).resolve().parents[1]
 import run as runner
@@ -26,6 +29,45 @@ def cli(script: str, *args, timeout: float = 300) -> subprocess.CompletedProcess
     return subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), *map(str, args)],
         cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def forked_python_environment() -> dict | None:
+    """What tests/harness/forked_python needs to find the suite's zygotes (tests/harness/zygote.py), which it asks for
+    a copy of a process that imported torch, transformers and PEFT instead of starting one; None on a machine with a
+    GPU, where launches start (a CUDA context does not survive a fork)."""
+    if visible_gpus():
+        return None
+    forked = zygotes()
+    for zygote in forked.pair:
+        zygote.wait_until_ready()
+    sockets = os.pathsep.join(str(zygote.path) for zygote in forked.pair)
+    return {"ZYGOTE_SOCKETS": sockets, "ZYGOTE_PYTHON": sys.executable}
+
+
+# A benchmark script with ``sys.executable`` set to forked_python: the Python processes its launches start
+# (Accelerate's launcher and its workers, torchrun and its workers, compare.py) are copies of the suite's zygotes, as
+# the recipes' launches in the other tests are; their command lines and environments stay the script's.
+FORKING_RUNNER = (
+    "import os, runpy, sys\n"
+    "sys.executable, sys.argv = sys.argv[1], sys.argv[2:]\n"
+    "sys.path[0] = os.path.dirname(sys.argv[0])  # as python SCRIPT sets it\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def forking_cli(script: str, *args, timeout: float) -> subprocess.CompletedProcess:
+    """``cli``, with the script's launches forked from the zygotes where there is no GPU."""
+    found = forked_python_environment()
+    if found is None:
+        return cli(script, *args, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", FORKING_RUNNER, FORKED_PYTHON, str(REPO / "benchmarks" / script), *map(str, args)],
+        cwd=REPO,
+        env={**os.environ, **found},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -54,7 +96,7 @@ def bench(tmp_path_factory):
     )
     (root / "matrix.json").write_text(json.dumps(matrix))
     out = root / "out"
-    first = cli("run.py", "--matrix", root / "matrix.json", "--output_dir", out, "--jobs", "2", timeout=600)
+    first = forking_cli("run.py", "--matrix", root / "matrix.json", "--output_dir", out, "--jobs", "2", timeout=600)
     records = {path.stem: json.loads(path.read_text()) for path in (out / "runs").glob("*.json")}
     return {"root": root, "out": out, "first": first, "records": records}
 
@@ -804,7 +846,7 @@ def test_dpo_vs_trl_judges_only_equal_work_and_equal_losses(tmp_path, monkeypatc
 
 
 @pytest.mark.slow
-def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path):
+def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path, monkeypatch):
     """studies/grpo_vs_trl.py's first case, where TRL is installed: recipes/grpo.py and TRL's GRPOTrainer on the same
     fixed completions, DAPO with the KL term and 2 iterations per round: every step's loss and LoRA gradient within
     1e-6 (the study exits 1 otherwise). Its other cases (each loss type, accumulation, the other options) run in the
@@ -812,6 +854,11 @@ def test_grpo_vs_trl_gives_trl_s_losses_and_gradients(tmp_path):
     pytest.importorskip("trl")
     import grpo_vs_trl
 
+    found = forked_python_environment()
+    if found is not None:  # the study's launches (the recipe's and TRL's sides) forked from the zygotes, as run.py's
+        for name, value in found.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(sys, "executable", FORKED_PYTHON)
     argv = ["--cases", "dapo", "--work_dir", str(tmp_path / "work"), "--output_dir", str(tmp_path / "out")]
     assert grpo_vs_trl.main(argv) == 0, (tmp_path / "out" / "summary.md").read_text()
     report = json.loads((tmp_path / "out" / "grpo_vs_trl.json").read_text())

@@ -11,9 +11,10 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from harness.launch import REPO, Job, launch_all, read_results
+from harness.launch import ONE_PROCESS, REPO, Job, Run, launch, launch_all, read_results
 from harness.models import save_tiny_llama
 
 RECIPES = sorted(path.name for path in (REPO / "recipes").glob("*.py"))
@@ -67,6 +68,16 @@ def plain_env() -> dict:
     return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
 
 
+def run_without_pythonpath(script: Path, *args, cwd: Path) -> Run:
+    """``python SCRIPT ARGS`` in ``cwd`` with no PYTHONPATH: forked from the suite's zygotes where the suite runs
+    without one (as CI does: theirs has none either), else started with it removed."""
+    if "PYTHONPATH" not in os.environ:
+        return launch(ONE_PROCESS, script, *args, cwd=cwd, timeout=600)
+    command = [sys.executable, str(script), *map(str, args)]
+    done = subprocess.run(command, cwd=cwd, env=plain_env(), capture_output=True, text=True, timeout=600)
+    return Run(done.returncode, done.stdout + done.stderr)
+
+
 @pytest.fixture(scope="module")
 def imported_copies(tmp_path_factory) -> dict:
     """Every recipe's unit copied both ways, each layout in a project of its own, and imported in one process: layout
@@ -77,9 +88,10 @@ def imported_copies(tmp_path_factory) -> dict:
         f"{layout}/{name}": str(copy_unit(name, project, layout)) for (layout, name), project in projects.items()
     }
     # Import every recipe as a module (its top level runs: the sys.path rule, the helpers, module-level paths), each
-    # from its own copied unit, in one process started outside this repository (the helpers of the recipe before are
+    # from its own copied unit, in one process run outside this repository (the helpers of the recipe before are
     # forgotten first), and report the file of every helper module it imported.
-    probe = (
+    probe = root / "probe.py"  # run as a script in root: its folder first on sys.path, as python -c puts ''
+    probe.write_text(
         "import importlib.util, json, sys\n"
         "found = {}\n"
         f"for key, folder in {folders!r}.items():\n"
@@ -95,11 +107,9 @@ def imported_copies(tmp_path_factory) -> dict:
         "    found[key] = [helpers, str(getattr(module, 'METRICS_DIR', ''))]\n"
         "print('FOUND ' + json.dumps(found))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], cwd=root, env=plain_env(), capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.split("FOUND ", 1)[1])
+    done = run_without_pythonpath(probe, cwd=root)
+    assert done.returncode == 0, done.output[-3000:]
+    found = json.loads(done.output.split("FOUND ", 1)[1].splitlines()[0])
     return {
         layout: {
             name: (projects[layout, name], folders[f"{layout}/{name}"], found.get(f"{layout}/{name}"))
@@ -134,15 +144,8 @@ def test_a_copied_fine_tune_trains_saves_and_evaluates(tmp_path):
     out = tmp_path / "out"
     tiny = ["--max_train_samples", "32", "--max_eval_samples", "16", "--max_length", "32"]
     tiny += ["--per_device_train_batch_size", "8", "--max_train_steps", "2", "--output_dir", str(out)]
-    done = subprocess.run(
-        [sys.executable, str(recipes / "transformer_finetune.py"), *tiny],
-        cwd=tmp_path,
-        env=plain_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    done = run_without_pythonpath(recipes / "transformer_finetune.py", *tiny, cwd=tmp_path)
+    assert done.returncode == 0, done.output[-5000:]
     results = json.loads((out / "results.json").read_text())
     assert 0 <= results["eval/accuracy"] <= 1 and results["eval/num_samples"] == 16
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()

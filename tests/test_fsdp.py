@@ -84,8 +84,15 @@ def runs(tmp_path_factory):
 
     jobs = {
         # Both observed (tests/harness/observer): the activation bytes autograd saved per backward, with and without
-        # gradient checkpointing, on the same micro-batches.
-        "fsdp": lm("fsdp_2gpu.yaml", "--checkpointing_steps", "2", env=observer_env(root / "observed" / "fsdp")),
+        # gradient checkpointing, on the same micro-batches. This one's processes start as a user's (the others are
+        # forks of the suite's zygotes): an FSDP2 launch started for real.
+        "fsdp": lm(
+            "fsdp_2gpu.yaml",
+            "--checkpointing_steps",
+            "2",
+            env=observer_env(root / "observed" / "fsdp"),
+            kwargs={"forked": False},
+        ),
         "ddp": lm("ddp_2gpu.yaml"),
         # --gradient_checkpointing here too: recomputing activations must not change a single number,
         # so this one run checks both the sharded resume and gradient checkpointing under FSDP.

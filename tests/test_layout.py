@@ -498,6 +498,39 @@ def test_imports_point_one_way_and_form_no_cycle():
         visit(module)
 
 
+# Each case in a fork of one interpreter that started with the impostors on PYTHONPATH and imported what the recipes
+# import first, as the suite's zygote does (none of it imports shared or a kit): a case sees the sys.path Python gives
+# a started ``python recipes/NAME --help`` (the script's folder, then PYTHONPATH) or ``python -c`` ('', then
+# PYTHONPATH), with one start importing those libraries instead of three.
+FIND_OWN_CASES = """
+import importlib.util, os, runpy, sys, traceback
+import accelerate, bitsandbytes, peft, torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, get_scheduler
+recipes = sys.argv[1]
+for how, name in (("run", "linear_toy.py"), ("run", "train_lm.py"), ("import", "train_lm.py")):
+    pid = os.fork()
+    if pid == 0:
+        path, code = os.path.join(recipes, name), 0
+        try:
+            if how == "run":  # python recipes/NAME --help
+                sys.argv, sys.path[0] = [path, "--help"], recipes
+                runpy.run_path(path, run_name="__main__")
+            else:  # imported by path, its folder not on sys.path
+                spec = importlib.util.spec_from_file_location(name[:-3], path)
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(f"{how} {name}: {status}", file=sys.stderr, flush=True)
+"""
+
+
 def test_recipes_find_their_own_shared_and_kit_before_installed_ones(tmp_path):
     """An installed package named ``shared`` or ``lm_kit`` must not win over the recipes' own (they put theirs first
     on sys.path), whether a recipe is run or imported (then its folder is not on sys.path unless it puts it there)."""
@@ -506,20 +539,17 @@ def test_recipes_find_their_own_shared_and_kit_before_installed_ones(tmp_path):
         impostor.mkdir()
         (impostor / "__init__.py").write_text(f"raise ImportError('the wrong {name} package was imported')\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    imported = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('train_lm', {str(REPO / 'recipes' / 'train_lm.py')!r})\n"
-        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    run = subprocess.run(
+        [sys.executable, "-c", FIND_OWN_CASES, str(REPO / "recipes")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
     )
-    for command in (
-        [str(REPO / "recipes" / "linear_toy.py"), "--help"],
-        [str(REPO / "recipes" / "train_lm.py"), "--help"],
-        ["-c", imported],
-    ):
-        run = subprocess.run(
-            [sys.executable, *command], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
+    assert run.returncode == 0, run.stderr[-2000:]
+    ended = [line for line in run.stderr.splitlines() if line.startswith(("run ", "import "))]
+    assert ended == ["run linear_toy.py: 0", "run train_lm.py: 0", "import train_lm.py: 0"], run.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- no patched library

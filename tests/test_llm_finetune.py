@@ -158,9 +158,8 @@ def lora(base, tmp_path_factory):
     """The same 8 conversations per optimizer step three ways, 1 x 8, 2 x 4 and 1 x 4 x 2 (a seedable sampler: the
     same order everywhere), in fp32 without dropout (``EXACT``); the 1 x 8 run resumed from its step-2 checkpoint, and
     the 2 x 4 run's resumed in another process count. The 1 x 8 run is the other scenarios' reference: it also
-    evaluates, generates and merges, and the observer sees its hooks and model-state bytes. The 2 x 4 run's processes
-    start the usual way (its observer variables are read at import), as a user's: the observer counts the activation
-    bytes autograd saved, the full fine-tune's reference."""
+    evaluates, generates and merges, and the observer sees its hooks and model-state bytes. In the 2 x 4 run the
+    observer counts the activation bytes autograd saved, the full fine-tune's reference."""
     root = tmp_path_factory.mktemp("lora")
     data = chat_data(base)
     lora_exact = EXACT[: EXACT.index("--skip_eval")]  # the 1x8 run also evaluates, generates and merges

@@ -6,10 +6,11 @@ workers) is killed. Configs use ``main_process_port: 0`` so concurrent runs neve
 Importing torch, transformers and PEFT is most of a tiny run's time. On a machine without GPUs ``launch`` runs every
 Python process of a launch (Accelerate's launcher, and the processes it starts: the child of its 1-process launcher,
 torchrun's workers) as a fork of the zygote (zygote.py), a process that imported those libraries once. The
-launcher's code, the environment, the arguments and the recipe's code stay the user's. Launches that set a variable
-read at import time (the observer's), the tests of the launch itself (``Launch``: killed launchers and workers,
-restarts) and GPU machines start real processes; test_harness.py compares forked runs with started ones (weights bit
-for bit, losses, a refusal's exit code and paragraph).
+launcher's code, the environment, the arguments and the recipe's code stay the user's. A launch whose processes the
+observer records (``observer_env``) is forked from zygotes that loaded the observer's hooks at their start. Launches
+that set another variable read at import time, the tests of the launch itself (``Launch``: killed launchers and
+workers, restarts) and GPU machines start real processes; test_harness.py compares forked runs with started ones
+(weights bit for bit, losses, a refusal's exit code and paragraph).
 
 The suite runs on the hardware it finds: CPU only (CI), one GPU, two or more GPUs. A launch of more
 processes than there are GPUs runs as CPU processes over gloo (CUDA hidden): NCCL refuses two ranks on
@@ -107,6 +108,7 @@ class Launch:
         cpu_only: bool | None = None,
         forked: bool = False,
         observe: bool = False,
+        cwd: str | Path = REPO,
     ):
         script_path = script if Path(script).is_absolute() else RECIPES / script
         if config is None:  # ``python SCRIPT ARGS``: one process, no launcher (see ``ONE_PROCESS``)
@@ -140,12 +142,13 @@ class Launch:
         # of them); the others (ports, restarts, machines) are what the tests of the launch itself start for real.
         forkable = [str(arg) for arg in launch_args[::2]] in ([], ["--num_processes"])
         if forked and visible_gpus() == 0 and forkable:
-            self.forked = zygotes(observe).start(self.command[1:], full_env, self.log)
+            kind = RECORDING if "OBSERVE_DIR" in full_env else observe  # (observer_env: the hooks from the start)
+            self.forked = zygotes(kind).start(self.command[1:], full_env, self.log, cwd)
             if self.forked is not None:
                 return
         self.process = subprocess.Popen(
             self.command,
-            cwd=REPO,
+            cwd=cwd,
             env=full_env,
             stdout=self.log,
             stderr=subprocess.STDOUT,
@@ -232,8 +235,9 @@ class Launch:
 
 # What may differ between a launch's environment and the zygote's: variables read when a run starts, not when a
 # module is imported (the zygote imported its modules under its own environment). Any other difference (the observer's
-# PYTHONPATH, OBSERVE_*, a library's settings) starts the launch's processes the usual way. The last two are set in
-# this process by what it imports, to what a recipe process that needs them sets itself: torch's
+# PYTHONPATH, OBSERVE_AVX512_BF16, a library's settings) starts the launch's processes the usual way. OBSERVE_DIR is
+# read at a process's exit (where the observer writes; the recording zygotes installed its hooks). The last two are
+# set in this process by what it imports, to what a recipe process that needs them sets itself: torch's
 # TORCHINDUCTOR_CACHE_DIR once something compiles (bitsandbytes' kernels at import), read when a process first
 # compiles; scikit-learn's KMP_DUPLICATE_LIB_OK (the metrics import it), read only by Intel's OpenMP, not by the GNU
 # OpenMP of torch's wheels.
@@ -242,6 +246,7 @@ RUNTIME_VARIABLES = (
     "ZYGOTE_SOCKETS",
     "PYTEST_CURRENT_TEST",
     "RECIPES_HOST_RAM_GIB",
+    "OBSERVE_DIR",
     "RANK",
     "LOCAL_RANK",
     "WORLD_SIZE",
@@ -276,13 +281,27 @@ class Forked:
         return self.returncode
 
 
+# The zygotes' kind for launches the observer records (``observer_env``), beside those without the observer (False) and
+# with its facts only (True).
+RECORDING = "recording"
+
+
 class Zygote:
     """One of the suite's zygote processes (zygote.py), started at the first forked launch that needs it, stopped
-    at exit. Each has its own hash seed (Python draws one per process), as each process of a real launch has."""
+    at exit. Each has its own hash seed (Python draws one per process), as each process of a real launch has.
+    ``observe``: False, True (the observer's facts) or ``RECORDING`` (its hooks installed at start, as
+    ``observer_env`` installs them in a started process; OBSERVE_DIR here is the zygote's own folder, and each copy
+    writes to its launch's at exit)."""
 
-    def __init__(self, observe: bool):
+    def __init__(self, observe: bool | str):
         self.path = Path(tempfile.mkdtemp(prefix="zygote-")) / "socket"
-        environment = Launch.environment("zygote", base=ENVIRONMENT_AT_IMPORT, observe=observe)
+        recording = {
+            "OBSERVE_DIR": str(self.path.parent),
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(OBSERVER), ENVIRONMENT_AT_IMPORT.get("PYTHONPATH")))),
+        }
+        environment = Launch.environment(
+            "zygote", recording if observe == RECORDING else None, base=ENVIRONMENT_AT_IMPORT, observe=observe is True
+        )
         self.environment = {**environment, "CUDA_VISIBLE_DEVICES": ""}
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("zygote.py")), str(self.path)],
@@ -310,13 +329,13 @@ class Zygotes:
     hash seed: the launcher and even ranks are forks of the first, odd ranks of the second (forked_python picks
     by RANK)."""
 
-    def __init__(self, observe: bool):
+    def __init__(self, observe: bool | str):
         self.pair = (Zygote(observe), Zygote(observe))
         self.environment = self.pair[0].environment
 
-    def start(self, argv: list[str], environment: dict, log) -> Forked | None:
-        """``python ARGV`` forked with ``environment`` and its output in ``log``; None where ``environment`` differs
-        from the zygotes' in a variable that may be read at import time."""
+    def start(self, argv: list[str], environment: dict, log, cwd: str | Path = REPO) -> Forked | None:
+        """``python ARGV`` forked with ``environment``, in ``cwd``, its output in ``log``; None where ``environment``
+        differs from the zygotes' in a variable that may be read at import time."""
         differing = {
             name
             for name in set(environment) | set(self.environment)
@@ -333,7 +352,7 @@ class Zygotes:
             "ZYGOTE_SOCKETS": os.pathsep.join(str(zygote.path) for zygote in self.pair),
             "ZYGOTE_PYTHON": sys.executable,
         }
-        request = {"argv": argv, "env": {**environment, **found}, "cwd": str(REPO)}
+        request = {"argv": argv, "env": {**environment, **found}, "cwd": str(cwd)}
         socket.send_fds(connection, [json.dumps(request).encode()], [log.fileno()])
         return Forked(connection)
 
@@ -346,7 +365,7 @@ _zygotes: dict[bool, Zygotes] = {}
 _zygote_lock = threading.Lock()
 
 
-def zygotes(observe: bool = False) -> Zygotes:
+def zygotes(observe: bool | str = False) -> Zygotes:
     with _zygote_lock:
         if observe not in _zygotes:
             _zygotes[observe] = Zygotes(observe)
@@ -364,14 +383,23 @@ def launch(
     cpu_only: bool | None = None,
     forked: bool = True,
     observe: bool = False,
+    cwd: str | Path = REPO,
 ) -> Run:
-    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from the repo root, to the end
+    """``accelerate launch --config_file CONFIG [launch_args] SCRIPT ARGS`` from ``cwd`` (the repo root), to the end
     (``python SCRIPT ARGS`` where CONFIG is ``ONE_PROCESS``).
     ``cpu_only``: hide the GPUs (default: when the launch has more processes than there are GPUs).
     ``forked``: its Python processes are forks of the zygotes where ``Launch`` can fork them. ``observe``: every
     process loads observer/ (its facts: ``read_facts``); off, Accelerate and the recipe run as a user's do."""
     launched = Launch(
-        config, script, *args, env=env, launch_args=launch_args, cpu_only=cpu_only, forked=forked, observe=observe
+        config,
+        script,
+        *args,
+        env=env,
+        launch_args=launch_args,
+        cpu_only=cpu_only,
+        forked=forked,
+        observe=observe,
+        cwd=cwd,
     )
     return launched.finish(timeout)
 

@@ -5,9 +5,10 @@ is most of a tiny run's time.
 A copy runs what the process would have run, in a session of its own, with that process's environment, working folder
 and standard streams:
 
-- the launcher, ``python -m accelerate.commands.launch ARGS``: Accelerate's launcher module runs as ``__main__`` with
-  ``sys.executable`` set to ``forked_python``, so the ``python SCRIPT ARGS`` processes it starts (its 1-process
-  launcher's child; torchrun's workers) are copies too;
+- the launcher, ``python -m accelerate.commands.launch ARGS`` (or ``python -m torch.distributed.run ARGS``, the
+  benchmark runner's raw baseline): the launcher module runs as ``__main__`` with ``sys.executable`` set to
+  ``forked_python``, so the ``python SCRIPT ARGS`` processes it starts (its 1-process launcher's child; torchrun's
+  workers) are copies too;
 - ``python [-u] SCRIPT ARGS`` (a recipe): the script runs as ``__main__``, as ``python`` runs it.
 
 ``forked_python`` stands in for ``python``: it asks for a copy with its own environment, folder and streams,
@@ -35,7 +36,8 @@ import signal
 import socket
 import sys
 
-LAUNCHER = "accelerate.commands.launch"
+# Accelerate's launcher, and torchrun (the benchmarks' raw PyTorch baseline): their workers are copies too.
+LAUNCHERS = ("accelerate.commands.launch", "torch.distributed.run")
 FORKED_PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forked_python")
 
 
@@ -93,7 +95,7 @@ def child(request: dict, fds: list[int]) -> int:
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
         argv = request["argv"]
-        if argv[:2] == ["-m", LAUNCHER]:
+        if any(argv[:2] == ["-m", launcher] for launcher in LAUNCHERS):
             sys.executable = FORKED_PYTHON  # what the launcher and torchrun start its processes with
         code = run_python(argv)
     except BaseException:

@@ -252,13 +252,22 @@ def write() -> None:
     if not script.endswith(".py"):
         return
     name = f"{os.path.basename(script)}-rank{os.environ.get('RANK', '0')}-{os.getpid()}.json"
-    with open(os.path.join(OBSERVE_DIR, name), "w") as file:
+    # Read now: a copy of a zygote (tests/harness/zygote.py) runs with its own launch's environment.
+    with open(os.path.join(os.environ["OBSERVE_DIR"], name), "w") as file:
         json.dump({"script": os.path.realpath(script), "rank": int(os.environ.get("RANK", "0")), **record}, file)
+
+
+def forget() -> None:
+    """A fork starts with nothing recorded: what its process does is its own (the zygote's imports aside)."""
+    for value in record.values():
+        value.clear()
+    _step["storages"], _step["index_elements"] = {}, 0
 
 
 if OBSERVE_DIR:
     sys.meta_path.insert(0, PatchAfterImport())
     atexit.register(write)
+    os.register_at_fork(after_in_child=forget)
 elif OBSERVE_FACTS:
     PATCHES = {"accelerate.accelerator": patch_accelerate}
     sys.meta_path.insert(0, PatchAfterImport())
