@@ -912,6 +912,44 @@ def test_token_ids_equal_trl_s_own_preprocessing(base, tmp_path, bos):
     assert counts["completion_cut"] >= 2 and counts["prompt_merged"] >= 1, counts
 
 
+def test_a_pair_s_tools_are_rendered_as_trl_renders_them(base, tmp_path):
+    """TRL's ``tools`` column (a list of tool schemas, or its JSON text) goes to the chat template with the prompt
+    and each completion (here a template that writes them in a system turn), so the preference is learned in the
+    context the model is asked in, and the exact match asks with them too; the ids equal TRL's own preprocessing. A
+    cell that is not JSON is refused by its row. Without them the pair would be judged without the tools in sight."""
+    from dpo_kit.preference_data import as_sft_rows, check_pair, tokenize_pair
+    from llm_kit.sft_data import prompt_of
+    from shared.errors import RecipeError
+
+    tokenizer = chat_tokenizer_of(base)
+    tokenizer.chat_template = (
+        "{% if tools %}{{ '<|system|>\\n' + (tools | tojson) + '\\n' }}{% endif %}" + tokenizer.chat_template
+    )
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a module", "parameters": {}}}]
+    pair = {"prompt": [USER], "chosen": [ANSWER], "rejected": [{"role": "assistant", "content": "B"}]}
+    rows = [{**pair, "tools": given} for given in (tools, json.dumps(tools))]
+    template = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True, tools=tools)
+    for row in rows:
+        pair = tokenize_pair(row, "conversational", tokenizer, 1024)
+        assert '"lookup"' in tokenizer.decode(pair["prompt_ids"])
+        assert pair["prompt_ids"] == template([USER], add_generation_prompt=True)["input_ids"]
+        assert pair["prompt_ids"] + pair["chosen_ids"] == template([USER, ANSWER])["input_ids"]
+    import datasets
+
+    sft_rows, fmt = as_sft_rows(datasets.Dataset.from_list(rows[1:]), "conversational")
+    assert '"lookup"' in prompt_of(sft_rows[0], fmt, tokenizer)
+    with pytest.raises(RecipeError) as error:
+        check_pair({**rows[0], "tools": "[{'name': 'lookup'}]"}, "conversational", "Row 3 of pairs.jsonl")
+    assert error.value.message.startswith("Row 3 of pairs.jsonl: its 'tools' cell is not JSON")
+    trl = pytest.importorskip("trl")
+    config = trl.DPOConfig(output_dir=str(tmp_path), max_length=1024, bf16=False, report_to=[])
+    trainer = types.SimpleNamespace(_tokenizer=tokenizer)  # all that _prepare_dataset reads of its trainer
+    prepare = trl.trainer.dpo_trainer.DPOTrainer._prepare_dataset
+    theirs = prepare(trainer, datasets.Dataset.from_list(rows[1:]), tokenizer, config, "train")[0]
+    ours = tokenize_pair(rows[1], "conversational", tokenizer, 1024)
+    assert theirs["prompt_ids"] + theirs["chosen_ids"] == ours["prompt_ids"] + ours["chosen_ids"]
+
+
 def test_the_data_line_counts_what_was_dropped_and_cut_and_refuses_when_nothing_is_left(base):
     """tokenize_pairs: the pairs whose prompt fills --max_length are dropped from each split, counted and said in the
     one data line; the kept pairs are indexed 0.. in their split (what a precomputed reference is looked up by); a

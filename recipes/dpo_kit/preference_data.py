@@ -19,7 +19,15 @@ import torch
 from shared.data import no_value
 from shared.errors import RecipeError
 
-from llm_kit.sft_data import check_conversation, check_eos_token, collate, common_prefix_length, stdlib_names
+from llm_kit.sft_data import (
+    chat_tools,
+    check_conversation,
+    check_eos_token,
+    check_tools,
+    collate,
+    common_prefix_length,
+    stdlib_names,
+)
 
 FORMATS = ("standard", "conversational", "conversational_implicit")
 
@@ -59,6 +67,8 @@ def check_pair(row: dict, fmt: str, where: str) -> None:
             raise RecipeError(f"{where}: {column!r} must be a string like the other rows'; got {str(value)[:200]}.")
         if fmt != "standard":
             check_conversation(value, f"{where} (column {column!r})", column, answer=column != "prompt")
+    if fmt != "standard" and row.get("tools") is not None:  # rendered by the chat template, as TRL does
+        check_tools(row["tools"], where)
     prompt, chosen, rejected = split_pair(row, fmt)
     if chosen == rejected:
         raise RecipeError(
@@ -93,14 +103,15 @@ def split_pair(row: dict, fmt: str) -> tuple:
 
 def tokenize_pair(row: dict, fmt: str, tokenizer, max_length: int, max_prompt_length: int | None = None) -> dict:
     """``prompt_ids``, ``chosen_ids``, ``rejected_ids`` of one pair as TRL 1.16's DPOTrainer makes them by default
-    (``_prepare_dataset``, then its collator's ``keep_start`` cut). The prompt alone and each prompt + completion are
-    tokenized whole: strings with the tokenizer's special tokens, each completion ending in the end-of-sequence token
-    (appended only when the text does not end with it); conversations through the chat template, the prompt with its
-    generation prompt. The completion starts where the prompt's tokens and both wholes' first differ: a prompt that
-    ends in a space gives it to the completion's first word, as the whole text is tokenized (``prompt_merged``).
-    Then prompt + completion is cut to ``max_length`` from its end; a pair whose prompt alone fills it has no
-    completion token left and is ``dropped`` (TRL drops it). With ``max_prompt_length`` (TRL before 1.0), a longer
-    prompt is first cut from the left, keeping its end, next to the answer (``prompt_cut``)."""
+    (``_prepare_dataset``, then its collator's ``keep_start`` cut). The prompt alone and each prompt + completion
+    are tokenized whole: strings with the tokenizer's special tokens, each completion ending in the end-of-sequence
+    token (appended only when the text does not end with it); conversations through the chat template, with the
+    row's ``tools`` if it has any, the prompt with its generation prompt. The completion starts where the prompt's
+    tokens and both wholes' first differ: a prompt that ends in a space gives it to the completion's first word, as
+    the whole text is tokenized (``prompt_merged``). Then prompt + completion is cut to ``max_length`` from its
+    end; a pair whose prompt alone fills it has no completion token left and is ``dropped`` (TRL drops it). With
+    ``max_prompt_length`` (TRL before 1.0), a longer prompt is first cut from the left, keeping its end, next to
+    the answer (``prompt_cut``)."""
     prompt, chosen, rejected = split_pair(row, fmt)
     if fmt == "standard":
         eos = tokenizer.eos_token or ""
@@ -109,7 +120,7 @@ def tokenize_pair(row: dict, fmt: str, tokenizer, max_length: int, max_prompt_le
             tokenizer(prompt + text + ("" if text.endswith(eos) else eos))["input_ids"] for text in (chosen, rejected)
         ]
     else:
-        template = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True)
+        template = partial(tokenizer.apply_chat_template, tokenize=True, return_dict=True, tools=chat_tools(row))
         prompt_ids = template(prompt, add_generation_prompt=True)["input_ids"]
         wholes = [template(prompt + completion)["input_ids"] for completion in (chosen, rejected)]
     shared = min(common_prefix_length(prompt_ids, whole) for whole in wholes)
@@ -208,7 +219,8 @@ def as_sft_rows(rows: datasets.Dataset, fmt: str) -> tuple[datasets.Dataset, str
             lambda row: {"prompt": row["prompt"], "completion": row["chosen"]}, remove_columns=rows.column_names
         ), "prompt_completion"
     return rows.map(
-        lambda row: {"messages": (lambda p, c, _: p + c)(*split_pair(row, fmt))}, remove_columns=rows.column_names
+        lambda row: {"messages": (lambda p, c, _: p + c)(*split_pair(row, fmt)), "tools": row.get("tools")},
+        remove_columns=rows.column_names,
     ), "messages"
 
 

@@ -150,13 +150,18 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
         for number, messages in enumerate(dataset["messages"], start=1):
             check_conversation(messages, f"Row {number} of {source}")
     for number, tools in enumerate(dataset["tools"] if fmt == "messages" and "tools" in dataset.column_names else []):
-        try:
-            chat_tools({"tools": tools})
-        except json.JSONDecodeError as error:
-            raise RecipeError(
-                f"Row {number + 1} of {source}: its 'tools' cell is not JSON ({error.msg}): {str(tools)[:200]}. "
-                "Give the tool schemas as a list, or as its JSON text."
-            ) from None
+        check_tools(tools, f"Row {number + 1} of {source}")
+
+
+def check_tools(tools, where: str) -> None:
+    """Refuse a ``tools`` cell that is not JSON, in one paragraph that starts with ``where``."""
+    try:
+        chat_tools({"tools": tools})
+    except json.JSONDecodeError as error:
+        raise RecipeError(
+            f"{where}: its 'tools' cell is not JSON ({error.msg}): {str(tools)[:200]}. Give the tool schemas as a "
+            "list, or as its JSON text."
+        ) from None
 
 
 def check_conversation(messages, where: str, column: str = "messages", answer: bool = True) -> None:
