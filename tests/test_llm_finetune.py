@@ -1308,6 +1308,61 @@ def test_a_fast_tokenizer_finds_each_answer_by_its_offsets_in_one_tokenization(b
     assert len(calls) == 1 and len(trained_spans(sample)) == 16
 
 
+def test_a_conversational_prompt_and_completion_trains_the_completion_as_trl_does(base, tmp_path):
+    """TRL's conversational prompt + completion (each a list of {role, content}): read as one conversation, trained on
+    the completion's answer only, a worked example's answer in the prompt being context (as TRL's completion mask);
+    asked with the prompt; the ids and trained tokens equal TRL's own preprocessing. A row whose completion holds no
+    answer is refused by its row. Before: the rows passed the checks and failed in tokenization (a list and a string
+    added)."""
+    import types
+    from functools import partial
+
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, load_raw_datasets, prompt_of, tokenize_sample
+    from shared.errors import RecipeError
+
+    example = [{"role": "user", "content": "Is os a module?"}, {"role": "assistant", "content": "yes"}]
+    rows = [
+        {"prompt": [*example, {"role": "user", "content": f"Is {name} a module?"}], "completion": [answer]}
+        for name, answer in (
+            ("json", {"role": "assistant", "content": "yes"}),
+            ("len", {"role": "assistant", "content": "no"}),
+        )
+    ] * 4
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    raw, fmt = load_raw_datasets(train_file=str(train), validation_split_percentage=25)
+    tokenizer = tokenizer_of(base, bos=False)
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    row = next(row for row in raw["train"] if "len" in row["messages"][2]["content"])
+    sample = tokenize_sample(row, fmt, tokenizer, 512)
+    render = partial(tokenizer.apply_chat_template, tokenize=False)
+    assert sample["input_ids"] == tokenizer(render(row["messages"]), add_special_tokens=False)["input_ids"]
+    trained = [i for i, label in zip(sample["input_ids"], sample["labels"]) if label != -100]
+    assert (
+        tokenizer.decode(trained)
+        == render(row["messages"])[len(render(row["messages"][:3], add_generation_prompt=True)) :]
+    )
+    assert tokenizer.decode(trained).startswith("no")  # the completion's answer, not the worked example's "yes"
+    assert prompt_of(row, fmt, tokenizer) == render(row["messages"][:3], add_generation_prompt=True)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(train.read_text() + json.dumps({**rows[0], "completion": [rows[0]["prompt"][-1]]}) + "\n")
+    with pytest.raises(RecipeError) as error:
+        load_raw_datasets(train_file=str(bad))
+    assert error.value.message.startswith(f"Row 9 of --train_file {str(bad)!r} (column 'completion') has no assistant")
+    pytest.importorskip("trl")
+    import datasets
+    from trl import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    config = SFTConfig(output_dir=str(tmp_path / "trl"), max_length=512, bf16=False, report_to=[])
+    trainer = types.SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=True)
+    theirs = SFTTrainer._prepare_dataset(
+        trainer, datasets.Dataset.from_list(rows[1:2]), tokenizer, config, False, None, "train"
+    )[0]
+    assert theirs["input_ids"] == sample["input_ids"]
+    assert [i for i, label in zip(theirs["input_ids"], theirs["labels"]) if label != -100] == trained
+
+
 def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe):
     import datasets
 

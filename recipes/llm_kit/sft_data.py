@@ -138,6 +138,10 @@ def load_raw_datasets(
         if limits[split]:
             raw[split] = raw[split].shuffle(seed=seed).select(range(min(limits[split], len(raw[split]))))
     raw = datasets.DatasetDict({"train": raw["train"], "validation": raw["validation"]})
+    if "completion" in raw["train"].column_names and not isinstance(raw["train"][0]["prompt"], str):
+        # TRL's conversational prompt + completion: one conversation, trained on the completion's answers only.
+        as_messages = lambda row: {"messages": row["prompt"] + row["completion"], "prompt_turns": len(row["prompt"])}
+        raw = raw.map(as_messages, remove_columns=["prompt", "completion"])
     return raw, row_format(raw["train"].select(range(0)), "the training data")
 
 
@@ -149,6 +153,11 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
     if fmt == "messages":
         for number, messages in enumerate(dataset["messages"], start=1):
             check_conversation(messages, f"Row {number} of {source}")
+    conversational = fmt == "prompt_completion" and len(dataset) and not isinstance(dataset[0]["prompt"], str)
+    for number, row in enumerate(dataset if conversational else [], start=1):  # (strings: checked above)
+        for column in ("prompt", "completion"):
+            where = f"Row {number} of {source} (column {column!r})"
+            check_conversation(row[column], where, column, answer=column == "completion")
     for number, tools in enumerate(dataset["tools"] if fmt == "messages" and "tools" in dataset.column_names else []):
         check_tools(tools, f"Row {number + 1} of {source}")
 
@@ -230,15 +239,17 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     where the rendering up to its end and the whole first differ (an end token that merges into the next turn's text,
     ``answer_merged``, is context, not answer). Tokenizing the turns apart would differ where a tokenizer marks a
     text's start (a SentencePiece ``"▁"`` before every answer). A template that does not render a conversation as a
-    prefix of its continuation is refused. A text is all answer. The first token of a sample never has a label:
-    nothing inside the sample predicts it (this also keeps packed samples from predicting each other).
+    prefix of its continuation is refused; a conversational prompt + completion (read as one conversation, its
+    ``prompt_turns`` first) is trained on the completion's answers only. A text is all answer. The first token of a
+    sample never has a label: nothing inside the sample predicts it (this also keeps packed samples from predicting
+    each other).
     """
     prompt_merged = answer_merged = False
     if fmt == "messages":
         messages, done, answers, tools = sample["messages"], "", [], chat_tools(sample)
         check_conversation(messages, "A conversation")  # (rows of files were checked with their row numbers)
         for index, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or index < sample.get("prompt_turns", 0):  # (a prompt's turns: context)
                 continue
             prompt = tokenizer.apply_chat_template(
                 messages[:index], tools=tools, tokenize=False, add_generation_prompt=True
@@ -418,7 +429,8 @@ def prompt_of(sample: dict, fmt: str, tokenizer, last: bool = False) -> str:
     context), with the generation prompt; the prompt; or the first 64 characters of a text."""
     if fmt == "messages":
         messages = sample["messages"]
-        first = next(index for index, message in enumerate(messages) if message["role"] == "assistant")
+        asked = sample.get("prompt_turns", 0)  # (a prompt + completion's turns before the completion: context)
+        first = next(index for index, message in enumerate(messages[asked:], asked) if message["role"] == "assistant")
         answer = last_answer(messages) if last else first
         tools = chat_tools(sample)
         return tokenizer.apply_chat_template(
