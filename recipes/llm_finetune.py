@@ -129,6 +129,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "batch flattened into one row without padding: the same losses (docs/llm_finetune.md).",
     )
     add("--group_by_length", action="store_true", help="Batch samples of similar length together (less padding).")
+    add(
+        "--assistant_only_loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Train a conversation's answers only; --no-assistant_only_loss: every token (TRL's default).",
+    )
     add = parser.add_argument_group("model").add_argument
     add("--model_name_or_path", help="Folder or Hub name of a causal LM (default: outputs/train_lm, pretrained).")
     add("--tokenizer_name", help="Folder or Hub name of the tokenizer, when the model's folder holds none.")
@@ -402,7 +408,7 @@ def main():
         if fmt == "messages":  # the recipe's template where the model has none: saved only when trained with
             add_chat_template(accelerator, tokenizer)
         train_dataset, eval_dataset, counts = tokenize_datasets(
-            accelerator, raw_datasets, fmt, tokenizer, args.max_length
+            accelerator, raw_datasets, fmt, tokenizer, args.max_length, args.assistant_only_loss
         )
     train_dataloader, eval_dataloader = dataloaders(
         train_dataset, eval_dataset, tokenizer, data_parallel_size, **flags(args, LOADER_FLAGS)

@@ -1141,20 +1141,23 @@ def test_conversations_get_the_ids_and_labels_of_their_turns_tokenized_apart_whe
         assert not sample["prompt_merged"] and not sample["answer_merged"]
 
 
+@pytest.mark.parametrize("assistant_only_loss", [True, False], ids=["answers", "every_token"])
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte_level"])
-def test_conversation_ids_and_labels_equal_trl_s_assistant_only_loss(base, tmp_path, kind):
-    """Our ids and labels against TRL's own (SFTTrainer._prepare_dataset with ``assistant_only_loss=True``, which
-    needs ChatML with ``{% generation %}`` markers around each answer and tokenizes the conversation whole), with the
-    SentencePiece-style tokenizer and the tests' byte-level one, on system prompts and second turns. The first label
-    aside: nothing in a sample predicts its first token."""
+def test_conversation_ids_and_labels_equal_trl_s(base, tmp_path, kind, assistant_only_loss):
+    """Our ids and labels against TRL's own (SFTTrainer._prepare_dataset; ``assistant_only_loss=True`` needs ChatML
+    with ``{% generation %}`` markers around each answer and tokenizes the conversation whole; False, TRL's default,
+    trains every token, --no-assistant_only_loss here), through tokenize_datasets, with the SentencePiece-style
+    tokenizer and the tests' byte-level one, on system prompts and second turns. The first label aside: nothing in a
+    sample predicts its first token."""
     pytest.importorskip("trl")
     import types
+    from types import SimpleNamespace
 
     import datasets
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from llm_kit.sft_data import tokenize_sample
+    from llm_kit.sft_data import tokenize_datasets
 
     chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()][:12]
     if kind == "sentencepiece":
@@ -1173,15 +1176,19 @@ def test_conversation_ids_and_labels_equal_trl_s_assistant_only_loss(base, tmp_p
         TWO_TURNS, tokenize=False, chat_template=CHATML
     )
     rows = [{"messages": messages} for messages in chats + [TWO_TURNS]]
-    config = SFTConfig(output_dir=str(tmp_path), max_length=512, bf16=False, report_to=[], assistant_only_loss=True)
+    config = SFTConfig(
+        output_dir=str(tmp_path), max_length=512, bf16=False, report_to=[], assistant_only_loss=assistant_only_loss
+    )
     trainer = types.SimpleNamespace(_tokenizer=tokenizer, chat_template=None, completion_only_loss=None)
     theirs = SFTTrainer._prepare_dataset(
         trainer, datasets.Dataset.from_list(rows), tokenizer, config, False, None, "train"
     )
-    for row, trl_sample in zip(rows, theirs, strict=True):
-        ours = tokenize_sample(row, "messages", tokenizer, 512)
-        assert ours["input_ids"] == trl_sample["input_ids"], row
-        assert ours["labels"][1:] == trl_sample["labels"][1:], row
+    raw = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split in ("train", "validation")})
+    quiet = SimpleNamespace(print=lambda line: None)
+    ours, _, _ = tokenize_datasets(quiet, raw, "messages", tokenizer, 512, assistant_only_loss=assistant_only_loss)
+    for row, mine, trl_sample in zip(rows, ours, theirs, strict=True):
+        assert mine["input_ids"] == trl_sample["input_ids"], row
+        assert mine["labels"][1:] == trl_sample["labels"][1:], row
 
 
 def test_a_conversation_s_tools_are_rendered_in_training_and_in_its_exact_match_prompt(base):

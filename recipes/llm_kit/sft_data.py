@@ -227,7 +227,7 @@ def data_format(columns: list[str]) -> str:
     )
 
 
-def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
+def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistant_only_loss: bool = True) -> dict:
     """``input_ids`` and ``labels`` (-100 everywhere but on answer tokens) of one sample, truncated to ``max_length``.
 
     A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are tokenized
@@ -240,7 +240,8 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
     ``answer_merged``, is context, not answer). Tokenizing the turns apart would differ where a tokenizer marks a
     text's start (a SentencePiece ``"▁"`` before every answer). A template that does not render a conversation as a
     prefix of its continuation is refused; a conversational prompt + completion (read as one conversation, its
-    ``prompt_turns`` first) is trained on the completion's answers only. A text is all answer. The first token of a
+    ``prompt_turns`` first) is trained on the completion's answers only; without ``assistant_only_loss`` (TRL's
+    default) every token of a ``messages`` conversation is trained. A text is all answer. The first token of a
     sample never has a label: nothing inside the sample predicts it (this also keeps packed samples from predicting
     each other).
     """
@@ -272,6 +273,8 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int) -> dict:
             start, end, into_answer, into_next = answer_tokens(tokenizer, whole, done, len(prompt), len(full))
             labels[start:end] = ids[start:end]
             prompt_merged, answer_merged = prompt_merged or into_answer, answer_merged or into_next
+        if not (assistant_only_loss or sample.get("prompt_turns")):  # TRL's default: the user's turns trained too
+            labels, prompt_merged, answer_merged = list(ids), False, False
     else:
         prompt = sample["prompt"] if fmt == "prompt_completion" else ""
         answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
@@ -326,7 +329,7 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
 
 
 def tokenize_datasets(
-    accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int
+    accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int, assistant_only_loss=True
 ) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
     """The training and validation sets as ``input_ids`` + ``labels``, and per split the samples, how many were
     truncated, how many dropped because ``max_length`` cut off every answer token (refused when that leaves none)
@@ -334,7 +337,7 @@ def tokenize_datasets(
     said in one line. Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
     check_eos_token(tokenizer)  # every format trains the EOS: as text after an answer, or as the template writes it
     tokenized = raw_datasets.map(
-        lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length),
+        lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length, assistant_only_loss),
         remove_columns=raw_datasets["train"].column_names,
         desc="tokenizing",
     )
