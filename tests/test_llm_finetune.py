@@ -1356,6 +1356,10 @@ def test_a_conversational_prompt_and_completion_trains_the_completion_as_trl_doe
     with pytest.raises(RecipeError) as error:
         load_raw_datasets(train_file=str(bad))
     assert error.value.message.startswith(f"Row 9 of --train_file {str(bad)!r} (column 'completion') has no assistant")
+    bad.write_text("".join(json.dumps({**row, "tools": "[{'name': 'lookup'}]"}) + "\n" for row in rows))
+    with pytest.raises(RecipeError) as error:  # its tools are rendered too, as a conversation's
+        load_raw_datasets(train_file=str(bad))
+    assert error.value.message.startswith(f"Row 1 of --train_file {str(bad)!r}: its 'tools' cell is not JSON")
     pytest.importorskip("trl")
     import datasets
     from trl import SFTConfig

@@ -158,8 +158,9 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
         for column in ("prompt", "completion"):
             where = f"Row {number} of {source} (column {column!r})"
             check_conversation(row[column], where, column, answer=column == "completion")
-    for number, tools in enumerate(dataset["tools"] if fmt == "messages" and "tools" in dataset.column_names else []):
-        check_tools(tools, f"Row {number + 1} of {source}")
+    rendered = (fmt == "messages" or conversational) and "tools" in dataset.column_names  # by the chat template
+    for number, tools in enumerate(dataset["tools"] if rendered else [], start=1):
+        check_tools(tools, f"Row {number} of {source}")
 
 
 def check_tools(tools, where: str) -> None:
