@@ -81,9 +81,9 @@ def unchanged_by_a_resume(training_examples: int, lora: bool, adapter_name_or_pa
     weights = next(
         (file for file in (folder / "adapter_model.safetensors", folder / "adapter_model.bin") if file.is_file()), None
     )
-    digest = hashlib.sha256()
-    if weights is not None:  # (none: PEFT refuses the folder when it loads it)
+    digest = hashlib.sha256()  # (no weights: PEFT refuses the folder when it loads it)
+    if weights is not None:
         with weights.open("rb") as opened:
-            digest.update(hashlib.file_digest(opened, "sha256").digest())
+            digest = hashlib.file_digest(opened, "sha256")
     held = f"<a folder of files of sha256 {digest.hexdigest()[:12]}>"
     return {"training_examples": training_examples, "adapter_name_or_path": held}

@@ -138,7 +138,7 @@ def load_raw_datasets(
         if limits[split]:
             raw[split] = raw[split].shuffle(seed=seed).select(range(min(limits[split], len(raw[split]))))
     raw = datasets.DatasetDict({"train": raw["train"], "validation": raw["validation"]})
-    if "completion" in raw["train"].column_names and not isinstance(raw["train"][0]["prompt"], str):
+    if holds_conversations_as_prompts(raw["train"]):
         # TRL's conversational prompt + completion: one conversation, trained on the completion's answers only.
         as_messages = lambda row: {"messages": row["prompt"] + row["completion"], "prompt_turns": len(row["prompt"])}
         raw = raw.map(as_messages, remove_columns=["prompt", "completion"])
@@ -153,7 +153,7 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
     if fmt == "messages":
         for number, messages in enumerate(dataset["messages"], start=1):
             check_conversation(messages, f"Row {number} of {source}")
-    conversational = fmt == "prompt_completion" and len(dataset) and not isinstance(dataset[0]["prompt"], str)
+    conversational = fmt == "prompt_completion" and holds_conversations_as_prompts(dataset)
     for number, row in enumerate(dataset if conversational else [], start=1):  # (strings: checked above)
         for column in ("prompt", "completion"):
             where = f"Row {number} of {source} (column {column!r})"
@@ -161,6 +161,11 @@ def check_rows(dataset: datasets.Dataset, fmt: str, source: str) -> None:
     rendered = (fmt == "messages" or conversational) and "tools" in dataset.column_names  # by the chat template
     for number, tools in enumerate(dataset["tools"] if rendered else [], start=1):
         check_tools(tools, f"Row {number} of {source}")
+
+
+def holds_conversations_as_prompts(dataset: datasets.Dataset) -> bool:
+    """TRL's conversational prompt + completion: ``prompt`` and ``completion`` hold lists of messages, not strings."""
+    return "completion" in dataset.column_names and len(dataset) > 0 and not isinstance(dataset[0]["prompt"], str)
 
 
 def check_tools(tools, where: str) -> None:
@@ -268,14 +273,14 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistan
         # conversation to its last answer is tokenized once, as the model will read it.
         whole = tokenizer(done, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
         ids, labels = whole["input_ids"], [-100] * len(whole["input_ids"])
+        if not (assistant_only_loss or sample.get("prompt_turns")):  # TRL's default: the user's turns trained too
+            answers, labels = [], list(ids)
         for prompt, full in answers:
             # TRL's prompt/completion rule (below) at both ends of an answer: a token that the context merges into
             # the answer's first is trained; one that the answer's end merges into the next turn's text is not.
             start, end, into_answer, into_next = answer_tokens(tokenizer, whole, done, len(prompt), len(full))
             labels[start:end] = ids[start:end]
             prompt_merged, answer_merged = prompt_merged or into_answer, answer_merged or into_next
-        if not (assistant_only_loss or sample.get("prompt_turns")):  # TRL's default: the user's turns trained too
-            labels, prompt_merged, answer_merged = list(ids), False, False
     else:
         prompt = sample["prompt"] if fmt == "prompt_completion" else ""
         answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
