@@ -1214,7 +1214,7 @@ R1_LIKE = (
 
 def reasoning_tokenizer(base, family: str, template: str | None = None):
     """The tests' byte-level tokenizer with a reasoning family's special tokens (Qwen3's turn tags; R1's BOS, EOS
-    and role tags) and chat template (``template``: another one, e.g. TRL's own)."""
+    and role tags), its think tags and chat template (``template``: another one, e.g. TRL's own)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -1228,6 +1228,7 @@ def reasoning_tokenizer(base, family: str, template: str | None = None):
                 "additional_special_tokens": ["<｜User｜>", "<｜Assistant｜>"],
             }
         )
+    tokenizer.add_tokens(["<think>", "</think>"])  # (both families' tokenizers hold them, as plain added tokens)
     tokenizer.pad_token = tokenizer.eos_token
     tokenizer.chat_template = template or (QWEN3_LIKE if family == "qwen3" else R1_LIKE)
     return tokenizer
@@ -1636,6 +1637,40 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
         (q, a, reply.strip()) for (q, a), reply in zip(pairs, replies.values())
     ]
     assert score == 2 / 3
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_exact_match_asks_with_the_generation_prompt_and_scores_the_answer_after_the_reasoning(base, family):
+    """Under a reasoning model's template the exact match still asks with the generation prompt (R1's opens a think
+    block), and a model that writes what it was trained on (Qwen3: the empty think block, then the answer; R1: its
+    reasoning closed, then the answer) is scored on the answer after its last '</think>', with the tokens to write
+    it in: the think block counted in the generation budget. Before: Qwen3's answers were cut inside the think block
+    (the budget was the reference's tokens + 2) and compared with it, so a perfect model scored 0."""
+    import datasets
+
+    from llm_kit.sft_eval import exact_match
+
+    tokenizer = reasoning_tokenizer(base, family)
+    example = [{"role": "user", "content": "Is `json.dumps` a class?"}, {"role": "assistant", "content": "function"}]
+    asked_rows = [
+        [*example, {"role": "user", "content": "Is `json.JSONDecoder` a class?"}, {"role": "assistant", "content": a}]
+        for a in ("class", "a class")
+    ]
+    rows = datasets.Dataset.from_list([{"messages": messages} for messages in asked_rows])
+    asked, before = [], "<think>\n\n</think>\n\n" if family == "qwen3" else "</think>"
+    end = "<|im_end|>" if family == "qwen3" else tokenizer.eos_token
+
+    class Model:  # writes the think block (R1: closes its reasoning), then "class"; the budget cuts it
+        def generate(self, ids, max_new_tokens, **kwargs):
+            asked.append(tokenizer.decode(ids[0]))
+            new = tokenizer(before + "class" + end, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    score, scored = exact_match(Model(), tokenizer, rows, "messages", "cpu")
+    render = tokenizer.apply_chat_template
+    assert asked == [render(messages[:3], tokenize=False, add_generation_prompt=True) for messages in asked_rows]
+    assert asked[0].endswith("<|im_start|>assistant\n" if family == "qwen3" else "<｜Assistant｜><think>\n")
+    assert [s["answer"] for s in scored] == ["class", "class"] and score == 0.5
 
 
 def test_a_few_shot_conversation_is_scored_on_its_last_answer(recipe):
