@@ -1293,8 +1293,9 @@ def test_answers_are_found_in_the_one_rendering_of_a_template_that_renders_earli
     earlier answer; R1: a generation prompt that opens a think block no written answer holds): the conversation is
     rendered once and each answer found in it, its content and the end-of-turn text after it, from the end of the
     generation prompt where that prompt is a prefix of the rendering (Qwen3's last answer: its empty think block is
-    trained, as TRL's training template trains it). An answer whose content the rendering drops (its reasoning before
-    '</think>') is refused in one paragraph that names the way out. Before: every such conversation refused."""
+    trained, as TRL's training template trains it); a conversational prompt's worked example stays context. An answer
+    whose content the rendering drops (its reasoning before '</think>') is refused in one paragraph that names the way
+    out. Before: every such conversation refused."""
     from llm_kit.sft_data import tokenize_sample
     from shared.errors import RecipeError
 
@@ -1309,6 +1310,11 @@ def test_answers_are_found_in_the_one_rendering_of_a_template_that_renders_earli
             after = max(i for i, m in enumerate(messages) if m["role"] == "user") < last_answer_index(messages)
             answers[-1] = "<think>\n\n</think>\n\n" * after + answers[-1]
         assert [tokenizer.decode(span) for span in trained_spans(sample)] == answers, messages
+    # TRL's conversational prompt + completion, a worked example in the prompt: its answer is context, not trained
+    worked = {"messages": TWO_TURNS[1:], "prompt_turns": 3}
+    sample = tokenize_sample(worked, "messages", tokenizer, 512)
+    think = "<think>\n\n</think>\n\n" if family == "qwen3" else ""
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [think + "yes it is" + end]
     reasoned = [*TWO_TURNS[:2], {"role": "assistant", "content": "<think>\nIt has submodules.\n</think>\n\nyes"}]
     reasoned += TWO_TURNS[3:]
     with pytest.raises(RecipeError) as error:
@@ -1386,7 +1392,8 @@ MARKED = {
 def test_a_template_with_generation_markers_trains_the_tokens_it_marks(base, tmp_path, family):
     """A template with {% generation %} markers (a training template the user gives, or the model's own): the tokens
     the tokenizer's assistant mask marks over the one rendering are trained, as TRL's SFTTrainer trains them, R1's
-    marked role tag included (no rule of ours would train it), the ids and labels equal to TRL's own preprocessing.
+    marked role tag included (no rule of ours would train it), the ids and labels equal to TRL's own preprocessing;
+    a conversational prompt + completion's completion only, as TRL's completion mask has it.
     A slow tokenizer (no offsets, no mask) and a template that marks no token are refused in one paragraph. Before:
     both templates refused, as not rendering a conversation as a prefix of its continuation."""
     from llm_kit.sft_data import tokenize_sample
@@ -1408,6 +1415,11 @@ def test_a_template_with_generation_markers_trains_the_tokens_it_marks(base, tmp
             after = max(i for i, m in enumerate(messages) if m["role"] == "user") < last_answer_index(messages)
             answers[-1] = "<think>\n\n</think>\n\n" * after + answers[-1]
         assert [tokenizer.decode(span) for span in trained_spans(sample)] == answers, messages
+    # TRL's conversational prompt + completion: its completion mask too, from where the prompt's tokens end (before
+    # R1's marked role tag, which the generation prompt holds), the worked example's answer not trained
+    sample = tokenize_sample({"messages": TWO_TURNS[1:], "prompt_turns": 3}, "messages", tokenizer, 512)
+    think = "<think>\n\n</think>\n\n" if family == "qwen3" else ""
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [think + "yes it is" + end]
     with mock.patch.object(type(tokenizer), "is_fast", new_callable=mock.PropertyMock, return_value=False):
         with pytest.raises(RecipeError) as error:
             tokenize_sample({"messages": TWO_TURNS}, "messages", tokenizer, 512)
