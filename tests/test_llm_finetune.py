@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -1191,6 +1192,253 @@ def test_conversation_ids_and_labels_equal_trl_s(base, tmp_path, kind, assistant
         assert mine["labels"][1:] == trl_sample["labels"][1:], row
 
 
+# Templates of reasoning models, written small here (TRL ships the real ones: trl/chat_templates/qwen3.jinja,
+# deepseek_r1_distill.jinja). Qwen3 writes an empty think block only in answers after the last question and drops an
+# earlier answer's reasoning; a DeepSeek-R1 distill's generation prompt opens a think block, and every answer is
+# written without its reasoning: neither renders a conversation as a prefix of its continuation.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last=-1) %}{%- for message in messages %}{%- if message['role'] == 'user' %}"
+    "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' }}{%- if message['role'] != 'assistant' %}"
+    "{{- message['content'] }}{%- elif loop.index0 > ns.last %}{{- '<think>\n\n</think>\n\n' + message['content'] }}"
+    "{%- else %}{{- message['content'].split('</think>')[-1].lstrip('\n') }}{%- endif %}{{- '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+R1_LIKE = (
+    "{{ bos_token }}{%- for message in messages %}{%- if message['role'] == 'system' %}{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}{%- else %}"
+    "{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1] + eos_token }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<｜Assistant｜><think>\n' }}{%- endif %}"
+)
+
+
+def reasoning_tokenizer(base, family: str, template: str | None = None):
+    """The tests' byte-level tokenizer with a reasoning family's special tokens (Qwen3's turn tags; R1's BOS, EOS
+    and role tags), its think tags and chat template (``template``: another one, e.g. TRL's own)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    if family == "qwen3":
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    else:
+        tokenizer.add_special_tokens(
+            {
+                "bos_token": "<｜begin▁of▁sentence｜>",
+                "eos_token": "<｜end▁of▁sentence｜>",
+                "additional_special_tokens": ["<｜User｜>", "<｜Assistant｜>"],
+            }
+        )
+    tokenizer.add_tokens(["<think>", "</think>"])  # (both families' tokenizers hold them, as plain added tokens)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.chat_template = template or (QWEN3_LIKE if family == "qwen3" else R1_LIKE)
+    return tokenizer
+
+
+def trl_samples(tokenizer, rows: list[dict], tmp_path, assistant_only_loss: bool) -> list[dict]:
+    """TRL's own ids and labels for ``rows`` (SFTTrainer._prepare_dataset), with the template TRL trains with: a
+    known template without ``{% generation %}`` markers swapped for its training template, as SFTTrainer does."""
+    import types
+
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+    swapped = assistant_only_loss and not has_generation_markers(tokenizer.chat_template)
+    trainer = types.SimpleNamespace(
+        _tokenizer=tokenizer,
+        chat_template=get_training_chat_template(tokenizer) if swapped else None,
+        completion_only_loss=None,
+    )
+    config = SFTConfig(
+        output_dir=str(tmp_path), max_length=512, bf16=False, report_to=[], assistant_only_loss=assistant_only_loss
+    )
+    return list(
+        SFTTrainer._prepare_dataset(trainer, datasets.Dataset.from_list(rows), tokenizer, config, False, None, "train")
+    )
+
+
+def reasoning_chats(base) -> list[list[dict]]:
+    """The tests' conversations (system prompts, second turns), two turns, one ending in a user's turn, and one whose
+    answers are words of its first question (an answer is looked for after its context, not in it)."""
+    chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()][:16]
+    echoed = [("user", "Is json a module or a class?"), ("assistant", "a module"), ("user", "And os?")]
+    echoed = [{"role": role, "content": content} for role, content in [*echoed, ("assistant", "a module")]]
+    return chats + [TWO_TURNS, TWO_TURNS + [{"role": "user", "content": "Thanks."}], echoed]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_without_assistant_only_loss_every_token_of_the_one_rendering_is_trained(base, tmp_path, family):
+    """--no-assistant_only_loss (TRL's default): the whole conversation rendered once, every token trained, whatever
+    the template does with earlier turns (no answer is looked for): the ids of the template's one rendering, a
+    conversation ending in a user's turn included, as TRL's own preprocessing gives them. Before: refused, the Qwen3
+    conversations with two answers and every R1 one, although no answer needed finding."""
+    from llm_kit.sft_data import tokenize_sample
+
+    tokenizer = reasoning_tokenizer(base, family)
+    chats = reasoning_chats(base)
+    for messages in chats:
+        ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512, assistant_only_loss=False)
+        assert sample["input_ids"] == ids and sample["labels"] == [-100] + ids[1:], messages
+    pytest.importorskip("trl")
+    theirs = trl_samples(tokenizer, [{"messages": m} for m in chats], tmp_path, assistant_only_loss=False)
+    for messages, trl_sample in zip(chats, theirs, strict=True):
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512, assistant_only_loss=False)
+        assert sample["input_ids"] == trl_sample["input_ids"] and sample["labels"][1:] == trl_sample["labels"][1:]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_answers_are_found_in_the_one_rendering_of_a_template_that_renders_earlier_turns_otherwise(base, family):
+    """A template that writes an answer otherwise once the conversation goes on (Qwen3: no think block before an
+    earlier answer; R1: a generation prompt that opens a think block no written answer holds): the conversation is
+    rendered once and each answer found in it, its content and the end-of-turn text after it, from the end of the
+    generation prompt where that prompt is a prefix of the rendering (Qwen3's last answer: its empty think block is
+    trained, as TRL's training template trains it); a conversational prompt's worked example stays context. An answer
+    whose content the rendering drops (its reasoning before '</think>') is refused in one paragraph that names the way
+    out. Before: every such conversation refused."""
+    from llm_kit.sft_data import tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = reasoning_tokenizer(base, family)
+    end = "<|im_end|>\n" if family == "qwen3" else tokenizer.eos_token
+    for messages in reasoning_chats(base):
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert sample["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"], messages
+        answers = [m["content"] + end for m in messages if m["role"] == "assistant"]
+        if family == "qwen3":  # the answer after the last question is written, and trained, with its think block
+            after = max(i for i, m in enumerate(messages) if m["role"] == "user") < last_answer_index(messages)
+            answers[-1] = "<think>\n\n</think>\n\n" * after + answers[-1]
+        assert [tokenizer.decode(span) for span in trained_spans(sample)] == answers, messages
+    # TRL's conversational prompt + completion, a worked example in the prompt: its answer is context, not trained
+    worked = {"messages": TWO_TURNS[1:], "prompt_turns": 3}
+    sample = tokenize_sample(worked, "messages", tokenizer, 512)
+    think = "<think>\n\n</think>\n\n" if family == "qwen3" else ""
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [think + "yes it is" + end]
+    reasoned = [*TWO_TURNS[:2], {"role": "assistant", "content": "<think>\nIt has submodules.\n</think>\n\nyes"}]
+    reasoned += TWO_TURNS[3:]
+    with pytest.raises(RecipeError) as error:
+        tokenize_sample({"messages": reasoned}, "messages", tokenizer, 512)
+    assert error.value.message.startswith(
+        "The chat template renders this conversation without its answer '<think>\\nIt has submodules.\\n</think>\\n"
+        "\\nyes' as given (a template may drop an answer's reasoning before '</think>'"
+    )
+    assert "--no-assistant_only_loss" in error.value.message and "{% generation %}" in error.value.message
+    assert "\n" not in error.value.message.replace("\\n", "")  # one paragraph
+
+
+def last_answer_index(messages: list[dict]) -> int:
+    return max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_answers_found_under_qwen3_and_r1_templates_train_what_trl_s_training_templates_do(base, tmp_path, family):
+    """Against TRL's own preprocessing under the real templates (trl/chat_templates/qwen3.jinja and
+    deepseek_r1_distill.jinja, which SFTTrainer swaps for its training templates with {% generation %} markers): the
+    same answer tokens, but for two differences, both on the side of the template the model is asked with. Qwen3:
+    TRL's training template writes, and trains, an empty think block before every answer; the model's own template
+    (the recipe's rendering, and what it reads at inference) writes none before an answer followed by another
+    question, so those 4 words are neither in our ids nor trained. R1: TRL's training template marks the
+    ``<｜Assistant｜>`` tag as the answer's first token; it is the generation prompt's, given to the model, not
+    trained here (as TRL's own prompt/completion rule has it)."""
+    pytest.importorskip("trl")
+    import trl
+
+    from llm_kit.sft_data import tokenize_sample
+
+    template = (
+        Path(trl.__file__).parent / "chat_templates" / f"{dict(r1='deepseek_r1_distill').get(family, family)}.jinja"
+    )
+    tokenizer = reasoning_tokenizer(base, family, template.read_text())
+    chats = reasoning_chats(base)
+    theirs = trl_samples(tokenizer, [{"messages": m} for m in chats], tmp_path, assistant_only_loss=True)
+    think = tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    assistant, differences = tokenizer.convert_tokens_to_ids("<｜Assistant｜>"), 0
+    for messages, trl_sample in zip(chats, theirs, strict=True):
+        ours = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        spans, trl_spans = trained_spans(ours), trained_spans(trl_sample)
+        if family == "qwen3":  # TRL's answers all start with the think block; ours where the template writes it
+            strip = lambda span: span[len(think) :] if span[: len(think)] == think else span
+            assert [strip(span) for span in trl_spans] == [strip(span) for span in spans], messages
+            assert all(span[: len(think)] == think for span in trl_spans)
+            dropped = sum(len(think) for span in spans if span[: len(think)] != think)
+            assert len(trl_sample["input_ids"]) == len(ours["input_ids"]) + dropped
+            differences += dropped
+        else:  # the same ids; TRL also trains each answer's role tag
+            assert ours["input_ids"] == trl_sample["input_ids"]
+            assert trl_spans == [[assistant, *span] for span in spans], messages
+            differences += len(spans)
+    assert differences  # (the conversations hold earlier answers)
+
+
+# The same templates with each answer marked as what the model writes, as TRL's training templates mark it (R1's
+# role tag inside the mark); neither renders a conversation as a prefix of its continuation.
+MARKED = {
+    "qwen3": QWEN3_LIKE.replace(
+        "{%- elif loop.index0 > ns.last %}{{- '<think>\n\n</think>\n\n' + message['content'] }}{%- else %}"
+        "{{- message['content'].split('</think>')[-1].lstrip('\n') }}{%- endif %}{{- '<|im_end|>\n' }}",
+        "{{- '<|im_end|>\n' }}{%- else %}{%- generation %}{%- if loop.index0 > ns.last %}"
+        "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{{- message['content'] + '<|im_end|>\n' }}{%- endgeneration %}"
+        "{%- endif %}",
+    ),
+    "r1": R1_LIKE.replace(
+        "{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1] + eos_token }}",
+        "{%- generation %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}{%- endgeneration %}",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_a_template_with_generation_markers_trains_the_tokens_it_marks(base, tmp_path, family):
+    """A template with {% generation %} markers (a training template the user gives, or the model's own): the tokens
+    the tokenizer's assistant mask marks over the one rendering are trained, as TRL's SFTTrainer trains them, R1's
+    marked role tag included (no rule of ours would train it), the ids and labels equal to TRL's own preprocessing;
+    a conversational prompt + completion's completion only, as TRL's completion mask has it.
+    A slow tokenizer (no offsets, no mask) and a template that marks no token are refused in one paragraph. Before:
+    both templates refused, as not rendering a conversation as a prefix of its continuation."""
+    from llm_kit.sft_data import tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = reasoning_tokenizer(base, family, MARKED[family])
+    chats = reasoning_chats(base)
+    assert tokenizer.apply_chat_template(TWO_TURNS, tokenize=False) == reasoning_tokenizer(
+        base, family
+    ).apply_chat_template(TWO_TURNS, tokenize=False)
+    end = "<|im_end|>\n" if family == "qwen3" else tokenizer.eos_token
+    for messages in chats:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert sample["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        answers = [("<｜Assistant｜>" if family == "r1" else "") + m["content"] + end for m in messages]
+        answers = [a for a, m in zip(answers, messages) if m["role"] == "assistant"]
+        if family == "qwen3":
+            after = max(i for i, m in enumerate(messages) if m["role"] == "user") < last_answer_index(messages)
+            answers[-1] = "<think>\n\n</think>\n\n" * after + answers[-1]
+        assert [tokenizer.decode(span) for span in trained_spans(sample)] == answers, messages
+    # TRL's conversational prompt + completion: its completion mask too, from where the prompt's tokens end (before
+    # R1's marked role tag, which the generation prompt holds), the worked example's answer not trained
+    sample = tokenize_sample({"messages": TWO_TURNS[1:], "prompt_turns": 3}, "messages", tokenizer, 512)
+    think = "<think>\n\n</think>\n\n" if family == "qwen3" else ""
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [think + "yes it is" + end]
+    with mock.patch.object(type(tokenizer), "is_fast", new_callable=mock.PropertyMock, return_value=False):
+        with pytest.raises(RecipeError) as error:
+            tokenize_sample({"messages": TWO_TURNS}, "messages", tokenizer, 512)
+    assert error.value.message.startswith(
+        f"The chat template of {tokenizer.name_or_path} marks the answers with {{% generation %}}, and the tokens it "
+        "marks are found from a fast tokenizer's offsets"
+    )
+    tokenizer.chat_template = CHATML.replace("{% endfor %}", "{% generation %}{% endgeneration %}{% endfor %}")
+    with pytest.raises(RecipeError) as error:
+        tokenize_sample({"messages": TWO_TURNS}, "messages", tokenizer, 512)
+    assert "has {% generation %} markers but marks no token of this conversation" in error.value.message
+    pytest.importorskip("trl")
+    tokenizer.chat_template = MARKED[family]
+    theirs = trl_samples(tokenizer, [{"messages": m} for m in chats], tmp_path, assistant_only_loss=True)
+    for messages, trl_sample in zip(chats, theirs, strict=True):
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert sample["input_ids"] == trl_sample["input_ids"] and sample["labels"][1:] == trl_sample["labels"][1:]
+
+
 def test_a_conversation_s_tools_are_rendered_in_training_and_in_its_exact_match_prompt(base):
     """TRL's ``tools`` column (a list of tool schemas, or its JSON text): the chat template renders them into the
     conversation (here a ChatML template that writes them in a system turn), so the model trains on the context it is
@@ -1401,6 +1649,40 @@ def test_exact_match_compares_stripped_greedy_answers_with_the_references(recipe
         (q, a, reply.strip()) for (q, a), reply in zip(pairs, replies.values())
     ]
     assert score == 2 / 3
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_exact_match_asks_with_the_generation_prompt_and_scores_the_answer_after_the_reasoning(base, family):
+    """Under a reasoning model's template the exact match still asks with the generation prompt (R1's opens a think
+    block), and a model that writes what it was trained on (Qwen3: the empty think block, then the answer; R1: its
+    reasoning closed, then the answer) is scored on the answer after its last '</think>', with the tokens to write
+    it in: the think block counted in the generation budget. Before: Qwen3's answers were cut inside the think block
+    (the budget was the reference's tokens + 2) and compared with it, so a perfect model scored 0."""
+    import datasets
+
+    from llm_kit.sft_eval import exact_match
+
+    tokenizer = reasoning_tokenizer(base, family)
+    example = [{"role": "user", "content": "Is `json.dumps` a class?"}, {"role": "assistant", "content": "function"}]
+    asked_rows = [
+        [*example, {"role": "user", "content": "Is `json.JSONDecoder` a class?"}, {"role": "assistant", "content": a}]
+        for a in ("class", "a class")
+    ]
+    rows = datasets.Dataset.from_list([{"messages": messages} for messages in asked_rows])
+    asked, before = [], "<think>\n\n</think>\n\n" if family == "qwen3" else "</think>"
+    end = "<|im_end|>" if family == "qwen3" else tokenizer.eos_token
+
+    class Model:  # writes the think block (R1: closes its reasoning), then "class"; the budget cuts it
+        def generate(self, ids, max_new_tokens, **kwargs):
+            asked.append(tokenizer.decode(ids[0]))
+            new = tokenizer(before + "class" + end, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    score, scored = exact_match(Model(), tokenizer, rows, "messages", "cpu")
+    render = tokenizer.apply_chat_template
+    assert asked == [render(messages[:3], tokenize=False, add_generation_prompt=True) for messages in asked_rows]
+    assert asked[0].endswith("<|im_start|>assistant\n" if family == "qwen3" else "<｜Assistant｜><think>\n")
+    assert [s["answer"] for s in scored] == ["class", "class"] and score == 0.5
 
 
 def test_a_few_shot_conversation_is_scored_on_its_last_answer(recipe):

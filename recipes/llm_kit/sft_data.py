@@ -3,9 +3,10 @@
 chat template, token ids with labels on the answers only, and batches (padded, or packed rows flattened into one).
 
 Not TRL's data helpers (TRL is not a dependency): its assistant-only loss needs a chat template with ``{% generation
-%}`` markers, which few models' templates have; ``tokenize_sample`` finds the answer tokens of any template that
-renders a conversation as a prefix of its continuation (and refuses one that does not), with one labelling rule for
-the three formats, and refuses bad rows by their place in the file."""
+%}`` markers, which few models' templates have (TRL swaps a known one for its own training template);
+``tokenize_sample`` trains the tokens such a template marks, and finds the answer tokens of any other template in the
+conversation's one rendering, with one labelling rule for the three formats, and refuses bad rows by their place in
+the file."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import collections
 import hashlib
 import json
 import platform
+import re
+from functools import partial
 from pathlib import Path
 
 import datasets
@@ -239,48 +242,38 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistan
     A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are tokenized
     whole (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does not end
     with it), and the answer starts where their tokens first differ: a prompt that ends in a space gives it to the
-    answer's first word, as the whole text is tokenized (``prompt_merged``). A conversation, by the same rule: its
-    chat template's rendering up to the last answer is tokenized whole (the template writes its own special tokens),
-    and each answer runs from where the rendering up to it (with the generation prompt) and the whole first differ to
-    where the rendering up to its end and the whole first differ (an end token that merges into the next turn's text,
-    ``answer_merged``, is context, not answer). Tokenizing the turns apart would differ where a tokenizer marks a
-    text's start (a SentencePiece ``"▁"`` before every answer). A template that does not render a conversation as a
-    prefix of its continuation is refused; a conversational prompt + completion (read as one conversation, its
-    ``prompt_turns`` first) is trained on the completion's answers only; without ``assistant_only_loss`` (TRL's
-    default) every token of a ``messages`` conversation is trained. A text is all answer. The first token of a
-    sample never has a label: nothing inside the sample predicts it (this also keeps packed samples from predicting
-    each other).
+    answer's first word, as the whole text is tokenized (``prompt_merged``). A conversation is rendered by its chat
+    template once and tokenized whole (the template writes its own special tokens); without ``assistant_only_loss``
+    (TRL's default) every token is trained. Else a template with ``{% generation %}`` markers has the tokens it marks
+    trained, as TRL trains them (``marked_answer_labels``); any other has each answer found in the rendering
+    (``answer_spans``) and its characters mapped to tokens by the prompt/completion rule at both ends (an end token
+    that merges into the next turn's text, ``answer_merged``, is context, not answer). Tokenizing the turns apart
+    would differ where a tokenizer marks a text's start (a SentencePiece ``"▁"`` before every answer). A
+    conversational prompt + completion (read as one conversation, its ``prompt_turns`` first) is trained on the
+    completion's answers only. A text is all answer. The first token of a sample never has a label: nothing inside
+    the sample predicts it (this also keeps packed samples from predicting each other).
     """
     prompt_merged = answer_merged = False
     if fmt == "messages":
-        messages, done, answers, tools = sample["messages"], "", [], chat_tools(sample)
+        messages, tools, context_turns = sample["messages"], chat_tools(sample), sample.get("prompt_turns", 0)
         check_conversation(messages, "A conversation")  # (rows of files were checked with their row numbers)
-        for index, message in enumerate(messages):
-            if message["role"] != "assistant" or index < sample.get("prompt_turns", 0):  # (a prompt's turns: context)
-                continue
-            prompt = tokenizer.apply_chat_template(
-                messages[:index], tools=tools, tokenize=False, add_generation_prompt=True
-            )
-            full = tokenizer.apply_chat_template(messages[: index + 1], tools=tools, tokenize=False)
-            if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise RecipeError(
-                    "The chat template does not render a conversation as a prefix of its continuation, "
-                    "so the answer tokens cannot be found exactly; use a template that does (most do)."
-                )
-            answers.append((prompt, full))
-            done = full
-        # The template writes its own special tokens (a BOS among them) as text: the tokenizer adds none. The
-        # conversation to its last answer is tokenized once, as the model will read it.
-        whole = tokenizer(done, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
+        render = partial(tokenizer.apply_chat_template, tools=tools, tokenize=False)
+        # The conversation rendered once, as the model will read it: the template writes its own special tokens (a
+        # BOS among them) as text, so the tokenizer adds none.
+        text = render(messages)
+        whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
         ids, labels = whole["input_ids"], [-100] * len(whole["input_ids"])
-        if not (assistant_only_loss or sample.get("prompt_turns")):  # TRL's default: the user's turns trained too
-            answers, labels = [], list(ids)
-        for prompt, full in answers:
-            # TRL's prompt/completion rule (below) at both ends of an answer: a token that the context merges into
-            # the answer's first is trained; one that the answer's end merges into the next turn's text is not.
-            start, end, into_answer, into_next = answer_tokens(tokenizer, whole, done, len(prompt), len(full))
-            labels[start:end] = ids[start:end]
-            prompt_merged, answer_merged = prompt_merged or into_answer, answer_merged or into_next
+        if not (assistant_only_loss or context_turns):  # TRL's default: every token trained, nothing to find
+            labels = list(ids)
+        elif has_generation_markers(tokenizer.chat_template):  # the tokens the template marks, as TRL trains them
+            labels = marked_answer_labels(tokenizer, render, messages, ids, context_turns)
+        else:
+            for start, end in answer_spans(render, messages, text, context_turns):
+                # TRL's prompt/completion rule (below) at both ends of an answer: a token that the context merges into
+                # the answer's first is trained; one that the answer's end merges into the next turn's text is not.
+                start, end, into_answer, into_next = answer_tokens(tokenizer, whole, text, start, end)
+                labels[start:end] = ids[start:end]
+                prompt_merged, answer_merged = prompt_merged or into_answer, answer_merged or into_next
     else:
         prompt = sample["prompt"] if fmt == "prompt_completion" else ""
         answer = (sample["completion"] if fmt == "prompt_completion" else sample["text"]) or ""
@@ -305,6 +298,78 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistan
         "prompt_merged": prompt_merged,
         "answer_merged": answer_merged,
     }
+
+
+def has_generation_markers(chat_template) -> bool:
+    """Whether a chat template marks what the model writes with ``{% generation %}`` (TRL's training templates do;
+    a template shipped as named variants: its ``default``)."""
+    template = chat_template.get("default", "") if isinstance(chat_template, dict) else chat_template or ""
+    return re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
+
+
+def marked_answer_labels(tokenizer, render, messages: list[dict], ids: list[int], first: int = 0) -> list[int]:
+    """The labels of a conversation whose template has ``{% generation %}`` markers: the tokens of ``ids`` (its one
+    rendering) that the tokenizer's assistant mask marks, as TRL's SFTTrainer trains them; the turns before ``first``
+    (a conversational prompt's) are context, up to where the prompt's tokens and the whole's first differ, as TRL's
+    completion mask has it. The mask is found from a fast tokenizer's offsets: a slow one is refused, and so is a
+    template that marks no token of the conversation."""
+    name = tokenizer.name_or_path
+    if not tokenizer.is_fast:
+        raise RecipeError(
+            f"The chat template of {name} marks the answers with {{% generation %}}, and the tokens it marks are "
+            f"found from a fast tokenizer's offsets, which {type(tokenizer).__name__} does not give. Use the model's "
+            "fast tokenizer (its tokenizer.json), train every token with --no-assistant_only_loss, or use a template "
+            "without the markers."
+        )
+    marked = render(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    labels = [token if mask else -100 for token, mask in zip(ids, marked["assistant_masks"], strict=True)]
+    if first:
+        asked = render(messages[:first], tokenize=True, return_dict=True, add_generation_prompt=True)["input_ids"]
+        labels[: common_prefix_length(asked, ids)] = [-100] * common_prefix_length(asked, ids)
+    if all(label == -100 for label in labels):
+        raise RecipeError(
+            f"The chat template of {name} has {{% generation %}} markers but marks no token of this conversation as "
+            f"an answer: {str(messages)[:200]}. Put each assistant turn's text and its end-of-turn token between "
+            "{% generation %} and {% endgeneration %}, or train every token with --no-assistant_only_loss."
+        )
+    return labels
+
+
+def answer_spans(render, messages: list[dict], text: str, first: int = 0):
+    """The character span of each answer (the turns before ``first`` are context) in ``text``, the conversation's
+    one rendering. Where the template renders the conversation up to an answer as a prefix of the rest (most do),
+    the answer runs from the end of the rendering up to it with the generation prompt to the end of the rendering
+    through it. A template that renders earlier turns otherwise (Qwen3 writes an empty think block only in answers
+    after the last question; a DeepSeek-R1 distill's generation prompt opens a think block that no rendered answer
+    holds) has each answer found in ``text`` in order: from the end of the generation prompt where that is a prefix
+    of ``text``, else from the answer's content, to the end of the content and of the end-of-turn text the template
+    writes after it. An answer whose content the rendering does not hold is refused."""
+    done = 0  # where the previous answer ended
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant" or index < first:
+            continue
+        prompt, full = render(messages[:index], add_generation_prompt=True), render(messages[: index + 1])
+        asked = text.startswith(prompt) and len(prompt) >= done  # the generation prompt opens this answer
+        if asked and text.startswith(full) and full.startswith(prompt):
+            yield len(prompt), len(full)
+            done = len(full)
+            continue
+        content = message["content"].strip()
+        at = text.find(content, max(done, common_prefix_length(prompt, text)))
+        written = full.find(content, common_prefix_length(prompt, full))  # the answer as the last turn
+        if at < 0 or written < 0:
+            raise RecipeError(
+                f"The chat template renders this conversation without its answer {content[:80]!r} as given (a "
+                "template may drop an answer's reasoning before '</think>', as Qwen3's does in earlier turns and a "
+                "DeepSeek-R1 distill's in every turn), so the answer's tokens cannot be found to train: "
+                f"{str(messages)[:200]}. Train every token with --no-assistant_only_loss, or use a chat template that "
+                "writes every answer whole between {% generation %} and {% endgeneration %}, as TRL's training "
+                "templates do (trl/chat_templates/qwen3_training.jinja, deepseek_r1_distill_training.jinja): saved as "
+                "chat_template.jinja in a tokenizer folder passed as --tokenizer_name, its marked tokens are trained."
+            )
+        turn_end = full[written + len(content) :]  # the end-of-turn text the template writes after the answer
+        done = at + len(content) + common_prefix_length(turn_end, text[at + len(content) :])
+        yield (len(prompt) if asked else at), done
 
 
 def answer_tokens(tokenizer, whole, text: str, answer_start: int, answer_end: int) -> tuple[int, int, bool, bool]:

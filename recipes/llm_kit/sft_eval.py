@@ -12,17 +12,21 @@ import torch
 
 from shared.accelerator import main_process_alone
 
-from .sft_data import last_answer, prompt_of
+from .sft_data import chat_tools, last_answer, prompt_of
 
 
 def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> tuple[float, list[dict]]:
     """The share of ``rows`` whose greedy answer, stripped, equals the reference answer stripped, and each answer.
-    Generates 2 tokens more than the longest reference has: a longer answer could not match anyway."""
-    scored = []
+    A reasoning model's answer is what it writes after its reasoning (its last ``</think>``, as Qwen3 and the
+    DeepSeek-R1 distills write it). Generates 2 tokens more than the longest reference and what the chat template
+    writes before it (Qwen3's empty think block) have: a longer answer could not match anyway."""
+    scored, lengths = [], []
     for row in rows:
         question, reference = last_prompt_and_answer(row, fmt)
         scored.append({"question": question, "reference": reference.strip()})
-    max_new_tokens = max(len(tokenizer(s["reference"], add_special_tokens=False).input_ids) for s in scored) + 2
+        written = written_before_answer(row, fmt, tokenizer) + reference.strip()
+        lengths.append(len(tokenizer(written, add_special_tokens=False).input_ids))
+    max_new_tokens = max(lengths) + 2
     for row, sample in zip(rows, scored):
         prompt = prompt_of(row, fmt, tokenizer, last=True)  # a few-shot conversation: its earlier turns as context
         ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=fmt != "messages")
@@ -31,7 +35,8 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
             generated = model.generate(
                 ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
             )
-        sample["answer"] = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True).strip()
+        answer = tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True)
+        sample["answer"] = answer.split("</think>")[-1].strip()
     return sum(sample["answer"] == sample["reference"] for sample in scored) / len(scored), scored
 
 
@@ -42,6 +47,19 @@ def last_prompt_and_answer(row: dict, fmt: str) -> tuple[str, str]:
         last = last_answer(row["messages"])
         return (row["messages"][last - 1]["content"] if last else ""), row["messages"][last]["content"]
     return row["prompt"], row["completion"]
+
+
+def written_before_answer(row: dict, fmt: str, tokenizer) -> str:
+    """What the chat template writes between the generation prompt and a conversation's last answer, where the
+    rendering through that answer starts with the prompt: Qwen3's empty think block after the last question; most
+    templates write nothing there."""
+    if fmt != "messages":
+        return ""
+    messages, prompt = row["messages"], prompt_of(row, fmt, tokenizer, last=True)
+    last = last_answer(messages)
+    written = tokenizer.apply_chat_template(messages[: last + 1], tools=chat_tools(row), tokenize=False)
+    at = written.find(messages[last]["content"].strip(), len(prompt))
+    return written[len(prompt) : at] if written.startswith(prompt) and at >= 0 else ""
 
 
 # Exact match means something for answers a model can give word for word: a label, a number, a name.
