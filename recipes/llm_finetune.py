@@ -103,6 +103,8 @@ from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_s
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 600, "learning_rate": 1e-3, "lr_scheduler_type": "cosine"}
 # The flags ``load_model`` takes here: the shared ones, the length a device_map plans for, and whether to merge.
 SFT_MODEL_FLAGS = (*MODEL_FLAGS, "max_length", "merge_and_save")
+# The flags ``unchanged_by_a_resume`` takes here: the adapter's, and which tokens are trained.
+SFT_RESUME_FLAGS = (*LORA_FLAGS, "assistant_only_loss")
 # Said when no data flag is given: a user's model would otherwise train on the offline questions without a word.
 BUNDLED_DATA = (
     "data: no --train_file or --dataset_name, so this run trains on the bundled questions (is a standard-library name "
@@ -448,7 +450,7 @@ def main():
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
-    unchanged = unchanged_by_a_resume(len(train_dataloader.dataset), lora, **flags(args, LORA_FLAGS))
+    unchanged = unchanged_by_a_resume(len(train_dataloader.dataset), lora, **flags(args, SFT_RESUME_FLAGS))
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state, unchanged
     )
