@@ -8,7 +8,8 @@ checkpoint's optimizer would override, while results.json recorded it), another 
 shuffle), another LoRA adapter or other trained tokens (``--no-assistant_only_loss``; also over a checkpoint saved
 before that was recorded, which trained the default) it is refused. A run checkpoints its last step too, once, also
 where ``--checkpointing_steps`` N (or ``epoch``) does not end there, so that a requeue (the same command, resuming
-``latest``) of a finished run trains nothing again, and keeps what the run measured."""
+``latest``) of a finished run trains nothing again, and keeps what the run measured in its own process count (in
+another it writes null)."""
 
 import json
 import re
@@ -246,19 +247,31 @@ def test_resumed_from_the_checkpoint_of_its_last_step_it_trains_no_step_more(run
     ends_as_the_uninterrupted_run(runs[name]["folder"], "finished")
 
 
+def measurements(results: dict) -> dict:
+    """What a run measured of its speed and training's peak memory (perf/*, memory/peak_gib)."""
+    return {key: value for key, value in results.items() if key.startswith("perf/") or key == "memory/peak_gib"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", offering("--resume_from_checkpoint", "requeue_keeps_measurements") + list(LAYOUTS))
-def test_a_requeue_of_a_finished_run_keeps_what_the_run_measured(runs, name):
-    """The requeue trains no step, so it measures no speed: results.json keeps the run's perf/* and training's peak
-    memory instead of writing null (or the load's peak) over them."""
-    measured = {
-        key: value
-        for key, value in read_results(runs[name]["folder"] / "uninterrupted").items()
-        if key.startswith("perf/") or key == "memory/peak_gib"
-    }
+def test_a_requeue_of_a_finished_run_keeps_what_the_run_measured_in_its_own_setup_only(runs, name):
+    """The requeue trains no step, so it measures no speed: in the run's process count (the shorter run, requeued)
+    results.json keeps the run's perf/* and training's peak memory instead of writing null (or the load's peak) over
+    them. In another count (the uninterrupted 2-process run requeued in 1; the split layout's 3 in 2) it writes null:
+    beside the requeue's num_processes, the run's numbers would say that this count trained at that speed."""
+    folder = runs[name]["folder"]
+    measured, requeued = measurements(runs[name]["replacing_results"]), read_results(folder / "replaced")
     assert measured["perf/step_time_s"] is not None and measured["memory/peak_gib"], measured
-    requeued = read_results(runs[name]["folder"] / "finished")
-    assert {key: requeued.get(key) for key in measured} == measured
+    assert measurements(requeued) == measured
+    run, elsewhere = read_results(folder / "uninterrupted"), read_results(folder / "finished")
+    if elsewhere["num_processes"] != run["num_processes"]:
+        assert measurements(run)["perf/samples_per_sec"] is not None and measurements(run)["memory/peak_gib"]
+        assert elsewhere["memory/peak_gib"] is None and elsewhere["perf/measured_steps"] == 0, measurements(elsewhere)
+        assert all(
+            elsewhere.get(key) is None for key in ("perf/samples_per_sec", "perf/tokens_per_sec", "perf/step_time_s")
+        )
+    else:  # (a pipeline's: another count would be another split, refused)
+        assert measurements(elsewhere) == measurements(run)
 
 
 @pytest.mark.slow
@@ -329,21 +342,6 @@ def test_a_resume_with_another_adapter_is_refused_once(runs, name):
 
 
 @pytest.mark.slow
-def test_the_toy_refuses_a_damaged_checkpoint_and_another_process_count_in_one_line(runs):
-    toy = runs["linear_toy.py"]
-    damaged, other = toy["damaged_refused"], toy["other_count_refused"]
-    assert damaged.returncode != 0 and other.returncode != 0
-    assert (
-        errors(damaged.output)
-        == [
-            line for line in errors(damaged.output) if f"cannot resume from {toy['damaged']}: it does not load" in line
-        ]
-        and len(errors(damaged.output)) == 1
-    ), str(damaged)
-    assert len(errors(other.output)) == 1 and "'processes': 2" in errors(other.output)[0], str(other)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("name", offering(f"--{ADDED_TO_THE_RECORD}", "relabelled_refused"))
 def test_a_resume_that_trains_other_tokens_is_refused_once_also_over_a_checkpoint_that_did_not_record_them(runs, name):
     """Trained on the answers only (the default), resumed with --no-assistant_only_loss (every token, TRL's default),
@@ -358,6 +356,21 @@ def test_a_resume_that_trains_other_tokens_is_refused_once_also_over_a_checkpoin
         said = f"was trained with --{ADDED_TO_THE_RECORD}, this run has --no-{ADDED_TO_THE_RECORD}:"
         assert len(printed) == 1 and said in printed[0], f"{case}: {run}"
         assert not traced_through_a_recipe(run.output), f"{case}: {run}"
+
+
+@pytest.mark.slow
+def test_the_toy_refuses_a_damaged_checkpoint_and_another_process_count_in_one_line(runs):
+    toy = runs["linear_toy.py"]
+    damaged, other = toy["damaged_refused"], toy["other_count_refused"]
+    assert damaged.returncode != 0 and other.returncode != 0
+    assert (
+        errors(damaged.output)
+        == [
+            line for line in errors(damaged.output) if f"cannot resume from {toy['damaged']}: it does not load" in line
+        ]
+        and len(errors(damaged.output)) == 1
+    ), str(damaged)
+    assert len(errors(other.output)) == 1 and "'processes': 2" in errors(other.output)[0], str(other)
 
 
 @pytest.mark.slow
