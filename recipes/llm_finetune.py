@@ -409,7 +409,7 @@ def main():
     with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
         if fmt == "messages":  # the recipe's template where the model has none: saved only when trained with
             add_chat_template(accelerator, tokenizer)
-        train_dataset, eval_dataset, counts = tokenize_datasets(
+        train_dataset, eval_dataset, counts, data_format = tokenize_datasets(  # data_format: as the user gave it
             accelerator, raw_datasets, fmt, tokenizer, args.max_length, args.assistant_only_loss
         )
     train_dataloader, eval_dataloader = dataloaders(
@@ -443,7 +443,7 @@ def main():
         accelerator, model, tokenizer, raw_datasets["validation"], fmt, exact_samples, layout == "fsdp", args.seed
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
+    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": data_format}
     run_config |= {"num_processes": accelerator.num_processes, "global_batch_size": global_batch_size}
     run_config |= {"max_train_steps": max_train_steps, "mixed_precision": accelerator.mixed_precision}
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
