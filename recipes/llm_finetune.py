@@ -121,7 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/Capybara'.")
     add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
     add("--validation_split_percentage", type=positive_float, default=5, help="Held out without a validation split.")
-    add("--max_length", type=positive_int, default=1024, help="Truncate samples to this many tokens (reported).")
+    add(
+        "--max_length",
+        type=positive_int,
+        help="Cut samples to this many tokens (reported; default 1024, TRL's, or the model's positions if fewer).",
+    )
     add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples.")
     add(

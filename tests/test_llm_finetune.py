@@ -769,6 +769,28 @@ def test_a_max_length_beyond_the_models_positions_is_cut_to_them(formats):
     assert "--max_length 600 is more than the 512 positions of" in formats["positions"]["log"]
 
 
+def test_a_model_with_fewer_positions_than_the_default_max_length_says_so_in_the_words_of_the_default(recipe, base):
+    """The tiny Llama has 512 positions, fewer than --max_length's default (1024, TRL's). A user who passed no
+    --max_length reads that the default was more than the model has and its positions are used, not that a flag they
+    never passed was too long; one who passed --max_length 600 reads that; both are cut to 512. A --max_length within
+    the positions is kept, and nothing is said."""
+    from types import SimpleNamespace
+
+    from llm_kit.loading import causal_lm_config
+
+    module, _ = recipe
+    said = {}
+    for given in ((), ("--max_length", "600"), ("--max_length", "256")):
+        printed, args = [], module.parse_args(["--model_name_or_path", str(base), *given])
+        _, max_length = causal_lm_config(SimpleNamespace(print=printed.append), str(base), args.max_length)
+        said[given[1:]] = (max_length, printed)
+    default = f"samples are cut to the 512 positions of {base}: the default --max_length, TRL's 1024, is more than"
+    assert said[()] == (512, [default + " the model has"])
+    flag = f"--max_length 600 is more than the 512 positions of {base}: samples are cut to 512 tokens"
+    assert said[("600",)] == (512, [flag])
+    assert said[("256",)] == (256, [])
+
+
 @pytest.mark.slow
 def test_a_conversational_prompt_and_completion_is_named_as_given_in_the_data_line_and_results(formats):
     """TRL's conversational prompt + completion is read as one conversation (``messages`` inside the recipe), but a
