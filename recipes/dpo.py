@@ -124,8 +124,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--max_length",
         type=positive_int,
-        default=1024,
-        help="Prompt + completion tokens at most (TRL's cut): a pair whose prompt fills it is dropped (reported).",
+        help="Prompt + completion tokens at most, TRL's cut (default 1024, TRL's, or the model's positions if "
+        "fewer): a pair whose prompt fills it is dropped (reported).",
     )
     add("--max_prompt_length", type=positive_int, help="Cut longer prompts from the left (TRL < 1.0); default: none.")
     add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training pairs.")

@@ -103,6 +103,8 @@ from llm_kit.sft_eval import exact_match_before, exact_match_results, generate_s
 OFFLINE_DEFAULT_SETTINGS = {"max_train_steps": 600, "learning_rate": 1e-3, "lr_scheduler_type": "cosine"}
 # The flags ``load_model`` takes here: the shared ones, the length a device_map plans for, and whether to merge.
 SFT_MODEL_FLAGS = (*MODEL_FLAGS, "max_length", "merge_and_save")
+# The flags ``unchanged_by_a_resume`` takes here: the adapter's, and which tokens are trained.
+SFT_RESUME_FLAGS = (*LORA_FLAGS, "assistant_only_loss")
 # Said when no data flag is given: a user's model would otherwise train on the offline questions without a word.
 BUNDLED_DATA = (
     "data: no --train_file or --dataset_name, so this run trains on the bundled questions (is a standard-library name "
@@ -119,7 +121,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--dataset_name", help="A Hugging Face Hub dataset (needs internet), e.g. 'trl-lib/Capybara'.")
     add("--dataset_config_name", help="The Hub dataset's configuration, if it has several.")
     add("--validation_split_percentage", type=positive_float, default=5, help="Held out without a validation split.")
-    add("--max_length", type=positive_int, default=1024, help="Truncate samples to this many tokens (reported).")
+    add(
+        "--max_length",
+        type=positive_int,
+        help="Cut samples to this many tokens (reported; default 1024, TRL's, or the model's positions if fewer).",
+    )
     add("--max_train_samples", type=positive_int, help="Use only this many (shuffled) training samples.")
     add("--max_eval_samples", type=positive_int, help="Use only this many (shuffled) validation samples.")
     add(
@@ -407,7 +413,7 @@ def main():
     with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
         if fmt == "messages":  # the recipe's template where the model has none: saved only when trained with
             add_chat_template(accelerator, tokenizer)
-        train_dataset, eval_dataset, counts = tokenize_datasets(
+        train_dataset, eval_dataset, counts, data_format = tokenize_datasets(  # data_format: as the user gave it
             accelerator, raw_datasets, fmt, tokenizer, args.max_length, args.assistant_only_loss
         )
     train_dataloader, eval_dataloader = dataloaders(
@@ -441,14 +447,14 @@ def main():
         accelerator, model, tokenizer, raw_datasets["validation"], fmt, exact_samples, layout == "fsdp", args.seed
     )
     global_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_parallel_size
-    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": fmt}
+    run_config = {**vars(args), "method": method, "parallelism": parallelism.name, "data_format": data_format}
     run_config |= {"num_processes": accelerator.num_processes, "global_batch_size": global_batch_size}
     run_config |= {"max_train_steps": max_train_steps, "mixed_precision": accelerator.mixed_precision}
     accelerator.init_trackers("llm_finetune", {k: v for k, v in run_config.items() if not isinstance(v, list | None)})
 
     # ---------------------------------------------------------------------- training loop
     load_state, write_state = adapter_checkpoints(accelerator) if lora else (None, None)  # LoRA: the adapter alone
-    unchanged = unchanged_by_a_resume(len(train_dataloader.dataset), lora, **flags(args, LORA_FLAGS))
+    unchanged = unchanged_by_a_resume(len(train_dataloader.dataset), lora, **flags(args, SFT_RESUME_FLAGS))
     resume = load_checkpoint(
         accelerator, checkpoint, steps_per_epoch, args.gradient_accumulation_steps, lr_scheduler, load_state, unchanged
     )

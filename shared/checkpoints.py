@@ -31,6 +31,9 @@ WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
 FINGERPRINT_BYTES = 2**20  # hashed at each end of every file
 # Optimizer settings a checkpoint restores over this run's (torch's load_state_dict keeps the saved ones), by flag.
 RESTORED_SETTINGS = {"initial_lr": "--learning_rate", "weight_decay": "--weight_decay", "eps": "--adam_epsilon"}
+# What a resume keeps (``unchanged``) that checkpoints saved before it was recorded lack, with the value every one of
+# them was trained with; compared only where this run records it.
+RECORDED_SINCE = {"assistant_only_loss": True}
 LAYOUTS = {
     "replica": "whole model (single, ddp or device_map)",
     "fsdp": "model in FSDP shards (fsdp)",
@@ -394,7 +397,9 @@ def load_checkpoint(
         return ResumePoint()
     completed_steps, progress = checkpoint_steps(checkpoint), json.loads((checkpoint / PROGRESS_FILE).read_text())
     recorded, unchanged = progress.get("unchanged"), unchanged or {}  # (a checkpoint of an older version: None)
+    recorded = recorded and {**{k: v for k, v in RECORDED_SINCE.items() if k in unchanged}, **recorded}
     show = lambda value: " ".join(value) if isinstance(value, list) else value  # (None: no LoRA adapter)
+    given = lambda n, v: f"--{'no-' * (not v)}{n}" if isinstance(v, bool) else f"--{n} {show(v)}"  # as typed
     for name in [*recorded, *(name for name in unchanged if name not in recorded)] if recorded else []:
         if (was := recorded.get(name)) != (now := unchanged.get(name)):  # refused before loading: nothing changed
             raise RecipeError(
@@ -402,9 +407,10 @@ def load_checkpoint(
                 "that pick it, changed): their order follows their number, so a resume would train some twice and "
                 "others never. Resume it with the data it was trained on, or start a new run (another --output_dir)."
                 if name == "training_examples"
-                else f"{checkpoint} was trained with --{name} {show(was)}, this run has {show(now)}: a resume goes on "
-                f"with the model that run built and trained, and would record {show(now)}. Resume it with the flags "
-                "it was trained with, or start a new run (another --output_dir)."
+                else f"{checkpoint} was trained with {given(name, was)}, this run has {given(name, now)}: a resume "
+                "goes on with the model that run built, trained as that run trained it; with another setting it would "
+                "change mid-run, and results.json would record the new one. Resume it with the flags it was trained "
+                "with, or start a new run (another --output_dir)."
             )
     prepared = isinstance(lr_scheduler, AcceleratedScheduler)  # (one not prepared steps once per step)
     inner = lr_scheduler.scheduler if prepared else lr_scheduler

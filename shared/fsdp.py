@@ -34,9 +34,8 @@ def set_fsdp_on_cpu(accelerator: Accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # collectives read it from here
     if not accelerator.is_fsdp2:
         raise RecipeError(
-            "Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state "
-            "differently); run the FSDP config on GPUs, or use accelerate==1.16.0 from "
-            "requirements.txt."
+            "Could not switch Accelerate to FSDP2 on CPU (this Accelerate version keeps its state differently); run "
+            "the FSDP config on GPUs, or use accelerate==1.16.0 from requirements.txt."
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from accelerate import dispatch_model
 from torch import nn
@@ -13,11 +15,8 @@ LOSS_COST_PER_VOCAB_ENTRY = 180.0
 def find_block_list(model: nn.Module, block_classes: set[str]) -> str:
     """Name of the ``ModuleList`` of Transformer blocks (``bert.encoder.layer``); FSDP2's subclasses count."""
     for name, module in model.named_modules():
-        if (
-            isinstance(module, nn.ModuleList)
-            and module
-            and all(block_classes & {cls.__name__ for cls in type(m).__mro__} for m in module)
-        ):
+        blocks = isinstance(module, nn.ModuleList) and len(module)
+        if blocks and all(block_classes & {cls.__name__ for cls in type(m).__mro__} for m in module):
             return name
     raise ValueError(f"no ModuleList of {sorted(block_classes)} found in {type(model).__name__}")
 
@@ -27,9 +26,7 @@ def balanced_partition(costs: list[float], num_parts: int) -> list[int]:
     n = len(costs)
     if not 1 <= num_parts <= n:
         raise ValueError(f"cannot cut {n} items into {num_parts} non-empty parts")
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
+    prefix = list(accumulate(costs, initial=0.0))
     # best[k][i]: smallest possible maximum load when the first i items form k parts.
     best = [[float("inf")] * (n + 1) for _ in range(num_parts + 1)]
     cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
@@ -113,11 +110,8 @@ def dispatch_on_devices(model: nn.Module, plan: dict[str, int], devices: list[to
     """Each planned module on its device, with Accelerate's hooks (on one device too), the model and the map."""
     device_map = {name: devices[part] for name, part in plan.items()}
     embeddings = model.get_input_embeddings()
-    main = next(
-        device
-        for name, device in device_map.items()
-        if any(module is embeddings for module in model.get_submodule(name).modules())
-    )
+    holds_embeddings = lambda name: any(module is embeddings for module in model.get_submodule(name).modules())
+    main = next(device for name, device in device_map.items() if holds_embeddings(name))
     # skip_keys: a causal LM picks the hidden states of the positions in logits_to_keep on its last device, not main.
     model = dispatch_model(model, device_map, main_device=main, force_hooks=True, skip_keys=["logits_to_keep"])
     model.hf_device_map = dict(device_map)

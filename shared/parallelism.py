@@ -55,11 +55,8 @@ def choose_parallelism(accelerator: Accelerator, requested: str, recipe: str) ->
             f"counts one process's batches. Launch it with 1 process: {launch} (on a CPU too), or --parallelism auto."
         )
     if requested in ("ddp", "pipeline") and processes < 2:
-        what = (
-            "A pipeline runs one stage per process"
-            if requested == "pipeline"
-            else "--parallelism ddp needs 2 or more processes"
-        )
+        ddp = "--parallelism ddp needs 2 or more processes"
+        what = "A pipeline runs one stage per process" if requested == "pipeline" else ddp
         raise RecipeError(
             f"{what}, but this launch has {processes} process. Launch it with 2: {launch} (on a "
             "CPU-only machine too: 2 gloo processes)."

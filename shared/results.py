@@ -16,6 +16,8 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 GIB = 1024**3
+# What a run's speed and peak memory describe: a requeue that trained no step under other ones keeps neither (null).
+MEASURED_UNDER = ("num_processes", "parallelism", "device", "mixed_precision")
 
 
 def peak_memory_gib(devices: list[torch.device]) -> dict[str, float]:
@@ -177,7 +179,9 @@ class RunRecord:
         earlier = Path(output_dir) / "results.json"  # a requeue that trained no step keeps what its run measured
         kept = json.loads(earlier.read_text()) if not self.steps_seen and earlier.is_file() else {}
         if kept.get("train/loss_curve") == curve:  # (the same run's: its loss curve, every step of it)
-            results |= {key: value for key, value in kept.items() if key.startswith(("perf/", "memory/peak_gib"))}
+            measured = {key: value for key, value in kept.items() if key.startswith(("perf/", "memory/peak_gib"))}
+            alike = all(kept.get(key) == results.get(key) for key in MEASURED_UNDER)  # else: filed under this setup
+            results |= measured if alike else {"memory/peak_gib": None}  # (and perf/*: none measured, as this run)
         summary = {k: v for k, v in results.items() if isinstance(v, int | float) and not k.startswith("train/")}
         accelerator.log(summary, step=len(curve))  # train/* not again: the loop logged each window at its own step
         path = write_results(accelerator, output_dir, results)

@@ -746,10 +746,17 @@ def test_gradient_checkpointing_saves_fewer_activation_bytes_per_token_in_a_full
 # ----------------------------------------------------------------------------- data: positions, packing, formats
 @pytest.fixture(scope="module")
 def formats(base, tmp_path_factory):
-    """--max_length beyond the model's 512 positions (cut to 512, said so, not an IndexError mid-run); packed rows of
-    256 tokens from prompt + completion pairs in CSV, 2 per process (the loader shards rows over the 2 processes)."""
+    """--max_length beyond the model's 512 positions (cut to 512, said so, not an IndexError mid-run), on the
+    conversations as TRL's conversational prompt + completion (the last answer the completion); packed rows of 256
+    tokens from prompt + completion pairs in CSV, 2 per process (the loader shards rows over the 2 processes)."""
     root = tmp_path_factory.mktemp("formats")
-    positions = (*chat_data(base), "--max_length", "600", "--max_train_steps", "1", "--skip_eval")
+    for name in ("chats", "chats_validation"):  # the conversations, their last answer the completion
+        rows = [json.loads(line)["messages"] for line in (base / f"{name}.jsonl").read_text().splitlines()]
+        pairs = [{"prompt": messages[:-1], "completion": messages[-1:]} for messages in rows]
+        (root / f"{name}_as_pairs.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    positions = ("--model_name_or_path", base, "--train_file", root / "chats_as_pairs.jsonl")
+    positions += ("--validation_file", root / "chats_validation_as_pairs.jsonl")
+    positions += ("--max_length", "600", "--max_train_steps", "1", "--skip_eval")
     packed = ("--model_name_or_path", base, "--train_file", base / "pairs.csv", "--packing", "--max_length", "256")
     packed += ("--max_train_steps", "2", "--per_device_train_batch_size", "2")
     jobs = {"positions": Job("single_gpu.yaml", RECIPE, positions), "packed": Job("ddp_2gpu.yaml", RECIPE, packed)}
@@ -761,6 +768,43 @@ def test_a_max_length_beyond_the_models_positions_is_cut_to_them(formats):
     results = formats["positions"]["results"]
     assert results["config"]["max_length"] == 512 and results["completed_steps"] == 1
     assert "--max_length 600 is more than the 512 positions of" in formats["positions"]["log"]
+
+
+def test_a_model_with_fewer_positions_than_the_default_max_length_says_so_in_the_words_of_the_default(recipe, base):
+    """The tiny Llama has 512 positions, fewer than --max_length's default (1024, TRL's). A user who passed no
+    --max_length reads that the default was more than the model has and its positions are used, not that a flag they
+    never passed was too long; one who passed --max_length 600 reads that; both are cut to 512. A --max_length within
+    the positions is kept, and nothing is said."""
+    from types import SimpleNamespace
+
+    from llm_kit.loading import causal_lm_config
+
+    module, _ = recipe
+    said = {}
+    for given in ((), ("--max_length", "600"), ("--max_length", "256")):
+        printed, args = [], module.parse_args(["--model_name_or_path", str(base), *given])
+        _, max_length = causal_lm_config(SimpleNamespace(print=printed.append), str(base), args.max_length)
+        said[given[1:]] = (max_length, printed)
+    default = f"samples are cut to the 512 positions of {base}: the default --max_length, TRL's 1024, is more than"
+    assert said[()] == (512, [default + " the model has"])
+    flag = f"--max_length 600 is more than the 512 positions of {base}: samples are cut to 512 tokens"
+    assert said[("600",)] == (512, [flag])
+    assert said[("256",)] == (256, [])
+
+
+@pytest.mark.slow
+def test_a_conversational_prompt_and_completion_is_named_as_given_in_the_data_line_and_results(formats):
+    """TRL's conversational prompt + completion is read as one conversation (``messages`` inside the recipe), but a
+    user who gave prompt and completion columns reads that name, in the data line and in results.json."""
+    run = formats["positions"]
+    assert (
+        run["results"]["data/format"] == run["results"]["config"]["data_format"] == "conversational_prompt_completion"
+    )
+    line = next(line for line in run["log"].splitlines() if line.startswith("data: format "))
+    assert line.startswith(
+        "data: format conversational_prompt_completion (the prompt's turns are context: the completion's answers are "
+        "trained); train 64 samples ("
+    ), line
 
 
 @pytest.mark.slow
@@ -783,7 +827,7 @@ def test_formats_are_detected_and_tokens_counted_separately(formats, qlora, lora
     packed, text = formats["packed"]["results"], qlora["qlora"]["results"]
     assert lora["1x8"]["results"]["data/format"] == "messages"
     assert packed["data/format"] == "prompt_completion" and text["data/format"] == "text"
-    assert "data: format prompt_completion" in formats["packed"]["log"]
+    assert "data: format prompt_completion;" in formats["packed"]["log"]
     assert "tokenizer: no pad token, using the end-of-sequence token" in lora["1x8"]["log"]
     for results in (packed, text, lora["1x8"]["results"]):
         assert results["perf/tokens_per_sec"] > results["perf/answer_tokens_per_sec"] > 0
@@ -990,7 +1034,7 @@ def test_a_tokenizer_that_splits_its_eos_text_is_refused(base, fmt):
     tokenizer = tokenizer_of(base, bos=False)
     tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
     printed = []
-    train, _, _ = tokenize_datasets(SimpleNamespace(print=printed.append), raw, fmt, tokenizer, 512)
+    train, _, _, _ = tokenize_datasets(SimpleNamespace(print=printed.append), raw, fmt, tokenizer, 512)
     assert tokenizer.eos_token_id in [label for label in train[0]["labels"] if label != -100]
     tokenizer.split_special_tokens = True
     pieces = tokenizer(tokenizer.eos_token, add_special_tokens=False)["input_ids"]
@@ -1020,8 +1064,10 @@ def test_the_data_line_and_counts_name_the_prompts_that_merge_into_their_complet
     raw = datasets.DatasetDict(
         {"train": datasets.Dataset.from_list([MERGING, plain]), "validation": datasets.Dataset.from_list([plain])}
     )
-    _, _, counts = tokenize_datasets(SimpleNamespace(print=printed.append), raw, "prompt_completion", tokenizer, 512)
+    tokenized = tokenize_datasets(SimpleNamespace(print=printed.append), raw, "prompt_completion", tokenizer, 512)
+    counts, given = tokenized[2:]
     assert counts["train"]["prompts_merged"] == 1 and counts["validation"]["prompts_merged"] == 0
+    assert given == "prompt_completion"
     assert printed == [
         "data: format prompt_completion; train 2 samples (0 truncated to 512 tokens, 0 dropped: no answer token left; "
         "1 whose prompt's last token merges into the completion's first, as TRL tokenizes them together); validation "
@@ -1186,7 +1232,7 @@ def test_conversation_ids_and_labels_equal_trl_s(base, tmp_path, kind, assistant
     )
     raw = datasets.DatasetDict({split: datasets.Dataset.from_list(rows) for split in ("train", "validation")})
     quiet = SimpleNamespace(print=lambda line: None)
-    ours, _, _ = tokenize_datasets(quiet, raw, "messages", tokenizer, 512, assistant_only_loss=assistant_only_loss)
+    ours, _, _, _ = tokenize_datasets(quiet, raw, "messages", tokenizer, 512, assistant_only_loss=assistant_only_loss)
     for row, mine, trl_sample in zip(rows, ours, theirs, strict=True):
         assert mine["input_ids"] == trl_sample["input_ids"], row
         assert mine["labels"][1:] == trl_sample["labels"][1:], row
@@ -1510,7 +1556,7 @@ def test_tokens_that_merge_across_an_answer_s_ends_are_counted_and_the_next_turn
             "validation": datasets.Dataset.from_list([plain]),
         }
     )
-    _, _, counts = tokenize_datasets(SimpleNamespace(print=printed.append), raw, "messages", tokenizer, 512)
+    _, _, counts, _ = tokenize_datasets(SimpleNamespace(print=printed.append), raw, "messages", tokenizer, 512)
     assert counts["train"] == {
         "samples": 2,
         "truncated": 0,
@@ -1568,11 +1614,18 @@ def test_a_conversational_prompt_and_completion_trains_the_completion_as_trl_doe
     the completion's answer only, a worked example's answer in the prompt being context (as TRL's completion mask);
     asked with the prompt; the ids and trained tokens equal TRL's own preprocessing. A row whose completion holds no
     answer is refused by its row. Before: the rows passed the checks and failed in tokenization (a list and a string
-    added)."""
+    added). The data line and results.json's data/format name it as given, conversational_prompt_completion, not as
+    the messages it is read as."""
     import types
     from functools import partial
 
-    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, load_raw_datasets, prompt_of, tokenize_sample
+    from llm_kit.sft_data import (
+        DEFAULT_CHAT_TEMPLATE,
+        load_raw_datasets,
+        prompt_of,
+        tokenize_datasets,
+        tokenize_sample,
+    )
     from shared.errors import RecipeError
 
     example = [{"role": "user", "content": "Is os a module?"}, {"role": "assistant", "content": "yes"}]
@@ -1599,6 +1652,13 @@ def test_a_conversational_prompt_and_completion_trains_the_completion_as_trl_doe
     )
     assert tokenizer.decode(trained).startswith("no")  # the completion's answer, not the worked example's "yes"
     assert prompt_of(row, fmt, tokenizer) == render(row["messages"][:3], add_generation_prompt=True)
+    printed = []
+    *_, given = tokenize_datasets(types.SimpleNamespace(print=printed.append), raw, fmt, tokenizer, 512)
+    assert given == "conversational_prompt_completion"
+    assert printed[0].startswith(
+        "data: format conversational_prompt_completion (the prompt's turns are context: the completion's answers are "
+        "trained); train 6 samples ("
+    )
     bad = tmp_path / "bad.jsonl"
     bad.write_text(train.read_text() + json.dumps({**rows[0], "completion": [rows[0]["prompt"][-1]]}) + "\n")
     with pytest.raises(RecipeError) as error:

@@ -65,17 +65,26 @@ def checkpoint_saver(
     return save_at_step_end
 
 
-def unchanged_by_a_resume(training_examples: int, lora: bool, adapter_name_or_path: str | None = None, **lora_flags):
+def unchanged_by_a_resume(
+    training_examples: int,
+    lora: bool,
+    adapter_name_or_path: str | None = None,
+    assistant_only_loss: bool | None = None,
+    **lora_flags,
+):
     """What a resume must find as the checkpoint recorded it (``shared.checkpoints.load_checkpoint`` compares them
-    before loading): the number of training examples, which orders their shuffle, and the adapter trained. A new
-    adapter is its LoRA flags; a continued one (``adapter_name_or_path``: its own rank and targets, the flags ignored)
-    is a digest of the weights PEFT loads from it, wherever the folder is now: its frozen copy is the reference, so
-    another adapter, or the same folder trained again since, would change what the resumed steps are measured
-    against."""
+    before loading): the number of training examples, which orders their shuffle, which tokens are trained (SFT's
+    ``assistant_only_loss``; None: a recipe without the flag) and the adapter trained. A new adapter is its LoRA
+    flags; a continued one (``adapter_name_or_path``: its own rank and targets, the flags ignored) is a digest of the
+    weights PEFT loads from it, wherever the folder is now: its frozen copy is the reference, so another adapter, or
+    the same folder trained again since, would change what the resumed steps are measured against."""
+    kept = {"training_examples": training_examples}
+    if assistant_only_loss is not None:  # another choice mid-run would change the loss from the next step on
+        kept["assistant_only_loss"] = assistant_only_loss
     if not lora:
-        return {"training_examples": training_examples}
+        return kept
     if adapter_name_or_path is None:
-        return {"training_examples": training_examples, **lora_flags}
+        return {**kept, **lora_flags}
     # PEFT's load_peft_weights reads the .safetensors when there is one: a .bin left beside it is never loaded.
     folder = Path(adapter_name_or_path)
     weights = next(
@@ -86,4 +95,4 @@ def unchanged_by_a_resume(training_examples: int, lora: bool, adapter_name_or_pa
         with weights.open("rb") as opened:
             digest = hashlib.file_digest(opened, "sha256")
     held = f"<a folder of files of sha256 {digest.hexdigest()[:12]}>"
-    return {"training_examples": training_examples, "adapter_name_or_path": held}
+    return {**kept, "adapter_name_or_path": held}

@@ -23,6 +23,8 @@ from shared.accelerator import main_process_alone
 from shared.flags import model_problem
 
 
+# TRL's max_length (SFTConfig's and DPOConfig's): where no --max_length is given, or the model's positions if fewer.
+DEFAULT_MAX_LENGTH = 1024
 # Encoder-only architectures that AutoModelForCausalLM would load anyway (BertLMHeadModel ...), but are not causal LMs.
 ENCODER_ONLY = {
     "bert",
@@ -91,11 +93,12 @@ def default_base_model(accelerator, output_dir: Path, recipes_dir: Path) -> str:
 
 
 def causal_lm_config(
-    accelerator, name_or_path: str, max_length: int, load_in_4bit: bool = False, trust_remote_code: bool = False
+    accelerator, name_or_path: str, max_length: int | None, load_in_4bit: bool = False, trust_remote_code: bool = False
 ) -> tuple[object, int]:
     """The model's config and the ``max_length`` it allows, checked before any data work: a model that is not a causal
     LM, or ``load_in_4bit`` without bitsandbytes or on another device than CUDA or the CPU, is refused; a
-    ``max_length`` beyond the model's positions is cut to them (said so)."""
+    ``max_length`` (None: none given, ``DEFAULT_MAX_LENGTH``) beyond the model's positions is cut to them (said so, in
+    the words of the flag given or of the default)."""
     if load_in_4bit:
         try:
             import bitsandbytes  # noqa: F401
@@ -121,11 +124,15 @@ def causal_lm_config(
             "recipes/transformer_finetune.py."
         )
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    given, max_length = max_length is not None, max_length or DEFAULT_MAX_LENGTH
     if positions and max_length > positions:
         # Longer rows would index past the position embeddings (an IndexError mid-run) or past what the model learned.
         accelerator.print(
             f"--max_length {max_length} is more than the {positions} positions of {name_or_path}: "
             f"samples are cut to {positions} tokens"
+            if given
+            else f"samples are cut to the {positions} positions of {name_or_path}: the default --max_length, TRL's "
+            f"{max_length}, is more than the model has"
         )
         max_length = positions
     return config, max_length

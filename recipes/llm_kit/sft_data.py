@@ -401,11 +401,13 @@ def common_prefix_length(ids: list[int], other: list[int]) -> int:
 
 def tokenize_datasets(
     accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_length: int, assistant_only_loss=True
-) -> tuple[datasets.Dataset, datasets.Dataset, dict]:
-    """The training and validation sets as ``input_ids`` + ``labels``, and per split the samples, how many were
-    truncated, how many dropped because ``max_length`` cut off every answer token (refused when that leaves none)
-    and how many prompts merge into their completion's first token or answers into the next turn (``tokenize_sample``),
-    said in one line. Call it under ``main_process_first``: ``datasets`` caches the tokens for the other processes."""
+) -> tuple[datasets.Dataset, datasets.Dataset, dict, str]:
+    """The training and validation sets as ``input_ids`` + ``labels``, per split the samples, how many were truncated,
+    how many dropped because ``max_length`` cut off every answer token (refused when that leaves none) and how many
+    prompts merge into their completion's first token or answers into the next turn (``tokenize_sample``), and the
+    format the user gave (results.json's ``data/format``: ``messages``, ``prompt_completion``,
+    ``conversational_prompt_completion`` or ``text``), said in one line. Call it under ``main_process_first``:
+    ``datasets`` caches the tokens for the other processes."""
     check_eos_token(tokenizer)  # every format trains the EOS: as text after an answer, or as the template writes it
     tokenized = raw_datasets.map(
         lambda sample: tokenize_sample(sample, fmt, tokenizer, max_length, assistant_only_loss),
@@ -449,11 +451,15 @@ def tokenize_datasets(
             )
         return "; ".join(parts)
 
+    # TRL's conversational prompt + completion, read as one conversation (``messages``, its ``prompt_turns`` first).
+    conversational = "prompt_turns" in raw_datasets["train"].column_names
+    given = "conversational_prompt_completion" if conversational else fmt
+    said_of_it = " (the prompt's turns are context: the completion's answers are trained)" * conversational
     accelerator.print(
-        f"data: format {fmt}; "
+        f"data: format {given}{said_of_it}; "
         + "; ".join(f"{split} {c['samples']} samples ({said(c)})" for split, c in counts.items())
     )
-    return kept["train"], kept["validation"], counts
+    return kept["train"], kept["validation"], counts, given
 
 
 def collate(samples: list[dict], pad_token_id: int, packing: bool = False) -> dict:

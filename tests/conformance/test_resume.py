@@ -5,9 +5,11 @@ damaged newer checkpoint that it skips and names, the run ends where the uninter
 weight within 1e-6), and resumed once more from the checkpoint of its last step it trains no step more; resumed with
 another ``--seed`` (another data order, other held-out samples), another ``--learning_rate`` (which the
 checkpoint's optimizer would override, while results.json recorded it), another number of training examples (another
-shuffle) or another LoRA adapter it is refused. A run checkpoints its last step too, once, also where
-``--checkpointing_steps`` N (or ``epoch``) does not end there, so that a requeue (the same command, resuming
-``latest``) of a finished run trains nothing again, and keeps what the run measured."""
+shuffle), another LoRA adapter or other trained tokens (``--no-assistant_only_loss``; also over a checkpoint saved
+before that was recorded, which trained the default) it is refused. A run checkpoints its last step too, once, also
+where ``--checkpointing_steps`` N (or ``epoch``) does not end there, so that a requeue (the same command, resuming
+``latest``) of a finished run trains nothing again, and keeps what the run measured in its own process count (in
+another it writes null)."""
 
 import json
 import re
@@ -37,6 +39,8 @@ RESIZED |= {"llm_finetune.py": ("--max_train_samples", "47"), "dpo.py": ("--max_
 RESIZED |= {"grpo.py": ("--max_train_samples", "31")}
 # Another adapter over a LoRA checkpoint (the fine-tune's tiny run trains every weight: there, a new one).
 READAPTED = {"transformer_finetune.py": ("--lora_r", "4")}
+# A checkpoint's record (progress.json's "unchanged") before it held this key: an earlier version's checkpoint.
+ADDED_TO_THE_RECORD = "assistant_only_loss"
 STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+): .*?(/\S+/checkpoints/step_\d+)(.*)$", re.MULTILINE)
 
 
@@ -84,6 +88,15 @@ def damage_a_newer_copy(checkpoints: Path) -> Path:
     return damaged
 
 
+def forget_in_the_record(output_dir: Path, key: str) -> None:
+    """Every checkpoint of ``output_dir`` as a version that did not record ``key`` saved it (no manifest lists
+    progress.json, which holds the record)."""
+    for progress in (output_dir / "checkpoints").glob("step_*/progress.json"):
+        saved = json.loads(progress.read_text())
+        saved["unchanged"].pop(key, None)
+        progress.write_text(json.dumps(saved))
+
+
 def scenario(name: str, models: dict, root: Path) -> dict:
     """The launches of one recipe (or one of its ``LAYOUTS``), in order: uninterrupted, stopped, damaged and resumed,
     refused."""
@@ -101,6 +114,9 @@ def scenario(name: str, models: dict, root: Path) -> dict:
     runs["resumed"] = launch(other, name, *resume, launch_args=other_count)
     # The uninterrupted run requeued: resumed again, from the checkpoint of its last step.
     shutil.copytree(folder / "uninterrupted", folder / "finished")
+    older = f"--{ADDED_TO_THE_RECORD}" in flags(name)
+    if older:  # requeued as an earlier version's checkpoint: resumed with the default it was trained with
+        forget_in_the_record(folder / "finished", ADDED_TO_THE_RECORD)
     again = (*args, "--output_dir", folder / "finished", "--resume_from_checkpoint", "latest")
     runs["resumed_again"] = launch(other, name, *again, launch_args=other_count)
     reseeded = (ONE_PROCESS if other == "single_gpu.yaml" else other, name, *resume, "--seed", "7")
@@ -110,6 +126,10 @@ def scenario(name: str, models: dict, root: Path) -> dict:
     if "--lora_alpha" in flags(name):
         readapted = READAPTED.get(name, ("--lora_alpha", "32"))
         runs["readapted"] = launch(*reseeded[:-2], *readapted, launch_args=other_count)
+    if older:  # the other choice of the trained tokens, over this version's checkpoint and an earlier one's
+        runs["relabelled"] = launch(*reseeded[:-2], f"--no-{ADDED_TO_THE_RECORD}", launch_args=other_count)
+        relabelled_older = (*reseeded[:2], *again, f"--no-{ADDED_TO_THE_RECORD}")
+        runs["relabelled_older"] = launch(*relabelled_older, launch_args=other_count)
     if not skips:  # refused in one line instead: a damaged newest checkpoint, another process count
         runs["damaged"] = damage_a_newer_copy(folder / "stopped" / "checkpoints")
         runs["damaged_refused"] = launch(two, name, *resume)
@@ -227,19 +247,31 @@ def test_resumed_from_the_checkpoint_of_its_last_step_it_trains_no_step_more(run
     ends_as_the_uninterrupted_run(runs[name]["folder"], "finished")
 
 
+def measurements(results: dict) -> dict:
+    """What a run measured of its speed and training's peak memory (perf/*, memory/peak_gib)."""
+    return {key: value for key, value in results.items() if key.startswith("perf/") or key == "memory/peak_gib"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", offering("--resume_from_checkpoint", "requeue_keeps_measurements") + list(LAYOUTS))
-def test_a_requeue_of_a_finished_run_keeps_what_the_run_measured(runs, name):
-    """The requeue trains no step, so it measures no speed: results.json keeps the run's perf/* and training's peak
-    memory instead of writing null (or the load's peak) over them."""
-    measured = {
-        key: value
-        for key, value in read_results(runs[name]["folder"] / "uninterrupted").items()
-        if key.startswith("perf/") or key == "memory/peak_gib"
-    }
+def test_a_requeue_of_a_finished_run_keeps_what_the_run_measured_in_its_own_setup_only(runs, name):
+    """The requeue trains no step, so it measures no speed: in the run's process count (the shorter run, requeued)
+    results.json keeps the run's perf/* and training's peak memory instead of writing null (or the load's peak) over
+    them. In another count (the uninterrupted 2-process run requeued in 1; the split layout's 3 in 2) it writes null:
+    beside the requeue's num_processes, the run's numbers would say that this count trained at that speed."""
+    folder = runs[name]["folder"]
+    measured, requeued = measurements(runs[name]["replacing_results"]), read_results(folder / "replaced")
     assert measured["perf/step_time_s"] is not None and measured["memory/peak_gib"], measured
-    requeued = read_results(runs[name]["folder"] / "finished")
-    assert {key: requeued.get(key) for key in measured} == measured
+    assert measurements(requeued) == measured
+    run, elsewhere = read_results(folder / "uninterrupted"), read_results(folder / "finished")
+    if elsewhere["num_processes"] != run["num_processes"]:
+        assert measurements(run)["perf/samples_per_sec"] is not None and measurements(run)["memory/peak_gib"]
+        assert elsewhere["memory/peak_gib"] is None and elsewhere["perf/measured_steps"] == 0, measurements(elsewhere)
+        assert all(
+            elsewhere.get(key) is None for key in ("perf/samples_per_sec", "perf/tokens_per_sec", "perf/step_time_s")
+        )
+    else:  # (a pipeline's: another count would be another split, refused)
+        assert measurements(elsewhere) == measurements(run)
 
 
 @pytest.mark.slow
@@ -305,8 +337,25 @@ def test_a_resume_with_another_adapter_is_refused_once(runs, name):
     run, (flag, value) = runs[name]["readapted"], READAPTED.get(name.split()[0], ("--lora_alpha", "32"))
     assert run.returncode != 0, str(run)
     printed = errors(run.output)
-    assert len(printed) == 1 and f"{flag} " in printed[0] and f"this run has {value}" in printed[0], str(run)
+    assert len(printed) == 1 and f"this run has {flag} {value}" in printed[0], str(run)
     assert not traced_through_a_recipe(run.output), str(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", offering(f"--{ADDED_TO_THE_RECORD}", "relabelled_refused"))
+def test_a_resume_that_trains_other_tokens_is_refused_once_also_over_a_checkpoint_that_did_not_record_them(runs, name):
+    """Trained on the answers only (the default), resumed with --no-assistant_only_loss (every token, TRL's default),
+    a run's loss would change from the next step on, silently. A checkpoint saved before the choice was recorded
+    trained the default: requeued with it, it resumes (``test_resumed_from_the_checkpoint_of_its_last_step_...``
+    runs it, as ``finished``), and with the other choice it is refused as this version's checkpoint is."""
+    assert runs[name]["resumed_again"].returncode == 0, str(runs[name]["resumed_again"])
+    for case in ("relabelled", "relabelled_older"):
+        run = runs[name][case]
+        assert run.returncode != 0, f"{case}: {run}"
+        printed = errors(run.output)
+        said = f"was trained with --{ADDED_TO_THE_RECORD}, this run has --no-{ADDED_TO_THE_RECORD}:"
+        assert len(printed) == 1 and said in printed[0], f"{case}: {run}"
+        assert not traced_through_a_recipe(run.output), f"{case}: {run}"
 
 
 @pytest.mark.slow
