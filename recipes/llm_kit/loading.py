@@ -91,11 +91,11 @@ def default_base_model(accelerator, output_dir: Path, recipes_dir: Path) -> str:
 
 
 def causal_lm_config(
-    accelerator, name_or_path: str, max_length: int, load_in_4bit: bool = False, trust_remote_code: bool = False
+    accelerator, name_or_path: str, max_length: int | None, load_in_4bit: bool = False, trust_remote_code: bool = False
 ) -> tuple[object, int]:
     """The model's config and the ``max_length`` it allows, checked before any data work: a model that is not a causal
     LM, or ``load_in_4bit`` without bitsandbytes or on another device than CUDA or the CPU, is refused; a
-    ``max_length`` beyond the model's positions is cut to them (said so)."""
+    ``max_length`` beyond the model's positions is cut to them (said so; None: no length to check)."""
     if load_in_4bit:
         try:
             import bitsandbytes  # noqa: F401
@@ -121,7 +121,7 @@ def causal_lm_config(
             "recipes/transformer_finetune.py."
         )
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions and max_length > positions:
+    if positions and max_length is not None and max_length > positions:
         # Longer rows would index past the position embeddings (an IndexError mid-run) or past what the model learned.
         accelerator.print(
             f"--max_length {max_length} is more than the {positions} positions of {name_or_path}: "
