@@ -157,7 +157,9 @@ def load_base_model(
         check_merge_fits_host_ram(accelerator, config, name_or_path, trust_remote_code)
     if low_ram_loading(accelerator) and not accelerator.is_main_process and not load_in_4bit:
         with init_empty_weights():
-            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model.tie_weights()  # built empty, a tied LM head has a matrix of its own: tied as the main process's loads
+        return model
     quantization = load_device = None
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
@@ -254,10 +256,9 @@ def check_merge_fits_host_ram(accelerator, config, name_or_path: str, trust_remo
     training when this machine's free host RAM cannot hold it (+10 % for the adapter and saving), with the command
     that merges on a machine that can (a 70B base needs ~140 GB). Every process decides; all raise together."""
     with init_empty_weights():  # the parameter count, from the config: no weights read
-        count = sum(
-            p.numel()
-            for p in AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).parameters()
-        )
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # built empty, a tied LM head has a matrix of its own: counted once, as it is loaded
+    count = sum(p.numel() for p in model.parameters())
     dtype_name = "bfloat16" if accelerator.mixed_precision == "bf16" else "float32"
     needed = int(count * (2 if dtype_name == "bfloat16" else 4) * 1.1)
     available, source = available_host_ram()
