@@ -364,9 +364,8 @@ def main():
     args.adapter_name_or_path, args.model_name_or_path = starting_point(  # offline: the SFT adapter, else a base
         accelerator, lora, output_dir, HERE, **flags(args, START_FLAGS)
     )
-    config, _ = causal_lm_config(  # (no --max_length: check_positions checks prompt + completion below)
-        accelerator, args.model_name_or_path, None, args.load_in_4bit, args.trust_remote_code
-    )
+    # No length to cut here (there is no --max_length): check_positions checks prompt + completion once they are read.
+    config, _ = causal_lm_config(accelerator, args.model_name_or_path, None, args.load_in_4bit, args.trust_remote_code)
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
     add_chat_template(accelerator, tokenizer)
     with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
