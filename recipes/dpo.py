@@ -74,7 +74,7 @@ sys.path.insert(0, str(HERE))
 from shared.checkpoints import keep_global_batch, load_checkpoint, save_final, set_start_checkpoint
 from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
-from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
+from llm_kit.loading import causal_lm_config, max_length_within_positions, parameter_counts, set_fsdp_units
 from llm_kit.adapters import POLICY_FLAGS, SFT_DEFAULT, START_FLAGS, adapter_checkpoints, load_model, starting_point
 from llm_kit.checkpoints import ADAPTER_FLAGS, BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver, unchanged_by_a_resume
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
@@ -400,9 +400,8 @@ def main():
     args.adapter_name_or_path, args.model_name_or_path = starting_point(
         accelerator, lora, output_dir, HERE, **flags(args, START_FLAGS)
     )
-    config, args.max_length = causal_lm_config(
-        accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
-    )
+    config = causal_lm_config(accelerator, args.model_name_or_path, args.load_in_4bit, args.trust_remote_code)
+    args.max_length = max_length_within_positions(accelerator, config, args.model_name_or_path, args.max_length)
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
     add_chat_template(accelerator, tokenizer)  # conversational pairs are tokenized with it
     with accelerator.main_process_first():  # the main process tokenizes first, the others read its cache

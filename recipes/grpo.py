@@ -77,7 +77,7 @@ from llm_kit.checkpoints import ADAPTER_FLAGS, BATCH_FLAGS, CHECKPOINT_FLAGS, ch
 from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from grpo_kit.data import PROMPT_FLAGS, as_sft_rows, check_layout, prompt_loader, read_prompts, rounds
-from grpo_kit.data import tokenize_prompts
+from grpo_kit.data import check_positions, tokenize_prompts
 from grpo_kit.loss import LOSS_TYPES, completion_logps, grpo_loss
 from grpo_kit.metrics import CompletionsRecord, StepMetrics, TrainLog, round_metrics
 from grpo_kit.rewards import FORMAT_PATTERN, trainer_state
@@ -364,13 +364,12 @@ def main():
     args.adapter_name_or_path, args.model_name_or_path = starting_point(  # offline: the SFT adapter, else a base
         accelerator, lora, output_dir, HERE, **flags(args, START_FLAGS)
     )
-    config, _ = causal_lm_config(
-        accelerator, args.model_name_or_path, args.max_completion_length, args.load_in_4bit, args.trust_remote_code
-    )
+    config = causal_lm_config(accelerator, args.model_name_or_path, args.load_in_4bit, args.trust_remote_code)
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
     add_chat_template(accelerator, tokenizer)
     with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
         train_dataset, counts = tokenize_prompts(accelerator, raw_datasets, fmt, tokenizer, args.max_prompt_length)
+    check_positions(config, args.model_name_or_path, counts["longest_prompt_tokens"], args.max_completion_length)
     train_dataloader = prompt_loader(train_dataset, prompts_per_round, args.seed)
 
     # ------------------------------------------------------------------------------ model

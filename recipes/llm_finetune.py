@@ -71,7 +71,7 @@ from shared.checkpoints import keep_global_batch, load_checkpoint, save_final, s
 from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
 from llm_kit.loading import causal_lm_config, default_base_model, parameter_counts, save_merged
-from llm_kit.loading import set_fsdp_units
+from llm_kit.loading import max_length_within_positions, set_fsdp_units
 from shared.model_split import split_devices
 from shared.results import RunRecord
 from shared.lora import LORA_FLAGS
@@ -406,9 +406,8 @@ def main():
     if not (args.train_file or args.dataset_name):
         accelerator.print(BUNDLED_DATA)
     args.model_name_or_path = args.model_name_or_path or default_base_model(accelerator, output_dir, HERE)
-    config, args.max_length = causal_lm_config(
-        accelerator, args.model_name_or_path, args.max_length, args.load_in_4bit, args.trust_remote_code
-    )
+    config = causal_lm_config(accelerator, args.model_name_or_path, args.load_in_4bit, args.trust_remote_code)
+    args.max_length = max_length_within_positions(accelerator, config, args.model_name_or_path, args.max_length)
     tokenizer = chat_tokenizer(accelerator, args.model_name_or_path, args.trust_remote_code, args.tokenizer_name)
     with accelerator.main_process_first():  # the main process tokenizes first (datasets caches it), the others read
         if fmt == "messages":  # the recipe's template where the model has none: saved only when trained with

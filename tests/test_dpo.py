@@ -1111,7 +1111,7 @@ def test_flags_and_inputs_that_cannot_work_are_refused(recipe, base, capsys):
     (no_config / "model.safetensors").unlink(missing_ok=True)
     (no_config / "model.safetensors").symlink_to(base / "model.safetensors")
     with pytest.raises(RecipeError) as error:
-        causal_lm_config(OneProcess, str(no_config), 64)
+        causal_lm_config(OneProcess, str(no_config))
     assert f"{str(no_config)!r} holds no config.json (it holds: model.safetensors)" in error.value.message
     bad = base / "bad.jsonl"
     rows = [json.loads(line) for line in (base / "pairs.jsonl").read_text().splitlines()[:4]]

@@ -433,6 +433,23 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_row(runs,
     assert "[rank0]: Traceback" not in run["log"] and "[rank1]: Traceback" not in run["log"]
 
 
+@pytest.mark.slow
+def test_prompt_and_completion_beyond_the_model_s_positions_are_refused_before_generating(base, tmp_path):
+    """GPT-2 numbers 512 positions (as OPT, it learns one embedding per position): the longest prompt plus
+    --max_completion_length 500 (each alone within them) needs more. Refused in one paragraph with the length that
+    fits, before the model is loaded, where generation would have stopped with an IndexError mid-run (on a GPU, a
+    device-side assert)."""
+    model = ("--model_name_or_path", base / "gpt2", "--train_file", base / "prompts.jsonl")
+    run = launch("single_gpu.yaml", RECIPE, *model, "--max_completion_length", "500", "--output_dir", tmp_path / "out")
+    log = " ".join(run.output.split())
+    assert run.returncode != 0 and "error: The longest training prompt has " in log, run.output[-3000:]
+    longest = int(log.split("error: The longest training prompt has ")[1].split()[0])
+    assert 12 < longest and longest + 500 > 512  # (the data: each alone fits, together they do not)
+    assert f"--max_completion_length is 500: {longest + 500} positions, more than the 512 that " in log
+    assert f"Lower --max_completion_length to {512 - longest} or less" in log
+    assert "IndexError" not in log and "model: " not in log  # refused before the model is built
+
+
 # ----------------------------------------------------------------------------- the split layout
 def policy_at(run: dict, step: int, base_folder):
     """The policy a run trained, as its checkpoint after ``step`` steps holds it (0: as it started: a new adapter's

@@ -777,13 +777,15 @@ def test_a_model_with_fewer_positions_than_the_default_max_length_says_so_in_the
     the positions is kept, and nothing is said."""
     from types import SimpleNamespace
 
-    from llm_kit.loading import causal_lm_config
+    from llm_kit.loading import max_length_within_positions
+    from transformers import AutoConfig
 
     module, _ = recipe
     said = {}
     for given in ((), ("--max_length", "600"), ("--max_length", "256")):
         printed, args = [], module.parse_args(["--model_name_or_path", str(base), *given])
-        _, max_length = causal_lm_config(SimpleNamespace(print=printed.append), str(base), args.max_length)
+        shown = SimpleNamespace(print=printed.append)
+        max_length = max_length_within_positions(shown, AutoConfig.from_pretrained(base), str(base), args.max_length)
         said[given[1:]] = (max_length, printed)
     default = f"samples are cut to the 512 positions of {base}: the default --max_length, TRL's 1024, is more than"
     assert said[()] == (512, [default + " the model has"])
@@ -2118,6 +2120,44 @@ def test_data_errors_name_the_file_the_row_and_the_fix(base, tmp_path):
     no_answer = refusal(tmp_path / "no_answer.jsonl")
     assert f"Row 3 of --train_file '{tmp_path / 'no_answer.jsonl'}' has no assistant turn" in no_answer
     assert "Add the answer as {'role': 'assistant'" in no_answer
+
+
+def test_a_tied_lm_head_built_without_weights_is_one_matrix(monkeypatch):
+    """Gemma 2 and 3, OPT and the small Qwen models use their embedding matrix as LM head. Built without weights,
+    where no checkpoint is read (the count behind --merge_and_save's host-RAM check; every process but the main one
+    under fsdp_offload_2gpu.yaml's low host-RAM loading, before prepare), the model is tied as from_pretrained ties it:
+    Gemma-2-9B's merge in fp32 needs 1.1 x 4 B x its 9.24B parameters (37.9 GiB), allowed with 40 GiB free, which
+    counting the head twice (10.16B: 41.6 GiB) refused; a process that does not read the checkpoint holds one matrix
+    where the main process holds one, and counts as many parameters (its offload check among them)."""
+    from transformers import Gemma2Config
+
+    from llm_kit.loading import check_merge_fits_host_ram, load_base_model
+    from shared.errors import RecipeError
+
+    config = Gemma2Config(
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=256000,
+    )
+
+    class Rank1:  # fp32, FSDP2, not the main process
+        mixed_precision, is_fsdp2, is_main_process = "no", True, False
+
+    monkeypatch.setenv("RECIPES_HOST_RAM_GIB", "40")
+    check_merge_fits_host_ram(Rank1, config, "google/gemma-2-9b")
+    monkeypatch.setenv("RECIPES_HOST_RAM_GIB", "37")
+    with pytest.raises(RecipeError) as error:
+        check_merge_fits_host_ram(Rank1, config, "google/gemma-2-9b")
+    assert "(9.2B parameters in float32)" in error.value.message
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    model = load_base_model(Rank1, "google/gemma-2-9b", config)
+    assert all(parameter.is_meta for parameter in model.parameters())  # the low-RAM path: nothing read
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert sum(parameter.numel() for parameter in model.parameters()) == 9_241_705_984
 
 
 # ----------------------------------------------------------------------------- refusals, launched

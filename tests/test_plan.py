@@ -110,6 +110,29 @@ def test_parameter_counts_match_the_real_model(model_size):
         assert shape.num_parameters == published[model_size]
 
 
+def test_a_tied_embedding_is_counted_once():
+    """A model whose LM head is its embedding matrix (Gemma 2, Gemma 3, OPT, the small Qwen and Llama-3.2 models)
+    counts that matrix once, as from_pretrained ties it: Gemma-2-9B's shape (vocabulary 256,000) has its published
+    9,241,705,984 parameters, not 0.9B more, and the bytes the planner keeps for the weights are those."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(
+        hidden_size=3584,
+        intermediate_size=14336,
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=256000,
+    )
+    assert config.tie_word_embeddings
+    shape = shape_from_config(config)
+    assert shape.num_parameters == 9_241_705_984
+    assert shape.head_params == config.hidden_size  # the final norm; the head is the embedding, counted before
+    weights = plan(shape, **TABLE, method="full", mixed_precision="bf16")["setups"]["single"]["devices"][0]
+    assert weights["parameters"] == 4 * shape.num_parameters  # fp32 master weights of the one matrix
+
+
 @pytest.mark.parametrize("model_size", ["small", "7b"])
 def test_lora_parameters_are_the_ones_peft_creates(model_size):
     """r x (in + out) on every linear layer of the blocks is what PEFT's "all-linear" adds (7B, r=8: 19,988,480)."""

@@ -76,6 +76,22 @@ def check_prompt_lengths(raw_datasets: datasets.DatasetDict, fmt: str, tokenizer
                 )
 
 
+def check_positions(config, name_or_path: str, longest_prompt_tokens: int, max_completion_length: int) -> None:
+    """Refuse prompts and completions that together need more positions than the model has: one with learned
+    positions (GPT-2, OPT) would stop mid-generation with an index error (on a GPU, a device-side assert), one with
+    rotary positions would generate where it never learned to."""
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    needed = longest_prompt_tokens + max_completion_length
+    if positions and needed > positions:
+        fits = positions - longest_prompt_tokens
+        raise RecipeError(
+            f"The longest training prompt has {longest_prompt_tokens} tokens and --max_completion_length is "
+            f"{max_completion_length}: {needed} positions, more than the {positions} that {name_or_path} has. "
+            + (f"Lower --max_completion_length to {fits} or less, or " if fits > 0 else "")
+            + "shorten or drop the longest prompts (--max_prompt_length refuses them, quoting one)."
+        )
+
+
 def tokenize_prompts(
     accelerator, raw_datasets: datasets.DatasetDict, fmt: str, tokenizer, max_prompt_length: int | None = None
 ) -> tuple[datasets.Dataset, dict]:

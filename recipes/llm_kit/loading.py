@@ -92,13 +92,9 @@ def default_base_model(accelerator, output_dir: Path, recipes_dir: Path) -> str:
     return str(target)
 
 
-def causal_lm_config(
-    accelerator, name_or_path: str, max_length: int | None, load_in_4bit: bool = False, trust_remote_code: bool = False
-) -> tuple[object, int]:
-    """The model's config and the ``max_length`` it allows, checked before any data work: a model that is not a causal
-    LM, or ``load_in_4bit`` without bitsandbytes or on another device than CUDA or the CPU, is refused; a
-    ``max_length`` (None: none given, ``DEFAULT_MAX_LENGTH``) beyond the model's positions is cut to them (said so, in
-    the words of the flag given or of the default)."""
+def causal_lm_config(accelerator, name_or_path: str, load_in_4bit: bool = False, trust_remote_code: bool = False):
+    """The model's config, checked before any data work: a model that is not a causal LM, or ``load_in_4bit`` without
+    bitsandbytes or on another device than CUDA or the CPU, is refused."""
     if load_in_4bit:
         try:
             import bitsandbytes  # noqa: F401
@@ -123,6 +119,12 @@ def causal_lm_config(
             "answers. Use a decoder such as Llama, Qwen, Mistral, Gemma or GPT-2; to classify text, use "
             "recipes/transformer_finetune.py."
         )
+    return config
+
+
+def max_length_within_positions(accelerator, config, name_or_path: str, max_length: int | None) -> int:
+    """``max_length`` (None: none given, ``DEFAULT_MAX_LENGTH``), cut to the model's positions where it is beyond them
+    (said so, in the words of the flag given or of the default)."""
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     given, max_length = max_length is not None, max_length or DEFAULT_MAX_LENGTH
     if positions and max_length > positions:
@@ -135,7 +137,7 @@ def causal_lm_config(
             f"{max_length}, is more than the model has"
         )
         max_length = positions
-    return config, max_length
+    return max_length
 
 
 def load_base_model(
@@ -164,7 +166,9 @@ def load_base_model(
         check_merge_fits_host_ram(accelerator, config, name_or_path, trust_remote_code)
     if low_ram_loading(accelerator) and not accelerator.is_main_process and not load_in_4bit:
         with init_empty_weights():
-            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model.tie_weights()  # built empty, a tied LM head has a matrix of its own: tied as the main process's loads
+        return model
     quantization = load_device = None
     if load_in_4bit:
         from peft import prepare_model_for_kbit_training
@@ -261,10 +265,9 @@ def check_merge_fits_host_ram(accelerator, config, name_or_path: str, trust_remo
     training when this machine's free host RAM cannot hold it (+10 % for the adapter and saving), with the command
     that merges on a machine that can (a 70B base needs ~140 GB). Every process decides; all raise together."""
     with init_empty_weights():  # the parameter count, from the config: no weights read
-        count = sum(
-            p.numel()
-            for p in AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code).parameters()
-        )
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # built empty, a tied LM head has a matrix of its own: counted once, as it is loaded
+    count = sum(p.numel() for p in model.parameters())
     dtype_name = "bfloat16" if accelerator.mixed_precision == "bf16" else "float32"
     needed = int(count * (2 if dtype_name == "bfloat16" else 4) * 1.1)
     available, source = available_host_ram()

@@ -144,6 +144,9 @@ def _meta_model(config):
     try:
         with init_empty_weights():
             model = (AutoModelForCausalLM if causal else AutoModel).from_config(config)
+        # Built empty, a tied LM head gets a matrix of its own (a Gemma-2-9B counted 0.9B too large): tied again, as
+        # from_pretrained ties it.
+        model.tie_weights()
     finally:
         transformers_logging.set_verbosity(verbosity)
     return model, causal
