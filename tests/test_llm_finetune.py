@@ -1258,12 +1258,14 @@ def trl_samples(tokenizer, rows: list[dict], tmp_path, assistant_only_loss: bool
 
 
 def reasoning_chats(base) -> list[list[dict]]:
-    """The tests' conversations (system prompts, second turns), two turns, one ending in a user's turn, and one whose
-    answers are words of its first question (an answer is looked for after its context, not in it)."""
+    """The tests' conversations (system prompts, second turns), two turns, one ending in a user's turn, one whose
+    answers are words of its first question (an answer is looked for after its context, not in it), and short answers
+    that the template's text or a question also holds (``ECHOING_ANSWERS``)."""
     chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()][:16]
     echoed = [("user", "Is json a module or a class?"), ("assistant", "a module"), ("user", "And os?")]
     echoed = [{"role": role, "content": content} for role, content in [*echoed, ("assistant", "a module")]]
-    return chats + [TWO_TURNS, TWO_TURNS + [{"role": "user", "content": "Thanks."}], echoed]
+    echoing = [[{"role": role, "content": content} for role, content in turns] for turns in ECHOING_ANSWERS]
+    return chats + [TWO_TURNS, TWO_TURNS + [{"role": "user", "content": "Thanks."}], echoed, *echoing]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "r1"])
@@ -1325,6 +1327,36 @@ def test_answers_are_found_in_the_one_rendering_of_a_template_that_renders_earli
     )
     assert "--no-assistant_only_loss" in error.value.message and "{% generation %}" in error.value.message
     assert "\n" not in error.value.message.replace("\\n", "")  # one paragraph
+
+
+# Short answers that the template's own text or a question also holds: a think block ("hi", "in" in "<think>"), a role
+# tag ("assistant"), R1's generation prompt (an answer starting with "<", as "<think>\n" does), a question's end.
+ECHOING_ANSWERS = [
+    [("user", "hello"), ("assistant", "hi"), ("user", "Is it in?"), ("assistant", "in")],
+    [("user", "Who are you?"), ("assistant", "assistant"), ("user", "Say Assistant"), ("assistant", "Assistant")],
+    [("user", "hello"), ("assistant", "<b>"), ("user", "Say <b>"), ("assistant", "<b>")],
+    [("user", "Say yes"), ("assistant", "yes"), ("user", "yes or no? yes"), ("assistant", "yes")],
+]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_an_answer_is_found_where_the_template_writes_it_not_in_its_think_block_role_tag_or_question(base, family):
+    """Under a template that renders earlier turns otherwise, an answer is looked for as the template writes it with
+    its end-of-turn text, after the turns before it: an answer that Qwen3's empty think block ("hi", "in"), a role tag
+    ("assistant") or a question also holds, or that starts as R1's generation prompt's think block does ("<b>"), is
+    trained whole with its end-of-turn token, nothing else. Before: "hi" was found in the think block Qwen3 writes
+    before a last answer, so its <|im_end|> (what teaches the model to stop) was not trained; R1's "<b>" was looked
+    for after the "<" its generation prompt shares with it, and the conversation refused as not rendering it."""
+    from llm_kit.sft_data import tokenize_sample
+
+    tokenizer = reasoning_tokenizer(base, family)
+    end = "<|im_end|>\n" if family == "qwen3" else tokenizer.eos_token
+    for turns in ECHOING_ANSWERS:
+        messages = [{"role": role, "content": content} for role, content in turns]
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        answers = [m["content"] + end for m in messages if m["role"] == "assistant"]
+        answers[-1] = ("<think>\n\n</think>\n\n" if family == "qwen3" else "") + answers[-1]
+        assert [tokenizer.decode(span) for span in trained_spans(sample)] == answers, messages
 
 
 def last_answer_index(messages: list[dict]) -> int:

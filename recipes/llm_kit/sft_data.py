@@ -335,15 +335,21 @@ def marked_answer_labels(tokenizer, render, messages: list[dict], ids: list[int]
     return labels
 
 
+# Rendered in place of an answer's content to read where a template writes it (text no template changes or holds).
+PLACEHOLDER = "\ue000"
+
+
 def answer_spans(render, messages: list[dict], text: str, first: int = 0):
     """The character span of each answer (the turns before ``first`` are context) in ``text``, the conversation's
     one rendering. Where the template renders the conversation up to an answer as a prefix of the rest (most do),
     the answer runs from the end of the rendering up to it with the generation prompt to the end of the rendering
     through it. A template that renders earlier turns otherwise (Qwen3 writes an empty think block only in answers
     after the last question; a DeepSeek-R1 distill's generation prompt opens a think block that no rendered answer
-    holds) has each answer found in ``text`` in order: from the end of the generation prompt where that is a prefix
-    of ``text``, else from the answer's content, to the end of the content and of the end-of-turn text the template
-    writes after it. An answer whose content the rendering does not hold is refused."""
+    holds) has each answer found in ``text`` in order, after its context (the turns before it, rendered alone): its
+    content as the template writes it followed by the end-of-turn text after it, both read from a rendering with
+    ``PLACEHOLDER`` for the content (the content alone could be found in a think block, a role tag or a question);
+    from the end of the generation prompt where that prompt is a prefix of ``text``, else from the content. An answer
+    whose content the rendering does not hold is refused."""
     done = 0  # where the previous answer ended
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or index < first:
@@ -354,12 +360,17 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
             yield len(prompt), len(full)
             done = len(full)
             continue
-        content = message["content"].strip()
-        at = text.find(content, max(done, common_prefix_length(prompt, text)))
-        written = full.find(content, common_prefix_length(prompt, full))  # the answer as the last turn
-        if at < 0 or written < 0:
+        pieces = render([*messages[:index], {**message, "content": PLACEHOLDER}]).split(PLACEHOLDER)
+        head, turn_end = pieces if len(pieces) == 2 else ("", "")
+        # The content as written last (a template may strip it), else as given (Qwen3 moves reasoning before it).
+        given = message["content"].strip()
+        shaped = len(pieces) == 2 and full.startswith(head) and full.endswith(turn_end)
+        content = full[len(head) : len(full) - len(turn_end)] if shaped else given
+        context = common_prefix_length(render(messages[:index]), text) if index else 0
+        at = text.find(content + turn_end, max(done, context))
+        if at < 0 or given not in content:
             raise RecipeError(
-                f"The chat template renders this conversation without its answer {content[:80]!r} as given (a "
+                f"The chat template renders this conversation without its answer {given[:80]!r} as given (a "
                 "template may drop an answer's reasoning before '</think>', as Qwen3's does in earlier turns and a "
                 "DeepSeek-R1 distill's in every turn), so the answer's tokens cannot be found to train: "
                 f"{str(messages)[:200]}. Train every token with --no-assistant_only_loss, or use a chat template that "
@@ -367,9 +378,8 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
                 "templates do (trl/chat_templates/qwen3_training.jinja, deepseek_r1_distill_training.jinja): saved as "
                 "chat_template.jinja in a tokenizer folder passed as --tokenizer_name, its marked tokens are trained."
             )
-        turn_end = full[written + len(content) :]  # the end-of-turn text the template writes after the answer
-        done = at + len(content) + common_prefix_length(turn_end, text[at + len(content) :])
-        yield (len(prompt) if asked else at), done
+        done = at + len(content) + len(turn_end)
+        yield (len(prompt) if asked and len(prompt) <= at else at), done
 
 
 def answer_tokens(tokenizer, whole, text: str, answer_start: int, answer_end: int) -> tuple[int, int, bool, bool]:
