@@ -1359,6 +1359,46 @@ def test_an_answer_is_found_where_the_template_writes_it_not_in_its_think_block_
         assert [tokenizer.decode(span) for span in trained_spans(sample)] == answers, messages
 
 
+# Gemma's chat template (google/gemma-7b-it; TRL ships it as trl/chat_templates/gemma.jinja): no system turn, turns
+# that alternate, each content trimmed.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+
+def test_a_conversation_the_chat_template_refuses_is_refused_in_one_paragraph(base):
+    """Gemma's template under a SentencePiece tokenizer: a conversation in its shape trains each answer trimmed, as
+    the template writes it, with its end of turn; one it raises on (a system turn, two answers in a row) is refused
+    in one paragraph that gives the template's reason and the way out. Before: jinja2's TemplateError, a traceback
+    from inside the tokenizing map."""
+    from llm_kit.sft_data import tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = sentencepiece_tokenizer([m["content"] for m in TWO_TURNS] * 3)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = GEMMA
+    messages = [*TWO_TURNS[1:4], {"role": "assistant", "content": " yes it is \n"}]
+    sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [
+        "yes<end_of_turn>\n",
+        "yes it is<end_of_turn>\n",
+    ]
+    for messages, reason in [
+        (TWO_TURNS, "System role not supported"),
+        (TWO_TURNS[1:3] + TWO_TURNS[2:3], "Conversation roles must alternate user/assistant/user/assistant/..."),
+    ]:
+        with pytest.raises(RecipeError) as error:
+            tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert error.value.message.startswith("The chat template of ")  # (the model's name: none here)
+        assert f" cannot render this conversation ({reason}): " in error.value.message
+        assert "--tokenizer_name" in error.value.message and "\n" not in error.value.message
+
+
 def last_answer_index(messages: list[dict]) -> int:
     return max(i for i, m in enumerate(messages) if m["role"] == "assistant")
 

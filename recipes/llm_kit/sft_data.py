@@ -22,6 +22,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, in_validation_split, load_data_files, refuse_empty_cells
@@ -260,7 +261,15 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistan
         render = partial(tokenizer.apply_chat_template, tools=tools, tokenize=False)
         # The conversation rendered once, as the model will read it: the template writes its own special tokens (a
         # BOS among them) as text, so the tokenizer adds none.
-        text = render(messages)
+        try:
+            text = render(messages)
+        except TemplateError as error:  # the template's own refusal (Gemma's of a system turn), or a template bug
+            raise RecipeError(
+                f"The chat template of {tokenizer.name_or_path} cannot render this conversation ({error}): "
+                f"{str(messages)[:200]}. Give conversations in the shape the template takes (Gemma's, for one, has "
+                "no system turn: put the system prompt at the start of the first user turn; and its turns alternate "
+                "user, assistant), or pass another template's tokenizer folder as --tokenizer_name."
+            ) from None
         whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
         ids, labels = whole["input_ids"], [-100] * len(whole["input_ids"])
         if not (assistant_only_loss or context_turns):  # TRL's default: every token trained, nothing to find
