@@ -1399,6 +1399,51 @@ def test_a_conversation_the_chat_template_refuses_is_refused_in_one_paragraph(ba
         assert "--tokenizer_name" in error.value.message and "\n" not in error.value.message
 
 
+def test_an_answer_s_reasoning_content_is_trained_where_the_template_writes_it_and_refused_where_it_drops_it(base):
+    """Qwen3's ``reasoning_content`` field: under a template that writes it (here ChatML with a think block) it is
+    trained with its answer; a template that drops it (ChatML, which never writes it; Qwen3's in an answer before the
+    last question) has the conversation refused in one paragraph, as an answer with its reasoning inline is: the
+    reasoning the data gives would go untrained. An empty or missing field (a JSON Lines file fills it with None)
+    trains as before. Before: the reasoning dropped in silence, the answers trained without it."""
+    from llm_kit.sft_data import tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = reasoning_tokenizer(base, "qwen3")
+    thought = {**TWO_TURNS[2], "reasoning_content": "It has submodules."}
+    empty = [
+        TWO_TURNS[1],
+        {**TWO_TURNS[2], "reasoning_content": None},
+        TWO_TURNS[3],
+        {**TWO_TURNS[4], "reasoning_content": ""},
+    ]
+    tokenizer.chat_template = CHATML.replace(
+        "+ message['content']",
+        "+ ('<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' if message['reasoning_content'] else '')"
+        " + message['content']",
+    )
+    sample = tokenize_sample({"messages": [TWO_TURNS[1], thought]}, "messages", tokenizer, 512)
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [
+        "<think>\nIt has submodules.\n</think>\n\nyes<|im_end|>\n"
+    ]
+    for template, messages in [
+        (CHATML, [TWO_TURNS[1], thought]),
+        (QWEN3_LIKE, [TWO_TURNS[1], thought, *TWO_TURNS[3:]]),
+    ]:
+        tokenizer.chat_template = template
+        with pytest.raises(RecipeError) as error:
+            tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert error.value.message.startswith(
+            "The chat template renders the answer 'yes' without its reasoning_content 'It has submodules.'"
+        )
+        assert "Leave the field out" in error.value.message and "--tokenizer_name" in error.value.message
+        sample = tokenize_sample({"messages": empty}, "messages", tokenizer, 512)
+        think = "<think>\n\n</think>\n\n" if template == QWEN3_LIKE else ""
+        assert [tokenizer.decode(span) for span in trained_spans(sample)] == [
+            "yes<|im_end|>\n",
+            think + "yes it is<|im_end|>\n",
+        ]
+
+
 def last_answer_index(messages: list[dict]) -> int:
     return max(i for i, m in enumerate(messages) if m["role"] == "assistant")
 

@@ -366,7 +366,7 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
         prompt, full = render(messages[:index], add_generation_prompt=True), render(messages[: index + 1])
         asked = text.startswith(prompt) and len(prompt) >= done  # the generation prompt opens this answer
         if asked and text.startswith(full) and full.startswith(prompt):
-            yield len(prompt), len(full)
+            yield check_reasoning(message, messages, text, len(prompt), len(full))
             done = len(full)
             continue
         pieces = render([*messages[:index], {**message, "content": PLACEHOLDER}]).split(PLACEHOLDER)
@@ -388,7 +388,23 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
                 "chat_template.jinja in a tokenizer folder passed as --tokenizer_name, its marked tokens are trained."
             )
         done = at + len(content) + len(turn_end)
-        yield (len(prompt) if asked and len(prompt) <= at else at), done
+        yield check_reasoning(message, messages, text, len(prompt) if asked and len(prompt) <= at else at, done)
+
+
+def check_reasoning(message: dict, messages: list[dict], text: str, start: int, end: int) -> tuple[int, int]:
+    """The answer's span ``start, end`` in ``text``, once its ``reasoning_content`` (a Qwen3-style field) is found in
+    it; a span without it is refused: the template dropped reasoning the data gives, which would go untrained."""
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning.strip() not in text[start:end]:
+        raise RecipeError(
+            f"The chat template renders the answer {message['content'].strip()[:80]!r} without its reasoning_content "
+            f"{reasoning.strip()[:80]!r} (Qwen3's writes it only in answers after the last question, most templates "
+            f"never), so that reasoning would not be trained: {str(messages)[:200]}. Leave the field out to train the "
+            "answers without it, or use a chat template that writes it in every answer between {% generation %} and "
+            "{% endgeneration %} (trl/chat_templates/qwen3_training.jinja does), saved as chat_template.jinja in a "
+            "tokenizer folder passed as --tokenizer_name."
+        )
+    return start, end
 
 
 def answer_tokens(tokenizer, whole, text: str, answer_start: int, answer_end: int) -> tuple[int, int, bool, bool]:
