@@ -1802,6 +1802,48 @@ def test_exact_match_asks_with_the_generation_prompt_and_scores_the_answer_after
     assert [s["answer"] for s in scored] == ["class", "class"] and score == 0.5
 
 
+def test_exact_match_scores_a_model_that_writes_what_it_was_trained_on_under_qwen3_s_template(base):
+    """Under a Qwen3-like template a model that writes, after the generation prompt, exactly the rendering it was
+    trained on scores 1: an answer that the think block also holds ("hi", in "<think>") gets the tokens to write that
+    block and itself; an answer with its reasoning inline, or in ``reasoning_content``, gets the tokens to write the
+    reasoning, and its reference is the answer after '</think>', as the model's answer is. Before: "hi" was found
+    inside "<think>", so the budget was cut short of the answer; an inline reasoning stayed in the reference, which
+    no answer scored after '</think>' can equal (0 of 3)."""
+    import datasets
+
+    from llm_kit.sft_eval import exact_match
+
+    tokenizer = reasoning_tokenizer(base, "qwen3")
+    tokenizer.chat_template = CHATML.replace(  # QWEN3_LIKE's answers after the last question, reasoning_content too
+        "+ message['content']",
+        "+ ('<think>\\n' + (message['reasoning_content'] or '') + '\\n</think>\\n\\n' if message['role'] == "
+        "'assistant' else '') + message['content']",
+    )
+    question = {"role": "user", "content": "Is `json.JSONDecoder` a class?"}
+    answers = [
+        {"role": "assistant", "content": "hi", "reasoning_content": None},
+        {
+            "role": "assistant",
+            "content": "<think>\nIt is a class, and a long one.\n</think>\n\nclass",
+            "reasoning_content": None,
+        },
+        {"role": "assistant", "content": "class", "reasoning_content": "It is a class, and a long one."},
+    ]
+
+    class Model:  # writes the rendering it was trained on, after the prompt, as far as the budget goes
+        def generate(self, ids, max_new_tokens, **kwargs):
+            written = self.trained_on[len(tokenizer.decode(ids[0])) :]
+            new = tokenizer(written, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    model = Model()
+    for answer, expected in zip(answers, ["hi", "class", "class"], strict=True):  # one at a time: each its own budget
+        rows = datasets.Dataset.from_list([{"messages": [question, answer]}])
+        model.trained_on = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False)
+        score, scored = exact_match(model, tokenizer, rows, "messages", "cpu")
+        assert (scored[0]["answer"], scored[0]["reference"], score) == (expected, expected, 1), answer
+
+
 def test_a_few_shot_conversation_is_scored_on_its_last_answer(recipe):
     """A conversational GRPO prompt with a worked example (user, assistant, then the question) becomes, with its
     answer column, a conversation of two answers. The exact match asks the question after the example and compares
