@@ -1193,14 +1193,15 @@ def test_conversation_ids_and_labels_equal_trl_s(base, tmp_path, kind, assistant
 
 
 # Templates of reasoning models, written small here (TRL ships the real ones: trl/chat_templates/qwen3.jinja,
-# deepseek_r1_distill.jinja). Qwen3 writes an empty think block only in answers after the last question and drops an
-# earlier answer's reasoning; a DeepSeek-R1 distill's generation prompt opens a think block, and every answer is
-# written without its reasoning: neither renders a conversation as a prefix of its continuation.
+# deepseek_r1_distill.jinja). Qwen3 writes an empty think block only in a last answer after the last question and
+# drops an earlier answer's reasoning; a DeepSeek-R1 distill's generation prompt opens a think block, and every answer
+# is written without its reasoning: neither renders a conversation as a prefix of its continuation.
 QWEN3_LIKE = (
     "{%- set ns = namespace(last=-1) %}{%- for message in messages %}{%- if message['role'] == 'user' %}"
     "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\n' }}{%- if message['role'] != 'assistant' %}"
-    "{{- message['content'] }}{%- elif loop.index0 > ns.last %}{{- '<think>\n\n</think>\n\n' + message['content'] }}"
+    "{{- message['content'] }}{%- elif loop.last and loop.index0 > ns.last %}"
+    "{{- '<think>\n\n</think>\n\n' + message['content'] }}"
     "{%- else %}{{- message['content'].split('</think>')[-1].lstrip('\n') }}{%- endif %}{{- '<|im_end|>\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
@@ -1344,14 +1345,18 @@ def test_an_answer_is_found_where_the_template_writes_it_not_in_its_think_block_
     """Under a template that renders earlier turns otherwise, an answer is looked for as the template writes it with
     its end-of-turn text, after the turns before it: an answer that Qwen3's empty think block ("hi", "in"), a role tag
     ("assistant") or a question also holds, or that starts as R1's generation prompt's think block does ("<b>"), is
-    trained whole with its end-of-turn token, nothing else. Before: "hi" was found in the think block Qwen3 writes
-    before a last answer, so its <|im_end|> (what teaches the model to stop) was not trained; R1's "<b>" was looked
-    for after the "<" its generation prompt shares with it, and the conversation refused as not rendering it."""
+    trained whole with its end-of-turn token, nothing else; Qwen3's last answer with its think block, also when it
+    follows another answer (trained from the end of its generation prompt, as when it follows a question). Before:
+    "hi" was found in the think block Qwen3 writes before a last answer, so its <|im_end|> (what teaches the model to
+    stop) was not trained; R1's "<b>" was looked for after the "<" its generation prompt shares with it, and the
+    conversation refused as not rendering it; and the think block of a last answer after another answer was not
+    trained."""
     from llm_kit.sft_data import tokenize_sample
 
     tokenizer = reasoning_tokenizer(base, family)
     end = "<|im_end|>\n" if family == "qwen3" else tokenizer.eos_token
-    for turns in ECHOING_ANSWERS:
+    in_a_row = [("user", "hello"), ("assistant", "think"), ("assistant", "hi")]  # (TRL marks R1's two as one span)
+    for turns in [*ECHOING_ANSWERS, in_a_row]:
         messages = [{"role": role, "content": content} for role, content in turns]
         sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
         answers = [m["content"] + end for m in messages if m["role"] == "assistant"]
@@ -1492,9 +1497,10 @@ def test_answers_found_under_qwen3_and_r1_templates_train_what_trl_s_training_te
 # role tag inside the mark); neither renders a conversation as a prefix of its continuation.
 MARKED = {
     "qwen3": QWEN3_LIKE.replace(
-        "{%- elif loop.index0 > ns.last %}{{- '<think>\n\n</think>\n\n' + message['content'] }}{%- else %}"
+        "{%- elif loop.last and loop.index0 > ns.last %}"
+        "{{- '<think>\n\n</think>\n\n' + message['content'] }}{%- else %}"
         "{{- message['content'].split('</think>')[-1].lstrip('\n') }}{%- endif %}{{- '<|im_end|>\n' }}",
-        "{{- '<|im_end|>\n' }}{%- else %}{%- generation %}{%- if loop.index0 > ns.last %}"
+        "{{- '<|im_end|>\n' }}{%- else %}{%- generation %}{%- if loop.last and loop.index0 > ns.last %}"
         "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{{- message['content'] + '<|im_end|>\n' }}{%- endgeneration %}"
         "{%- endif %}",
     ),

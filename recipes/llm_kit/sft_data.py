@@ -357,8 +357,8 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
     holds) has each answer found in ``text`` in order, after its context (the turns before it, rendered alone): its
     content as the template writes it followed by the end-of-turn text after it, both read from a rendering with
     ``PLACEHOLDER`` for the content (the content alone could be found in a think block, a role tag or a question);
-    from the end of the generation prompt where that prompt is a prefix of ``text``, else from the content. An answer
-    whose content the rendering does not hold is refused."""
+    from where the generation prompt's own text ends in ``text`` (what the template writes after it, Qwen3's think
+    block, is the answer's), else from the content. An answer whose content the rendering does not hold is refused."""
     done = 0  # where the previous answer ended
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or index < first:
@@ -375,8 +375,10 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
         given = message["content"].strip()
         shaped = len(pieces) == 2 and full.startswith(head) and full.endswith(turn_end)
         content = full[len(head) : len(full) - len(turn_end)] if shaped else given
-        context = common_prefix_length(render(messages[:index]), text) if index else 0
-        at = text.find(content + turn_end, max(done, context))
+        before = render(messages[:index]) if index else ""  # the turns before the answer
+        opening = prompt[len(before) :] if prompt.startswith(before) else ""  # the generation prompt's own text
+        context = max(done, common_prefix_length(before, text))
+        at = text.find(content + turn_end, context)
         if at < 0 or given not in content:
             raise RecipeError(
                 f"The chat template renders this conversation without its answer {given[:80]!r} as given (a "
@@ -388,7 +390,10 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
                 "chat_template.jinja in a tokenizer folder passed as --tokenizer_name, its marked tokens are trained."
             )
         done = at + len(content) + len(turn_end)
-        yield check_reasoning(message, messages, text, len(prompt) if asked and len(prompt) <= at else at, done)
+        # Trained from where the generation prompt ends in the text (what the template writes after it, Qwen3's think
+        # block, is the answer's), else from the content (R1's prompt opens a think block that the text does not hold).
+        opened = text.rfind(opening, context, at) if opening else -1
+        yield check_reasoning(message, messages, text, opened + len(opening) if opened >= 0 else at, done)
 
 
 def check_reasoning(message: dict, messages: list[dict], text: str, start: int, end: int) -> tuple[int, int]:
