@@ -1248,7 +1248,7 @@ def trl_samples(tokenizer, rows: list[dict], tmp_path, assistant_only_loss: bool
     trainer = types.SimpleNamespace(
         _tokenizer=tokenizer,
         chat_template=get_training_chat_template(tokenizer) if swapped else None,
-        completion_only_loss=None,
+        completion_only_loss="prompt" in rows[0],  # as SFTTrainer resolves its default (None)
     )
     config = SFTConfig(
         output_dir=str(tmp_path), max_length=512, bf16=False, report_to=[], assistant_only_loss=assistant_only_loss
@@ -1447,6 +1447,35 @@ def test_an_answer_s_reasoning_content_is_trained_where_the_template_writes_it_a
             "yes<|im_end|>\n",
             think + "yes it is<|im_end|>\n",
         ]
+
+
+@pytest.mark.parametrize("family", ["default", "r1"])
+def test_without_assistant_only_loss_a_conversational_prompt_trains_its_whole_completion_as_trl_does(
+    base, tmp_path, family
+):
+    """--no-assistant_only_loss with TRL's conversational prompt + completion: TRL's completion mask, every token from
+    where the prompt's tokens (with the generation prompt) and the whole's first differ, a user turn inside the
+    completion included; the prompt's worked example is context. Under R1 the generation prompt's "<think>\n", which
+    the rendering does not hold, is left out, as TRL's rule has it. Before: the completion's answers only, as with
+    --assistant_only_loss (under a template with {% generation %} markers, its marks too), unlike TRL."""
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_sample
+
+    tokenizer = reasoning_tokenizer(base, "r1", DEFAULT_CHAT_TEMPLATE if family == "default" else None)
+    prompt = [*TWO_TURNS[1:4]]
+    completion = [
+        {"role": "assistant", "content": "yes it is"},
+        {"role": "user", "content": "And os?"},
+        {"role": "assistant", "content": "also"},
+    ]
+    sample = {"messages": prompt + completion, "prompt_turns": len(prompt)}
+    ours = tokenize_sample(sample, "messages", tokenizer, 512, assistant_only_loss=False)
+    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    start = text.index("yes it is")  # R1: the answer follows its role tag; the default template's prompt ends there
+    assert [tokenizer.decode(span) for span in trained_spans(ours)] == [text[start:]]
+    assert ours["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    pytest.importorskip("trl")
+    (theirs,) = trl_samples(tokenizer, [{"prompt": prompt, "completion": completion}], tmp_path, False)
+    assert ours["input_ids"] == theirs["input_ids"] and ours["labels"][1:] == theirs["labels"][1:]
 
 
 def last_answer_index(messages: list[dict]) -> int:

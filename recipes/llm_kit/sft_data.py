@@ -240,19 +240,20 @@ def data_format(columns: list[str]) -> str:
 def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistant_only_loss: bool = True) -> dict:
     """``input_ids`` and ``labels`` (-100 everywhere but on answer tokens) of one sample, truncated to ``max_length``.
 
-    A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are tokenized
-    whole (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does not end
-    with it), and the answer starts where their tokens first differ: a prompt that ends in a space gives it to the
-    answer's first word, as the whole text is tokenized (``prompt_merged``). A conversation is rendered by its chat
-    template once and tokenized whole (the template writes its own special tokens); without ``assistant_only_loss``
-    (TRL's default) every token is trained. Else a template with ``{% generation %}`` markers has the tokens it marks
-    trained, as TRL trains them (``marked_answer_labels``); any other has each answer found in the rendering
-    (``answer_spans``) and its characters mapped to tokens by the prompt/completion rule at both ends (an end token
-    that merges into the next turn's text, ``answer_merged``, is context, not answer). Tokenizing the turns apart
-    would differ where a tokenizer marks a text's start (a SentencePiece ``"▁"`` before every answer). A
-    conversational prompt + completion (read as one conversation, its ``prompt_turns`` first) is trained on the
-    completion's answers only. A text is all answer. The first token of a sample never has a label: nothing inside
-    the sample predicts it (this also keeps packed samples from predicting each other).
+    A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are tokenized whole
+    (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does not end with it),
+    and the answer starts where their tokens first differ: a prompt that ends in a space gives it to the answer's first
+    word, as the whole text is tokenized (``prompt_merged``). A conversation is rendered by its chat template once and
+    tokenized whole (the template writes its own special tokens); without ``assistant_only_loss`` (TRL's default) every
+    token is trained, a conversational prompt's completion (its turns after ``prompt_turns``) from where the prompt's
+    tokens and the whole's first differ, as TRL's completion mask has it. Else a template with ``{% generation %}``
+    markers has the tokens it marks trained, as TRL trains them (``marked_answer_labels``); any other has each answer
+    found in the rendering (``answer_spans``) and its characters mapped to tokens by the prompt/completion rule at both
+    ends (an end token that merges into the next turn's text, ``answer_merged``, is context, not answer). Tokenizing
+    the turns apart would differ where a tokenizer marks a text's start (a SentencePiece ``"▁"`` before every answer).
+    A conversational prompt + completion (read as one conversation, its ``prompt_turns`` first) is trained on the
+    completion's answers only (with ``assistant_only_loss``). A text is all answer. The first token of a sample never
+    has a label: nothing inside the sample predicts it (this also keeps packed samples from predicting each other).
     """
     prompt_merged = answer_merged = False
     if fmt == "messages":
@@ -272,8 +273,11 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistan
             ) from None
         whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
         ids, labels = whole["input_ids"], [-100] * len(whole["input_ids"])
-        if not (assistant_only_loss or context_turns):  # TRL's default: every token trained, nothing to find
-            labels = list(ids)
+        if not assistant_only_loss:  # TRL's default: every token trained (a conversational prompt's: its completion)
+            asked = render(messages[:context_turns], add_generation_prompt=True) if context_turns else ""
+            # TRL's completion mask: from where the prompt's tokens and the whole's first differ
+            start = common_prefix_length(tokenizer(asked, add_special_tokens=False)["input_ids"], ids)
+            labels = [-100] * start + ids[start:]
         elif has_generation_markers(tokenizer.chat_template):  # the tokens the template marks, as TRL trains them
             labels = marked_answer_labels(tokenizer, render, messages, ids, context_turns)
         else:
