@@ -1478,6 +1478,30 @@ def test_without_assistant_only_loss_a_conversational_prompt_trains_its_whole_co
     assert ours["input_ids"] == theirs["input_ids"] and ours["labels"][1:] == theirs["labels"][1:]
 
 
+@pytest.mark.parametrize("template", ["default", "qwen3"])
+def test_a_conversation_that_opens_with_an_answer_is_refused_in_one_paragraph(base, template):
+    """An assistant turn before any other (a greeting) answers nothing: no rendering of the turns before it (none,
+    which transformers refuses to render) gives a generation prompt to find it by. Refused in one paragraph with the
+    ways out; with --no-assistant_only_loss it trains whole, as TRL's default; after a system turn it is an answer.
+    Before: transformers' ValueError ("Cannot apply chat template to an empty conversation"), a traceback, under every
+    template, the recipe's default included."""
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = reasoning_tokenizer(base, "qwen3", DEFAULT_CHAT_TEMPLATE if template == "default" else None)
+    greeting = {"role": "assistant", "content": "Ask me about Python."}
+    with pytest.raises(RecipeError) as error:
+        tokenize_sample({"messages": [greeting, *TWO_TURNS[1:]]}, "messages", tokenizer, 512)
+    assert error.value.message.startswith(
+        "A conversation opens with an assistant turn, 'Ask me about Python.', which answers nothing"
+    )
+    assert "--no-assistant_only_loss" in error.value.message
+    sample = tokenize_sample({"messages": [greeting, *TWO_TURNS[1:]]}, "messages", tokenizer, 512, False)
+    assert sample["labels"][1:] == sample["input_ids"][1:]
+    sample = tokenize_sample({"messages": [TWO_TURNS[0], greeting, *TWO_TURNS[1:]]}, "messages", tokenizer, 512)
+    assert tokenizer.decode(trained_spans(sample)[0]).startswith("Ask me about Python.")
+
+
 def last_answer_index(messages: list[dict]) -> int:
     return max(i for i, m in enumerate(messages) if m["role"] == "assistant")
 

@@ -367,6 +367,12 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or index < first:
             continue
+        if index == 0:  # (transformers renders no empty conversation: no generation prompt to find it by)
+            raise RecipeError(
+                f"A conversation opens with an assistant turn, {message['content'][:80]!r}, which answers nothing, so "
+                f"no prompt before it tells where its trained tokens start: {str(messages)[:200]}. Start it with the "
+                "user's (or a system) turn, drop the opening answer, or train every token (--no-assistant_only_loss)."
+            )
         prompt, full = render(messages[:index], add_generation_prompt=True), render(messages[: index + 1])
         asked = text.startswith(prompt) and len(prompt) >= done  # the generation prompt opens this answer
         if asked and text.startswith(full) and full.startswith(prompt):
