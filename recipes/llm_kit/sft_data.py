@@ -385,7 +385,7 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
         given = message["content"].strip()
         shaped = len(pieces) == 2 and full.startswith(head) and full.endswith(turn_end)
         content = full[len(head) : len(full) - len(turn_end)] if shaped else given
-        before = render(messages[:index]) if index else ""  # the turns before the answer
+        before = render(messages[:index])  # the turns before the answer
         opening = prompt[len(before) :] if prompt.startswith(before) else ""  # the generation prompt's own text
         context = max(done, common_prefix_length(before, text))
         at = text.find(content + turn_end, context)
