@@ -1241,14 +1241,15 @@ def test_conversation_ids_and_labels_equal_trl_s(base, tmp_path, kind, assistant
 
 
 # Templates of reasoning models, written small here (TRL ships the real ones: trl/chat_templates/qwen3.jinja,
-# deepseek_r1_distill.jinja). Qwen3 writes an empty think block only in answers after the last question and drops an
-# earlier answer's reasoning; a DeepSeek-R1 distill's generation prompt opens a think block, and every answer is
-# written without its reasoning: neither renders a conversation as a prefix of its continuation.
+# deepseek_r1_distill.jinja). Qwen3 writes an empty think block only in a last answer after the last question and
+# drops an earlier answer's reasoning; a DeepSeek-R1 distill's generation prompt opens a think block, and every answer
+# is written without its reasoning: neither renders a conversation as a prefix of its continuation.
 QWEN3_LIKE = (
     "{%- set ns = namespace(last=-1) %}{%- for message in messages %}{%- if message['role'] == 'user' %}"
     "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\n' }}{%- if message['role'] != 'assistant' %}"
-    "{{- message['content'] }}{%- elif loop.index0 > ns.last %}{{- '<think>\n\n</think>\n\n' + message['content'] }}"
+    "{{- message['content'] }}{%- elif loop.last and loop.index0 > ns.last %}"
+    "{{- '<think>\n\n</think>\n\n' + message['content'] }}"
     "{%- else %}{{- message['content'].split('</think>')[-1].lstrip('\n') }}{%- endif %}{{- '<|im_end|>\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
@@ -1295,7 +1296,7 @@ def trl_samples(tokenizer, rows: list[dict], tmp_path, assistant_only_loss: bool
     trainer = types.SimpleNamespace(
         _tokenizer=tokenizer,
         chat_template=get_training_chat_template(tokenizer) if swapped else None,
-        completion_only_loss=None,
+        completion_only_loss="prompt" in rows[0],  # as SFTTrainer resolves its default (None)
     )
     config = SFTConfig(
         output_dir=str(tmp_path), max_length=512, bf16=False, report_to=[], assistant_only_loss=assistant_only_loss
@@ -1306,12 +1307,14 @@ def trl_samples(tokenizer, rows: list[dict], tmp_path, assistant_only_loss: bool
 
 
 def reasoning_chats(base) -> list[list[dict]]:
-    """The tests' conversations (system prompts, second turns), two turns, one ending in a user's turn, and one whose
-    answers are words of its first question (an answer is looked for after its context, not in it)."""
+    """The tests' conversations (system prompts, second turns), two turns, one ending in a user's turn, one whose
+    answers are words of its first question (an answer is looked for after its context, not in it), and short answers
+    that the template's text or a question also holds (``ECHOING_ANSWERS``)."""
     chats = [json.loads(line)["messages"] for line in (base / "chats.jsonl").read_text().splitlines()][:16]
     echoed = [("user", "Is json a module or a class?"), ("assistant", "a module"), ("user", "And os?")]
     echoed = [{"role": role, "content": content} for role, content in [*echoed, ("assistant", "a module")]]
-    return chats + [TWO_TURNS, TWO_TURNS + [{"role": "user", "content": "Thanks."}], echoed]
+    echoing = [[{"role": role, "content": content} for role, content in turns] for turns in ECHOING_ANSWERS]
+    return chats + [TWO_TURNS, TWO_TURNS + [{"role": "user", "content": "Thanks."}], echoed, *echoing]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "r1"])
@@ -1375,6 +1378,178 @@ def test_answers_are_found_in_the_one_rendering_of_a_template_that_renders_earli
     assert "\n" not in error.value.message.replace("\\n", "")  # one paragraph
 
 
+# Short answers that the template's own text or a question also holds: a think block ("hi", "in" in "<think>"), a role
+# tag ("assistant"), R1's generation prompt (an answer starting with "<", as "<think>\n" does), a question's end.
+ECHOING_ANSWERS = [
+    [("user", "hello"), ("assistant", "hi"), ("user", "Is it in?"), ("assistant", "in")],
+    [("user", "Who are you?"), ("assistant", "assistant"), ("user", "Say Assistant"), ("assistant", "Assistant")],
+    [("user", "hello"), ("assistant", "<b>"), ("user", "Say <b>"), ("assistant", "<b>")],
+    [("user", "Say yes"), ("assistant", "yes"), ("user", "yes or no? yes"), ("assistant", "yes")],
+]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "r1"])
+def test_an_answer_is_found_where_the_template_writes_it_not_in_its_think_block_role_tag_or_question(base, family):
+    """Under a template that renders earlier turns otherwise, an answer is looked for as the template writes it with
+    its end-of-turn text, after the turns before it: an answer that Qwen3's empty think block ("hi", "in"), a role tag
+    ("assistant") or a question also holds, or that starts as R1's generation prompt's think block does ("<b>"), is
+    trained whole with its end-of-turn token, nothing else; Qwen3's last answer with its think block, also when it
+    follows another answer (trained from the end of its generation prompt, as when it follows a question). Before:
+    "hi" was found in the think block Qwen3 writes before a last answer, so its <|im_end|> (what teaches the model to
+    stop) was not trained; R1's "<b>" was looked for after the "<" its generation prompt shares with it, and the
+    conversation refused as not rendering it; and the think block of a last answer after another answer was not
+    trained."""
+    from llm_kit.sft_data import tokenize_sample
+
+    tokenizer = reasoning_tokenizer(base, family)
+    end = "<|im_end|>\n" if family == "qwen3" else tokenizer.eos_token
+    in_a_row = [("user", "hello"), ("assistant", "think"), ("assistant", "hi")]  # (TRL marks R1's two as one span)
+    for turns in [*ECHOING_ANSWERS, in_a_row]:
+        messages = [{"role": role, "content": content} for role, content in turns]
+        sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        answers = [m["content"] + end for m in messages if m["role"] == "assistant"]
+        answers[-1] = ("<think>\n\n</think>\n\n" if family == "qwen3" else "") + answers[-1]
+        assert [tokenizer.decode(span) for span in trained_spans(sample)] == answers, messages
+
+
+# Gemma's chat template (google/gemma-7b-it; TRL ships it as trl/chat_templates/gemma.jinja): no system turn, turns
+# that alternate, each content trimmed.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+
+def test_a_conversation_the_chat_template_refuses_is_refused_in_one_paragraph(base):
+    """Gemma's template under a SentencePiece tokenizer: a conversation in its shape trains each answer trimmed, as
+    the template writes it, with its end of turn; one it raises on (a system turn, two answers in a row) is refused
+    in one paragraph that gives the template's reason and the way out. Before: jinja2's TemplateError, a traceback
+    from inside the tokenizing map."""
+    from llm_kit.sft_data import tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = sentencepiece_tokenizer([m["content"] for m in TWO_TURNS] * 3)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = GEMMA
+    messages = [*TWO_TURNS[1:4], {"role": "assistant", "content": " yes it is \n"}]
+    sample = tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [
+        "yes<end_of_turn>\n",
+        "yes it is<end_of_turn>\n",
+    ]
+    for messages, reason in [
+        (TWO_TURNS, "System role not supported"),
+        (TWO_TURNS[1:3] + TWO_TURNS[2:3], "Conversation roles must alternate user/assistant/user/assistant/..."),
+    ]:
+        with pytest.raises(RecipeError) as error:
+            tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert error.value.message.startswith("The chat template of ")  # (the model's name: none here)
+        assert f" cannot render this conversation ({reason}): " in error.value.message
+        assert "--tokenizer_name" in error.value.message and "\n" not in error.value.message
+
+
+def test_an_answer_s_reasoning_content_is_trained_where_the_template_writes_it_and_refused_where_it_drops_it(base):
+    """Qwen3's ``reasoning_content`` field: under a template that writes it (here ChatML with a think block) it is
+    trained with its answer; a template that drops it (ChatML, which never writes it; Qwen3's in an answer before the
+    last question) has the conversation refused in one paragraph, as an answer with its reasoning inline is: the
+    reasoning the data gives would go untrained. An empty or missing field (a JSON Lines file fills it with None)
+    trains as before. Before: the reasoning dropped in silence, the answers trained without it."""
+    from llm_kit.sft_data import tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = reasoning_tokenizer(base, "qwen3")
+    thought = {**TWO_TURNS[2], "reasoning_content": "It has submodules."}
+    empty = [
+        TWO_TURNS[1],
+        {**TWO_TURNS[2], "reasoning_content": None},
+        TWO_TURNS[3],
+        {**TWO_TURNS[4], "reasoning_content": ""},
+    ]
+    tokenizer.chat_template = CHATML.replace(
+        "+ message['content']",
+        "+ ('<think>\\n' + message['reasoning_content'] + '\\n</think>\\n\\n' if message['reasoning_content'] else '')"
+        " + message['content']",
+    )
+    sample = tokenize_sample({"messages": [TWO_TURNS[1], thought]}, "messages", tokenizer, 512)
+    assert [tokenizer.decode(span) for span in trained_spans(sample)] == [
+        "<think>\nIt has submodules.\n</think>\n\nyes<|im_end|>\n"
+    ]
+    for template, messages in [
+        (CHATML, [TWO_TURNS[1], thought]),
+        (QWEN3_LIKE, [TWO_TURNS[1], thought, *TWO_TURNS[3:]]),
+    ]:
+        tokenizer.chat_template = template
+        with pytest.raises(RecipeError) as error:
+            tokenize_sample({"messages": messages}, "messages", tokenizer, 512)
+        assert error.value.message.startswith(
+            "The chat template renders the answer 'yes' without its reasoning_content 'It has submodules.'"
+        )
+        assert "Leave the field out" in error.value.message and "--tokenizer_name" in error.value.message
+        sample = tokenize_sample({"messages": empty}, "messages", tokenizer, 512)
+        think = "<think>\n\n</think>\n\n" if template == QWEN3_LIKE else ""
+        assert [tokenizer.decode(span) for span in trained_spans(sample)] == [
+            "yes<|im_end|>\n",
+            think + "yes it is<|im_end|>\n",
+        ]
+
+
+@pytest.mark.parametrize("family", ["default", "r1"])
+def test_without_assistant_only_loss_a_conversational_prompt_trains_its_whole_completion_as_trl_does(
+    base, tmp_path, family
+):
+    """--no-assistant_only_loss with TRL's conversational prompt + completion: TRL's completion mask, every token from
+    where the prompt's tokens (with the generation prompt) and the whole's first differ, a user turn inside the
+    completion included; the prompt's worked example is context. Under R1 the generation prompt's "<think>\n", which
+    the rendering does not hold, is left out, as TRL's rule has it. Before: the completion's answers only, as with
+    --assistant_only_loss (under a template with {% generation %} markers, its marks too), unlike TRL."""
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_sample
+
+    tokenizer = reasoning_tokenizer(base, "r1", DEFAULT_CHAT_TEMPLATE if family == "default" else None)
+    prompt = [*TWO_TURNS[1:4]]
+    completion = [
+        {"role": "assistant", "content": "yes it is"},
+        {"role": "user", "content": "And os?"},
+        {"role": "assistant", "content": "also"},
+    ]
+    sample = {"messages": prompt + completion, "prompt_turns": len(prompt)}
+    ours = tokenize_sample(sample, "messages", tokenizer, 512, assistant_only_loss=False)
+    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    start = text.index("yes it is")  # R1: the answer follows its role tag; the default template's prompt ends there
+    assert [tokenizer.decode(span) for span in trained_spans(ours)] == [text[start:]]
+    assert ours["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    pytest.importorskip("trl")
+    (theirs,) = trl_samples(tokenizer, [{"prompt": prompt, "completion": completion}], tmp_path, False)
+    assert ours["input_ids"] == theirs["input_ids"] and ours["labels"][1:] == theirs["labels"][1:]
+
+
+@pytest.mark.parametrize("template", ["default", "qwen3"])
+def test_a_conversation_that_opens_with_an_answer_is_refused_in_one_paragraph(base, template):
+    """An assistant turn before any other (a greeting) answers nothing: no rendering of the turns before it (none,
+    which transformers refuses to render) gives a generation prompt to find it by. Refused in one paragraph with the
+    ways out; with --no-assistant_only_loss it trains whole, as TRL's default; after a system turn it is an answer.
+    Before: transformers' ValueError ("Cannot apply chat template to an empty conversation"), a traceback, under every
+    template, the recipe's default included."""
+    from llm_kit.sft_data import DEFAULT_CHAT_TEMPLATE, tokenize_sample
+    from shared.errors import RecipeError
+
+    tokenizer = reasoning_tokenizer(base, "qwen3", DEFAULT_CHAT_TEMPLATE if template == "default" else None)
+    greeting = {"role": "assistant", "content": "Ask me about Python."}
+    with pytest.raises(RecipeError) as error:
+        tokenize_sample({"messages": [greeting, *TWO_TURNS[1:]]}, "messages", tokenizer, 512)
+    assert error.value.message.startswith(
+        "A conversation opens with an assistant turn, 'Ask me about Python.', which answers nothing"
+    )
+    assert "--no-assistant_only_loss" in error.value.message
+    sample = tokenize_sample({"messages": [greeting, *TWO_TURNS[1:]]}, "messages", tokenizer, 512, False)
+    assert sample["labels"][1:] == sample["input_ids"][1:]
+    sample = tokenize_sample({"messages": [TWO_TURNS[0], greeting, *TWO_TURNS[1:]]}, "messages", tokenizer, 512)
+    assert tokenizer.decode(trained_spans(sample)[0]).startswith("Ask me about Python.")
+
+
 def last_answer_index(messages: list[dict]) -> int:
     return max(i for i, m in enumerate(messages) if m["role"] == "assistant")
 
@@ -1423,9 +1598,10 @@ def test_answers_found_under_qwen3_and_r1_templates_train_what_trl_s_training_te
 # role tag inside the mark); neither renders a conversation as a prefix of its continuation.
 MARKED = {
     "qwen3": QWEN3_LIKE.replace(
-        "{%- elif loop.index0 > ns.last %}{{- '<think>\n\n</think>\n\n' + message['content'] }}{%- else %}"
+        "{%- elif loop.last and loop.index0 > ns.last %}"
+        "{{- '<think>\n\n</think>\n\n' + message['content'] }}{%- else %}"
         "{{- message['content'].split('</think>')[-1].lstrip('\n') }}{%- endif %}{{- '<|im_end|>\n' }}",
-        "{{- '<|im_end|>\n' }}{%- else %}{%- generation %}{%- if loop.index0 > ns.last %}"
+        "{{- '<|im_end|>\n' }}{%- else %}{%- generation %}{%- if loop.last and loop.index0 > ns.last %}"
         "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{{- message['content'] + '<|im_end|>\n' }}{%- endgeneration %}"
         "{%- endif %}",
     ),
@@ -1745,6 +1921,48 @@ def test_exact_match_asks_with_the_generation_prompt_and_scores_the_answer_after
     assert asked == [render(messages[:3], tokenize=False, add_generation_prompt=True) for messages in asked_rows]
     assert asked[0].endswith("<|im_start|>assistant\n" if family == "qwen3" else "<｜Assistant｜><think>\n")
     assert [s["answer"] for s in scored] == ["class", "class"] and score == 0.5
+
+
+def test_exact_match_scores_a_model_that_writes_what_it_was_trained_on_under_qwen3_s_template(base):
+    """Under a Qwen3-like template a model that writes, after the generation prompt, exactly the rendering it was
+    trained on scores 1: an answer that the think block also holds ("hi", in "<think>") gets the tokens to write that
+    block and itself; an answer with its reasoning inline, or in ``reasoning_content``, gets the tokens to write the
+    reasoning, and its reference is the answer after '</think>', as the model's answer is. Before: "hi" was found
+    inside "<think>", so the budget was cut short of the answer; an inline reasoning stayed in the reference, which
+    no answer scored after '</think>' can equal (0 of 3)."""
+    import datasets
+
+    from llm_kit.sft_eval import exact_match
+
+    tokenizer = reasoning_tokenizer(base, "qwen3")
+    tokenizer.chat_template = CHATML.replace(  # QWEN3_LIKE's answers after the last question, reasoning_content too
+        "+ message['content']",
+        "+ ('<think>\\n' + (message['reasoning_content'] or '') + '\\n</think>\\n\\n' if message['role'] == "
+        "'assistant' else '') + message['content']",
+    )
+    question = {"role": "user", "content": "Is `json.JSONDecoder` a class?"}
+    answers = [
+        {"role": "assistant", "content": "hi", "reasoning_content": None},
+        {
+            "role": "assistant",
+            "content": "<think>\nIt is a class, and a long one.\n</think>\n\nclass",
+            "reasoning_content": None,
+        },
+        {"role": "assistant", "content": "class", "reasoning_content": "It is a class, and a long one."},
+    ]
+
+    class Model:  # writes the rendering it was trained on, after the prompt, as far as the budget goes
+        def generate(self, ids, max_new_tokens, **kwargs):
+            written = self.trained_on[len(tokenizer.decode(ids[0])) :]
+            new = tokenizer(written, add_special_tokens=False, return_tensors="pt").input_ids
+            return torch.cat([ids, new[:, :max_new_tokens]], dim=1)
+
+    model = Model()
+    for answer, expected in zip(answers, ["hi", "class", "class"], strict=True):  # one at a time: each its own budget
+        rows = datasets.Dataset.from_list([{"messages": [question, answer]}])
+        model.trained_on = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=False)
+        score, scored = exact_match(model, tokenizer, rows, "messages", "cpu")
+        assert (scored[0]["answer"], scored[0]["reference"], score) == (expected, expected, 1), answer
 
 
 def test_a_few_shot_conversation_is_scored_on_its_last_answer(recipe):

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import datasets
 import torch
+from jinja2 import TemplateError
 from transformers import AutoTokenizer, DataCollatorWithFlattening
 
 from shared.data import DOCSTRING_PACKAGES, TEST_FOLDERS, in_validation_split, load_data_files, refuse_empty_cells
@@ -239,19 +240,20 @@ def data_format(columns: list[str]) -> str:
 def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistant_only_loss: bool = True) -> dict:
     """``input_ids`` and ``labels`` (-100 everywhere but on answer tokens) of one sample, truncated to ``max_length``.
 
-    A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are tokenized
-    whole (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does not end
-    with it), and the answer starts where their tokens first differ: a prompt that ends in a space gives it to the
-    answer's first word, as the whole text is tokenized (``prompt_merged``). A conversation is rendered by its chat
-    template once and tokenized whole (the template writes its own special tokens); without ``assistant_only_loss``
-    (TRL's default) every token is trained. Else a template with ``{% generation %}`` markers has the tokens it marks
-    trained, as TRL trains them (``marked_answer_labels``); any other has each answer found in the rendering
-    (``answer_spans``) and its characters mapped to tokens by the prompt/completion rule at both ends (an end token
-    that merges into the next turn's text, ``answer_merged``, is context, not answer). Tokenizing the turns apart
-    would differ where a tokenizer marks a text's start (a SentencePiece ``"▁"`` before every answer). A
-    conversational prompt + completion (read as one conversation, its ``prompt_turns`` first) is trained on the
-    completion's answers only. A text is all answer. The first token of a sample never has a label: nothing inside
-    the sample predicts it (this also keeps packed samples from predicting each other).
+    A prompt and its completion, as TRL's SFTTrainer does: the prompt alone and prompt + completion are tokenized whole
+    (with the tokenizer's special tokens, the end-of-sequence token appended only when the text does not end with it),
+    and the answer starts where their tokens first differ: a prompt that ends in a space gives it to the answer's first
+    word, as the whole text is tokenized (``prompt_merged``). A conversation is rendered by its chat template once and
+    tokenized whole (the template writes its own special tokens); without ``assistant_only_loss`` (TRL's default) every
+    token is trained, a conversational prompt's completion (its turns after ``prompt_turns``) from where the prompt's
+    tokens and the whole's first differ, as TRL's completion mask has it. Else a template with ``{% generation %}``
+    markers has the tokens it marks trained, as TRL trains them (``marked_answer_labels``); any other has each answer
+    found in the rendering (``answer_spans``) and its characters mapped to tokens by the prompt/completion rule at both
+    ends (an end token that merges into the next turn's text, ``answer_merged``, is context, not answer). Tokenizing
+    the turns apart would differ where a tokenizer marks a text's start (a SentencePiece ``"▁"`` before every answer).
+    A conversational prompt + completion (read as one conversation, its ``prompt_turns`` first) is trained on the
+    completion's answers only (with ``assistant_only_loss``). A text is all answer. The first token of a sample never
+    has a label: nothing inside the sample predicts it (this also keeps packed samples from predicting each other).
     """
     prompt_merged = answer_merged = False
     if fmt == "messages":
@@ -260,11 +262,22 @@ def tokenize_sample(sample: dict, fmt: str, tokenizer, max_length: int, assistan
         render = partial(tokenizer.apply_chat_template, tools=tools, tokenize=False)
         # The conversation rendered once, as the model will read it: the template writes its own special tokens (a
         # BOS among them) as text, so the tokenizer adds none.
-        text = render(messages)
+        try:
+            text = render(messages)
+        except TemplateError as error:  # the template's own refusal (Gemma's of a system turn), or a template bug
+            raise RecipeError(
+                f"The chat template of {tokenizer.name_or_path} cannot render this conversation ({error}): "
+                f"{str(messages)[:200]}. Give conversations in the shape the template takes (Gemma's, for one, has "
+                "no system turn: put the system prompt at the start of the first user turn; and its turns alternate "
+                "user, assistant), or pass another template's tokenizer folder as --tokenizer_name."
+            ) from None
         whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
         ids, labels = whole["input_ids"], [-100] * len(whole["input_ids"])
-        if not (assistant_only_loss or context_turns):  # TRL's default: every token trained, nothing to find
-            labels = list(ids)
+        if not assistant_only_loss:  # TRL's default: every token trained (a conversational prompt's: its completion)
+            asked = render(messages[:context_turns], add_generation_prompt=True) if context_turns else ""
+            # TRL's completion mask: from where the prompt's tokens and the whole's first differ
+            start = common_prefix_length(tokenizer(asked, add_special_tokens=False)["input_ids"], ids)
+            labels = [-100] * start + ids[start:]
         elif has_generation_markers(tokenizer.chat_template):  # the tokens the template marks, as TRL trains them
             labels = marked_answer_labels(tokenizer, render, messages, ids, context_turns)
         else:
@@ -335,31 +348,50 @@ def marked_answer_labels(tokenizer, render, messages: list[dict], ids: list[int]
     return labels
 
 
+# Rendered in place of an answer's content to read where a template writes it (text no template changes or holds).
+PLACEHOLDER = "\ue000"
+
+
 def answer_spans(render, messages: list[dict], text: str, first: int = 0):
     """The character span of each answer (the turns before ``first`` are context) in ``text``, the conversation's
     one rendering. Where the template renders the conversation up to an answer as a prefix of the rest (most do),
     the answer runs from the end of the rendering up to it with the generation prompt to the end of the rendering
     through it. A template that renders earlier turns otherwise (Qwen3 writes an empty think block only in answers
     after the last question; a DeepSeek-R1 distill's generation prompt opens a think block that no rendered answer
-    holds) has each answer found in ``text`` in order: from the end of the generation prompt where that is a prefix
-    of ``text``, else from the answer's content, to the end of the content and of the end-of-turn text the template
-    writes after it. An answer whose content the rendering does not hold is refused."""
+    holds) has each answer found in ``text`` in order, after its context (the turns before it, rendered alone): its
+    content as the template writes it followed by the end-of-turn text after it, both read from a rendering with
+    ``PLACEHOLDER`` for the content (the content alone could be found in a think block, a role tag or a question);
+    from where the generation prompt's own text ends in ``text`` (what the template writes after it, Qwen3's think
+    block, is the answer's), else from the content. An answer whose content the rendering does not hold is refused."""
     done = 0  # where the previous answer ended
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or index < first:
             continue
+        if index == 0:  # (transformers renders no empty conversation: no generation prompt to find it by)
+            raise RecipeError(
+                f"A conversation opens with an assistant turn, {message['content'][:80]!r}, which answers nothing, so "
+                f"no prompt before it tells where its trained tokens start: {str(messages)[:200]}. Start it with the "
+                "user's (or a system) turn, drop the opening answer, or train every token (--no-assistant_only_loss)."
+            )
         prompt, full = render(messages[:index], add_generation_prompt=True), render(messages[: index + 1])
         asked = text.startswith(prompt) and len(prompt) >= done  # the generation prompt opens this answer
         if asked and text.startswith(full) and full.startswith(prompt):
-            yield len(prompt), len(full)
+            yield check_reasoning(message, messages, text, len(prompt), len(full))
             done = len(full)
             continue
-        content = message["content"].strip()
-        at = text.find(content, max(done, common_prefix_length(prompt, text)))
-        written = full.find(content, common_prefix_length(prompt, full))  # the answer as the last turn
-        if at < 0 or written < 0:
+        pieces = render([*messages[:index], {**message, "content": PLACEHOLDER}]).split(PLACEHOLDER)
+        head, turn_end = pieces if len(pieces) == 2 else ("", "")
+        # The content as written last (a template may strip it), else as given (Qwen3 moves reasoning before it).
+        given = message["content"].strip()
+        shaped = len(pieces) == 2 and full.startswith(head) and full.endswith(turn_end)
+        content = full[len(head) : len(full) - len(turn_end)] if shaped else given
+        before = render(messages[:index])  # the turns before the answer
+        opening = prompt[len(before) :] if prompt.startswith(before) else ""  # the generation prompt's own text
+        context = max(done, common_prefix_length(before, text))
+        at = text.find(content + turn_end, context)
+        if at < 0 or given not in content:
             raise RecipeError(
-                f"The chat template renders this conversation without its answer {content[:80]!r} as given (a "
+                f"The chat template renders this conversation without its answer {given[:80]!r} as given (a "
                 "template may drop an answer's reasoning before '</think>', as Qwen3's does in earlier turns and a "
                 "DeepSeek-R1 distill's in every turn), so the answer's tokens cannot be found to train: "
                 f"{str(messages)[:200]}. Train every token with --no-assistant_only_loss, or use a chat template that "
@@ -367,9 +399,27 @@ def answer_spans(render, messages: list[dict], text: str, first: int = 0):
                 "templates do (trl/chat_templates/qwen3_training.jinja, deepseek_r1_distill_training.jinja): saved as "
                 "chat_template.jinja in a tokenizer folder passed as --tokenizer_name, its marked tokens are trained."
             )
-        turn_end = full[written + len(content) :]  # the end-of-turn text the template writes after the answer
-        done = at + len(content) + common_prefix_length(turn_end, text[at + len(content) :])
-        yield (len(prompt) if asked else at), done
+        done = at + len(content) + len(turn_end)
+        # Trained from where the generation prompt ends in the text (what the template writes after it, Qwen3's think
+        # block, is the answer's), else from the content (R1's prompt opens a think block that the text does not hold).
+        opened = text.rfind(opening, context, at) if opening else -1
+        yield check_reasoning(message, messages, text, opened + len(opening) if opened >= 0 else at, done)
+
+
+def check_reasoning(message: dict, messages: list[dict], text: str, start: int, end: int) -> tuple[int, int]:
+    """The answer's span ``start, end`` in ``text``, once its ``reasoning_content`` (a Qwen3-style field) is found in
+    it; a span without it is refused: the template dropped reasoning the data gives, which would go untrained."""
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning.strip() not in text[start:end]:
+        raise RecipeError(
+            f"The chat template renders the answer {message['content'].strip()[:80]!r} without its reasoning_content "
+            f"{reasoning.strip()[:80]!r} (Qwen3's writes it only in answers after the last question, most templates "
+            f"never), so that reasoning would not be trained: {str(messages)[:200]}. Leave the field out to train the "
+            "answers without it, or use a chat template that writes it in every answer between {% generation %} and "
+            "{% endgeneration %} (trl/chat_templates/qwen3_training.jinja does), saved as chat_template.jinja in a "
+            "tokenizer folder passed as --tokenizer_name."
+        )
+    return start, end
 
 
 def answer_tokens(tokenizer, whole, text: str, answer_start: int, answer_end: int) -> tuple[int, int, bool, bool]:

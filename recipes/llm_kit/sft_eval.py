@@ -12,7 +12,7 @@ import torch
 
 from shared.accelerator import main_process_alone
 
-from .sft_data import chat_tools, last_answer, prompt_of
+from .sft_data import PLACEHOLDER, chat_tools, last_answer, prompt_of
 
 
 def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> tuple[float, list[dict]]:
@@ -23,7 +23,8 @@ def exact_match(model, tokenizer, rows: datasets.Dataset, fmt: str, device) -> t
     scored, lengths = [], []
     for row in rows:
         question, reference = last_prompt_and_answer(row, fmt)
-        scored.append({"question": question, "reference": reference.strip()})
+        # The reference's answer after its reasoning too, where the data give it inline, as the model's is scored.
+        scored.append({"question": question, "reference": reference.split("</think>")[-1].strip()})
         written = written_before_answer(row, fmt, tokenizer) + reference.strip()
         lengths.append(len(tokenizer(written, add_special_tokens=False).input_ids))
     max_new_tokens = max(lengths) + 2
@@ -51,14 +52,16 @@ def last_prompt_and_answer(row: dict, fmt: str) -> tuple[str, str]:
 
 def written_before_answer(row: dict, fmt: str, tokenizer) -> str:
     """What the chat template writes between the generation prompt and a conversation's last answer, where the
-    rendering through that answer starts with the prompt: Qwen3's empty think block after the last question; most
-    templates write nothing there."""
+    rendering through that answer starts with the prompt: Qwen3's think block after the last question (its
+    ``reasoning_content``, or empty); most templates write nothing there. Read from a rendering with ``PLACEHOLDER``
+    for the answer's content (the content itself may be in the think block: "hi" in "<think>")."""
     if fmt != "messages":
         return ""
     messages, prompt = row["messages"], prompt_of(row, fmt, tokenizer, last=True)
     last = last_answer(messages)
-    written = tokenizer.apply_chat_template(messages[: last + 1], tools=chat_tools(row), tokenize=False)
-    at = written.find(messages[last]["content"].strip(), len(prompt))
+    answer = {**messages[last], "content": PLACEHOLDER}
+    written = tokenizer.apply_chat_template([*messages[:last], answer], tools=chat_tools(row), tokenize=False)
+    at = written.find(PLACEHOLDER, len(prompt))
     return written[len(prompt) : at] if written.startswith(prompt) and at >= 0 else ""
 
 
