@@ -1927,6 +1927,66 @@ def test_packed_rows_give_each_sample_the_loss_it_has_padded(recipe, base):
         assert alone.item() == pytest.approx(padded.item(), rel=1e-5), row
 
 
+def tiny_causal_lm(family: str, vocab_size: int):
+    """A tiny model (2 layers, hidden 64) of ``family``, built from transformers' own config class, seeded."""
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=vocab_size
+    )
+    configs = {
+        "opt": lambda: transformers.OPTConfig(
+            hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64
+        ),
+        "llama": lambda: transformers.LlamaConfig(**sizes, tie_word_embeddings=False),
+        "qwen2": lambda: transformers.Qwen2Config(**sizes, num_key_value_heads=2, tie_word_embeddings=True),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4),
+        "phi3": lambda: transformers.Phi3Config(**sizes, pad_token_id=0),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**sizes),
+        "gemma2": lambda: transformers.Gemma2Config(**sizes, head_dim=16),
+    }
+    config = configs[family]()
+    config.vocab_size, config.bos_token_id, config.eos_token_id = vocab_size, 0, 0
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_packing_is_refused_for_a_model_that_lets_packed_samples_attend_to_each_other(recipe, base):
+    """Transformers keeps packed samples apart only in a model that builds its attention mask from the position ids;
+    OPT does not, so a packed batch's loss is not the padded batch's. ``check_packing`` (the recipe calls it after
+    ``prepare``, where the model is) refuses --packing for such a model, and the model it passes trains as before."""
+    from llm_kit.sft_data import check_packing, collate, tokenize_sample
+
+    from shared.errors import RecipeError
+    from shared.lora import lora_model
+
+    module, tokenizer = recipe
+    opt = tiny_causal_lm("opt", len(tokenizer)).train()
+    samples = [
+        tokenize_sample(
+            {"prompt": f"Q{i}: {i} + {i}?" * i, "completion": f" {2 * i}"}, "prompt_completion", tokenizer, 64
+        )
+        for i in range(1, 4)
+    ]
+    with torch.no_grad():  # the wrong result the refusal prevents: packed samples see the ones before them
+        packed = module.token_losses(opt.eval(), collate(samples, tokenizer.pad_token_id, packing=True))[0]
+        padded = module.token_losses(opt, collate(samples, tokenizer.pad_token_id))[0]
+    assert abs(packed.item() - padded.item()) > 1e-4 * padded.item()  # (models that keep them apart: under 1e-5)
+    opt.train()
+    with pytest.raises(RecipeError) as refused:
+        check_packing(opt, torch.device("cpu"), packing=True)
+    message = refused.value.message
+    assert message.startswith("--packing: this opt model lets the samples packed into one row attend to each other")
+    assert "Train without --packing: its samples are padded instead." in message
+    check_packing(opt, torch.device("cpu"), packing=False)  # without --packing: nothing asked
+    adapter = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"], task_type="CAUSAL_LM")
+    for family in ("llama", "qwen2", "gpt2", "phi3", "gpt_neox", "gemma2"):
+        model = lora_model(tiny_causal_lm(family, len(tokenizer)), family, **adapter).train()
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        check_packing(model, torch.device("cpu"), packing=True)
+        assert model.training and all(torch.equal(before[n], t) for n, t in model.state_dict().items()), family
+
+
 def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     """token_losses computes logits only at the answer positions (logits_to_keep) and the fp32 cross-entropy a chunk at
     a time (checkpointed), on right-padded rows without an attention mask: the same losses and gradients as full
