@@ -1987,6 +1987,39 @@ def test_packing_is_refused_for_a_model_that_lets_packed_samples_attend_to_each_
         assert model.training and all(torch.equal(before[n], t) for n, t in model.state_dict().items()), family
 
 
+LORA_SHAPES = {  # (family, --lora_target_modules, the names no layer LoRA adapts has, the model's linear layers)
+    "phi3": ("q_proj k_proj v_proj o_proj", "q_proj, k_proj, v_proj", "o_proj qkv_proj gate_up_proj down_proj"),
+    "gpt_neox": ("q_proj v_proj", "q_proj, v_proj", "query_key_value dense dense_h_to_4h dense_4h_to_h"),
+    "gpt2": ("c_attn mlp.c_fc q_proj mlp", "q_proj, mlp", "c_attn c_proj c_fc"),  # mlp: a block, not a layer
+    "llama": ("q_proj v_proj no_such_proj", "no_such_proj", "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"),
+}
+
+
+@pytest.mark.parametrize("family", LORA_SHAPES)
+def test_every_lora_target_name_must_name_a_layer_of_the_model(family):
+    """PEFT adapts the target names that match and skips the others without a word: on Phi-3, whose attention is one
+    fused qkv_proj, ``q_proj k_proj v_proj o_proj`` would adapt o_proj alone. ``shared.lora.lora_model`` (every recipe
+    with --lora_target_modules adds its adapter through it) refuses any name that names no layer LoRA adapts (a block
+    such as GPT-2's mlp neither), in one paragraph naming those names and the model's linear layers; the names it
+    lists are adapted."""
+    from shared.errors import RecipeError
+    from shared.lora import lora_model
+
+    given, unmatched, linear = LORA_SHAPES[family]
+    adapter = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM")
+    with pytest.raises(RecipeError) as refused:
+        lora_model(tiny_causal_lm(family, 64), family, lora_target_modules=given.split(), **adapter)
+    model_class = type(tiny_causal_lm(family, 64)).__name__
+    assert refused.value.message == (
+        f"--lora_target_modules {given}: no layer of the {model_class} that LoRA adapts is named (or ends in) "
+        f"{unmatched}. Its linear layers are named {linear} lm_head: name those (e.g. the attention's), or use "
+        "all-linear (every one but the output head)."
+    )
+    model = lora_model(tiny_causal_lm(family, 64), family, lora_target_modules=linear.split(), **adapter)
+    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if "lora_A" in name}
+    assert adapted == set(linear.split())
+
+
 def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     """token_losses computes logits only at the answer positions (logits_to_keep) and the fp32 cross-entropy a chunk at
     a time (checkpointed), on right-padded rows without an attention mask: the same losses and gradients as full
@@ -2301,7 +2334,11 @@ def refusals(base, tmp_path_factory):
             "without_config' holds no config.json (it holds: model.safetensors, tokenizer.json, "
             "tokenizer_config.json), so transformers cannot tell which model to build",
         ),
-        ("targets", "--lora_target_modules no_such_proj matches no module of the model"),
+        (
+            "targets",
+            "--lora_target_modules no_such_proj: no layer of the LlamaForCausalLM that LoRA adapts is named (or ends "
+            "in) no_such_proj. Its linear layers are named q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
+        ),
         (
             "max_length",
             "--max_length 4 is shorter than the prompt of every train sample, so no answer token is left "
