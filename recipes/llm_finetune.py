@@ -91,6 +91,7 @@ from llm_kit.sft_data import (
     best_fit_decreasing,
     chat_tokenizer,
     check_batches,
+    check_packing,
     collate,
     load_raw_datasets,
     tokenize_datasets,
@@ -441,6 +442,7 @@ def main():
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
+    check_packing(accelerator.unwrap_model(model), accelerator.device, args.packing)  # refused if packed samples mix
     exact_samples = 0 if args.skip_eval else args.exact_match_samples  # greedy answers, scored again at the end
     exact_rows, exact_before = exact_match_before(
         accelerator, model, tokenizer, raw_datasets["validation"], fmt, exact_samples, layout == "fsdp", args.seed

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import sys
+import warnings
 from datetime import timedelta
 
 import torch
@@ -107,8 +108,6 @@ def fused_adamw(accelerator: Accelerator) -> bool:
 
 def set_quiet_library_logs(accelerator: Accelerator) -> None:
     """Library warnings once, no colour codes in logs. Changes: transformers' and datasets' logging, warnings."""
-    import warnings
-
     import datasets
     import transformers
 

@@ -207,7 +207,6 @@ def damage(checkpoint: Path) -> str | None:
             return f"{path} has {path.stat().st_size:,} bytes, the save wrote {size:,}"
         if fingerprint(path) != print_:
             return f"{path} differs from what the save wrote (its fingerprint changed)"
-    return None
 
 
 def checkpoint_steps(checkpoint: Path) -> int:  # the optimizer steps a complete checkpoint was saved after

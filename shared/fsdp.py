@@ -9,6 +9,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, gather_object
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from .errors import RecipeError
@@ -60,8 +61,6 @@ def set_keep_gathered_in_one_process(accelerator: Accelerator) -> None:
 def gathered_state_dict(accelerator: Accelerator, model: torch.nn.Module, trained_only: bool = False) -> dict:
     """The model's full weights on the main process (``trained_only``: the trained ones alone); a collective."""
     if trained_only and accelerator.is_fsdp2:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         return get_model_state_dict(model, options=options)
     return accelerator.get_state_dict(model)

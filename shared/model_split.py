@@ -57,7 +57,6 @@ def plan_device_map(model: nn.Module, num_devices: int, last_cost: float = 0.0) 
     block_costs = [1.0] * num_blocks
     block_costs[-1] += last_cost
     block_device = balanced_partition(block_costs, num_devices)
-
     plan: dict[str, int] = {}
     path = block_list.split(".")
     # From the root down to the blocks: siblings before their branch go to the first device, those after to the last.

@@ -2145,6 +2145,99 @@ def test_packed_rows_give_each_sample_the_loss_it_has_padded(recipe, base):
         assert alone.item() == pytest.approx(padded.item(), rel=1e-5), row
 
 
+def tiny_causal_lm(family: str, vocab_size: int):
+    """A tiny model (2 layers, hidden 64) of ``family``, built from transformers' own config class, seeded."""
+    import transformers
+
+    torch.manual_seed(0)
+    sizes = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=vocab_size
+    )
+    configs = {
+        "opt": lambda: transformers.OPTConfig(
+            hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64
+        ),
+        "llama": lambda: transformers.LlamaConfig(**sizes, tie_word_embeddings=False),
+        "qwen2": lambda: transformers.Qwen2Config(**sizes, num_key_value_heads=2, tie_word_embeddings=True),
+        "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4),
+        "phi3": lambda: transformers.Phi3Config(**sizes, pad_token_id=0),
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**sizes),
+        "gemma2": lambda: transformers.Gemma2Config(**sizes, head_dim=16),
+    }
+    config = configs[family]()
+    config.vocab_size, config.bos_token_id, config.eos_token_id = vocab_size, 0, 0
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_packing_is_refused_for_a_model_that_lets_packed_samples_attend_to_each_other(recipe, base):
+    """Transformers keeps packed samples apart only in a model that builds its attention mask from the position ids;
+    OPT does not, so a packed batch's loss is not the padded batch's. ``check_packing`` (the recipe calls it after
+    ``prepare``, where the model is) refuses --packing for such a model, and the model it passes trains as before."""
+    from llm_kit.sft_data import check_packing, collate, tokenize_sample
+
+    from shared.errors import RecipeError
+    from shared.lora import lora_model
+
+    module, tokenizer = recipe
+    opt = tiny_causal_lm("opt", len(tokenizer)).train()
+    samples = [
+        tokenize_sample(
+            {"prompt": f"Q{i}: {i} + {i}?" * i, "completion": f" {2 * i}"}, "prompt_completion", tokenizer, 64
+        )
+        for i in range(1, 4)
+    ]
+    with torch.no_grad():  # the wrong result the refusal prevents: packed samples see the ones before them
+        packed = module.token_losses(opt.eval(), collate(samples, tokenizer.pad_token_id, packing=True))[0]
+        padded = module.token_losses(opt, collate(samples, tokenizer.pad_token_id))[0]
+    assert abs(packed.item() - padded.item()) > 1e-4 * padded.item()  # (models that keep them apart: under 1e-5)
+    opt.train()
+    with pytest.raises(RecipeError) as refused:
+        check_packing(opt, torch.device("cpu"), packing=True)
+    message = refused.value.message
+    assert message.startswith("--packing: this opt model lets the samples packed into one row attend to each other")
+    assert "Train without --packing: its samples are padded instead." in message
+    check_packing(opt, torch.device("cpu"), packing=False)  # without --packing: nothing asked
+    adapter = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=["all-linear"], task_type="CAUSAL_LM")
+    for family in ("llama", "qwen2", "gpt2", "phi3", "gpt_neox", "gemma2"):
+        model = lora_model(tiny_causal_lm(family, len(tokenizer)), family, **adapter).train()
+        before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        check_packing(model, torch.device("cpu"), packing=True)
+        assert model.training and all(torch.equal(before[n], t) for n, t in model.state_dict().items()), family
+
+
+LORA_SHAPES = {  # (family, --lora_target_modules, the names no layer LoRA adapts has, the model's linear layers)
+    "phi3": ("q_proj k_proj v_proj o_proj", "q_proj, k_proj, v_proj", "o_proj qkv_proj gate_up_proj down_proj"),
+    "gpt_neox": ("q_proj v_proj", "q_proj, v_proj", "query_key_value dense dense_h_to_4h dense_4h_to_h"),
+    "gpt2": ("c_attn mlp.c_fc q_proj mlp", "q_proj, mlp", "c_attn c_proj c_fc"),  # mlp: a block, not a layer
+    "llama": ("q_proj v_proj no_such_proj", "no_such_proj", "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj"),
+}
+
+
+@pytest.mark.parametrize("family", LORA_SHAPES)
+def test_every_lora_target_name_must_name_a_layer_of_the_model(family):
+    """PEFT adapts the target names that match and skips the others without a word: on Phi-3, whose attention is one
+    fused qkv_proj, ``q_proj k_proj v_proj o_proj`` would adapt o_proj alone. ``shared.lora.lora_model`` (every recipe
+    with --lora_target_modules adds its adapter through it) refuses any name that names no layer LoRA adapts (a block
+    such as GPT-2's mlp neither), in one paragraph naming those names and the model's linear layers; the names it
+    lists are adapted."""
+    from shared.errors import RecipeError
+    from shared.lora import lora_model
+
+    given, unmatched, linear = LORA_SHAPES[family]
+    adapter = dict(lora_r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM")
+    with pytest.raises(RecipeError) as refused:
+        lora_model(tiny_causal_lm(family, 64), family, lora_target_modules=given.split(), **adapter)
+    model_class = type(tiny_causal_lm(family, 64)).__name__
+    assert refused.value.message == (
+        f"--lora_target_modules {given}: no layer of the {model_class} that LoRA adapts is named (or ends in) "
+        f"{unmatched}. Its linear layers are named {linear} lm_head: name those (e.g. the attention's), or use "
+        "all-linear (every one but the output head)."
+    )
+    model = lora_model(tiny_causal_lm(family, 64), family, lora_target_modules=linear.split(), **adapter)
+    adapted = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name, _ in model.named_parameters() if "lora_A" in name}
+    assert adapted == set(linear.split())
+
+
 def test_answer_logits_and_chunked_loss_equal_the_plain_loss(recipe, base):
     """token_losses computes logits only at the answer positions (logits_to_keep) and the fp32 cross-entropy a chunk at
     a time (checkpointed), on right-padded rows without an attention mask: the same losses and gradients as full
@@ -2459,7 +2552,11 @@ def refusals(base, tmp_path_factory):
             "without_config' holds no config.json (it holds: model.safetensors, tokenizer.json, "
             "tokenizer_config.json), so transformers cannot tell which model to build",
         ),
-        ("targets", "--lora_target_modules no_such_proj matches no module of the model"),
+        (
+            "targets",
+            "--lora_target_modules no_such_proj: no layer of the LlamaForCausalLM that LoRA adapts is named (or ends "
+            "in) no_such_proj. Its linear layers are named q_proj k_proj v_proj o_proj gate_proj up_proj down_proj",
+        ),
         (
             "max_length",
             "--max_length 4 is shorter than the prompt of every train sample, so no answer token is left "
