@@ -76,6 +76,7 @@ from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
 from llm_kit.loading import causal_lm_config, max_length_within_positions, parameter_counts, set_fsdp_units
 from llm_kit.adapters import POLICY_FLAGS, SFT_DEFAULT, START_FLAGS, adapter_checkpoints, load_model, starting_point
+from llm_kit.adapters import set_offline_defaults
 from llm_kit.checkpoints import ADAPTER_FLAGS, BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver, unchanged_by_a_resume
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from dpo_kit.preference_data import as_sft_rows, collate_pairs, preference_format, stdlib_name_pairs, tokenize_pairs
@@ -220,18 +221,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.precompute_reference = args.full_finetune  # the one way a full fine-tune keeps a single model
     # The offline default model is small and barely pretrained: it learns visibly only with larger steps than an LLM.
     sft = not args.full_finetune and Path(SFT_DEFAULT, "adapter_config.json").is_file()  # continued (starting_point)
-    settings = (
-        {}
-        if args.model_name_or_path or args.adapter_name_or_path
-        else (OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS)
-    )
-    chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
-    for name, value in chosen.items():
-        setattr(args, name, value)
-    settings = " ".join(
-        f"--{name} {value:g}" if not isinstance(value, str) else f"--{name} {value}" for name, value in chosen.items()
-    )
-    args.offline_default_settings = settings and f"the offline default trains with {settings} (flags change it)"
+    settings = OFFLINE_SFT_SETTINGS if sft else OFFLINE_DEFAULT_SETTINGS
+    offline = not (args.model_name_or_path or args.adapter_name_or_path)
+    args.offline_default_settings = set_offline_defaults(args, settings if offline else {})
     args.learning_rate = args.learning_rate or (1e-6 if args.full_finetune else 5e-5)
     args.lr_scheduler_type = args.lr_scheduler_type or "linear"
     return args

@@ -72,7 +72,8 @@ sys.path.insert(0, str(HERE))
 from shared.checkpoints import keep_global_batch, load_checkpoint, save_final, set_start_checkpoint
 from shared.signals import install_stop_on_signals
 from shared.fsdp import gathered_state_dict, set_keep_gathered_in_one_process
-from llm_kit.adapters import POLICY_FLAGS, START_FLAGS, adapter_checkpoints, load_model, starting_point
+from llm_kit.adapters import OFFLINE_DEFAULTS_LINE, POLICY_FLAGS, START_FLAGS, adapter_checkpoints, load_model
+from llm_kit.adapters import starting_point
 from llm_kit.checkpoints import ADAPTER_FLAGS, BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver, unchanged_by_a_resume
 from llm_kit.loading import causal_lm_config, parameter_counts, set_fsdp_units
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
@@ -253,7 +254,7 @@ def offline_settings(argv: list[str], *, offline: bool) -> tuple[dict, str]:
     given = {name for name in OFFLINE_SETTINGS if f"--{name}" in " ".join(argv)}
     chosen = {name: value for name, value in OFFLINE_SETTINGS.items() if offline and name not in given}
     settings = " ".join(f"--{name} {value:g}" for name, value in chosen.items())
-    return chosen, settings and f"the offline default trains with {settings} (flags change it)"
+    return chosen, settings and OFFLINE_DEFAULTS_LINE.format(settings)
 
 
 def refuse_conflicting_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -81,7 +81,7 @@ from shared.parallelism import choose_parallelism
 from shared.errors import report_recipe_errors, install_peer_exit_hooks, set_stop_with_launcher
 from shared.fsdp import set_fsdp_on_cpu
 from shared.sampling import LengthGroupedShuffledSampler
-from llm_kit.adapters import MODEL_FLAGS, adapter_checkpoints, load_model
+from llm_kit.adapters import MODEL_FLAGS, adapter_checkpoints, load_model, set_offline_defaults
 from llm_kit.checkpoints import BATCH_FLAGS, CHECKPOINT_FLAGS, checkpoint_saver, unchanged_by_a_resume
 from llm_kit.optimizer import OPTIMIZER_FLAGS, adamw_and_scheduler
 from llm_kit.sharded_4bit import load_4bit_sharded
@@ -221,16 +221,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # The offline default model is small and barely pretrained: it learns visibly only with more and larger steps
     # than a pretrained LLM wants, on the schedule docs/llm_finetune.md measured (0 % -> 74 % exact match). Each stays
     # the user's to set; a user's model gets TRL's defaults.
-    settings = OFFLINE_DEFAULT_SETTINGS if args.model_name_or_path is None else {}
-    chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
-    for name, value in chosen.items():
-        setattr(args, name, value)
-    settings = " ".join(
-        f"--{name} {value:g}" if not isinstance(value, str) else f"--{name} {value}" for name, value in chosen.items()
-    )
-    args.offline_default_settings = settings and (
-        f"the offline default model trains with {settings} (what makes it learn visibly; each flag changes it)"
-    )
+    offline = args.model_name_or_path is None
+    args.offline_default_settings = set_offline_defaults(args, OFFLINE_DEFAULT_SETTINGS if offline else {})
     args.learning_rate = args.learning_rate or 2e-4
     args.lr_scheduler_type = args.lr_scheduler_type or "linear"
     return args

@@ -438,6 +438,33 @@ def recipe():
     return module
 
 
+def test_the_offline_default_sets_only_the_flags_left_unset_and_says_which(recipe, tmp_path, monkeypatch):
+    """Offline (no model, no adapter), DPO trains with the settings measured for its default model: with the SFT
+    adapter it continues, larger steps and RPO; without, those of a base. A flag the user gives stays theirs and is
+    not named; a user's model gets TRL's defaults and no line."""
+    monkeypatch.chdir(tmp_path)  # no outputs/llm_finetune here: the base model's settings
+    base = recipe.parse_args([])
+    assert (base.max_train_steps, base.learning_rate, base.lr_scheduler_type, base.rpo_alpha) == (
+        200,
+        1e-3,
+        "cosine",
+        None,
+    )
+    line = (
+        "the offline default model trains with --max_train_steps 200 --learning_rate 0.001 --lr_scheduler_type cosine"
+    )
+    assert base.offline_default_settings.startswith(line)
+    (tmp_path / "outputs" / "llm_finetune").mkdir(parents=True)
+    (tmp_path / "outputs" / "llm_finetune" / "adapter_config.json").write_text("{}")
+    continued = recipe.parse_args(["--learning_rate", "5e-4"])
+    assert (continued.max_train_steps, continued.learning_rate, continued.rpo_alpha) == (200, 5e-4, 5.0)
+    assert "--learning_rate" not in continued.offline_default_settings
+    assert "--rpo_alpha 5 " in continued.offline_default_settings
+    real = recipe.parse_args(["--model_name_or_path", "org/model"])
+    assert (real.max_train_steps, real.learning_rate, real.lr_scheduler_type) == (None, 5e-5, "linear")
+    assert real.offline_default_settings == ""
+
+
 class OneProcess:
     """What the recipe's reference helpers ask of the Accelerator, in one process."""
 

@@ -18,6 +18,20 @@ from shared.lora import lora_model
 from .loading import default_base_model, load_base_model
 
 SFT_DEFAULT = "outputs/llm_finetune"  # where recipes/llm_finetune.py saves its offline default adapter
+
+# What a run of the offline default model prints of the flags it chose (each recipe's OFFLINE_* settings).
+OFFLINE_DEFAULTS_LINE = "the offline default model trains with {} (what makes it learn visibly; each flag changes it)"
+
+
+def set_offline_defaults(args, settings: dict) -> str:
+    """Set on ``args`` each of ``settings`` (what the offline default model trains with) that no flag set (it is
+    None), and return the sentence that says so ("" when none is set). Changes ``args``."""
+    chosen = {name: value for name, value in settings.items() if getattr(args, name) is None}
+    vars(args).update(chosen)
+    given = " ".join(f"--{name} {value if isinstance(value, str) else f'{value:g}'}" for name, value in chosen.items())
+    return given and OFFLINE_DEFAULTS_LINE.format(given)
+
+
 # The flags ``load_model`` takes, by the names the recipes' parsers give them.
 MODEL_FLAGS = (
     "load_in_4bit",
