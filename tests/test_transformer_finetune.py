@@ -820,3 +820,25 @@ def test_the_correlation_metric_modules_load_offline_and_agree_with_scipy():
     scores = combined.compute(predictions=predictions, references=references)
     assert scores["pearsonr"] == pytest.approx(pearsonr(predictions, references)[0])
     assert scores["spearmanr"] == pytest.approx(spearmanr(predictions, references)[0])
+
+
+def test_lora_flags_without_lora_r_are_refused_not_ignored(capsys):
+    """LoRA is off here unless --lora_r is given: --lora_alpha, --lora_dropout or --lora_target_modules alone would
+    be ignored and every weight trained, as if they were not given. Refused with the usage line; with --lora_r they
+    shape the adapter, and left out they are the defaults a resume compares (16, 0, all-linear)."""
+    from conformance.catalogue import recipe_module
+
+    recipe = recipe_module("transformer_finetune.py")
+    for given in (["--lora_target_modules", "query", "value"], ["--lora_alpha", "32"], ["--lora_dropout", "0"]):
+        with pytest.raises(SystemExit):
+            recipe.parse_args(given)
+        assert f"{given[0]} shape a LoRA adapter, which --lora_r turns on" in capsys.readouterr().err
+    lora = recipe.parse_args(["--lora_r", "4", "--lora_target_modules", "query", "value"])
+    assert (lora.lora_alpha, lora.lora_dropout, lora.lora_target_modules) == (16, 0.0, ["query", "value"])
+    full = recipe.parse_args([])
+    assert (full.lora_r, full.lora_alpha, full.lora_dropout, full.lora_target_modules) == (
+        None,
+        16,
+        0.0,
+        ["all-linear"],
+    )
