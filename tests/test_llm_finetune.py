@@ -2440,20 +2440,11 @@ def test_a_tied_lm_head_built_without_weights_is_one_matrix(monkeypatch):
     Gemma-2-9B's merge in fp32 needs 1.1 x 4 B x its 9.24B parameters (37.9 GiB), allowed with 40 GiB free, which
     counting the head twice (10.16B: 41.6 GiB) refused; a process that does not read the checkpoint holds one matrix
     where the main process holds one, and counts as many parameters (its offload check among them)."""
-    from transformers import Gemma2Config
-
+    from harness.models import gemma2_9b_config
     from llm_kit.loading import check_merge_fits_host_ram, load_base_model
     from shared.errors import RecipeError
 
-    config = Gemma2Config(
-        hidden_size=3584,
-        intermediate_size=14336,
-        num_hidden_layers=42,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=256,
-        vocab_size=256000,
-    )
+    config = gemma2_9b_config()
 
     class Rank1:  # fp32, FSDP2, not the main process
         mixed_precision, is_fsdp2, is_main_process = "no", True, False

@@ -114,17 +114,9 @@ def test_a_tied_embedding_is_counted_once():
     """A model whose LM head is its embedding matrix (Gemma 2, Gemma 3, OPT, the small Qwen and Llama-3.2 models)
     counts that matrix once, as from_pretrained ties it: Gemma-2-9B's shape (vocabulary 256,000) has its published
     9,241,705,984 parameters, not 0.9B more, and the bytes the planner keeps for the weights are those."""
-    from transformers import Gemma2Config
+    from harness.models import gemma2_9b_config
 
-    config = Gemma2Config(
-        hidden_size=3584,
-        intermediate_size=14336,
-        num_hidden_layers=42,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=256,
-        vocab_size=256000,
-    )
+    config = gemma2_9b_config()
     assert config.tie_word_embeddings
     shape = shape_from_config(config)
     assert shape.num_parameters == 9_241_705_984

@@ -41,3 +41,12 @@ def save_tiny_llama(folder: Path, num_hidden_layers: int):
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return questions
+
+
+def gemma2_9b_config():
+    """Gemma-2-9B's shape (a config, no weights): its embedding of 256,000 tokens is its LM head too (tied), so a
+    count of the model's parameters that holds the matrix twice is 0.9B over the published 9,241,705,984."""
+    from transformers import Gemma2Config
+
+    sizes = dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16)
+    return Gemma2Config(**sizes, num_key_value_heads=8, head_dim=256, vocab_size=256000)
