@@ -617,10 +617,30 @@ def test_the_first_line_says_what_was_assumed_and_help_shows_defaults(capsys):
         "--micro_batch": 4,
         "--mixed_precision": "bf16",
         "--method": "full",
+        "--attention": "sdpa",
     }
     code, out, _ = run_main(["--help"], capsys)
     text = " ".join(out.split())
     assert "(default: 4)" in text and "(default: 1024)" in text and "(default: 2)" in text
+
+
+def test_a_model_transformers_runs_without_sdpa_is_planned_with_eager_attention(tmp_path, capsys):
+    """Transformers runs Gemma 2 with eager attention (it has no sdpa path: its logits soft-capping), which stores
+    every head's score matrix: planned as sdpa, a Gemma-2-9B LoRA at 1,024 tokens was 14 GB of activations short per
+    GPU. Unasked, the planner takes the kernel transformers picks for the model, and says so; --attention overrides."""
+    from harness.models import gemma2_9b_config
+
+    config = gemma2_9b_config()
+    config.architectures = ["Gemma2ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    activations = {}
+    for given in ((), ("--attention", "sdpa")):
+        code, out, _ = run_main(["--model_name_or_path", str(tmp_path), "--method", "lora", "--json", *given], capsys)
+        result = json.loads(out)
+        assert code == 0 and result["inputs"]["attention"] == ("sdpa" if given else "eager")
+        assert result["assumed"].get("--attention") == (None if given else "eager")
+        activations[given] = result["setups"]["single"]["devices"][0]["activations"]
+    assert activations[()] > 1.2 * activations[("--attention", "sdpa")]
 
 
 def test_the_table_names_every_reason_a_setup_does_not_fit_as_the_text_does(capsys):

@@ -32,6 +32,7 @@ ASSUMED = {
     "--mixed_precision": "mixed_precision",
     "--method": "method",
     "--host_ram_gib": "host_ram_gib",
+    "--attention": "attention",
 }
 
 
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
             args.mixed_precision,
             args.num_microbatches,
             args.pipeline_schedule,
-            args.attention,
+            args.attention or shape.attention,
             args.overhead_gib,
             method=args.method,
             objective=args.objective,
@@ -262,8 +263,8 @@ def _add_pipeline_and_overhead_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention",
         choices=["sdpa", "eager"],
-        default="sdpa",
-        help="sdpa (flash/memory-efficient: no score matrix stored) or eager (stores a x s x s scores).",
+        help="sdpa (flash/memory-efficient: no score matrix stored) or eager (stores a x s x s scores); default: "
+        "the one transformers runs the model with (eager for a model without sdpa, e.g. Gemma 2).",
     )
     parser.add_argument(
         "--overhead_gib",

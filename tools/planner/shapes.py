@@ -35,6 +35,9 @@ class ModelShape:
     # One block's linear layers as (name inside the block, in_features, out_features): what bitsandbytes quantizes
     # and what LoRA's "all-linear" adapts.
     block_linears: tuple = ()
+    # The attention kernel transformers runs the model with by default: eager where the model cannot run sdpa
+    # (Gemma 2's soft-capping), which stores every head's score matrix.
+    attention: str = "sdpa"
 
     @property
     def num_parameters(self) -> int:
@@ -124,6 +127,7 @@ def shape_from_config(config, name: str | None = None) -> ModelShape:
         head_matmul_flops=2 * head.weight.numel() if head is not None else 0,
         has_lm_head=head is not None,
         block_linears=tuple(linears),
+        attention="eager" if model.config._attn_implementation == "eager" else "sdpa",
     )
 
 
