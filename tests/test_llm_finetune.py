@@ -802,7 +802,8 @@ def test_a_conversational_prompt_and_completion_is_named_as_given_in_the_data_li
     assert (
         run["results"]["data/format"] == run["results"]["config"]["data_format"] == "conversational_prompt_completion"
     )
-    line = next(line for line in run["log"].splitlines() if line.startswith("data: format "))
+    # (Found anywhere in a line: the other process's warnings or a progress bar may share it.)
+    line = next(line[line.index("data: format ") :] for line in run["log"].splitlines() if "data: format " in line)
     assert line.startswith(
         "data: format conversational_prompt_completion (the prompt's turns are context: the completion's answers are "
         "trained); train 64 samples ("
