@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Sampler
 from shared.data import refuse_empty_cells
 from shared.errors import RecipeError
 
+from llm_kit.loading import model_positions
 from llm_kit.sft_data import DATA_FLAGS, check_conversation, collate, load_raw_datasets, stdlib_names
 
 from .rewards import ANSWER_COLUMNS, load_reward_functions
@@ -80,7 +81,7 @@ def check_positions(config, name_or_path: str, longest_prompt_tokens: int, max_c
     """Refuse prompts and completions that together need more positions than the model has: one with learned
     positions (GPT-2, OPT) would stop mid-generation with an index error (on a GPU, a device-side assert), one with
     rotary positions would generate where it never learned to."""
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    positions = model_positions(config)
     needed = longest_prompt_tokens + max_completion_length
     if positions and needed > positions:
         fits = positions - longest_prompt_tokens

@@ -122,10 +122,15 @@ def causal_lm_config(accelerator, name_or_path: str, load_in_4bit: bool = False,
     return config
 
 
+def model_positions(config) -> int | None:
+    """How many positions the model has (``n_positions``: GPT-2's name), or None when its config does not say."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
 def max_length_within_positions(accelerator, config, name_or_path: str, max_length: int | None) -> int:
     """``max_length`` (None: none given, ``DEFAULT_MAX_LENGTH``), cut to the model's positions where it is beyond them
     (said so, in the words of the flag given or of the default)."""
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    positions = model_positions(config)
     given, max_length = max_length is not None, max_length or DEFAULT_MAX_LENGTH
     if positions and max_length > positions:
         # Longer rows would index past the position embeddings (an IndexError mid-run) or past what the model learned.
